@@ -1,0 +1,24 @@
+//! Logging set-up shared by every binary.
+//!
+//! `RUST_LOG` picks what is logged (default `info`); `SANDBOXSCHED_LOG_FORMAT=json` switches
+//! from human-readable text to one JSON object a line.
+
+use tracing_subscriber::{fmt, prelude::*, EnvFilter};
+
+/// Installs the global subscriber. Calling it twice (tests, the launcher) is harmless.
+pub fn init(service: &'static str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let json =
+        std::env::var("SANDBOXSCHED_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let registry = tracing_subscriber::registry().with(filter);
+    let result = if json {
+        registry
+            .with(fmt::layer().json().with_current_span(true))
+            .try_init()
+    } else {
+        registry.with(fmt::layer().with_target(false)).try_init()
+    };
+    if result.is_ok() {
+        tracing::debug!(service, "logging initialised");
+    }
+}

@@ -1,0 +1,436 @@
+//! The gRPC face of the ledger: turns requests into the core's types, calls the store or the
+//! committer, and maps every failure to a status in one place ([`ApiError`]).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use proto::ledger::v1 as pb;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::committer::Committer;
+use crate::head::HeadTracker;
+use crate::model::{self, Action, Conflict, DocKey, Document, Entry, Invalid, Outcome};
+use crate::store::{Filter, Store, StoreError};
+
+/// Documents a List returns when the caller does not say.
+const DEFAULT_PAGE: u32 = 500;
+/// Most documents one List page may return.
+const MAX_PAGE: u32 = 5000;
+/// Most revisions one watch read covers: bounds memory for a watcher far behind.
+const WATCH_WINDOW: u64 = 1000;
+/// How often an idle watch stream reports the revision it has reached.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// Everything a request can fail with, and its status.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0} does not exist")]
+    NotFound(DocKey),
+    #[error(
+        "revision {requested} was compacted; the oldest revision a watch can start at is {oldest}"
+    )]
+    Compacted { requested: u64, oldest: u64 },
+}
+
+impl From<ApiError> for Status {
+    fn from(err: ApiError) -> Self {
+        let message = err.to_string();
+        match err {
+            ApiError::Invalid(_) => Status::invalid_argument(message),
+            ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+            ApiError::Store(StoreError::Internal(_) | StoreError::BadUrl { .. }) => {
+                Status::internal(message)
+            }
+            ApiError::NotFound(_) => Status::not_found(message),
+            ApiError::Compacted { .. } => Status::out_of_range(message),
+        }
+    }
+}
+
+/// The `Ledger` gRPC service.
+#[derive(Clone)]
+pub struct LedgerApi {
+    store: Store,
+    committer: Committer,
+    head: HeadTracker,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl LedgerApi {
+    /// `shutdown` turning `true` ends every watch stream, so a graceful stop is not held open
+    /// by watchers (they reconnect elsewhere and resume from their last revision).
+    pub fn new(
+        store: Store,
+        committer: Committer,
+        head: HeadTracker,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            store,
+            committer,
+            head,
+            shutdown,
+        }
+    }
+}
+
+pub(crate) fn document_to_pb(doc: Document) -> pb::Document {
+    pb::Document {
+        kind: doc.key.kind,
+        id: doc.key.id,
+        version: doc.version,
+        create_revision: doc.create_revision,
+        mod_revision: doc.mod_revision,
+        payload_json: doc.payload,
+    }
+}
+
+fn entry_from_pb(entry: pb::CompareEntry) -> Result<Entry, Invalid> {
+    let key = DocKey::new(entry.kind, entry.id);
+    let action = match entry.action {
+        Some(pb::compare_entry::Action::PutJson(json)) => Action::Put(Arc::from(json)),
+        Some(pb::compare_entry::Action::Delete(_)) => Action::Delete,
+        Some(pb::compare_entry::Action::Check(_)) => Action::Check,
+        None => {
+            return Err(Invalid(format!(
+                "entry for {key} has no action (put_json, delete or check)"
+            )))
+        }
+    };
+    Ok(Entry {
+        key,
+        expected_version: entry.expected_version,
+        action,
+    })
+}
+
+fn conflict_to_pb(c: Conflict) -> pb::Conflict {
+    pb::Conflict {
+        kind: c.key.kind,
+        id: c.key.id,
+        expected_version: c.expected_version,
+        current_version: c.current_version,
+    }
+}
+
+fn change_to_event(change: model::Change) -> pb::Event {
+    let deleted = change.payload.is_none();
+    pb::Event {
+        r#type: if deleted {
+            pb::event::Type::Delete
+        } else {
+            pb::event::Type::Put
+        } as i32,
+        document: Some(pb::Document {
+            kind: change.key.kind,
+            id: change.key.id,
+            version: change.version,
+            create_revision: change.create_revision,
+            mod_revision: change.revision,
+            payload_json: change.payload.map(|p| p.to_string()).unwrap_or_default(),
+        }),
+    }
+}
+
+fn filter_from_pb(req: &pb::WatchRequest) -> Result<Filter, Invalid> {
+    if !req.id_prefix.is_empty() && req.kind.is_empty() {
+        return Err(Invalid("id_prefix needs a kind".to_string()));
+    }
+    if !req.kind.is_empty() {
+        model::validate_key(&req.kind, "x")?;
+    }
+    Ok(Filter {
+        kind: req.kind.clone(),
+        id_prefix: req.id_prefix.clone(),
+    })
+}
+
+/// Page tokens are the last id of the previous page, hex-encoded so callers treat them as
+/// opaque.
+fn encode_token(id: &str) -> String {
+    id.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_token(token: &str) -> Result<String, Invalid> {
+    let bad = || {
+        Invalid(format!(
+            "page_token {token:?} is not one this ledger issued"
+        ))
+    };
+    if token.len() % 2 != 0 {
+        return Err(bad());
+    }
+    let bytes = (0..token.len())
+        .step_by(2)
+        .map(|i| {
+            token
+                .get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        })
+        .collect::<Option<Vec<u8>>>()
+        .ok_or_else(bad)?;
+    String::from_utf8(bytes).map_err(|_| bad())
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::ledger_server::Ledger for LedgerApi {
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::GetResponse>, Status> {
+        let req = request.into_inner();
+        model::validate_key(&req.kind, &req.id).map_err(ApiError::from)?;
+        let key = DocKey::new(req.kind, req.id);
+        let (doc, revision) = self.store.get(&key).await.map_err(ApiError::from)?;
+        let doc = doc.ok_or(ApiError::NotFound(key))?;
+        Ok(Response::new(pb::GetResponse {
+            document: Some(document_to_pb(doc)),
+            revision,
+        }))
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        let req = request.into_inner();
+        model::validate_key(
+            &req.kind,
+            if req.id_prefix.is_empty() {
+                "x"
+            } else {
+                &req.id_prefix
+            },
+        )
+        .map_err(ApiError::from)?;
+        if req.limit > MAX_PAGE {
+            return Err(ApiError::Invalid(Invalid(format!(
+                "limit {} is over the maximum of {MAX_PAGE}",
+                req.limit
+            )))
+            .into());
+        }
+        let limit = if req.limit == 0 {
+            DEFAULT_PAGE
+        } else {
+            req.limit
+        };
+        let after = decode_token(&req.page_token).map_err(ApiError::from)?;
+        // One more than asked tells whether another page follows.
+        let (mut docs, revision) = self
+            .store
+            .list(&req.kind, &req.id_prefix, &after, limit + 1)
+            .await
+            .map_err(ApiError::from)?;
+        let next_page_token = if docs.len() > limit as usize {
+            docs.truncate(limit as usize);
+            docs.last()
+                .map(|d| encode_token(&d.key.id))
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListResponse {
+            documents: docs.into_iter().map(document_to_pb).collect(),
+            next_page_token,
+            revision,
+        }))
+    }
+
+    async fn compare(
+        &self,
+        request: Request<pb::CompareRequest>,
+    ) -> Result<Response<pb::CompareResponse>, Status> {
+        let entries = request
+            .into_inner()
+            .entries
+            .into_iter()
+            .map(entry_from_pb)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(ApiError::from)?;
+        model::validate_entries(&entries).map_err(ApiError::from)?;
+        let reply = match self
+            .committer
+            .submit(entries)
+            .await
+            .map_err(ApiError::from)?
+        {
+            Outcome::Committed { revision, versions } => pb::CompareResponse {
+                succeeded: true,
+                revision,
+                versions: versions
+                    .into_iter()
+                    .map(|(key, version)| pb::DocumentVersion {
+                        kind: key.kind,
+                        id: key.id,
+                        version,
+                    })
+                    .collect(),
+                conflicts: Vec::new(),
+            },
+            Outcome::Conflicted {
+                revision,
+                conflicts,
+            } => {
+                tracing::debug!(
+                    conflicts = ?conflicts.iter().map(|c| c.key.to_string()).collect::<Vec<_>>(),
+                    "compare conflicted"
+                );
+                pb::CompareResponse {
+                    succeeded: false,
+                    revision,
+                    versions: Vec::new(),
+                    conflicts: conflicts.into_iter().map(conflict_to_pb).collect(),
+                }
+            }
+        };
+        Ok(Response::new(reply))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let req = request.into_inner();
+        let filter = filter_from_pb(&req).map_err(ApiError::from)?;
+        let start = if req.start_revision == 0 {
+            self.head.revision() + 1
+        } else {
+            req.start_revision
+        };
+        let compacted = self.head.compacted();
+        if start <= compacted {
+            return Err(ApiError::Compacted {
+                requested: start,
+                oldest: compacted + 1,
+            }
+            .into());
+        }
+        let (tx, rx) = mpsc::channel(16);
+        let tail = Tail {
+            store: self.store.clone(),
+            head: self.head.clone(),
+            filter,
+            last: start - 1,
+            tx,
+            shutdown: self.shutdown.clone(),
+        };
+        tokio::spawn(tail.run());
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// One watch stream: reads the change log behind the head and forwards whole revisions.
+struct Tail {
+    store: Store,
+    head: HeadTracker,
+    filter: Filter,
+    /// Every revision up to this one has been delivered.
+    last: u64,
+    tx: mpsc::Sender<Result<pb::WatchResponse, Status>>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Tail {
+    async fn run(mut self) {
+        let mut head_rx = self.head.subscribe();
+        // Say at once where this stream starts, so a client that asked for "from now" knows
+        // the revision to resume from if the stream breaks before the first change.
+        let start = pb::WatchResponse {
+            events: Vec::new(),
+            revision: self.last,
+        };
+        if self.tx.send(Ok(start)).await.is_err() {
+            return;
+        }
+        let mut last_sent = Instant::now();
+        loop {
+            if *self.shutdown.borrow() {
+                return;
+            }
+            let head = *head_rx.borrow_and_update();
+            if head > self.last {
+                let upto = head.min(self.last + WATCH_WINDOW);
+                let changes = match self.read(upto).await {
+                    Ok(changes) => changes,
+                    Err(err) => {
+                        let _ = self.tx.send(Err(err.into())).await;
+                        return;
+                    }
+                };
+                let caught_up = upto == head;
+                if !changes.is_empty() || (caught_up && last_sent.elapsed() >= PROGRESS_EVERY) {
+                    let response = pb::WatchResponse {
+                        events: changes.into_iter().map(change_to_event).collect(),
+                        revision: upto,
+                    };
+                    if self.tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                    last_sent = Instant::now();
+                }
+                self.last = upto;
+                continue;
+            }
+            tokio::select! {
+                changed = head_rx.changed() => if changed.is_err() { return },
+                () = self.tx.closed() => return,
+                _ = self.shutdown.changed() => return,
+                () = tokio::time::sleep(PROGRESS_EVERY) => {
+                    let progress = pb::WatchResponse { events: Vec::new(), revision: self.last };
+                    if self.tx.send(Ok(progress)).await.is_err() {
+                        return;
+                    }
+                    last_sent = Instant::now();
+                }
+            }
+        }
+    }
+
+    /// The changes in `(last, upto]`, refusing to return a range compaction has cut into.
+    async fn read(&self, upto: u64) -> Result<Vec<model::Change>, ApiError> {
+        let changes = self.store.changes(self.last, upto, &self.filter).await?;
+        // Read the compaction point after the rows: if it passed `last` meanwhile, the rows may
+        // have lost their oldest part, and a silent gap is the one thing a watch must not have.
+        let compacted = self
+            .store
+            .head()
+            .await?
+            .compacted
+            .max(self.head.compacted());
+        if compacted > self.last {
+            return Err(ApiError::Compacted {
+                requested: self.last + 1,
+                oldest: compacted + 1,
+            });
+        }
+        Ok(changes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_tokens_round_trip_and_reject_garbage() {
+        for id in ["", "sbx-1", "ünï/cødé"] {
+            assert_eq!(decode_token(&encode_token(id)).as_deref(), Ok(id));
+        }
+        assert!(decode_token("abc").is_err());
+        assert!(decode_token("zz").is_err());
+        assert!(decode_token("ff").is_err());
+    }
+}

@@ -1,0 +1,489 @@
+//! The client other services use: typed reads and compare-and-swap, and a watch that
+//! survives disconnects.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), ledger_svc::LedgerError> {
+//! use ledger_svc::{LedgerClient, Txn};
+//! let ledger = LedgerClient::connect_lazy("http://127.0.0.1:7001")?;
+//! // Create a document only if it does not exist yet.
+//! ledger.compare(Txn::new().create("plan", "p-1", &serde_json::json!({"moves": []}))?).await?;
+//! // Read it back with its version, then update exactly that version.
+//! let plan = ledger.get::<serde_json::Value>("plan", "p-1").await?.expect("just created");
+//! ledger.compare(Txn::new().update("plan", "p-1", plan.version, &serde_json::json!({"moves": [1]}))?).await?;
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use proto::ledger::v1 as pb;
+use proto::ledger::v1::ledger_client::LedgerClient as GrpcClient;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+use crate::model::{Conflict, DocKey, Document};
+
+/// What a ledger call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    /// A guard did not hold; nothing was written. Every mismatching document is named.
+    #[error("compare failed at revision {revision}: {}", describe(.conflicts))]
+    Conflict {
+        revision: u64,
+        conflicts: Vec<Conflict>,
+    },
+    /// The ledger or its database cannot be reached; retrying later may succeed.
+    #[error("ledger unavailable: {0}")]
+    Unavailable(String),
+    /// A watch asked for revisions that were compacted away: list again, then watch.
+    #[error("{0}")]
+    Compacted(String),
+    /// The ledger refused the request as malformed.
+    #[error("ledger refused the request: {0}")]
+    Invalid(String),
+    /// A payload is not the JSON shape the caller asked for.
+    #[error("document {key} does not decode: {reason}")]
+    Decode { key: DocKey, reason: String },
+    /// A value could not be encoded as JSON.
+    #[error("cannot encode {key} as JSON: {reason}")]
+    Encode { key: DocKey, reason: String },
+    #[error("bad ledger endpoint {endpoint:?}: {reason}")]
+    Endpoint { endpoint: String, reason: String },
+    /// Any other status.
+    #[error("ledger error: {0}")]
+    Other(tonic::Status),
+}
+
+fn describe(conflicts: &[Conflict]) -> String {
+    conflicts
+        .iter()
+        .map(|c| {
+            format!(
+                "{} is at version {} (expected {})",
+                c.key, c.current_version, c.expected_version
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl From<tonic::Status> for LedgerError {
+    fn from(status: tonic::Status) -> Self {
+        match status.code() {
+            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Unknown => {
+                LedgerError::Unavailable(status.message().to_string())
+            }
+            Code::OutOfRange => LedgerError::Compacted(status.message().to_string()),
+            Code::InvalidArgument => LedgerError::Invalid(status.message().to_string()),
+            _ => LedgerError::Other(status),
+        }
+    }
+}
+
+impl LedgerError {
+    /// Worth retrying later (as opposed to a conflict or a bad request).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, LedgerError::Unavailable(_))
+    }
+}
+
+/// A document decoded into `T`, with the version to compare against when writing it back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Versioned<T> {
+    pub key: DocKey,
+    pub version: u64,
+    pub create_revision: u64,
+    pub mod_revision: u64,
+    pub value: T,
+}
+
+impl Versioned<()> {
+    /// Decodes a raw document's payload.
+    pub fn decode<T: DeserializeOwned>(doc: Document) -> Result<Versioned<T>, LedgerError> {
+        let value = serde_json::from_str(&doc.payload).map_err(|err| LedgerError::Decode {
+            key: doc.key.clone(),
+            reason: err.to_string(),
+        })?;
+        Ok(Versioned {
+            key: doc.key,
+            version: doc.version,
+            create_revision: doc.create_revision,
+            mod_revision: doc.mod_revision,
+            value,
+        })
+    }
+}
+
+fn document_from_pb(doc: pb::Document) -> Document {
+    Document {
+        key: DocKey::new(doc.kind, doc.id),
+        version: doc.version,
+        create_revision: doc.create_revision,
+        mod_revision: doc.mod_revision,
+        payload: doc.payload_json,
+    }
+}
+
+/// A compare being built: the documents it guards and what it does to each.
+#[derive(Clone, Debug, Default)]
+pub struct Txn {
+    entries: Vec<pb::CompareEntry>,
+}
+
+impl Txn {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(
+        mut self,
+        kind: &str,
+        id: &str,
+        expected_version: u64,
+        action: pb::compare_entry::Action,
+    ) -> Self {
+        self.entries.push(pb::CompareEntry {
+            kind: kind.to_string(),
+            id: id.to_string(),
+            expected_version,
+            action: Some(action),
+        });
+        self
+    }
+
+    fn json<T: Serialize>(kind: &str, id: &str, value: &T) -> Result<String, LedgerError> {
+        serde_json::to_string(value).map_err(|err| LedgerError::Encode {
+            key: DocKey::new(kind, id),
+            reason: err.to_string(),
+        })
+    }
+
+    /// Creates the document; fails if it exists.
+    pub fn create<T: Serialize>(
+        self,
+        kind: &str,
+        id: &str,
+        value: &T,
+    ) -> Result<Self, LedgerError> {
+        let json = Self::json(kind, id, value)?;
+        Ok(self.push(kind, id, 0, pb::compare_entry::Action::PutJson(json)))
+    }
+
+    /// Replaces the document if it is still at `version`.
+    pub fn update<T: Serialize>(
+        self,
+        kind: &str,
+        id: &str,
+        version: u64,
+        value: &T,
+    ) -> Result<Self, LedgerError> {
+        let json = Self::json(kind, id, value)?;
+        Ok(self.push(kind, id, version, pb::compare_entry::Action::PutJson(json)))
+    }
+
+    /// Writes raw JSON text at `expected_version` (0: create).
+    pub fn put_json(self, kind: &str, id: &str, expected_version: u64, json: String) -> Self {
+        self.push(
+            kind,
+            id,
+            expected_version,
+            pb::compare_entry::Action::PutJson(json),
+        )
+    }
+
+    /// Deletes the document if it is still at `version`.
+    pub fn delete(self, kind: &str, id: &str, version: u64) -> Self {
+        self.push(
+            kind,
+            id,
+            version,
+            pb::compare_entry::Action::Delete(pb::Delete {}),
+        )
+    }
+
+    /// Requires the document to be at `version` (0: absent) without writing it. Use it only for
+    /// documents that must hold still for this write to be right, never for documents other
+    /// writers update on their own schedule.
+    pub fn check(self, kind: &str, id: &str, version: u64) -> Self {
+        self.push(
+            kind,
+            id,
+            version,
+            pb::compare_entry::Action::Check(pb::Check {}),
+        )
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// A committed compare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Committed {
+    pub revision: u64,
+    /// Each entry's resulting version, in the order the entries were added (0 for a delete).
+    pub versions: Vec<u64>,
+}
+
+/// One change seen by a watch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(Document),
+    Deleted { key: DocKey, revision: u64 },
+}
+
+/// Whole revisions from a watch: `events` (possibly none) and the revision reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchUpdate {
+    pub revision: u64,
+    pub events: Vec<WatchEvent>,
+}
+
+/// A handle on a ledger. Cheap to clone; calls share one HTTP/2 connection.
+#[derive(Clone)]
+pub struct LedgerClient {
+    grpc: GrpcClient<Channel>,
+}
+
+impl LedgerClient {
+    /// A client for `endpoint` (`http://HOST:PORT`) that connects on first use and reconnects
+    /// by itself, so a service can start before its ledger does.
+    pub fn connect_lazy(endpoint: &str) -> Result<Self, LedgerError> {
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|err| LedgerError::Endpoint {
+                endpoint: endpoint.to_string(),
+                reason: err.to_string(),
+            })?
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        Ok(Self::from_channel(channel))
+    }
+
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            grpc: GrpcClient::new(channel),
+        }
+    }
+
+    /// One document as stored, or `None`.
+    pub async fn get_raw(&self, kind: &str, id: &str) -> Result<Option<Document>, LedgerError> {
+        let request = pb::GetRequest {
+            kind: kind.to_string(),
+            id: id.to_string(),
+        };
+        match self.grpc.clone().get(request).await {
+            Ok(reply) => Ok(reply.into_inner().document.map(document_from_pb)),
+            Err(status) if status.code() == Code::NotFound => Ok(None),
+            Err(status) => Err(status.into()),
+        }
+    }
+
+    /// One document decoded into `T`, or `None`.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        kind: &str,
+        id: &str,
+    ) -> Result<Option<Versioned<T>>, LedgerError> {
+        self.get_raw(kind, id)
+            .await?
+            .map(Versioned::decode)
+            .transpose()
+    }
+
+    /// One page of raw documents, the next page's token (empty on the last) and the revision.
+    pub async fn list_page(
+        &self,
+        kind: &str,
+        id_prefix: &str,
+        limit: u32,
+        page_token: &str,
+    ) -> Result<(Vec<Document>, String, u64), LedgerError> {
+        let request = pb::ListRequest {
+            kind: kind.to_string(),
+            id_prefix: id_prefix.to_string(),
+            limit,
+            page_token: page_token.to_string(),
+        };
+        let reply = self.grpc.clone().list(request).await?.into_inner();
+        let docs = reply.documents.into_iter().map(document_from_pb).collect();
+        Ok((docs, reply.next_page_token, reply.revision))
+    }
+
+    /// Every document of `kind` under `id_prefix`, decoded, and the revision of the first page
+    /// (watch from it + 1 to follow what changes next).
+    pub async fn list<T: DeserializeOwned>(
+        &self,
+        kind: &str,
+        id_prefix: &str,
+    ) -> Result<(Vec<Versioned<T>>, u64), LedgerError> {
+        let mut all = Vec::new();
+        let (mut token, mut first_revision) = (String::new(), None);
+        loop {
+            let (docs, next, revision) = self.list_page(kind, id_prefix, 0, &token).await?;
+            first_revision.get_or_insert(revision);
+            for doc in docs {
+                all.push(Versioned::decode(doc)?);
+            }
+            if next.is_empty() {
+                return Ok((all, first_revision.unwrap_or(revision)));
+            }
+            token = next;
+        }
+    }
+
+    /// Commits `txn` atomically, or returns [`LedgerError::Conflict`] naming every document
+    /// whose version did not match.
+    pub async fn compare(&self, txn: Txn) -> Result<Committed, LedgerError> {
+        let reply = self
+            .grpc
+            .clone()
+            .compare(pb::CompareRequest {
+                entries: txn.entries,
+            })
+            .await?
+            .into_inner();
+        if reply.succeeded {
+            Ok(Committed {
+                revision: reply.revision,
+                versions: reply.versions.into_iter().map(|v| v.version).collect(),
+            })
+        } else {
+            Err(LedgerError::Conflict {
+                revision: reply.revision,
+                conflicts: reply
+                    .conflicts
+                    .into_iter()
+                    .map(|c| Conflict {
+                        key: DocKey::new(c.kind, c.id),
+                        expected_version: c.expected_version,
+                        current_version: c.current_version,
+                    })
+                    .collect(),
+            })
+        }
+    }
+
+    /// Follows every change to `kind` documents under `id_prefix` (every kind when `kind` is
+    /// empty) from `start_revision` on (0: from the next change).
+    ///
+    /// The stream reconnects by itself after a disconnect or a ledger restart and resumes
+    /// right after the last revision it delivered, so it neither skips nor repeats a revision.
+    /// It ends with [`LedgerError::Compacted`] if it fell so far behind that the ledger no
+    /// longer has the revisions it needs, or with another non-transient error.
+    pub fn watch(
+        &self,
+        kind: &str,
+        id_prefix: &str,
+        start_revision: u64,
+    ) -> ReceiverStream<Result<WatchUpdate, LedgerError>> {
+        let (tx, rx) = mpsc::channel(64);
+        let follower = Follower {
+            grpc: self.grpc.clone(),
+            kind: kind.to_string(),
+            id_prefix: id_prefix.to_string(),
+            next: start_revision,
+            tx,
+        };
+        tokio::spawn(follower.run());
+        ReceiverStream::new(rx)
+    }
+}
+
+/// The task behind [`LedgerClient::watch`].
+struct Follower {
+    grpc: GrpcClient<Channel>,
+    kind: String,
+    id_prefix: String,
+    /// The next revision wanted; 0 until the first response when starting "from now".
+    next: u64,
+    tx: mpsc::Sender<Result<WatchUpdate, LedgerError>>,
+}
+
+impl Follower {
+    async fn run(mut self) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let request = pb::WatchRequest {
+                start_revision: self.next,
+                kind: self.kind.clone(),
+                id_prefix: self.id_prefix.clone(),
+            };
+            let result = self.grpc.watch(request).await;
+            let error = match result {
+                Ok(stream) => {
+                    let mut stream = stream.into_inner();
+                    loop {
+                        let message = tokio::select! {
+                            message = stream.message() => message,
+                            () = self.tx.closed() => return,
+                        };
+                        match message {
+                            Ok(Some(response)) => {
+                                backoff = Duration::from_millis(50);
+                                if !self.forward(response).await {
+                                    return;
+                                }
+                            }
+                            Ok(None) => {
+                                break LedgerError::Unavailable("watch stream ended".to_string())
+                            }
+                            Err(status) => break LedgerError::from(status),
+                        }
+                    }
+                }
+                Err(status) => LedgerError::from(status),
+            };
+            if !error.is_transient() {
+                let _ = self.tx.send(Err(error)).await;
+                return;
+            }
+            tracing::debug!(%error, next = self.next, "watch interrupted; resuming");
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = self.tx.closed() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Hands one response to the consumer; `false` once the consumer is gone.
+    async fn forward(&mut self, response: pb::WatchResponse) -> bool {
+        // Whole revisions only: anything below the next wanted revision is a repeat.
+        let floor = self.next;
+        let events: Vec<WatchEvent> = response
+            .events
+            .into_iter()
+            .filter_map(|event| {
+                let doc = event.document?;
+                if doc.mod_revision < floor {
+                    return None;
+                }
+                Some(if event.r#type == pb::event::Type::Delete as i32 {
+                    WatchEvent::Deleted {
+                        revision: doc.mod_revision,
+                        key: DocKey::new(doc.kind, doc.id),
+                    }
+                } else {
+                    WatchEvent::Put(document_from_pb(doc))
+                })
+            })
+            .collect();
+        if response.revision < floor && events.is_empty() {
+            return true;
+        }
+        self.next = floor.max(response.revision + 1);
+        self.tx
+            .send(Ok(WatchUpdate {
+                revision: response.revision,
+                events,
+            }))
+            .await
+            .is_ok()
+    }
+}

@@ -1,0 +1,37 @@
+//! The `ledger-svc` binary: one ledger, configured from flags or environment.
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+use ledger_svc::LedgerConfig;
+
+/// Versioned JSON documents with compare-and-swap and a change feed, on SQLite or PostgreSQL.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address gRPC listens on.
+    #[arg(long, env = "LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
+    listen: SocketAddr,
+    /// `sqlite://PATH` for the embedded default, or `postgres://USER@HOST:PORT/DB`.
+    #[arg(
+        long,
+        env = "LEDGER_DATABASE_URL",
+        default_value = "sqlite://data/ledger.db"
+    )]
+    database_url: String,
+    /// Change-log revisions kept for watchers that reconnect.
+    #[arg(long, env = "LEDGER_RETAIN_REVISIONS", default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    retain_revisions: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("ledger-svc");
+    let args = Args::parse();
+    let mut config = LedgerConfig::new(args.listen, args.database_url);
+    config.retain_revisions = args.retain_revisions;
+    let ledger = ledger_svc::start(config).await?;
+    common::shutdown::signal().await;
+    ledger.stop().await;
+    Ok(())
+}

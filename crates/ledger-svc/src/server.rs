@@ -1,0 +1,178 @@
+//! Starting and stopping a ledger: the one place that wires store, committer, head tracker
+//! and gRPC server together. Used by the `ledger-svc` binary, the launcher and the tests.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::api::LedgerApi;
+use crate::committer::Committer;
+use crate::head::HeadTracker;
+use crate::store::{Store, StoreError};
+use proto::ledger::v1::ledger_server::LedgerServer;
+
+/// How a ledger runs.
+#[derive(Clone, Debug)]
+pub struct LedgerConfig {
+    /// Where gRPC listens; port 0 picks a free one.
+    pub listen: SocketAddr,
+    /// `sqlite://PATH` (embedded default) or `postgres://…`.
+    pub database_url: String,
+    /// Change-log revisions kept for watchers that reconnect; older ones are compacted.
+    pub retain_revisions: u64,
+    /// How often the head is polled (other replicas' commits, database health).
+    pub poll_interval: Duration,
+    /// How often the change log is compacted.
+    pub compact_interval: Duration,
+}
+
+impl LedgerConfig {
+    pub fn new(listen: SocketAddr, database_url: impl Into<String>) -> Self {
+        Self {
+            listen,
+            database_url: database_url.into(),
+            retain_revisions: 100_000,
+            poll_interval: Duration::from_millis(200),
+            compact_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a ledger could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A ledger that is serving.
+pub struct RunningLedger {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    background: Vec<JoinHandle<()>>,
+    store: Store,
+    tracker: HeadTracker,
+}
+
+impl RunningLedger {
+    /// The address gRPC listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`, ready for a client.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Compacts the change log now, keeping the newest `retain` revisions; returns the
+    /// compaction point. (A background task does this every `compact_interval` anyway.)
+    pub async fn compact(&self, retain: u64) -> Result<u64, StoreError> {
+        self.tracker.compact(&self.store, retain).await
+    }
+
+    /// Stops serving: ends watch streams, lets in-flight calls finish, closes the database.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::warn!(%err, "ledger server ended with an error"),
+            Err(err) => tracing::warn!(%err, "ledger server task failed"),
+        }
+        for task in self.background {
+            task.abort();
+        }
+        self.store.close().await;
+    }
+}
+
+/// Opens the database (waiting, with backoff, for it to become reachable), applies the
+/// migrations, binds the port and serves until [`RunningLedger::stop`].
+pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
+    let store = Store::open(&config.database_url)?;
+    let mut backoff = Duration::from_millis(100);
+    let head = loop {
+        match store.migrate().await.and(store.head().await) {
+            Ok(head) => break head,
+            Err(StoreError::Unavailable(reason)) => {
+                tracing::warn!(%reason, retry_in = ?backoff, "database not reachable yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(err) => return Err(err.into()),
+        }
+    };
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+
+    let tracker = HeadTracker::new(head);
+    let (committer, committer_task) = Committer::spawn(store.clone(), tracker.sender());
+    let mut background = vec![
+        committer_task,
+        tracker.spawn_poller(store.clone(), config.poll_interval),
+        tracker.spawn_compactor(
+            store.clone(),
+            config.retain_revisions,
+            config.compact_interval,
+        ),
+    ];
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<LedgerServer<LedgerApi>>()
+        .await;
+    let mut health = tracker.health();
+    background.push(tokio::spawn(async move {
+        while health.changed().await.is_ok() {
+            let up = *health.borrow_and_update();
+            if up {
+                health_reporter
+                    .set_serving::<LedgerServer<LedgerApi>>()
+                    .await;
+            } else {
+                health_reporter
+                    .set_not_serving::<LedgerServer<LedgerApi>>()
+                    .await;
+            }
+        }
+    }));
+
+    let (stop, stopped) = watch::channel(false);
+    let api = LedgerApi::new(store.clone(), committer, tracker.clone(), stopped.clone());
+    let mut until_stopped = stopped;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(LedgerServer::new(api))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                let _ = until_stopped.wait_for(|stop| *stop).await;
+            }),
+    );
+    tracing::info!(%addr, backend = ?store.backend(), revision = head.revision, "ledger-svc serving");
+    Ok(RunningLedger {
+        addr,
+        stop,
+        server,
+        background,
+        store,
+        tracker,
+    })
+}

@@ -1,0 +1,174 @@
+//! Test support: a fresh database per test on either backend, a ledger serving it, and a
+//! TCP proxy that can cut a ledger off from PostgreSQL.
+//!
+//! PostgreSQL tests use `SANDBOXSCHED_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`) and a schema of their own. When PostgreSQL is
+//! not reachable they fail, saying how to start it; they never skip.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ledger_svc::{LedgerClient, LedgerConfig, RunningLedger};
+use sqlx::Connection;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+pub fn postgres_base_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
+}
+
+/// A database of one's own for one test.
+pub struct TestDb {
+    pub backend: Backend,
+    pub url: String,
+    dir: Option<PathBuf>,
+    schema: Option<String>,
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        match backend {
+            Backend::Sqlite => {
+                let dir = std::env::temp_dir().join(format!("ledger-test-{tag}"));
+                std::fs::create_dir_all(&dir).expect("create temp dir");
+                let url = format!("sqlite://{}", dir.join("ledger.db").display());
+                Self {
+                    backend,
+                    url,
+                    dir: Some(dir),
+                    schema: None,
+                }
+            }
+            Backend::Postgres => {
+                let base = postgres_base_url();
+                let schema = format!("t_{tag}");
+                let mut conn = sqlx::PgConnection::connect(&base).await.unwrap_or_else(|err| {
+                    panic!(
+                        "PostgreSQL is not reachable at {base}: {err}\n\
+                         Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+                         (or run scripts/test-all, which does), or point SANDBOXSCHED_TEST_POSTGRES_URL at one."
+                    )
+                });
+                sqlx::query(&format!("CREATE SCHEMA {schema}"))
+                    .execute(&mut conn)
+                    .await
+                    .expect("create test schema");
+                let sep = if base.contains('?') { '&' } else { '?' };
+                let url = format!("{base}{sep}options[search_path]={schema}");
+                Self {
+                    backend,
+                    url,
+                    dir: None,
+                    schema: Some(schema),
+                }
+            }
+        }
+    }
+
+    /// The same database reached through `proxy` (PostgreSQL only).
+    pub fn url_via(&self, proxy: SocketAddr) -> String {
+        let base = postgres_base_url();
+        let target = base
+            .split('@')
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or("");
+        self.url.replacen(target, &proxy.to_string(), 1)
+    }
+
+    pub async fn start_ledger(&self) -> RunningLedger {
+        self.start_ledger_with(|_| {}).await
+    }
+
+    pub async fn start_ledger_with(&self, tweak: impl FnOnce(&mut LedgerConfig)) -> RunningLedger {
+        let mut config = LedgerConfig::new("127.0.0.1:0".parse().expect("addr"), &self.url);
+        tweak(&mut config);
+        ledger_svc::start(config).await.expect("ledger starts")
+    }
+
+    pub async fn cleanup(self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        if let Some(schema) = &self.schema {
+            if let Ok(mut conn) = sqlx::PgConnection::connect(&postgres_base_url()).await {
+                let _ = sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+                    .execute(&mut conn)
+                    .await;
+            }
+        }
+    }
+}
+
+pub fn client(ledger: &RunningLedger) -> LedgerClient {
+    LedgerClient::connect_lazy(&ledger.endpoint()).expect("client")
+}
+
+/// A TCP proxy in front of a server, which a test can cut (closing every connection and
+/// refusing new ones) and restore on the same port.
+pub struct CuttableProxy {
+    pub addr: SocketAddr,
+    target: SocketAddr,
+    state: Arc<Mutex<Option<(JoinHandle<()>, Vec<JoinHandle<()>>)>>>,
+    conns: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl CuttableProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy addr");
+        let proxy = Self {
+            addr,
+            target,
+            state: Arc::new(Mutex::new(None)),
+            conns: Arc::new(std::sync::Mutex::new(Vec::new())),
+        };
+        proxy.serve(listener).await;
+        proxy
+    }
+
+    async fn serve(&self, listener: TcpListener) {
+        let target = self.target;
+        let conns = self.conns.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let conn = tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                conns.lock().expect("conns").push(conn);
+            }
+        });
+        *self.state.lock().await = Some((accept, Vec::new()));
+    }
+
+    /// Closes every proxied connection and stops accepting.
+    pub async fn cut(&self) {
+        if let Some((accept, _)) = self.state.lock().await.take() {
+            accept.abort();
+            let _ = accept.await;
+        }
+        for conn in self.conns.lock().expect("conns").drain(..) {
+            conn.abort();
+        }
+    }
+
+    /// Accepts again on the same port.
+    pub async fn restore(&self) {
+        let listener = TcpListener::bind(self.addr).await.expect("rebind proxy");
+        self.serve(listener).await;
+    }
+}

@@ -1,0 +1,1 @@
+//! node-svc: runs sandboxes on one host. Not built yet: see issue 3.

@@ -1,0 +1,1 @@
+//! placement-svc: chooses a node for each sandbox. Not built yet: see issue 4.

@@ -1,0 +1,12 @@
+//! The wire contracts of sandboxsched: one module per service, generated at build time from
+//! `proto/sandboxsched/*.proto`.
+//!
+//! Every message and service lives in a versioned package (`sandboxsched.<service>.v1`) so a
+//! breaking change can ship beside the old one.
+
+/// Versioned JSON documents with compare-and-swap and a change feed.
+pub mod ledger {
+    pub mod v1 {
+        tonic::include_proto!("sandboxsched.ledger.v1");
+    }
+}

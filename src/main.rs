@@ -1,0 +1,97 @@
+//! `sandboxsched`: the launcher for the whole local stack.
+//!
+//! `sandboxsched up` starts every service in one process on fixed loopback ports, on the
+//! embedded default (a SQLite file under the data directory; nothing else to install), prints
+//! where each listens, and stops them cleanly on Ctrl-C. Each service is also its own binary
+//! for multi-process deployments.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "sandboxsched: an E2B-compatible sandbox control plane"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the whole local stack in this process until Ctrl-C.
+    Up(UpArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct UpArgs {
+    /// Where the stack keeps its state (the ledger's SQLite file, sandbox directories).
+    #[arg(long, env = "SANDBOXSCHED_DATA_DIR", default_value = "data")]
+    data_dir: PathBuf,
+    /// Address of ledger-svc's gRPC endpoint.
+    #[arg(
+        long,
+        env = "SANDBOXSCHED_LEDGER_LISTEN",
+        default_value = "127.0.0.1:7001"
+    )]
+    ledger_listen: SocketAddr,
+    /// Use this database for the ledger instead of the embedded SQLite file
+    /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
+    #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
+    ledger_database_url: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("sandboxsched");
+    match Cli::parse().command {
+        Command::Up(args) => up(args).await,
+    }
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
+    let database_url = args
+        .ledger_database_url
+        .unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("ledger.db").display()));
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        args.ledger_listen,
+        &database_url,
+    ))
+    .await
+    .context("starting ledger-svc")?;
+
+    println!();
+    println!("sandboxsched is up (data in {})", args.data_dir.display());
+    println!(
+        "  ledger-svc    grpc {}   ({})",
+        ledger.endpoint(),
+        redact(&database_url)
+    );
+    println!();
+    println!("Press Ctrl-C to stop.");
+
+    common::shutdown::signal().await;
+    ledger.stop().await;
+    println!("sandboxsched stopped");
+    Ok(())
+}
+
+/// Hides a password in a database URL before printing it.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{}:***{}", &url[..scheme + 3], user, &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
