@@ -1,1 +1,36 @@
-fn main() {}
+//! `bench`: the benchmarks the issues name, one subcommand each.
+//!
+//! Every scenario prints a readable table; with `--json` the output ends with one line holding
+//! one JSON object with the figures. Ratios measured within one run are what to compare: this
+//! machine is shared and noisy.
+
+mod ledger_cas;
+mod report;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "sandboxsched benchmarks")]
+struct Cli {
+    /// End the output with one JSON object holding the figures.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand, Debug)]
+enum Scenario {
+    /// Ledger compare-and-swap throughput, and plan commits under node-document churn.
+    LedgerCas(ledger_cas::Args),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let report = match cli.scenario {
+        Scenario::LedgerCas(args) => ledger_cas::run(args).await?,
+    };
+    report.print(cli.json);
+    Ok(())
+}

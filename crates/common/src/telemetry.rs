@@ -1,7 +1,8 @@
 //! Logging set-up shared by every binary.
 //!
 //! `RUST_LOG` picks what is logged (default `info`); `SANDBOXSCHED_LOG_FORMAT=json` switches
-//! from human-readable text to one JSON object a line.
+//! from human-readable text to one JSON object a line. Logs go to stderr, so what a command
+//! prints for people or scripts stays alone on stdout.
 
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 

@@ -165,7 +165,7 @@ fn decode_token(token: &str) -> Result<String, Invalid> {
             "page_token {token:?} is not one this ledger issued"
         ))
     };
-    if token.len() % 2 != 0 {
+    if !token.len().is_multiple_of(2) {
         return Err(bad());
     }
     let bytes = (0..token.len())

@@ -121,7 +121,7 @@ pub fn client(ledger: &RunningLedger) -> LedgerClient {
 pub struct CuttableProxy {
     pub addr: SocketAddr,
     target: SocketAddr,
-    state: Arc<Mutex<Option<(JoinHandle<()>, Vec<JoinHandle<()>>)>>>,
+    accept: Arc<Mutex<Option<JoinHandle<()>>>>,
     conns: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
 }
 
@@ -132,7 +132,7 @@ impl CuttableProxy {
         let proxy = Self {
             addr,
             target,
-            state: Arc::new(Mutex::new(None)),
+            accept: Arc::new(Mutex::new(None)),
             conns: Arc::new(std::sync::Mutex::new(Vec::new())),
         };
         proxy.serve(listener).await;
@@ -152,12 +152,12 @@ impl CuttableProxy {
                 conns.lock().expect("conns").push(conn);
             }
         });
-        *self.state.lock().await = Some((accept, Vec::new()));
+        *self.accept.lock().await = Some(accept);
     }
 
     /// Closes every proxied connection and stops accepting.
     pub async fn cut(&self) {
-        if let Some((accept, _)) = self.state.lock().await.take() {
+        if let Some(accept) = self.accept.lock().await.take() {
             accept.abort();
             let _ = accept.await;
         }

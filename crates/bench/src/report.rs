@@ -1,0 +1,47 @@
+//! A benchmark's result: a titled table for people and a JSON object for scripts.
+
+use serde_json::{Map, Value};
+
+pub struct Report {
+    title: String,
+    rows: Vec<(String, String)>,
+    json: Map<String, Value>,
+}
+
+impl Report {
+    pub fn new(title: impl Into<String>) -> Self {
+        Self {
+            title: title.into(),
+            rows: Vec::new(),
+            json: Map::new(),
+        }
+    }
+
+    /// Adds a figure to both the table (with `unit`) and the JSON object (under `key`).
+    pub fn figure(&mut self, key: &str, value: impl Into<Value>, unit: &str) -> &mut Self {
+        let value = value.into();
+        let shown = match &value {
+            Value::Number(n) if n.is_f64() => format!("{:.3}", n.as_f64().unwrap_or_default()),
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        self.rows.push((
+            key.to_string(),
+            format!("{shown} {unit}").trim_end().to_string(),
+        ));
+        self.json.insert(key.to_string(), value);
+        self
+    }
+
+    pub fn print(&self, json: bool) {
+        let width = self.rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        println!("{}", self.title);
+        println!("{}", "-".repeat(self.title.len()));
+        for (key, value) in &self.rows {
+            println!("  {key:<width$}  {value}");
+        }
+        if json {
+            println!("{}", Value::Object(self.json.clone()));
+        }
+    }
+}
