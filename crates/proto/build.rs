@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from("proto");
+    // The directory too, so a new .proto is picked up.
+    println!("cargo:rerun-if-changed=proto/sandboxsched");
     let mut files = Vec::new();
     for entry in std::fs::read_dir(root.join("sandboxsched"))? {
         let path = entry?.path();

@@ -5,6 +5,7 @@
 //! machine is shared and noisy.
 
 mod ledger_cas;
+mod placement_distribution;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,8 @@ struct Cli {
 enum Scenario {
     /// Ledger compare-and-swap throughput, and plan commits under node-document churn.
     LedgerCas(ledger_cas::Args),
+    /// The three accounting modes side by side on a seeded virtual clock.
+    PlacementDistribution(placement_distribution::Args),
 }
 
 #[tokio::main]
@@ -30,6 +33,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let report = match cli.scenario {
         Scenario::LedgerCas(args) => ledger_cas::run(args).await?,
+        Scenario::PlacementDistribution(args) => placement_distribution::run(args)?,
     };
     report.print(cli.json);
     Ok(())

@@ -4,6 +4,7 @@ use serde_json::{Map, Value};
 
 pub struct Report {
     title: String,
+    lines: Vec<String>,
     rows: Vec<(String, String)>,
     json: Map<String, Value>,
 }
@@ -12,6 +13,7 @@ impl Report {
     pub fn new(title: impl Into<String>) -> Self {
         Self {
             title: title.into(),
+            lines: Vec::new(),
             rows: Vec::new(),
             json: Map::new(),
         }
@@ -33,10 +35,27 @@ impl Report {
         self
     }
 
+    /// Adds a line of free text (a table of its own) to the human-readable part.
+    pub fn line(&mut self, line: impl Into<String>) -> &mut Self {
+        self.lines.push(line.into());
+        self
+    }
+
+    /// Adds every key of a JSON object to the JSON output.
+    pub fn merge(&mut self, value: Value) -> &mut Self {
+        if let Value::Object(map) = value {
+            self.json.extend(map);
+        }
+        self
+    }
+
     pub fn print(&self, json: bool) {
         let width = self.rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         println!("{}", self.title);
         println!("{}", "-".repeat(self.title.len()));
+        for line in &self.lines {
+            println!("{line}");
+        }
         for (key, value) in &self.rows {
             println!("  {key:<width$}  {value}");
         }

@@ -1,1 +1,13 @@
-//! placement-svc: chooses a node for each sandbox. Not built yet: see issue 4.
+//! placement-svc: chooses a node for each sandbox without herding.
+//!
+//! The decision is Best-of-K over the placer's view of each node; the view is the point. E2B's
+//! placer saw only periodic heartbeats, so under a burst every request saw the same stale
+//! numbers and piled onto the node that looked emptiest (the brief's lesson 1). Here every
+//! placement is a reservation keyed by sandbox ID, released only when a heartbeat *lists that
+//! ID*, so the view is exact at the ID level however heartbeats and creates interleave.
+//!
+//! Layout: [`core`] is the pure part (accounting, ranking, sampling); [`sim`] runs it on a
+//! virtual clock for the benchmark.
+
+pub mod core;
+pub mod sim;

@@ -10,3 +10,10 @@ pub mod ledger {
         tonic::include_proto!("sandboxsched.ledger.v1");
     }
 }
+
+/// Node choice, reservations and heartbeats.
+pub mod placement {
+    pub mod v1 {
+        tonic::include_proto!("sandboxsched.placement.v1");
+    }
+}

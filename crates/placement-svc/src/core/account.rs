@@ -1,0 +1,494 @@
+//! What the placer believes each node runs: the last heartbeat, plus the reservations that
+//! heartbeat did not list yet, minus the removals it still listed.
+//!
+//! Three accounting modes, so the benchmark can show the difference side by side:
+//! - [`Accounting::Stale`]: heartbeats only (E2B before its fix). Every request between two
+//!   heartbeats sees the same numbers, so the node that looked best wins every time: herding.
+//! - [`Accounting::Optimistic`]: E2B's fix (PR 2201). Creates in flight count; a successful
+//!   create is added to the node's cached totals at once and a kill subtracted; but each
+//!   heartbeat overwrites the totals, so one measured before a create and arriving after it
+//!   erases the add (undercount), and the herd comes back under delayed heartbeats.
+//! - [`Accounting::Reconciled`] (ours, the default): a reservation per sandbox ID stays until a
+//!   heartbeat *lists that ID* (then the heartbeat's own totals include it); a removal stays
+//!   until a heartbeat *no longer lists it*. The view is exact at the ID level whatever the
+//!   order in which heartbeats and creates arrive.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// Resources one sandbox asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+}
+
+/// Signed totals: optimistic accounting can transiently go below zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub vcpus: i64,
+    pub memory_bytes: i64,
+}
+
+impl Totals {
+    fn add(&mut self, r: Resources) {
+        self.vcpus += i64::from(r.vcpus);
+        self.memory_bytes += i64::try_from(r.memory_bytes).unwrap_or(i64::MAX);
+    }
+
+    fn sub(&mut self, r: Resources) {
+        self.vcpus -= i64::from(r.vcpus);
+        self.memory_bytes -= i64::try_from(r.memory_bytes).unwrap_or(i64::MAX);
+    }
+
+    pub fn from_resources(r: Resources) -> Self {
+        let mut t = Totals::default();
+        t.add(r);
+        t
+    }
+}
+
+/// Which accounting the placer uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Accounting {
+    Stale,
+    Optimistic,
+    #[default]
+    Reconciled,
+}
+
+impl Accounting {
+    pub const ALL: [Accounting; 3] = [
+        Accounting::Stale,
+        Accounting::Optimistic,
+        Accounting::Reconciled,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Accounting::Stale => "stale",
+            Accounting::Optimistic => "optimistic",
+            Accounting::Reconciled => "reconciled",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.name() == name)
+    }
+}
+
+/// Where a reservation stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The create RPC is in flight.
+    Pending,
+    /// The create succeeded; waiting for a heartbeat that lists the sandbox.
+    Unconfirmed { heartbeats_unlisted: u32 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    pub resources: Resources,
+    pub phase: Phase,
+}
+
+/// Whether an operator allows new sandboxes on the node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AdminState {
+    #[default]
+    Ready,
+    Draining,
+}
+
+/// One sandbox in a heartbeat.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    pub sandbox_id: String,
+    pub allocated: Resources,
+    pub memory_used_bytes: u64,
+}
+
+/// A node's report, measured from one consistent snapshot.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Heartbeat {
+    pub node_id: String,
+    pub boot_id: String,
+    pub seq: u64,
+    pub address: String,
+    pub labels: BTreeMap<String, String>,
+    pub capacity: Resources,
+    pub allocated: Resources,
+    pub memory_used_bytes: u64,
+    pub cpu_usage: f64,
+    pub sandboxes: Vec<Listed>,
+}
+
+/// What applying a heartbeat did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeartbeatOutcome {
+    pub applied: bool,
+    /// Why it was ignored.
+    pub reason: Option<String>,
+    /// Reservations confirmed (listed) by this heartbeat.
+    pub confirmed: u32,
+    /// Removals completed (no longer listed) by this heartbeat.
+    pub removed: u32,
+    /// Reservations dropped because no heartbeat listed them in time.
+    pub expired: Vec<String>,
+    /// The boot ID changed: the node restarted and its view was reset.
+    pub rebooted: bool,
+}
+
+/// The placer's view of one node.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeView {
+    pub node_id: String,
+    pub address: String,
+    pub labels: BTreeMap<String, String>,
+    pub capacity: Resources,
+    pub admin: AdminState,
+    pub boot_id: String,
+    pub seq: u64,
+    /// When the last heartbeat was applied (placer's clock, ms).
+    pub last_heartbeat_ms: u64,
+    /// Totals of the last heartbeat (in optimistic mode, adjusted by creates and kills).
+    pub reported: Totals,
+    pub reported_sandboxes: u32,
+    pub memory_used_bytes: u64,
+    pub cpu_usage: f64,
+    /// Sandbox IDs the last heartbeat listed.
+    pub listed: HashSet<String>,
+    pub reservations: HashMap<String, Reservation>,
+    /// Killed sandboxes, with what they held; subtracted while still listed.
+    pub removals: HashMap<String, Resources>,
+}
+
+impl NodeView {
+    pub fn new(node_id: impl Into<String>) -> Self {
+        Self {
+            node_id: node_id.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Reservations not listed by the last heartbeat (all of them, by construction in
+    /// reconciled mode; the in-flight creates in optimistic mode).
+    pub fn reserved(&self) -> Totals {
+        let mut t = Totals::default();
+        for r in self.reservations.values() {
+            t.add(r.resources);
+        }
+        t
+    }
+
+    /// Removals the last heartbeat still listed.
+    pub fn removing(&self) -> Totals {
+        let mut t = Totals::default();
+        for (id, r) in &self.removals {
+            if self.listed.contains(id) {
+                t.add(*r);
+            }
+        }
+        t
+    }
+
+    /// What the placer believes is allocated on the node now.
+    pub fn believed(&self) -> Totals {
+        let (reserved, removing) = (self.reserved(), self.removing());
+        Totals {
+            vcpus: self.reported.vcpus + reserved.vcpus - removing.vcpus,
+            memory_bytes: self.reported.memory_bytes + reserved.memory_bytes
+                - removing.memory_bytes,
+        }
+    }
+
+    /// Creates in flight to this node.
+    pub fn pending(&self) -> u32 {
+        let n = self
+            .reservations
+            .values()
+            .filter(|r| r.phase == Phase::Pending)
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    pub fn unconfirmed(&self) -> u32 {
+        let n = self.reservations.len() - self.pending() as usize;
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// Place chose this node for `sandbox_id`.
+    pub fn reserve(&mut self, mode: Accounting, sandbox_id: &str, resources: Resources) {
+        if mode == Accounting::Stale {
+            return;
+        }
+        self.reservations.insert(
+            sandbox_id.to_string(),
+            Reservation {
+                resources,
+                phase: Phase::Pending,
+            },
+        );
+    }
+
+    /// The create RPC succeeded.
+    pub fn created(&mut self, mode: Accounting, sandbox_id: &str) {
+        match mode {
+            Accounting::Stale => {}
+            Accounting::Optimistic => {
+                // OptimisticAdd: straight into the cached totals, which the next heartbeat
+                // overwrites.
+                if let Some(r) = self.reservations.remove(sandbox_id) {
+                    self.reported.add(r.resources);
+                }
+            }
+            Accounting::Reconciled => {
+                if let Some(r) = self.reservations.get_mut(sandbox_id) {
+                    if r.phase == Phase::Pending {
+                        r.phase = Phase::Unconfirmed {
+                            heartbeats_unlisted: 0,
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// The create RPC failed: nothing will run.
+    pub fn release(&mut self, _mode: Accounting, sandbox_id: &str) {
+        self.reservations.remove(sandbox_id);
+    }
+
+    /// The sandbox was killed (or moved away). `resources` is what it held, used when the
+    /// placer has no reservation for it.
+    pub fn removed(&mut self, mode: Accounting, sandbox_id: &str, resources: Resources) {
+        match mode {
+            Accounting::Stale => {}
+            Accounting::Optimistic => {
+                // OptimisticRemove.
+                let held = self
+                    .reservations
+                    .remove(sandbox_id)
+                    .map_or(resources, |r| r.resources);
+                self.reported.sub(held);
+            }
+            Accounting::Reconciled => {
+                let held = self
+                    .reservations
+                    .remove(sandbox_id)
+                    .map_or(resources, |r| r.resources);
+                // Subtracted only while a heartbeat lists it; if none ever did, the marker
+                // still guards against a late heartbeat that lists it.
+                self.removals.insert(sandbox_id.to_string(), held);
+            }
+        }
+    }
+
+    /// Applies a heartbeat received at `now_ms`. Older or repeated sequence numbers of the
+    /// same boot are ignored; a new boot ID resets the view.
+    pub fn apply_heartbeat(
+        &mut self,
+        mode: Accounting,
+        hb: &Heartbeat,
+        now_ms: u64,
+        max_unconfirmed_heartbeats: u32,
+    ) -> HeartbeatOutcome {
+        let mut outcome = HeartbeatOutcome::default();
+        if hb.boot_id == self.boot_id {
+            if hb.seq <= self.seq {
+                outcome.reason = Some(format!(
+                    "sequence {} of boot {} is not newer than {} already applied",
+                    hb.seq, hb.boot_id, self.seq
+                ));
+                return outcome;
+            }
+        } else {
+            outcome.rebooted = !self.boot_id.is_empty();
+            self.boot_id = hb.boot_id.clone();
+        }
+        outcome.applied = true;
+        self.seq = hb.seq;
+        self.last_heartbeat_ms = now_ms;
+        self.address = hb.address.clone();
+        self.labels = hb.labels.clone();
+        self.capacity = hb.capacity;
+        self.reported = Totals::from_resources(hb.allocated);
+        self.reported_sandboxes = u32::try_from(hb.sandboxes.len()).unwrap_or(u32::MAX);
+        self.memory_used_bytes = hb.memory_used_bytes;
+        self.cpu_usage = hb.cpu_usage;
+        if mode != Accounting::Reconciled {
+            return outcome;
+        }
+        self.listed = hb.sandboxes.iter().map(|s| s.sandbox_id.clone()).collect();
+        let listed = &self.listed;
+        self.reservations.retain(|id, r| {
+            if listed.contains(id) {
+                outcome.confirmed += 1;
+                return false;
+            }
+            if let Phase::Unconfirmed {
+                heartbeats_unlisted,
+            } = &mut r.phase
+            {
+                *heartbeats_unlisted += 1;
+                if *heartbeats_unlisted > max_unconfirmed_heartbeats {
+                    outcome.expired.push(id.clone());
+                    return false;
+                }
+            }
+            true
+        });
+        self.removals.retain(|id, _| {
+            let still = listed.contains(id);
+            if !still {
+                outcome.removed += 1;
+            }
+            still
+        });
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ONE: Resources = Resources {
+        vcpus: 1,
+        memory_bytes: 1 << 30,
+    };
+
+    fn hb(seq: u64, ids: &[&str]) -> Heartbeat {
+        let n = ids.len() as u32;
+        Heartbeat {
+            node_id: "n".into(),
+            boot_id: "b1".into(),
+            seq,
+            capacity: Resources {
+                vcpus: 8,
+                memory_bytes: 16 << 30,
+            },
+            allocated: Resources {
+                vcpus: n,
+                memory_bytes: u64::from(n) << 30,
+            },
+            sandboxes: ids
+                .iter()
+                .map(|id| Listed {
+                    sandbox_id: id.to_string(),
+                    allocated: ONE,
+                    memory_used_bytes: 0,
+                })
+                .collect(),
+            ..Heartbeat::default()
+        }
+    }
+
+    const R: Accounting = Accounting::Reconciled;
+
+    #[test]
+    fn reservation_counts_until_a_heartbeat_lists_it() {
+        let mut v = NodeView::new("n");
+        v.apply_heartbeat(R, &hb(1, &[]), 0, 3);
+        v.reserve(R, "a", ONE);
+        assert_eq!(v.believed().vcpus, 1);
+        v.created(R, "a");
+        // Measured before the create landed: does not list it; the reservation must stay.
+        v.apply_heartbeat(R, &hb(2, &[]), 10, 3);
+        assert_eq!(v.believed().vcpus, 1);
+        // Lists it: the heartbeat's own totals include it now.
+        let out = v.apply_heartbeat(R, &hb(3, &["a"]), 20, 3);
+        assert_eq!(out.confirmed, 1);
+        assert!(v.reservations.is_empty());
+        assert_eq!(v.believed().vcpus, 1);
+    }
+
+    #[test]
+    fn heartbeat_that_already_lists_a_pending_create_does_not_double_count() {
+        let mut v = NodeView::new("n");
+        v.apply_heartbeat(R, &hb(1, &[]), 0, 3);
+        v.reserve(R, "a", ONE);
+        v.apply_heartbeat(R, &hb(2, &["a"]), 5, 3);
+        v.created(R, "a");
+        assert_eq!(v.believed().vcpus, 1);
+    }
+
+    #[test]
+    fn removal_subtracts_while_listed_then_disappears() {
+        let mut v = NodeView::new("n");
+        v.apply_heartbeat(R, &hb(1, &["a", "b"]), 0, 3);
+        v.removed(R, "a", ONE);
+        assert_eq!(v.believed().vcpus, 1);
+        // A heartbeat measured before the kill still lists it: still subtracted once.
+        v.apply_heartbeat(R, &hb(2, &["a", "b"]), 5, 3);
+        assert_eq!(v.believed().vcpus, 1);
+        v.apply_heartbeat(R, &hb(3, &["b"]), 10, 3);
+        assert!(v.removals.is_empty());
+        assert_eq!(v.believed().vcpus, 1);
+    }
+
+    #[test]
+    fn stale_sequences_are_ignored_and_a_new_boot_resets() {
+        let mut v = NodeView::new("n");
+        v.apply_heartbeat(R, &hb(5, &["a"]), 0, 3);
+        let out = v.apply_heartbeat(R, &hb(4, &[]), 1, 3);
+        assert!(!out.applied);
+        assert_eq!(v.believed().vcpus, 1);
+        let mut rebooted = hb(1, &[]);
+        rebooted.boot_id = "b2".into();
+        let out = v.apply_heartbeat(R, &rebooted, 2, 3);
+        assert!(out.applied && out.rebooted);
+        assert_eq!(v.believed().vcpus, 0);
+    }
+
+    #[test]
+    fn unconfirmed_reservation_expires_after_the_bound() {
+        let mut v = NodeView::new("n");
+        v.reserve(R, "ghost", ONE);
+        v.created(R, "ghost");
+        for seq in 1..=3 {
+            assert!(v
+                .apply_heartbeat(R, &hb(seq, &[]), seq, 3)
+                .expired
+                .is_empty());
+        }
+        assert_eq!(
+            v.apply_heartbeat(R, &hb(4, &[]), 4, 3).expired,
+            vec!["ghost".to_string()]
+        );
+        assert_eq!(v.believed().vcpus, 0);
+    }
+
+    #[test]
+    fn pending_reservation_never_expires_while_the_create_is_in_flight() {
+        let mut v = NodeView::new("n");
+        v.reserve(R, "slow", ONE);
+        for seq in 1..=10 {
+            v.apply_heartbeat(R, &hb(seq, &[]), seq, 3);
+        }
+        assert_eq!(v.pending(), 1);
+    }
+
+    #[test]
+    fn optimistic_add_is_erased_by_a_heartbeat_measured_before_the_create() {
+        let o = Accounting::Optimistic;
+        let mut v = NodeView::new("n");
+        v.apply_heartbeat(o, &hb(1, &[]), 0, 3);
+        v.reserve(o, "a", ONE);
+        v.created(o, "a");
+        assert_eq!(v.believed().vcpus, 1);
+        // The undercount the brief describes.
+        v.apply_heartbeat(o, &hb(2, &[]), 10, 3);
+        assert_eq!(v.believed().vcpus, 0);
+    }
+
+    #[test]
+    fn stale_mode_sees_heartbeats_only() {
+        let s = Accounting::Stale;
+        let mut v = NodeView::new("n");
+        v.reserve(s, "a", ONE);
+        v.created(s, "a");
+        assert_eq!(v.believed().vcpus, 0);
+        v.apply_heartbeat(s, &hb(1, &["a"]), 0, 3);
+        assert_eq!(v.believed().vcpus, 1);
+    }
+}
