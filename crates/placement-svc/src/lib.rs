@@ -11,3 +11,4 @@
 
 pub mod core;
 pub mod sim;
+pub mod store;

@@ -1,0 +1,521 @@
+//! The Redis store: production. Every placer replica talks to one Redis, and every operation
+//! that reads and writes a node's view is one Lua script, so it is atomic and takes one round
+//! trip. Redis runs scripts one at a time, which is exactly the serialisation a node's
+//! accounting needs; decisions on different nodes still interleave freely between scripts.
+//!
+//! Layout under the key prefix `P` (one Redis, not Redis Cluster: a decision touches K nodes'
+//! keys in one script):
+//! - `P:nodes`: set of node ids;
+//! - `P:n:ID`: hash of the node's report, admin state and running totals;
+//! - `P:n:ID:res`: reservations, sandbox id → `vcpus,memory,phase,unlisted`;
+//! - `P:n:ID:rm`: removals, sandbox id → `vcpus,memory`;
+//! - `P:n:ID:listed`: the sandbox ids the last heartbeat listed.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use redis::aio::ConnectionManager;
+use redis::{AsyncCommands, Script, Value};
+
+use super::{Explanation, Placement, PlacementStore, StoreError};
+use crate::core::sample::sample_distinct;
+use crate::core::{
+    Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig,
+    Request, Reservation, Resources, Totals,
+};
+
+/// How long the cached list of node ids (what sampling draws from) may be old.
+const NODE_LIST_TTL: Duration = Duration::from_secs(1);
+
+impl From<redis::RedisError> for StoreError {
+    fn from(err: redis::RedisError) -> Self {
+        if err.is_io_error()
+            || err.is_connection_dropped()
+            || err.is_connection_refusal()
+            || err.is_timeout()
+        {
+            StoreError::Unavailable(err.to_string())
+        } else {
+            StoreError::Internal(err.to_string())
+        }
+    }
+}
+
+struct NodeList {
+    ids: Vec<String>,
+    fetched: Option<Instant>,
+}
+
+/// The placer's view of every node, in Redis.
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    mode: Accounting,
+    rank: RankConfig,
+    max_unconfirmed: u32,
+    place: Script,
+    heartbeat: Script,
+    lifecycle: Script,
+    node_list: tokio::sync::Mutex<NodeList>,
+    rng: Mutex<SmallRng>,
+}
+
+/// One candidate as the place script reports it.
+struct Scored {
+    node_id: String,
+    reason: String,
+    score: f64,
+    cpu: f64,
+    memory: f64,
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        Value::Double(d) => d.to_string(),
+        _ => String::new(),
+    }
+}
+
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::Int(i) => *i,
+        other => text(other).parse().unwrap_or(0),
+    }
+}
+
+fn num<T: std::str::FromStr + Default>(map: &HashMap<String, String>, key: &str) -> T {
+    map.get(key)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_default()
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://127.0.0.1:6379`) and keeps reconnecting by itself; all
+    /// keys live under `prefix`.
+    pub async fn connect(
+        url: &str,
+        prefix: &str,
+        mode: Accounting,
+        rank: &RankConfig,
+        max_unconfirmed: u32,
+    ) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::Internal(format!("bad redis url {url:?}: {e}")))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(2);
+        let conn = ConnectionManager::new_with_config(client, config).await?;
+        Ok(Self {
+            conn,
+            prefix: prefix.to_string(),
+            mode,
+            rank: rank.clone(),
+            max_unconfirmed,
+            place: Script::new(include_str!("place.lua")),
+            heartbeat: Script::new(include_str!("heartbeat.lua")),
+            lifecycle: Script::new(include_str!("lifecycle.lua")),
+            node_list: tokio::sync::Mutex::new(NodeList {
+                ids: Vec::new(),
+                fetched: None,
+            }),
+            rng: Mutex::new(SmallRng::seed_from_u64(seed_from_clock())),
+        })
+    }
+
+    fn nodes_key(&self) -> String {
+        format!("{}:nodes", self.prefix)
+    }
+
+    fn node_keys(&self, node_id: &str) -> [String; 4] {
+        let base = format!("{}:n:{node_id}", self.prefix);
+        [
+            base.clone(),
+            format!("{base}:res"),
+            format!("{base}:rm"),
+            format!("{base}:listed"),
+        ]
+    }
+
+    async fn node_ids(&self, fresh: bool) -> Result<Vec<String>, StoreError> {
+        let mut list = self.node_list.lock().await;
+        if fresh || list.fetched.is_none_or(|at| at.elapsed() > NODE_LIST_TTL) {
+            let mut ids: Vec<String> = self.conn.clone().smembers(self.nodes_key()).await?;
+            ids.sort();
+            list.ids = ids;
+            list.fetched = Some(Instant::now());
+        }
+        Ok(list.ids.clone())
+    }
+
+    fn sample(&self, n: usize, k: usize) -> Vec<usize> {
+        match self.rng.lock() {
+            Ok(mut rng) => sample_distinct(n, k, &mut *rng),
+            Err(_) => (0..k.min(n)).collect(),
+        }
+    }
+
+    /// Runs the place script over `candidates` in order; `Some(index, score)` of the winner.
+    async fn run_place(
+        &self,
+        req: &Request,
+        now_ms: u64,
+        candidates: &[String],
+        k: usize,
+        commit: bool,
+    ) -> Result<(Option<(usize, f64)>, Vec<Scored>), StoreError> {
+        let mut invocation = self.place.prepare_invoke();
+        for id in candidates {
+            let [node, res, _, _] = self.node_keys(id);
+            invocation.key(node).key(res);
+        }
+        let selector = serde_json::to_string(&req.selector).unwrap_or_else(|_| "{}".to_string());
+        let exclude: Vec<&String> = req.exclude.iter().collect();
+        let exclude = serde_json::to_string(&exclude).unwrap_or_else(|_| "[]".to_string());
+        invocation
+            .arg(&req.sandbox_id)
+            .arg(req.resources.vcpus)
+            .arg(req.resources.memory_bytes)
+            .arg(now_ms)
+            .arg(self.rank.overcommit)
+            .arg(self.rank.alpha)
+            .arg(self.rank.cpu_weight)
+            .arg(self.rank.memory_weight)
+            .arg(self.rank.max_starting)
+            .arg(self.rank.unhealthy_after_ms)
+            .arg(self.mode.name())
+            .arg(selector)
+            .arg(exclude)
+            .arg(k)
+            .arg(if commit { 1 } else { 0 });
+        let reply: Vec<Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
+        let chosen = reply.first().map(int).unwrap_or(0);
+        let score: f64 = reply
+            .get(1)
+            .map(text)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0.0);
+        let scored = reply
+            .get(2..)
+            .unwrap_or_default()
+            .chunks(5)
+            .filter(|c| c.len() == 5)
+            .map(|c| Scored {
+                node_id: text(&c[0]),
+                reason: text(&c[1]),
+                score: text(&c[2]).parse().unwrap_or(0.0),
+                cpu: text(&c[3]).parse().unwrap_or(0.0),
+                memory: text(&c[4]).parse().unwrap_or(0.0),
+            })
+            .collect();
+        let chosen = usize::try_from(chosen)
+            .ok()
+            .filter(|&c| c > 0)
+            .map(|c| (c - 1, score));
+        Ok((chosen, scored))
+    }
+
+    /// Best-of-K as `Ranker::decide` does it: a sample of up to 4K nodes evaluated in one
+    /// script that stops at K feasible; only if none is feasible, every node is evaluated and
+    /// the winner is Best-of-K among the feasible ones.
+    async fn decide(
+        &self,
+        req: &Request,
+        now_ms: u64,
+        commit: bool,
+    ) -> Result<(Option<(String, f64)>, Vec<Scored>), StoreError> {
+        let ids = self.node_ids(false).await?;
+        let k = self.rank.k.max(1);
+        let sample: Vec<String> = self
+            .sample(ids.len(), (4 * k).min(ids.len()))
+            .into_iter()
+            .map(|i| ids[i].clone())
+            .collect();
+        let (chosen, scored) = self.run_place(req, now_ms, &sample, k, commit).await?;
+        if let Some((i, score)) = chosen {
+            return Ok((Some((sample[i].clone(), score)), scored));
+        }
+        let ids = self.node_ids(true).await?;
+        if sample.len() == ids.len() {
+            return Ok((None, scored));
+        }
+        let (_, all) = self.run_place(req, now_ms, &ids, usize::MAX, false).await?;
+        let fit: Vec<usize> = (0..all.len())
+            .filter(|&i| all[i].reason.is_empty())
+            .collect();
+        if fit.is_empty() {
+            return Ok((None, all));
+        }
+        let best: Vec<String> = self
+            .sample(fit.len(), k.min(fit.len()))
+            .into_iter()
+            .map(|j| ids[fit[j]].clone())
+            .collect();
+        let (chosen, _) = self.run_place(req, now_ms, &best, k, commit).await?;
+        Ok((chosen.map(|(i, score)| (best[i].clone(), score)), all))
+    }
+
+    async fn lifecycle(
+        &self,
+        op: &str,
+        node_id: &str,
+        sandbox_id: &str,
+        resources: Resources,
+    ) -> Result<(), StoreError> {
+        let [node, res, rm, listed] = self.node_keys(node_id);
+        let found: i64 = self
+            .lifecycle
+            .key(node)
+            .key(res)
+            .key(rm)
+            .key(listed)
+            .arg(op)
+            .arg(sandbox_id)
+            .arg(self.mode.name())
+            .arg(resources.vcpus)
+            .arg(resources.memory_bytes)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if found == 0 {
+            return Err(StoreError::UnknownNode(node_id.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn read_node(&self, node_id: &str) -> Result<Option<NodeView>, StoreError> {
+        let [node, res, rm, listed] = self.node_keys(node_id);
+        let mut conn = self.conn.clone();
+        let (fields, reservations, removals, listed): (
+            HashMap<String, String>,
+            HashMap<String, String>,
+            HashMap<String, String>,
+            HashSet<String>,
+        ) = redis::pipe()
+            .hgetall(node)
+            .hgetall(res)
+            .hgetall(rm)
+            .smembers(listed)
+            .query_async(&mut conn)
+            .await?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let parse = |value: &str| -> Option<(Resources, Vec<String>)> {
+            let mut parts = value.split(',');
+            let vcpus = parts.next()?.parse().ok()?;
+            let memory_bytes = parts.next()?.parse().ok()?;
+            Some((
+                Resources {
+                    vcpus,
+                    memory_bytes,
+                },
+                parts.map(str::to_string).collect(),
+            ))
+        };
+        let reservations = reservations
+            .iter()
+            .filter_map(|(id, v)| {
+                let (resources, rest) = parse(v)?;
+                let phase = match rest.first().map(String::as_str) {
+                    Some("u") => Phase::Unconfirmed {
+                        heartbeats_unlisted: rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(0),
+                    },
+                    _ => Phase::Pending,
+                };
+                Some((id.clone(), Reservation { resources, phase }))
+            })
+            .collect();
+        let removals = removals
+            .iter()
+            .filter_map(|(id, v)| Some((id.clone(), parse(v)?.0)))
+            .collect();
+        Ok(Some(NodeView {
+            node_id: node_id.to_string(),
+            address: fields.get("address").cloned().unwrap_or_default(),
+            labels: fields
+                .get("labels")
+                .and_then(|l| serde_json::from_str::<BTreeMap<String, String>>(l).ok())
+                .unwrap_or_default(),
+            capacity: Resources {
+                vcpus: num(&fields, "cap_vcpus"),
+                memory_bytes: num(&fields, "cap_mem"),
+            },
+            admin: if fields.get("admin").map(String::as_str) == Some("draining") {
+                AdminState::Draining
+            } else {
+                AdminState::Ready
+            },
+            boot_id: fields.get("boot").cloned().unwrap_or_default(),
+            seq: num(&fields, "seq"),
+            last_heartbeat_ms: num(&fields, "hb_ms"),
+            reported: Totals {
+                vcpus: num(&fields, "rep_vcpus"),
+                memory_bytes: num(&fields, "rep_mem"),
+            },
+            reported_sandboxes: num(&fields, "rep_sbx"),
+            memory_used_bytes: num(&fields, "mem_used"),
+            cpu_usage: num(&fields, "cpu_usage"),
+            listed,
+            reservations,
+            removals,
+        }))
+    }
+}
+
+impl PlacementStore for RedisStore {
+    async fn place(&self, req: &Request, now_ms: u64) -> Result<Placement, StoreError> {
+        let (chosen, scored) = self.decide(req, now_ms, true).await?;
+        Ok(match chosen {
+            Some((node_id, score)) => {
+                let address: Option<String> = self
+                    .conn
+                    .clone()
+                    .hget(&self.node_keys(&node_id)[0], "address")
+                    .await?;
+                Placement::Placed {
+                    node_id,
+                    address: address.unwrap_or_default(),
+                    score,
+                }
+            }
+            None => {
+                let decision = crate::core::Decision {
+                    chosen: None,
+                    evaluated: scored.into_iter().map(evaluation).collect(),
+                    scanned_all: true,
+                };
+                Placement::NoFit {
+                    reason: decision.why_nothing_fit(),
+                }
+            }
+        })
+    }
+
+    async fn explain(&self, req: &Request, now_ms: u64) -> Result<Explanation, StoreError> {
+        let (chosen, scored) = self.decide(req, now_ms, false).await?;
+        Ok(Explanation {
+            evaluated: scored.into_iter().map(evaluation).collect(),
+            chosen: chosen.map(|(id, _)| id),
+        })
+    }
+
+    async fn created(&self, node_id: &str, sandbox_id: &str) -> Result<(), StoreError> {
+        self.lifecycle("created", node_id, sandbox_id, Resources::default())
+            .await
+    }
+
+    async fn release(&self, node_id: &str, sandbox_id: &str) -> Result<(), StoreError> {
+        self.lifecycle("release", node_id, sandbox_id, Resources::default())
+            .await
+    }
+
+    async fn removed(
+        &self,
+        node_id: &str,
+        sandbox_id: &str,
+        resources: Resources,
+    ) -> Result<(), StoreError> {
+        self.lifecycle("removed", node_id, sandbox_id, resources)
+            .await
+    }
+
+    async fn heartbeat(&self, hb: &Heartbeat, now_ms: u64) -> Result<HeartbeatOutcome, StoreError> {
+        let [node, res, rm, listed] = self.node_keys(&hb.node_id);
+        let labels = serde_json::to_string(&hb.labels).unwrap_or_else(|_| "{}".to_string());
+        let mut invocation = self.heartbeat.prepare_invoke();
+        invocation
+            .key(node)
+            .key(res)
+            .key(rm)
+            .key(listed)
+            .key(self.nodes_key())
+            .arg(&hb.node_id)
+            .arg(&hb.boot_id)
+            .arg(hb.seq)
+            .arg(now_ms)
+            .arg(&hb.address)
+            .arg(labels)
+            .arg(hb.capacity.vcpus)
+            .arg(hb.capacity.memory_bytes)
+            .arg(hb.allocated.vcpus)
+            .arg(hb.allocated.memory_bytes)
+            .arg(hb.memory_used_bytes)
+            .arg(hb.cpu_usage)
+            .arg(self.mode.name())
+            .arg(self.max_unconfirmed);
+        for s in &hb.sandboxes {
+            invocation.arg(&s.sandbox_id);
+        }
+        let reply: Vec<Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
+        let applied = reply.first().map(int).unwrap_or(0) == 1;
+        let reason = reply.get(1).map(text).filter(|r| !r.is_empty());
+        Ok(HeartbeatOutcome {
+            applied,
+            reason,
+            confirmed: u32::try_from(reply.get(2).map(int).unwrap_or(0)).unwrap_or(0),
+            removed: u32::try_from(reply.get(3).map(int).unwrap_or(0)).unwrap_or(0),
+            rebooted: reply.get(4).map(int).unwrap_or(0) == 1,
+            expired: reply
+                .get(5..)
+                .unwrap_or_default()
+                .iter()
+                .map(text)
+                .collect(),
+        })
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeView>, StoreError> {
+        let mut views = Vec::new();
+        for id in self.node_ids(true).await? {
+            if let Some(view) = self.read_node(&id).await? {
+                views.push(view);
+            }
+        }
+        Ok(views)
+    }
+
+    async fn set_admin(&self, node_id: &str, admin: AdminState) -> Result<NodeView, StoreError> {
+        let key = self.node_keys(node_id)[0].clone();
+        let exists: bool = self.conn.clone().exists(&key).await?;
+        if !exists {
+            return Err(StoreError::UnknownNode(node_id.to_string()));
+        }
+        let value = match admin {
+            AdminState::Ready => "ready",
+            AdminState::Draining => "draining",
+        };
+        let _: () = self.conn.clone().hset(&key, "admin", value).await?;
+        self.read_node(node_id)
+            .await?
+            .ok_or_else(|| StoreError::UnknownNode(node_id.to_string()))
+    }
+}
+
+/// A seed that differs between replicas and restarts (sampling only needs to be fair, not
+/// secret).
+fn seed_from_clock() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32)
+}
+
+fn evaluation(s: Scored) -> Evaluation {
+    let feasible = s.reason.is_empty();
+    Evaluation {
+        node_id: s.node_id,
+        rejected: (!feasible).then_some(s.reason),
+        score: s.score,
+        terms: if feasible {
+            vec![("cpu", s.cpu), ("memory", s.memory)]
+        } else {
+            Vec::new()
+        },
+    }
+}

@@ -1,0 +1,367 @@
+//! One test suite for both placement stores: every test runs against the in-memory store and
+//! against Redis (`SANDBOXSCHED_TEST_REDIS_URL`, default redis://127.0.0.1:6379, under a key
+//! prefix of its own). Without Redis the Redis half fails, saying how to start it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use placement_svc::core::{
+    Accounting, AdminState, Heartbeat, Listed, NodeView, RankConfig, Request, Resources,
+};
+use placement_svc::store::memory::MemoryStore;
+use placement_svc::store::redis::RedisStore;
+use placement_svc::store::{Placement, PlacementStore, StoreError};
+
+const GIB: u64 = 1 << 30;
+const ONE: Resources = Resources {
+    vcpus: 1,
+    memory_bytes: GIB,
+};
+
+fn redis_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
+}
+
+async fn redis_store(prefix: &str, mode: Accounting) -> RedisStore {
+    RedisStore::connect(&redis_url(), prefix, mode, &RankConfig::default(), 3)
+        .await
+        .unwrap_or_else(|err| {
+            panic!(
+                "Redis is not reachable at {}: {err}\nStart it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no` \
+                 (or run scripts/test-all, which does), or point SANDBOXSCHED_TEST_REDIS_URL at one.",
+                redis_url()
+            )
+        })
+}
+
+async fn cleanup(prefix: &str) {
+    let client = redis::Client::open(redis_url()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("keys");
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .expect("del");
+    }
+}
+
+/// Builds one store (or, for the replica test, several sharing one truth).
+enum Kind {
+    Memory,
+    Redis,
+}
+
+struct Fixture {
+    kind: Kind,
+    prefix: String,
+}
+
+impl Fixture {
+    fn new(kind: Kind) -> Self {
+        Self {
+            kind,
+            prefix: format!("test-{}", uuid::Uuid::new_v4().simple()),
+        }
+    }
+
+    async fn with<F, Fut>(&self, test: F)
+    where
+        F: Fn(Arc<dyn Fn() -> StoreBox + Send + Sync>) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        match self.kind {
+            Kind::Memory => {
+                let store = Arc::new(MemoryStore::new(
+                    Accounting::Reconciled,
+                    &RankConfig::default(),
+                    3,
+                    7,
+                ));
+                test(Arc::new(move || StoreBox::Memory(store.clone()))).await;
+            }
+            Kind::Redis => {
+                let a = Arc::new(redis_store(&self.prefix, Accounting::Reconciled).await);
+                let b = Arc::new(redis_store(&self.prefix, Accounting::Reconciled).await);
+                let flip = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                // Each call hands out the other replica: two placers, one truth.
+                test(Arc::new(move || {
+                    let other = flip.fetch_xor(true, std::sync::atomic::Ordering::Relaxed);
+                    StoreBox::Redis(if other { b.clone() } else { a.clone() })
+                }))
+                .await;
+                cleanup(&self.prefix).await;
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+enum StoreBox {
+    Memory(Arc<MemoryStore>),
+    Redis(Arc<RedisStore>),
+}
+
+macro_rules! call {
+    ($store:expr, $method:ident ( $($arg:expr),* )) => {
+        match &$store {
+            StoreBox::Memory(s) => s.$method($($arg),*).await,
+            StoreBox::Redis(s) => s.$method($($arg),*).await,
+        }
+    };
+}
+
+fn heartbeat(node: &str, seq: u64, ids: &[&str]) -> Heartbeat {
+    let n = ids.len() as u32;
+    Heartbeat {
+        node_id: node.to_string(),
+        boot_id: "boot-1".to_string(),
+        seq,
+        address: format!("http://{node}"),
+        capacity: Resources {
+            vcpus: 8,
+            memory_bytes: 64 * GIB,
+        },
+        allocated: Resources {
+            vcpus: n,
+            memory_bytes: u64::from(n) * GIB,
+        },
+        sandboxes: ids
+            .iter()
+            .map(|id| Listed {
+                sandbox_id: id.to_string(),
+                allocated: ONE,
+                memory_used_bytes: GIB / 2,
+            })
+            .collect(),
+        ..Heartbeat::default()
+    }
+}
+
+fn request(id: &str) -> Request {
+    Request {
+        sandbox_id: id.to_string(),
+        resources: ONE,
+        ..Request::default()
+    }
+}
+
+async fn view(store: &StoreBox, node: &str) -> NodeView {
+    let nodes = call!(store, nodes()).expect("nodes");
+    nodes
+        .into_iter()
+        .find(|n| n.node_id == node)
+        .expect("node registered")
+}
+
+async fn placed_on(store: &StoreBox, id: &str, now: u64) -> String {
+    match call!(store, place(&request(id), now)).expect("place") {
+        Placement::Placed { node_id, .. } => node_id,
+        Placement::NoFit { reason } => panic!("{id} did not fit: {reason}"),
+    }
+}
+
+macro_rules! for_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test]
+            async fn $name() { super::Fixture::new(super::Kind::Memory).with(super::$name).await })*
+        }
+        mod redis_store {
+            $(#[tokio::test]
+            async fn $name() { super::Fixture::new(super::Kind::Redis).with(super::$name).await })*
+        }
+    };
+}
+
+type Stores = Arc<dyn Fn() -> StoreBox + Send + Sync>;
+
+for_both_stores!(
+    accounting_follows_sandbox_ids,
+    failed_create_is_released_at_once,
+    stale_sequence_is_ignored_and_new_boot_resets,
+    nothing_fits_says_why,
+    draining_node_gets_nothing,
+    unconfirmed_reservation_expires,
+    burst_spreads_with_exact_accounting,
+    explain_reserves_nothing,
+    unknown_node_is_an_error,
+);
+
+async fn accounting_follows_sandbox_ids(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &[]), 1_000)).unwrap();
+    assert_eq!(placed_on(&stores(), "s1", 1_000).await, "n1");
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 1);
+    call!(stores(), created("n1", "s1")).unwrap();
+    // Measured before the create landed: the reservation stays.
+    call!(s, heartbeat(&heartbeat("n1", 2, &[]), 1_100)).unwrap();
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 1);
+    let out = call!(stores(), heartbeat(&heartbeat("n1", 3, &["s1"]), 1_200)).unwrap();
+    assert_eq!(out.confirmed, 1);
+    let v = view(&s, "n1").await;
+    assert!(v.reservations.is_empty());
+    assert_eq!(v.believed().vcpus, 1);
+    call!(stores(), removed("n1", "s1", ONE)).unwrap();
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 0);
+    // A heartbeat measured before the kill still lists it: subtracted exactly once.
+    call!(s, heartbeat(&heartbeat("n1", 4, &["s1"]), 1_300)).unwrap();
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 0);
+    let out = call!(s, heartbeat(&heartbeat("n1", 5, &[]), 1_400)).unwrap();
+    assert_eq!(out.removed, 1);
+    let v = view(&s, "n1").await;
+    assert!(v.removals.is_empty());
+    assert_eq!(v.believed().vcpus, 0);
+}
+
+async fn failed_create_is_released_at_once(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &[]), 1_000)).unwrap();
+    placed_on(&s, "s1", 1_000).await;
+    call!(stores(), release("n1", "s1")).unwrap();
+    let v = view(&s, "n1").await;
+    assert_eq!((v.believed().vcpus, v.pending()), (0, 0));
+}
+
+async fn stale_sequence_is_ignored_and_new_boot_resets(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 5, &["a", "b"]), 1_000)).unwrap();
+    let out = call!(stores(), heartbeat(&heartbeat("n1", 5, &[]), 1_001)).unwrap();
+    assert!(!out.applied);
+    assert!(out.reason.unwrap().contains("not newer"));
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 2);
+    let mut reboot = heartbeat("n1", 1, &["a"]);
+    reboot.boot_id = "boot-2".to_string();
+    let out = call!(s, heartbeat(&reboot, 1_002)).unwrap();
+    assert!(out.applied && out.rebooted);
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 1);
+}
+
+async fn nothing_fits_says_why(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &[]), 1_000)).unwrap();
+    let mut big = request("big");
+    big.resources.memory_bytes = 65 * GIB;
+    match call!(s, place(&big, 1_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("memory"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+    let mut labelled = request("l");
+    labelled.selector = BTreeMap::from([("gpu".to_string(), "yes".to_string())]);
+    match call!(s, place(&labelled, 1_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("label"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+    // Long without a heartbeat: unhealthy.
+    match call!(s, place(&request("late"), 60_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("unhealthy"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+    assert_eq!(
+        view(&s, "n1").await.believed().vcpus,
+        0,
+        "a refused place reserved something"
+    );
+}
+
+async fn draining_node_gets_nothing(stores: Stores) {
+    let s = stores();
+    for node in ["n1", "n2"] {
+        call!(s, heartbeat(&heartbeat(node, 1, &[]), 1_000)).unwrap();
+    }
+    let v = call!(s, set_admin("n1", AdminState::Draining)).unwrap();
+    assert_eq!(v.admin, AdminState::Draining);
+    for i in 0..10 {
+        assert_eq!(placed_on(&stores(), &format!("s{i}"), 1_000).await, "n2");
+    }
+    call!(s, set_admin("n1", AdminState::Ready)).unwrap();
+    assert_eq!(view(&s, "n1").await.admin, AdminState::Ready);
+}
+
+async fn unconfirmed_reservation_expires(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &[]), 1_000)).unwrap();
+    placed_on(&s, "ghost", 1_000).await;
+    call!(s, created("n1", "ghost")).unwrap();
+    for seq in 2..=4 {
+        let out = call!(s, heartbeat(&heartbeat("n1", seq, &[]), 1_000 + seq)).unwrap();
+        assert!(out.expired.is_empty());
+    }
+    let out = call!(s, heartbeat(&heartbeat("n1", 5, &[]), 1_005)).unwrap();
+    assert_eq!(out.expired, vec!["ghost".to_string()]);
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 0);
+}
+
+async fn burst_spreads_with_exact_accounting(stores: Stores) {
+    let s = stores();
+    for node in ["n1", "n2", "n3", "n4"] {
+        call!(s, heartbeat(&heartbeat(node, 1, &[]), 1_000)).unwrap();
+    }
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let store = stores();
+        tasks.push(tokio::spawn(async move {
+            placed_on(&store, &format!("b{i}"), 1_000).await
+        }));
+    }
+    let mut per_node: BTreeMap<String, u32> = BTreeMap::new();
+    for t in tasks {
+        *per_node.entry(t.await.unwrap()).or_default() += 1;
+    }
+    let nodes = call!(s, nodes()).unwrap();
+    let believed: i64 = nodes.iter().map(|n| n.believed().vcpus).sum();
+    let reserved: usize = nodes.iter().map(|n| n.reservations.len()).sum();
+    assert_eq!(
+        (believed, reserved),
+        (64, 64),
+        "every placement reserved exactly once"
+    );
+    for n in &nodes {
+        assert_eq!(n.believed().vcpus, i64::from(per_node[&n.node_id]));
+    }
+    // Best-of-3 over 4 nodes with exact accounting: nobody runs away.
+    assert!(
+        per_node.values().all(|&c| (12..=20).contains(&c)),
+        "{per_node:?}"
+    );
+}
+
+async fn explain_reserves_nothing(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &["x", "y"]), 1_000)).unwrap();
+    call!(s, heartbeat(&heartbeat("n2", 1, &[]), 1_000)).unwrap();
+    let e = call!(s, explain(&request("q"), 1_000)).unwrap();
+    assert_eq!(e.chosen.as_deref(), Some("n2"));
+    assert_eq!(e.evaluated.len(), 2);
+    let n1 = e.evaluated.iter().find(|c| c.node_id == "n1").unwrap();
+    let n2 = e.evaluated.iter().find(|c| c.node_id == "n2").unwrap();
+    assert!(n1.score > n2.score);
+    assert!(n1.terms.iter().any(|(name, _)| *name == "cpu"));
+    let nodes = call!(s, nodes()).unwrap();
+    assert!(nodes.iter().all(|n| n.reservations.is_empty()));
+}
+
+async fn unknown_node_is_an_error(stores: Stores) {
+    let s = stores();
+    assert!(matches!(
+        call!(s, created("nope", "s")),
+        Err(StoreError::UnknownNode(_))
+    ));
+    assert!(matches!(
+        call!(s, set_admin("nope", AdminState::Draining)),
+        Err(StoreError::UnknownNode(_))
+    ));
+    match call!(s, place(&request("s"), 1_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("no nodes"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+}
