@@ -12,10 +12,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(
-    version,
-    about = "sandboxsched: an E2B-compatible sandbox control plane"
-)]
+#[command(version, about = "sandboxsched: an E2B-compatible sandbox control plane")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -33,12 +30,14 @@ struct UpArgs {
     #[arg(long, env = "SANDBOXSCHED_DATA_DIR", default_value = "data")]
     data_dir: PathBuf,
     /// Address of ledger-svc's gRPC endpoint.
-    #[arg(
-        long,
-        env = "SANDBOXSCHED_LEDGER_LISTEN",
-        default_value = "127.0.0.1:7001"
-    )]
+    #[arg(long, env = "SANDBOXSCHED_LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
     ledger_listen: SocketAddr,
+    /// Address of placement-svc's gRPC endpoint.
+    #[arg(long, env = "SANDBOXSCHED_PLACEMENT_LISTEN", default_value = "127.0.0.1:7002")]
+    placement_listen: SocketAddr,
+    /// Share placement state through this Redis instead of keeping it in memory.
+    #[arg(long, env = "SANDBOXSCHED_PLACEMENT_REDIS_URL")]
+    placement_redis_url: Option<String>,
     /// Use this database for the ledger instead of the embedded SQLite file
     /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
     #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
@@ -59,24 +58,38 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let database_url = args
         .ledger_database_url
         .unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("ledger.db").display()));
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        args.ledger_listen,
-        &database_url,
-    ))
-    .await
-    .context("starting ledger-svc")?;
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(args.ledger_listen, &database_url))
+        .await
+        .context("starting ledger-svc")?;
+    let mut placement_config = placement_svc::server::PlacementConfig::new(args.placement_listen);
+    placement_config.ledger_endpoint = Some(ledger.endpoint());
+    if let Some(url) = &args.placement_redis_url {
+        placement_config.store = placement_svc::server::StoreConfig::Redis {
+            url: url.clone(),
+            prefix: "sandboxsched".to_string(),
+        };
+    }
+    let placement = placement_svc::server::start(placement_config)
+        .await
+        .context("starting placement-svc")?;
 
     println!();
     println!("sandboxsched is up (data in {})", args.data_dir.display());
     println!(
-        "  ledger-svc    grpc {}   ({})",
+        "  ledger-svc     grpc {}   ({})",
         ledger.endpoint(),
         redact(&database_url)
     );
+    let placement_store = args
+        .placement_redis_url
+        .as_deref()
+        .map_or("in memory".to_string(), redact);
+    println!("  placement-svc  grpc {}   ({placement_store})", placement.endpoint());
     println!();
     println!("Press Ctrl-C to stop.");
 
     common::shutdown::signal().await;
+    placement.stop().await;
     ledger.stop().await;
     println!("sandboxsched stopped");
     Ok(())

@@ -68,17 +68,11 @@ impl Scratch {
                 let schema = format!("bench_{tag}");
                 let mut conn = sqlx::PgConnection::connect(&args.postgres_url)
                     .await
-                    .with_context(|| {
-                        format!("PostgreSQL is not reachable at {}", args.postgres_url)
-                    })?;
+                    .with_context(|| format!("PostgreSQL is not reachable at {}", args.postgres_url))?;
                 sqlx::query(&format!("CREATE SCHEMA {schema}"))
                     .execute(&mut conn)
                     .await?;
-                let sep = if args.postgres_url.contains('?') {
-                    '&'
-                } else {
-                    '?'
-                };
+                let sep = if args.postgres_url.contains('?') { '&' } else { '?' };
                 let url = format!("{}{sep}options[search_path]={schema}", args.postgres_url);
                 Ok((
                     Scratch::Schema {
@@ -136,11 +130,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .figure("backend", backend, "")
         .figure("cas_per_sec_distinct", distinct.round() as u64, "CAS/s")
         .figure("cas_per_sec_hot", hot_ok.round() as u64, "successful CAS/s")
-        .figure(
-            "cas_attempts_per_sec_hot",
-            hot_attempts.round() as u64,
-            "attempts/s",
-        )
+        .figure("cas_attempts_per_sec_hot", hot_attempts.round() as u64, "attempts/s")
         .figure(
             "plan_commit_success_under_churn",
             plan_only,
@@ -155,11 +145,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 }
 
 /// Each writer updates its own document; returns successful CAS per second.
-async fn distinct_writers(
-    clients: &[LedgerClient],
-    writers: usize,
-    duration: Duration,
-) -> anyhow::Result<f64> {
+async fn distinct_writers(clients: &[LedgerClient], writers: usize, duration: Duration) -> anyhow::Result<f64> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -168,17 +154,11 @@ async fn distinct_writers(
         let (done, stop) = (done.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let id = format!("w{w}");
-            let mut version = c
-                .compare(Txn::new().create("bench", &id, &0u64)?)
-                .await?
-                .versions[0];
+            let mut version = c.compare(Txn::new().create("bench", &id, &0u64)?).await?.versions[0];
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
-                version = c
-                    .compare(Txn::new().update("bench", &id, version, &n)?)
-                    .await?
-                    .versions[0];
+                version = c.compare(Txn::new().update("bench", &id, version, &n)?).await?.versions[0];
                 done.fetch_add(1, Ordering::Relaxed);
             }
             Ok::<_, LedgerError>(())
@@ -195,14 +175,8 @@ async fn distinct_writers(
 
 /// Every writer reads one document and writes it back at the version read; returns
 /// (successful CAS per second, attempts per second).
-async fn hot_writers(
-    clients: &[LedgerClient],
-    writers: usize,
-    duration: Duration,
-) -> anyhow::Result<(f64, f64)> {
-    clients[0]
-        .compare(Txn::new().create("bench", "hot", &0u64)?)
-        .await?;
+async fn hot_writers(clients: &[LedgerClient], writers: usize, duration: Duration) -> anyhow::Result<(f64, f64)> {
+    clients[0].compare(Txn::new().create("bench", "hot", &0u64)?).await?;
     let ok = Arc::new(AtomicU64::new(0));
     let attempts = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -244,11 +218,7 @@ async fn hot_writers(
 }
 
 /// The seed's scenario; returns the fraction of plan commits that succeeded.
-async fn plan_commits_under_churn(
-    c: &LedgerClient,
-    plans: u32,
-    seed_shape: bool,
-) -> anyhow::Result<f64> {
+async fn plan_commits_under_churn(c: &LedgerClient, plans: u32, seed_shape: bool) -> anyhow::Result<f64> {
     let tag = if seed_shape { "seed" } else { "fixed" };
     let nodes = [format!("{tag}-n1"), format!("{tag}-n2")];
     let plan_id = format!("{tag}-plan");
@@ -272,12 +242,7 @@ async fn plan_commits_under_churn(
                         continue;
                     };
                     n += 1;
-                    let txn = Txn::new().update(
-                        "node",
-                        id,
-                        doc.version,
-                        &json!({"available_ratio": 0.5, "n": n}),
-                    )?;
+                    let txn = Txn::new().update("node", id, doc.version, &json!({"available_ratio": 0.5, "n": n}))?;
                     c.compare(txn).await?;
                 }
             }

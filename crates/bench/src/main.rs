@@ -6,6 +6,7 @@
 
 mod ledger_cas;
 mod placement_distribution;
+mod placement_throughput;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,8 @@ enum Scenario {
     LedgerCas(ledger_cas::Args),
     /// The three accounting modes side by side on a seeded virtual clock.
     PlacementDistribution(placement_distribution::Args),
+    /// placement-svc on Redis with 1,000 nodes: closed-loop rate, open-loop latency, pure decisions.
+    PlacementThroughput(placement_throughput::Args),
 }
 
 #[tokio::main]
@@ -34,6 +37,7 @@ async fn main() -> anyhow::Result<()> {
     let report = match cli.scenario {
         Scenario::LedgerCas(args) => ledger_cas::run(args).await?,
         Scenario::PlacementDistribution(args) => placement_distribution::run(args)?,
+        Scenario::PlacementThroughput(args) => placement_throughput::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

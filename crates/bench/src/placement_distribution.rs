@@ -43,10 +43,7 @@ fn round(x: f64) -> f64 {
 
 fn one(name: &str, seed: Option<u64>) -> anyhow::Result<(Value, Vec<String>)> {
     let Some(mut scenario) = Scenario::named(name) else {
-        bail!(
-            "unknown scenario {name:?}; one of {:?} or all",
-            Scenario::NAMES
-        );
+        bail!("unknown scenario {name:?}; one of {:?} or all", Scenario::NAMES);
     };
     if let Some(seed) = seed {
         scenario.seed = seed;

@@ -27,10 +27,8 @@ impl Report {
             Value::String(s) => s.clone(),
             other => other.to_string(),
         };
-        self.rows.push((
-            key.to_string(),
-            format!("{shown} {unit}").trim_end().to_string(),
-        ));
+        self.rows
+            .push((key.to_string(), format!("{shown} {unit}").trim_end().to_string()));
         self.json.insert(key.to_string(), value);
         self
     }

@@ -34,9 +34,7 @@ pub enum ApiError {
     Store(#[from] StoreError),
     #[error("{0} does not exist")]
     NotFound(DocKey),
-    #[error(
-        "revision {requested} was compacted; the oldest revision a watch can start at is {oldest}"
-    )]
+    #[error("revision {requested} was compacted; the oldest revision a watch can start at is {oldest}")]
     Compacted { requested: u64, oldest: u64 },
 }
 
@@ -46,9 +44,7 @@ impl From<ApiError> for Status {
         match err {
             ApiError::Invalid(_) => Status::invalid_argument(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
-            ApiError::Store(StoreError::Internal(_) | StoreError::BadUrl { .. }) => {
-                Status::internal(message)
-            }
+            ApiError::Store(StoreError::Internal(_) | StoreError::BadUrl { .. }) => Status::internal(message),
             ApiError::NotFound(_) => Status::not_found(message),
             ApiError::Compacted { .. } => Status::out_of_range(message),
         }
@@ -67,12 +63,7 @@ pub struct LedgerApi {
 impl LedgerApi {
     /// `shutdown` turning `true` ends every watch stream, so a graceful stop is not held open
     /// by watchers (they reconnect elsewhere and resume from their last revision).
-    pub fn new(
-        store: Store,
-        committer: Committer,
-        head: HeadTracker,
-        shutdown: watch::Receiver<bool>,
-    ) -> Self {
+    pub fn new(store: Store, committer: Committer, head: HeadTracker, shutdown: watch::Receiver<bool>) -> Self {
         Self {
             store,
             committer,
@@ -160,21 +151,13 @@ fn encode_token(id: &str) -> String {
 }
 
 fn decode_token(token: &str) -> Result<String, Invalid> {
-    let bad = || {
-        Invalid(format!(
-            "page_token {token:?} is not one this ledger issued"
-        ))
-    };
+    let bad = || Invalid(format!("page_token {token:?} is not one this ledger issued"));
     if !token.len().is_multiple_of(2) {
         return Err(bad());
     }
     let bytes = (0..token.len())
         .step_by(2)
-        .map(|i| {
-            token
-                .get(i..i + 2)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        })
+        .map(|i| token.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
         .collect::<Option<Vec<u8>>>()
         .ok_or_else(bad)?;
     String::from_utf8(bytes).map_err(|_| bad())
@@ -184,10 +167,7 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> 
 
 #[tonic::async_trait]
 impl pb::ledger_server::Ledger for LedgerApi {
-    async fn get(
-        &self,
-        request: Request<pb::GetRequest>,
-    ) -> Result<Response<pb::GetResponse>, Status> {
+    async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
         let req = request.into_inner();
         model::validate_key(&req.kind, &req.id).map_err(ApiError::from)?;
         let key = DocKey::new(req.kind, req.id);
@@ -199,20 +179,10 @@ impl pb::ledger_server::Ledger for LedgerApi {
         }))
     }
 
-    async fn list(
-        &self,
-        request: Request<pb::ListRequest>,
-    ) -> Result<Response<pb::ListResponse>, Status> {
+    async fn list(&self, request: Request<pb::ListRequest>) -> Result<Response<pb::ListResponse>, Status> {
         let req = request.into_inner();
-        model::validate_key(
-            &req.kind,
-            if req.id_prefix.is_empty() {
-                "x"
-            } else {
-                &req.id_prefix
-            },
-        )
-        .map_err(ApiError::from)?;
+        model::validate_key(&req.kind, if req.id_prefix.is_empty() { "x" } else { &req.id_prefix })
+            .map_err(ApiError::from)?;
         if req.limit > MAX_PAGE {
             return Err(ApiError::Invalid(Invalid(format!(
                 "limit {} is over the maximum of {MAX_PAGE}",
@@ -220,11 +190,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
             )))
             .into());
         }
-        let limit = if req.limit == 0 {
-            DEFAULT_PAGE
-        } else {
-            req.limit
-        };
+        let limit = if req.limit == 0 { DEFAULT_PAGE } else { req.limit };
         let after = decode_token(&req.page_token).map_err(ApiError::from)?;
         // One more than asked tells whether another page follows.
         let (mut docs, revision) = self
@@ -234,9 +200,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
             .map_err(ApiError::from)?;
         let next_page_token = if docs.len() > limit as usize {
             docs.truncate(limit as usize);
-            docs.last()
-                .map(|d| encode_token(&d.key.id))
-                .unwrap_or_default()
+            docs.last().map(|d| encode_token(&d.key.id)).unwrap_or_default()
         } else {
             String::new()
         };
@@ -247,10 +211,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
         }))
     }
 
-    async fn compare(
-        &self,
-        request: Request<pb::CompareRequest>,
-    ) -> Result<Response<pb::CompareResponse>, Status> {
+    async fn compare(&self, request: Request<pb::CompareRequest>) -> Result<Response<pb::CompareResponse>, Status> {
         let entries = request
             .into_inner()
             .entries
@@ -259,12 +220,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
             .collect::<Result<Vec<_>, _>>()
             .map_err(ApiError::from)?;
         model::validate_entries(&entries).map_err(ApiError::from)?;
-        let reply = match self
-            .committer
-            .submit(entries)
-            .await
-            .map_err(ApiError::from)?
-        {
+        let reply = match self.committer.submit(entries).await.map_err(ApiError::from)? {
             Outcome::Committed { revision, versions } => pb::CompareResponse {
                 succeeded: true,
                 revision,
@@ -278,10 +234,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
                     .collect(),
                 conflicts: Vec::new(),
             },
-            Outcome::Conflicted {
-                revision,
-                conflicts,
-            } => {
+            Outcome::Conflicted { revision, conflicts } => {
                 tracing::debug!(
                     conflicts = ?conflicts.iter().map(|c| c.key.to_string()).collect::<Vec<_>>(),
                     "compare conflicted"
@@ -299,10 +252,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
 
     type WatchStream = WatchStream;
 
-    async fn watch(
-        &self,
-        request: Request<pb::WatchRequest>,
-    ) -> Result<Response<WatchStream>, Status> {
+    async fn watch(&self, request: Request<pb::WatchRequest>) -> Result<Response<WatchStream>, Status> {
         let req = request.into_inner();
         let filter = filter_from_pb(&req).map_err(ApiError::from)?;
         let start = if req.start_revision == 0 {
@@ -404,12 +354,7 @@ impl Tail {
         let changes = self.store.changes(self.last, upto, &self.filter).await?;
         // Read the compaction point after the rows: if it passed `last` meanwhile, the rows may
         // have lost their oldest part, and a silent gap is the one thing a watch must not have.
-        let compacted = self
-            .store
-            .head()
-            .await?
-            .compacted
-            .max(self.head.compacted());
+        let compacted = self.store.head().await?.compacted.max(self.head.compacted());
         if compacted > self.last {
             return Err(ApiError::Compacted {
                 requested: self.last + 1,

@@ -31,10 +31,7 @@ use crate::model::{Conflict, DocKey, Document};
 pub enum LedgerError {
     /// A guard did not hold; nothing was written. Every mismatching document is named.
     #[error("compare failed at revision {revision}: {}", describe(.conflicts))]
-    Conflict {
-        revision: u64,
-        conflicts: Vec<Conflict>,
-    },
+    Conflict { revision: u64, conflicts: Vec<Conflict> },
     /// The ledger or its database cannot be reached; retrying later may succeed.
     #[error("ledger unavailable: {0}")]
     Unavailable(String),
@@ -138,13 +135,7 @@ impl Txn {
         Self::default()
     }
 
-    fn push(
-        mut self,
-        kind: &str,
-        id: &str,
-        expected_version: u64,
-        action: pb::compare_entry::Action,
-    ) -> Self {
+    fn push(mut self, kind: &str, id: &str, expected_version: u64, action: pb::compare_entry::Action) -> Self {
         self.entries.push(pb::CompareEntry {
             kind: kind.to_string(),
             id: id.to_string(),
@@ -162,58 +153,32 @@ impl Txn {
     }
 
     /// Creates the document; fails if it exists.
-    pub fn create<T: Serialize>(
-        self,
-        kind: &str,
-        id: &str,
-        value: &T,
-    ) -> Result<Self, LedgerError> {
+    pub fn create<T: Serialize>(self, kind: &str, id: &str, value: &T) -> Result<Self, LedgerError> {
         let json = Self::json(kind, id, value)?;
         Ok(self.push(kind, id, 0, pb::compare_entry::Action::PutJson(json)))
     }
 
     /// Replaces the document if it is still at `version`.
-    pub fn update<T: Serialize>(
-        self,
-        kind: &str,
-        id: &str,
-        version: u64,
-        value: &T,
-    ) -> Result<Self, LedgerError> {
+    pub fn update<T: Serialize>(self, kind: &str, id: &str, version: u64, value: &T) -> Result<Self, LedgerError> {
         let json = Self::json(kind, id, value)?;
         Ok(self.push(kind, id, version, pb::compare_entry::Action::PutJson(json)))
     }
 
     /// Writes raw JSON text at `expected_version` (0: create).
     pub fn put_json(self, kind: &str, id: &str, expected_version: u64, json: String) -> Self {
-        self.push(
-            kind,
-            id,
-            expected_version,
-            pb::compare_entry::Action::PutJson(json),
-        )
+        self.push(kind, id, expected_version, pb::compare_entry::Action::PutJson(json))
     }
 
     /// Deletes the document if it is still at `version`.
     pub fn delete(self, kind: &str, id: &str, version: u64) -> Self {
-        self.push(
-            kind,
-            id,
-            version,
-            pb::compare_entry::Action::Delete(pb::Delete {}),
-        )
+        self.push(kind, id, version, pb::compare_entry::Action::Delete(pb::Delete {}))
     }
 
     /// Requires the document to be at `version` (0: absent) without writing it. Use it only for
     /// documents that must hold still for this write to be right, never for documents other
     /// writers update on their own schedule.
     pub fn check(self, kind: &str, id: &str, version: u64) -> Self {
-        self.push(
-            kind,
-            id,
-            version,
-            pb::compare_entry::Action::Check(pb::Check {}),
-        )
+        self.push(kind, id, version, pb::compare_entry::Action::Check(pb::Check {}))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -285,15 +250,8 @@ impl LedgerClient {
     }
 
     /// One document decoded into `T`, or `None`.
-    pub async fn get<T: DeserializeOwned>(
-        &self,
-        kind: &str,
-        id: &str,
-    ) -> Result<Option<Versioned<T>>, LedgerError> {
-        self.get_raw(kind, id)
-            .await?
-            .map(Versioned::decode)
-            .transpose()
+    pub async fn get<T: DeserializeOwned>(&self, kind: &str, id: &str) -> Result<Option<Versioned<T>>, LedgerError> {
+        self.get_raw(kind, id).await?.map(Versioned::decode).transpose()
     }
 
     /// One page of raw documents, the next page's token (empty on the last) and the revision.
@@ -343,9 +301,7 @@ impl LedgerClient {
         let reply = self
             .grpc
             .clone()
-            .compare(pb::CompareRequest {
-                entries: txn.entries,
-            })
+            .compare(pb::CompareRequest { entries: txn.entries })
             .await?
             .into_inner();
         if reply.succeeded {
@@ -430,9 +386,7 @@ impl Follower {
                                     return;
                                 }
                             }
-                            Ok(None) => {
-                                break LedgerError::Unavailable("watch stream ended".to_string())
-                            }
+                            Ok(None) => break LedgerError::Unavailable("watch stream ended".to_string()),
                             Err(status) => break LedgerError::from(status),
                         }
                     }

@@ -74,8 +74,7 @@ async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, head: watch::Sender<
                 Err(_) => break,
             }
         }
-        let (compares, replies): (Vec<_>, Vec<_>) =
-            batch.into_iter().map(|p| (p.entries, p.reply)).unzip();
+        let (compares, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.entries, p.reply)).unzip();
         match store.apply(&compares).await {
             Ok(outcomes) => {
                 let newest = outcomes

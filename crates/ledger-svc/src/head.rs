@@ -71,9 +71,7 @@ impl HeadTracker {
             if up {
                 tracing::info!("database reachable again");
             } else {
-                tracing::error!(
-                    "database unreachable: writes and reads answer UNAVAILABLE until it returns"
-                );
+                tracing::error!("database unreachable: writes and reads answer UNAVAILABLE until it returns");
             }
             self.health.send_replace(up);
         }

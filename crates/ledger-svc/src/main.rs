@@ -13,11 +13,7 @@ struct Args {
     #[arg(long, env = "LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
     listen: SocketAddr,
     /// `sqlite://PATH` for the embedded default, or `postgres://USER@HOST:PORT/DB`.
-    #[arg(
-        long,
-        env = "LEDGER_DATABASE_URL",
-        default_value = "sqlite://data/ledger.db"
-    )]
+    #[arg(long, env = "LEDGER_DATABASE_URL", default_value = "sqlite://data/ledger.db")]
     database_url: String,
     /// Change-log revisions kept for watchers that reconnect.
     #[arg(long, env = "LEDGER_RETAIN_REVISIONS", default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]

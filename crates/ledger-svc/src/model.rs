@@ -95,9 +95,7 @@ pub fn validate_key(kind: &str, id: &str) -> Result<(), Invalid> {
             )));
         }
         if value.chars().any(char::is_control) {
-            return Err(invalid(format!(
-                "{what} {value:?} contains a control character"
-            )));
+            return Err(invalid(format!("{what} {value:?} contains a control character")));
         }
     }
     Ok(())
@@ -132,10 +130,7 @@ pub fn validate_entries(entries: &[Entry]) -> Result<(), Invalid> {
     for entry in entries {
         validate_key(&entry.key.kind, &entry.key.id)?;
         if !seen.insert(&entry.key) {
-            return Err(invalid(format!(
-                "{} is named twice in one compare",
-                entry.key
-            )));
+            return Err(invalid(format!("{} is named twice in one compare", entry.key)));
         }
         match &entry.action {
             Action::Put(json) => validate_payload(&entry.key, json)?,
@@ -191,10 +186,7 @@ pub enum Outcome {
         versions: Vec<(DocKey, u64)>,
     },
     /// Nothing was applied; every mismatching entry is named.
-    Conflicted {
-        revision: u64,
-        conflicts: Vec<Conflict>,
-    },
+    Conflicted { revision: u64, conflicts: Vec<Conflict> },
 }
 
 /// The state a document ends a batch in.
@@ -240,24 +232,19 @@ pub struct BatchPlan {
 /// versions commits at the current revision without using one up; a compare whose guards do
 /// not all hold changes nothing and names every mismatching entry. Later compares in the batch
 /// see the effect of earlier ones, exactly as if each had been its own transaction.
-pub fn plan_batch(
-    current: &HashMap<DocKey, Current>,
-    compares: &[Vec<Entry>],
-    head: u64,
-) -> BatchPlan {
+pub fn plan_batch(current: &HashMap<DocKey, Current>, compares: &[Vec<Entry>], head: u64) -> BatchPlan {
     let mut state: HashMap<&DocKey, Option<Current>> = HashMap::new();
     let mut plan = BatchPlan {
         head,
         ..BatchPlan::default()
     };
     for entries in compares {
-        let version_of =
-            |state: &HashMap<&DocKey, Option<Current>>, key: &DocKey| -> Option<Current> {
-                match state.get(key) {
-                    Some(seen) => *seen,
-                    None => current.get(key).copied(),
-                }
-            };
+        let version_of = |state: &HashMap<&DocKey, Option<Current>>, key: &DocKey| -> Option<Current> {
+            match state.get(key) {
+                Some(seen) => *seen,
+                None => current.get(key).copied(),
+            }
+        };
         let conflicts: Vec<Conflict> = entries
             .iter()
             .filter_map(|entry| {
@@ -283,9 +270,7 @@ pub fn plan_batch(
         for entry in entries {
             let before = version_of(&state, &entry.key);
             match &entry.action {
-                Action::Check => {
-                    versions.push((entry.key.clone(), before.map_or(0, |c| c.version)))
-                }
+                Action::Check => versions.push((entry.key.clone(), before.map_or(0, |c| c.version))),
                 Action::Put(payload) => {
                     let after = Current {
                         version: before.map_or(1, |c| c.version + 1),
@@ -329,8 +314,7 @@ pub fn plan_batch(
             }
         }
         plan.head = revision;
-        plan.outcomes
-            .push(Outcome::Committed { revision, versions });
+        plan.outcomes.push(Outcome::Committed { revision, versions });
     }
     plan
 }
@@ -360,11 +344,7 @@ mod tests {
 
     #[test]
     fn create_then_update_in_one_batch_takes_two_revisions() {
-        let plan = plan_batch(
-            &HashMap::new(),
-            &[vec![put("a", 0, "1")], vec![put("a", 1, "2")]],
-            10,
-        );
+        let plan = plan_batch(&HashMap::new(), &[vec![put("a", 0, "1")], vec![put("a", 1, "2")]], 10);
         assert_eq!(plan.head, 12);
         assert_eq!(
             plan.outcomes,
@@ -398,11 +378,7 @@ mod tests {
         let plan = plan_batch(&current, &[compare], 7);
         assert_eq!(plan.head, 7);
         assert!(plan.finals.is_empty() && plan.changes.is_empty());
-        let Outcome::Conflicted {
-            conflicts,
-            revision,
-        } = &plan.outcomes[0]
-        else {
+        let Outcome::Conflicted { conflicts, revision } = &plan.outcomes[0] else {
             panic!("expected a conflict, got {:?}", plan.outcomes[0]);
         };
         assert_eq!(*revision, 7);
@@ -416,15 +392,8 @@ mod tests {
     #[test]
     fn second_writer_of_the_same_version_loses() {
         let current = HashMap::from([(key("a"), at(1, 1))]);
-        let plan = plan_batch(
-            &current,
-            &[vec![put("a", 1, "\"x\"")], vec![put("a", 1, "\"y\"")]],
-            1,
-        );
-        assert!(matches!(
-            plan.outcomes[0],
-            Outcome::Committed { revision: 2, .. }
-        ));
+        let plan = plan_batch(&current, &[vec![put("a", 1, "\"x\"")], vec![put("a", 1, "\"y\"")]], 1);
+        assert!(matches!(plan.outcomes[0], Outcome::Committed { revision: 2, .. }));
         assert!(
             matches!(&plan.outcomes[1], Outcome::Conflicted { conflicts, .. } if conflicts[0].current_version == 2)
         );
@@ -473,11 +442,7 @@ mod tests {
 
     #[test]
     fn multi_document_compare_shares_one_revision() {
-        let plan = plan_batch(
-            &HashMap::new(),
-            &[vec![put("a", 0, "1"), put("b", 0, "2")]],
-            0,
-        );
+        let plan = plan_batch(&HashMap::new(), &[vec![put("a", 0, "1"), put("b", 0, "2")]], 0);
         assert_eq!(plan.head, 1);
         let seqs: Vec<_> = plan.changes.iter().map(|c| (c.revision, c.seq)).collect();
         assert_eq!(seqs, vec![(1, 0), (1, 1)]);
@@ -490,9 +455,7 @@ mod tests {
         assert!(validate_key("k", "a\nb").is_err());
         assert!(validate_key("k", &"x".repeat(MAX_KEY_BYTES + 1)).is_err());
         assert!(validate_payload(&key("a"), "{not json").is_err());
-        assert!(
-            validate_payload(&key("a"), &format!("\"{}\"", "x".repeat(MAX_PAYLOAD_BYTES))).is_err()
-        );
+        assert!(validate_payload(&key("a"), &format!("\"{}\"", "x".repeat(MAX_PAYLOAD_BYTES))).is_err());
         assert!(validate_entries(&[]).is_err());
         assert!(validate_entries(&[put("a", 0, "1"), put("a", 0, "2")]).is_err());
         let delete_absent = Entry {

@@ -46,10 +46,7 @@ impl LedgerConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -128,29 +125,19 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
     let mut background = vec![
         committer_task,
         tracker.spawn_poller(store.clone(), config.poll_interval),
-        tracker.spawn_compactor(
-            store.clone(),
-            config.retain_revisions,
-            config.compact_interval,
-        ),
+        tracker.spawn_compactor(store.clone(), config.retain_revisions, config.compact_interval),
     ];
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<LedgerServer<LedgerApi>>()
-        .await;
+    health_reporter.set_serving::<LedgerServer<LedgerApi>>().await;
     let mut health = tracker.health();
     background.push(tokio::spawn(async move {
         while health.changed().await.is_ok() {
             let up = *health.borrow_and_update();
             if up {
-                health_reporter
-                    .set_serving::<LedgerServer<LedgerApi>>()
-                    .await;
+                health_reporter.set_serving::<LedgerServer<LedgerApi>>().await;
             } else {
-                health_reporter
-                    .set_not_serving::<LedgerServer<LedgerApi>>()
-                    .await;
+                health_reporter.set_not_serving::<LedgerServer<LedgerApi>>().await;
             }
         }
     }));

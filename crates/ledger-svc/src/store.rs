@@ -21,9 +21,7 @@ use std::time::Duration;
 
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row};
 
 use crate::model::{plan_batch, Change, Current, DocKey, Document, Entry, FinalState, Outcome};
@@ -50,21 +48,16 @@ impl From<sqlx::Error> for StoreError {
     fn from(err: sqlx::Error) -> Self {
         use sqlx::Error as E;
         match &err {
-            E::Io(_)
-            | E::Tls(_)
-            | E::Protocol(_)
-            | E::PoolTimedOut
-            | E::PoolClosed
-            | E::WorkerCrashed => StoreError::Unavailable(err.to_string()),
+            E::Io(_) | E::Tls(_) | E::Protocol(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
+                StoreError::Unavailable(err.to_string())
+            }
             E::Database(db) => {
                 // PostgreSQL SQLSTATE classes 08 (connection), 53 (resources) and 57 (operator
                 // intervention, e.g. admin shutdown), and SQLite's BUSY and LOCKED codes, are
                 // worth a retry; anything else is a bug or bad data.
                 let code = db.code().unwrap_or_default();
                 let transient = if code.len() == 5 {
-                    ["08", "53", "57"]
-                        .iter()
-                        .any(|class| code.starts_with(class))
+                    ["08", "53", "57"].iter().any(|class| code.starts_with(class))
                 } else {
                     matches!(code.as_ref(), "5" | "6" | "261" | "262" | "517")
                 };
@@ -406,12 +399,7 @@ impl Store {
     }
 
     /// The change-log rows with `after < revision <= upto` that match `filter`, in order.
-    pub async fn changes(
-        &self,
-        after: u64,
-        upto: u64,
-        filter: &Filter,
-    ) -> Result<Vec<Change>, StoreError> {
+    pub async fn changes(&self, after: u64, upto: u64, filter: &Filter) -> Result<Vec<Change>, StoreError> {
         let upper = crate::model::prefix_upper_bound(&filter.id_prefix);
         with_pool!(self, pool => {
             let mut qb = QueryBuilder::new(

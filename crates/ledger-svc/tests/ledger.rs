@@ -40,9 +40,7 @@ for_both_backends!(
     compacted_revisions_are_out_of_range,
 );
 
-fn expect_conflict(
-    result: Result<ledger_svc::client::Committed, LedgerError>,
-) -> Vec<ledger_svc::Conflict> {
+fn expect_conflict(result: Result<ledger_svc::client::Committed, LedgerError>) -> Vec<ledger_svc::Conflict> {
     match result {
         Err(LedgerError::Conflict { conflicts, .. }) => conflicts,
         other => panic!("expected a conflict, got {other:?}"),
@@ -55,40 +53,22 @@ async fn create_if_absent(backend: Backend) {
     let c = client(&ledger);
 
     let first = c
-        .compare(
-            Txn::new()
-                .create("sandbox", "s1", &json!({"mem": 512}))
-                .unwrap(),
-        )
+        .compare(Txn::new().create("sandbox", "s1", &json!({"mem": 512})).unwrap())
         .await
         .unwrap();
     assert_eq!(first.versions, vec![1]);
-    let doc = c
-        .get::<Value>("sandbox", "s1")
-        .await
-        .unwrap()
-        .expect("created");
+    let doc = c.get::<Value>("sandbox", "s1").await.unwrap().expect("created");
     assert_eq!(
         (doc.version, doc.create_revision, doc.mod_revision),
         (1, first.revision, first.revision)
     );
     assert_eq!(doc.value, json!({"mem": 512}));
 
-    let conflicts = expect_conflict(
-        c.compare(Txn::new().create("sandbox", "s1", &json!({})).unwrap())
-            .await,
-    );
+    let conflicts = expect_conflict(c.compare(Txn::new().create("sandbox", "s1", &json!({})).unwrap()).await);
     assert_eq!(conflicts.len(), 1);
+    assert_eq!((conflicts[0].expected_version, conflicts[0].current_version), (0, 1));
     assert_eq!(
-        (conflicts[0].expected_version, conflicts[0].current_version),
-        (0, 1)
-    );
-    assert_eq!(
-        c.get::<Value>("sandbox", "s1")
-            .await
-            .unwrap()
-            .unwrap()
-            .value,
+        c.get::<Value>("sandbox", "s1").await.unwrap().unwrap().value,
         json!({"mem": 512})
     );
 
@@ -109,10 +89,7 @@ async fn update_at_version_and_delete(backend: Backend) {
         .await
         .unwrap();
     assert_eq!(updated.versions, vec![2]);
-    let stale = expect_conflict(
-        c.compare(Txn::new().update("node", "n1", 1, &json!(3)).unwrap())
-            .await,
-    );
+    let stale = expect_conflict(c.compare(Txn::new().update("node", "n1", 1, &json!(3)).unwrap()).await);
     assert_eq!(stale[0].current_version, 2);
 
     let deleted = c.compare(Txn::new().delete("node", "n1", 2)).await.unwrap();
@@ -186,20 +163,12 @@ async fn conflict_names_every_mismatch(backend: Backend) {
         .create("node", "n2", &json!({}))
         .unwrap();
     c.compare(txn).await.unwrap();
-    c.compare(
-        Txn::new()
-            .update("node", "n1", 1, &json!({"used": 1}))
-            .unwrap(),
-    )
-    .await
-    .unwrap();
-    c.compare(
-        Txn::new()
-            .update("node", "n2", 1, &json!({"used": 2}))
-            .unwrap(),
-    )
-    .await
-    .unwrap();
+    c.compare(Txn::new().update("node", "n1", 1, &json!({"used": 1})).unwrap())
+        .await
+        .unwrap();
+    c.compare(Txn::new().update("node", "n2", 1, &json!({"used": 2})).unwrap())
+        .await
+        .unwrap();
 
     // The seed's shape: the plan plus the node documents it read, at the versions it read.
     let txn = Txn::new()
@@ -228,26 +197,14 @@ async fn check_guards_without_writing(backend: Backend) {
     let c = client(&ledger);
 
     let created = c
-        .compare(
-            Txn::new()
-                .create("lease", "balance", &json!({"holder": "a"}))
-                .unwrap(),
-        )
+        .compare(Txn::new().create("lease", "balance", &json!({"holder": "a"})).unwrap())
         .await
         .unwrap();
-    let checked = c
-        .compare(Txn::new().check("lease", "balance", 1))
-        .await
-        .unwrap();
-    assert_eq!(
-        checked.revision, created.revision,
-        "a check alone uses no revision"
-    );
+    let checked = c.compare(Txn::new().check("lease", "balance", 1)).await.unwrap();
+    assert_eq!(checked.revision, created.revision, "a check alone uses no revision");
     assert_eq!(checked.versions, vec![1]);
     expect_conflict(c.compare(Txn::new().check("lease", "balance", 0)).await);
-    c.compare(Txn::new().check("lease", "absent", 0))
-        .await
-        .unwrap();
+    c.compare(Txn::new().check("lease", "absent", 0)).await.unwrap();
 
     ledger.stop().await;
     db.cleanup().await;
@@ -287,15 +244,8 @@ async fn concurrent_writers_lose_no_update(backend: Backend) {
         versions.extend(task.await.unwrap());
     }
     let distinct: BTreeSet<u64> = versions.iter().copied().collect();
-    assert_eq!(
-        distinct.len(),
-        versions.len(),
-        "two writers won the same version"
-    );
-    assert_eq!(
-        distinct,
-        (2..=WRITERS * INCREMENTS + 1).collect::<BTreeSet<_>>()
-    );
+    assert_eq!(distinct.len(), versions.len(), "two writers won the same version");
+    assert_eq!(distinct, (2..=WRITERS * INCREMENTS + 1).collect::<BTreeSet<_>>());
     let final_doc = c.get::<u64>("counter", "hot").await.unwrap().unwrap();
     assert_eq!(final_doc.value, WRITERS * INCREMENTS, "an update was lost");
 
@@ -352,21 +302,13 @@ async fn seed_regression_plan_commit_under_node_churn(backend: Backend) {
     let ledger = db.start_ledger().await;
     let c = client(&ledger);
     for id in ["n1", "n2"] {
-        c.compare(
-            Txn::new()
-                .create("node", id, &json!({"available_ratio": 0.5}))
-                .unwrap(),
-        )
+        c.compare(Txn::new().create("node", id, &json!({"available_ratio": 0.5})).unwrap())
+            .await
+            .unwrap();
+    }
+    c.compare(Txn::new().create("plan", "current", &json!({"seq": 0})).unwrap())
         .await
         .unwrap();
-    }
-    c.compare(
-        Txn::new()
-            .create("plan", "current", &json!({"seq": 0}))
-            .unwrap(),
-    )
-    .await
-    .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let reporter = spawn_reporter(c.clone(), stop.clone());
 
@@ -418,21 +360,13 @@ async fn watch_resumes_across_restart_without_gap_or_duplicate(backend: Backend)
     let mut watch = c.watch("sandbox", "", 1);
 
     for i in 0..30 {
-        c.compare(
-            Txn::new()
-                .create("sandbox", &format!("s{i:03}"), &json!(i))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+        c.compare(Txn::new().create("sandbox", &format!("s{i:03}"), &json!(i)).unwrap())
+            .await
+            .unwrap();
         // Writes of other kinds advance the revision but must not reach this watcher.
-        c.compare(
-            Txn::new()
-                .create("node", &format!("n{i:03}"), &json!(i))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+        c.compare(Txn::new().create("node", &format!("n{i:03}"), &json!(i)).unwrap())
+            .await
+            .unwrap();
     }
     let mut seen = Vec::new();
     while seen.len() < 10 {
@@ -445,18 +379,12 @@ async fn watch_resumes_across_restart_without_gap_or_duplicate(backend: Backend)
     ledger.stop().await;
     let ledger = db.start_ledger_with(|config| config.listen = addr).await;
     for i in 30..60 {
-        c.compare(
-            Txn::new()
-                .create("sandbox", &format!("s{i:03}"), &json!(i))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+        c.compare(Txn::new().create("sandbox", &format!("s{i:03}"), &json!(i)).unwrap())
+            .await
+            .unwrap();
     }
     let mut n = 0;
-    c.compare(Txn::new().delete("sandbox", "s000", 1))
-        .await
-        .unwrap();
+    c.compare(Txn::new().delete("sandbox", "s000", 1)).await.unwrap();
     while seen.len() < 61 {
         let update = tokio::time::timeout(Duration::from_secs(20), watch.next())
             .await
@@ -526,10 +454,7 @@ async fn bad_input_is_invalid_argument_and_changes_nothing(backend: Backend) {
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
     }
-    assert!(matches!(
-        c.list_page("", "", 0, "").await,
-        Err(LedgerError::Invalid(_))
-    ));
+    assert!(matches!(c.list_page("", "", 0, "").await, Err(LedgerError::Invalid(_))));
     assert!(matches!(
         c.list_page("node", "", 0, "zz").await,
         Err(LedgerError::Invalid(_))
@@ -548,14 +473,10 @@ async fn list_pages_by_prefix(backend: Backend) {
     let c = client(&ledger);
     let mut txn = Txn::new();
     for i in 0..20 {
-        txn = txn
-            .create("sandbox", &format!("a-{i:02}"), &json!(i))
-            .unwrap();
+        txn = txn.create("sandbox", &format!("a-{i:02}"), &json!(i)).unwrap();
     }
     for i in 0..5 {
-        txn = txn
-            .create("sandbox", &format!("b-{i:02}"), &json!(i))
-            .unwrap();
+        txn = txn.create("sandbox", &format!("b-{i:02}"), &json!(i)).unwrap();
     }
     txn = txn.create("other", "a-00", &json!(0)).unwrap();
     c.compare(txn).await.unwrap();
@@ -573,10 +494,7 @@ async fn list_pages_by_prefix(backend: Backend) {
         token = next;
     }
     assert_eq!(pages, 3);
-    assert_eq!(
-        ids,
-        (0..20).map(|i| format!("a-{i:02}")).collect::<Vec<_>>()
-    );
+    assert_eq!(ids, (0..20).map(|i| format!("a-{i:02}")).collect::<Vec<_>>());
     let (all, _) = c.list::<Value>("sandbox", "").await.unwrap();
     assert_eq!(all.len(), 25);
 
@@ -591,11 +509,7 @@ async fn compacted_revisions_are_out_of_range(backend: Backend) {
     let mut last = 0;
     for i in 0..20 {
         last = c
-            .compare(
-                Txn::new()
-                    .create("sandbox", &format!("s{i}"), &json!(i))
-                    .unwrap(),
-            )
+            .compare(Txn::new().create("sandbox", &format!("s{i}"), &json!(i)).unwrap())
             .await
             .unwrap()
             .revision;
@@ -614,12 +528,7 @@ async fn compacted_revisions_are_out_of_range(backend: Backend) {
         other => panic!("expected OUT_OF_RANGE, got {other:?}"),
     }
     // Recent revisions are still served.
-    let recent = c
-        .watch("sandbox", "", compacted + 1)
-        .next()
-        .await
-        .unwrap()
-        .unwrap();
+    let recent = c.watch("sandbox", "", compacted + 1).next().await.unwrap().unwrap();
     let ids: Vec<_> = recent
         .events
         .iter()

@@ -72,12 +72,9 @@ async fn postgres_outage_is_unavailable_then_recovers() {
         .expect("PostgreSQL address must be HOST:PORT with an IP");
     let proxy = CuttableProxy::start(target).await;
     let url = db.url_via(proxy.addr);
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        url,
-    ))
-    .await
-    .expect("ledger starts");
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new("127.0.0.1:0".parse().unwrap(), url))
+        .await
+        .expect("ledger starts");
     let c = client(&ledger);
     c.compare(Txn::new().create("node", "n1", &json!(1)).unwrap())
         .await
@@ -86,10 +83,7 @@ async fn postgres_outage_is_unavailable_then_recovers() {
 
     proxy.cut().await;
     let started = Instant::now();
-    match c
-        .compare(Txn::new().update("node", "n1", 1, &json!(2)).unwrap())
-        .await
-    {
+    match c.compare(Txn::new().update("node", "n1", 1, &json!(2)).unwrap()).await {
         Err(LedgerError::Unavailable(message)) => {
             assert!(message.contains("database"), "{message}")
         }
@@ -109,11 +103,7 @@ async fn postgres_outage_is_unavailable_then_recovers() {
     proxy.restore().await;
     await_health(&ledger.endpoint(), ServingStatus::Serving).await;
     // The failed update changed nothing; the next one lands.
-    let doc = c
-        .get::<serde_json::Value>("node", "n1")
-        .await
-        .unwrap()
-        .unwrap();
+    let doc = c.get::<serde_json::Value>("node", "n1").await.unwrap().unwrap();
     assert_eq!((doc.version, doc.value), (1, json!(1)));
     c.compare(Txn::new().update("node", "n1", 1, &json!(2)).unwrap())
         .await

@@ -16,9 +16,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::core::{
-    Accounting, Heartbeat, Listed, NodeView, RankConfig, Ranker, Request, Resources,
-};
+use crate::core::{Accounting, Heartbeat, Listed, NodeView, RankConfig, Ranker, Request, Resources};
 
 /// How creates arrive.
 #[derive(Clone, Debug, PartialEq)]
@@ -143,27 +141,13 @@ pub struct ModeResult {
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    Arrival {
-        n: u32,
-    },
-    CreateDone {
-        sandbox: u32,
-        node: usize,
-        placer: usize,
-    },
-    Kill {
-        sandbox: u32,
-        node: usize,
-    },
-    Measure {
-        node: usize,
-    },
+    Arrival { n: u32 },
+    CreateDone { sandbox: u32, node: usize, placer: usize },
+    Kill { sandbox: u32, node: usize },
+    Measure { node: usize },
     Sample,
     Final,
-    Arrive {
-        node: usize,
-        snapshot: usize,
-    },
+    Arrive { node: usize, snapshot: usize },
 }
 
 /// The real state of one node.
@@ -270,9 +254,7 @@ impl Sim<'_> {
                     resources: self.scenario.sandbox,
                     ..Request::default()
                 };
-                let decision = self
-                    .ranker
-                    .decide(&self.views[vi], &req, self.now, &mut self.rng);
+                let decision = self.ranker.decide(&self.views[vi], &req, self.now, &mut self.rng);
                 match decision.chosen {
                     None => self.rejected += 1,
                     Some((node, _)) => {
@@ -291,11 +273,7 @@ impl Sim<'_> {
                     }
                 }
             }
-            Event::CreateDone {
-                sandbox,
-                node,
-                placer,
-            } => {
+            Event::CreateDone { sandbox, node, placer } => {
                 let id = format!("sbx-{sandbox:06}");
                 if let Some(r) = self.truth[node].in_flight.remove(&sandbox) {
                     let busy = f64::from(r.vcpus) * self.rng.random::<f64>();
@@ -331,11 +309,7 @@ impl Sim<'_> {
                 }
             }
             Event::Sample => {
-                let loads: Vec<f64> = self
-                    .truth
-                    .iter()
-                    .map(|t| t.allocated_vcpus() as f64)
-                    .collect();
+                let loads: Vec<f64> = self.truth.iter().map(|t| t.allocated_vcpus() as f64).collect();
                 self.load_cvs.push(cv(&loads));
             }
             Event::Final => {
@@ -402,9 +376,7 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
                 memory_bytes: GIB,
             };
             let id = format!("bg-{node:02}-{i}");
-            sim.truth[node]
-                .usage
-                .insert(id.clone(), rng.random::<f64>());
+            sim.truth[node].usage.insert(id.clone(), rng.random::<f64>());
             sim.truth[node].running.insert(id, r);
         }
         let hb = sim.heartbeat(node);
@@ -417,10 +389,7 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
         sim.at(phase, Event::Measure { node });
     }
     match scenario.arrivals {
-        Arrivals::Steady {
-            per_sec,
-            duration_ms,
-        } => {
+        Arrivals::Steady { per_sec, duration_ms } => {
             let count = u64::from(per_sec) * duration_ms / 1_000;
             for n in 0..count {
                 let t = 1 + n * 1_000 / u64::from(per_sec.max(1));
@@ -480,10 +449,7 @@ mod tests {
             let stale = run(&scenario, Accounting::Stale, &RankConfig::default());
             assert_eq!(r.accounting_error_max, 0.0, "{name}: {r:?}");
             assert_eq!(r.rejected, 0, "{name}: {r:?}");
-            assert!(
-                r.cv * 4.0 < stale.cv,
-                "{name}: reconciled {r:?} vs stale {stale:?}"
-            );
+            assert!(r.cv * 4.0 < stale.cv, "{name}: reconciled {r:?} vs stale {stale:?}");
             // Short-lived sandboxes leave ~12 per node at any moment, where Best-of-3's own
             // sampling noise is ~0.1 even with exact accounting (see the bench's full-scan
             // reference); everywhere else the spread must be tight.
@@ -501,16 +467,8 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_result() {
-        let a = run(
-            &Scenario::e2b(),
-            Accounting::Optimistic,
-            &RankConfig::default(),
-        );
-        let b = run(
-            &Scenario::e2b(),
-            Accounting::Optimistic,
-            &RankConfig::default(),
-        );
+        let a = run(&Scenario::e2b(), Accounting::Optimistic, &RankConfig::default());
+        let b = run(&Scenario::e2b(), Accounting::Optimistic, &RankConfig::default());
         assert_eq!(a, b);
     }
 }

@@ -5,9 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use placement_svc::core::{
-    Accounting, AdminState, Heartbeat, Listed, NodeView, RankConfig, Request, Resources,
-};
+use placement_svc::core::{Accounting, AdminState, Heartbeat, Listed, NodeView, RankConfig, Request, Resources};
 use placement_svc::store::memory::MemoryStore;
 use placement_svc::store::redis::RedisStore;
 use placement_svc::store::{Placement, PlacementStore, StoreError};
@@ -19,8 +17,7 @@ const ONE: Resources = Resources {
 };
 
 fn redis_url() -> String {
-    std::env::var("SANDBOXSCHED_TEST_REDIS_URL")
-        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
+    std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
 }
 
 async fn redis_store(prefix: &str, mode: Accounting) -> RedisStore {
@@ -37,21 +34,14 @@ async fn redis_store(prefix: &str, mode: Accounting) -> RedisStore {
 
 async fn cleanup(prefix: &str) {
     let client = redis::Client::open(redis_url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}:*"))
         .query_async(&mut conn)
         .await
         .expect("keys");
     if !keys.is_empty() {
-        let _: () = redis::cmd("DEL")
-            .arg(keys)
-            .query_async(&mut conn)
-            .await
-            .expect("del");
+        let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.expect("del");
     }
 }
 
@@ -81,12 +71,7 @@ impl Fixture {
     {
         match self.kind {
             Kind::Memory => {
-                let store = Arc::new(MemoryStore::new(
-                    Accounting::Reconciled,
-                    &RankConfig::default(),
-                    3,
-                    7,
-                ));
+                let store = Arc::new(MemoryStore::new(Accounting::Reconciled, &RankConfig::default(), 3, 7));
                 test(Arc::new(move || StoreBox::Memory(store.clone()))).await;
             }
             Kind::Redis => {
@@ -157,10 +142,7 @@ fn request(id: &str) -> Request {
 
 async fn view(store: &StoreBox, node: &str) -> NodeView {
     let nodes = call!(store, nodes()).expect("nodes");
-    nodes
-        .into_iter()
-        .find(|n| n.node_id == node)
-        .expect("node registered")
+    nodes.into_iter().find(|n| n.node_id == node).expect("node registered")
 }
 
 async fn placed_on(store: &StoreBox, id: &str, now: u64) -> String {
@@ -309,9 +291,9 @@ async fn burst_spreads_with_exact_accounting(stores: Stores) {
     let mut tasks = Vec::new();
     for i in 0..64 {
         let store = stores();
-        tasks.push(tokio::spawn(async move {
-            placed_on(&store, &format!("b{i}"), 1_000).await
-        }));
+        tasks.push(tokio::spawn(
+            async move { placed_on(&store, &format!("b{i}"), 1_000).await },
+        ));
     }
     let mut per_node: BTreeMap<String, u32> = BTreeMap::new();
     for t in tasks {
@@ -320,19 +302,12 @@ async fn burst_spreads_with_exact_accounting(stores: Stores) {
     let nodes = call!(s, nodes()).unwrap();
     let believed: i64 = nodes.iter().map(|n| n.believed().vcpus).sum();
     let reserved: usize = nodes.iter().map(|n| n.reservations.len()).sum();
-    assert_eq!(
-        (believed, reserved),
-        (64, 64),
-        "every placement reserved exactly once"
-    );
+    assert_eq!((believed, reserved), (64, 64), "every placement reserved exactly once");
     for n in &nodes {
         assert_eq!(n.believed().vcpus, i64::from(per_node[&n.node_id]));
     }
     // Best-of-3 over 4 nodes with exact accounting: nobody runs away.
-    assert!(
-        per_node.values().all(|&c| (12..=20).contains(&c)),
-        "{per_node:?}"
-    );
+    assert!(per_node.values().all(|&c| (12..=20).contains(&c)), "{per_node:?}");
 }
 
 async fn explain_reserves_nothing(stores: Stores) {

@@ -57,11 +57,7 @@ pub enum Accounting {
 }
 
 impl Accounting {
-    pub const ALL: [Accounting; 3] = [
-        Accounting::Stale,
-        Accounting::Optimistic,
-        Accounting::Reconciled,
-    ];
+    pub const ALL: [Accounting; 3] = [Accounting::Stale, Accounting::Optimistic, Accounting::Reconciled];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -196,18 +192,13 @@ impl NodeView {
         let (reserved, removing) = (self.reserved(), self.removing());
         Totals {
             vcpus: self.reported.vcpus + reserved.vcpus - removing.vcpus,
-            memory_bytes: self.reported.memory_bytes + reserved.memory_bytes
-                - removing.memory_bytes,
+            memory_bytes: self.reported.memory_bytes + reserved.memory_bytes - removing.memory_bytes,
         }
     }
 
     /// Creates in flight to this node.
     pub fn pending(&self) -> u32 {
-        let n = self
-            .reservations
-            .values()
-            .filter(|r| r.phase == Phase::Pending)
-            .count();
+        let n = self.reservations.values().filter(|r| r.phase == Phase::Pending).count();
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
@@ -244,9 +235,7 @@ impl NodeView {
             Accounting::Reconciled => {
                 if let Some(r) = self.reservations.get_mut(sandbox_id) {
                     if r.phase == Phase::Pending {
-                        r.phase = Phase::Unconfirmed {
-                            heartbeats_unlisted: 0,
-                        };
+                        r.phase = Phase::Unconfirmed { heartbeats_unlisted: 0 };
                     }
                 }
             }
@@ -265,17 +254,11 @@ impl NodeView {
             Accounting::Stale => {}
             Accounting::Optimistic => {
                 // OptimisticRemove.
-                let held = self
-                    .reservations
-                    .remove(sandbox_id)
-                    .map_or(resources, |r| r.resources);
+                let held = self.reservations.remove(sandbox_id).map_or(resources, |r| r.resources);
                 self.reported.sub(held);
             }
             Accounting::Reconciled => {
-                let held = self
-                    .reservations
-                    .remove(sandbox_id)
-                    .map_or(resources, |r| r.resources);
+                let held = self.reservations.remove(sandbox_id).map_or(resources, |r| r.resources);
                 // Subtracted only while a heartbeat lists it; if none ever did, the marker
                 // still guards against a late heartbeat that lists it.
                 self.removals.insert(sandbox_id.to_string(), held);
@@ -325,10 +308,7 @@ impl NodeView {
                 outcome.confirmed += 1;
                 return false;
             }
-            if let Phase::Unconfirmed {
-                heartbeats_unlisted,
-            } = &mut r.phase
-            {
+            if let Phase::Unconfirmed { heartbeats_unlisted } = &mut r.phase {
                 *heartbeats_unlisted += 1;
                 if *heartbeats_unlisted > max_unconfirmed_heartbeats {
                     outcome.expired.push(id.clone());
@@ -446,10 +426,7 @@ mod tests {
         v.reserve(R, "ghost", ONE);
         v.created(R, "ghost");
         for seq in 1..=3 {
-            assert!(v
-                .apply_heartbeat(R, &hb(seq, &[]), seq, 3)
-                .expired
-                .is_empty());
+            assert!(v.apply_heartbeat(R, &hb(seq, &[]), seq, 3).expired.is_empty());
         }
         assert_eq!(
             v.apply_heartbeat(R, &hb(4, &[]), 4, 3).expired,

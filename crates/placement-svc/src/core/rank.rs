@@ -86,8 +86,7 @@ impl Feasibility for Ready {
             return Some("draining".to_string());
         }
         let age = now_ms.saturating_sub(node.last_heartbeat_ms);
-        (node.seq == 0 || age > self.unhealthy_after_ms)
-            .then(|| format!("unhealthy: last heartbeat {age} ms ago"))
+        (node.seq == 0 || age > self.unhealthy_after_ms).then(|| format!("unhealthy: last heartbeat {age} ms ago"))
     }
 }
 
@@ -156,10 +155,7 @@ impl Scorer for CpuLoad {
 
     fn score(&self, node: &NodeView, req: &Request) -> f64 {
         let capacity = f64::from(node.capacity.vcpus.max(1)) * self.overcommit;
-        (f64::from(req.resources.vcpus)
-            + node.believed().vcpus as f64
-            + self.alpha * node.cpu_usage)
-            / capacity
+        (f64::from(req.resources.vcpus) + node.believed().vcpus as f64 + self.alpha * node.cpu_usage) / capacity
     }
 }
 
@@ -213,11 +209,7 @@ impl Decision {
             *counts.entry(kind).or_default() += 1;
         }
         let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
-        format!(
-            "no node fits ({} nodes: {})",
-            self.evaluated.len(),
-            parts.join(", ")
-        )
+        format!("no node fits ({} nodes: {})", self.evaluated.len(), parts.join(", "))
     }
 }
 
@@ -285,13 +277,7 @@ impl Ranker {
     /// at no more than 4K, so a decision costs O(K), not O(N)), and takes the lowest score.
     /// Only when the sample holds no feasible node are all nodes scanned, so a full cluster
     /// is told apart from an unlucky sample and the error can say why nothing fit.
-    pub fn decide(
-        &self,
-        nodes: &[NodeView],
-        req: &Request,
-        now_ms: u64,
-        rng: &mut impl Rng,
-    ) -> Decision {
+    pub fn decide(&self, nodes: &[NodeView], req: &Request, now_ms: u64, rng: &mut impl Rng) -> Decision {
         let mut evaluated = Vec::with_capacity(self.k);
         let mut best: Option<(usize, f64)> = None;
         let mut feasible = 0;
@@ -317,13 +303,8 @@ impl Ranker {
         }
         // Nothing feasible in the sample: look at every node, then Best-of-K among the
         // feasible ones.
-        let all: Vec<Evaluation> = nodes
-            .iter()
-            .map(|n| self.evaluate(n, req, now_ms))
-            .collect();
-        let fit: Vec<usize> = (0..nodes.len())
-            .filter(|&i| all[i].rejected.is_none())
-            .collect();
+        let all: Vec<Evaluation> = nodes.iter().map(|n| self.evaluate(n, req, now_ms)).collect();
+        let fit: Vec<usize> = (0..nodes.len()).filter(|&i| all[i].rejected.is_none()).collect();
         let chosen = sample_distinct(fit.len(), self.k.min(fit.len()), rng)
             .into_iter()
             .map(|j| (fit[j], all[fit[j]].score))
@@ -399,10 +380,7 @@ mod tests {
         let d = ranker.decide(&nodes, &r, 100_000, &mut SmallRng::seed_from_u64(2));
         assert_eq!(d.chosen, None);
         let why = d.why_nothing_fit();
-        assert!(
-            why.contains("draining") && why.contains("unhealthy"),
-            "{why}"
-        );
+        assert!(why.contains("draining") && why.contains("unhealthy"), "{why}");
         let d = ranker.decide(&nodes[..3], &r, 1_000, &mut SmallRng::seed_from_u64(2));
         let why = d.why_nothing_fit();
         assert!(why.contains("cpu") && why.contains("label"), "{why}");
@@ -415,11 +393,7 @@ mod tests {
         let mut r = req();
         r.resources.memory_bytes = (1 << 30) + 1;
         let ranker = Ranker::new(&RankConfig::default());
-        assert!(ranker
-            .evaluate(&n, &r, 1_000)
-            .rejected
-            .unwrap()
-            .starts_with("memory"));
+        assert!(ranker.evaluate(&n, &r, 1_000).rejected.unwrap().starts_with("memory"));
     }
 
     #[test]

@@ -40,10 +40,7 @@ mod tests {
             }
         }
         // Each index is expected 9,000 times.
-        assert!(
-            hits.iter().all(|&h| (8_400..9_600).contains(&h)),
-            "{hits:?}"
-        );
+        assert!(hits.iter().all(|&h| (8_400..9_600).contains(&h)), "{hits:?}");
         assert_eq!(sample_distinct(2, 5, &mut rng).len(), 2);
         assert!(sample_distinct(0, 3, &mut rng).is_empty());
     }

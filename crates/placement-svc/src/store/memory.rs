@@ -9,8 +9,7 @@ use rand::SeedableRng;
 
 use super::{Explanation, Placement, PlacementStore, StoreError};
 use crate::core::{
-    Accounting, AdminState, Heartbeat, HeartbeatOutcome, NodeView, RankConfig, Ranker, Request,
-    Resources,
+    Accounting, AdminState, Heartbeat, HeartbeatOutcome, NodeView, RankConfig, Ranker, Request, Resources,
 };
 
 struct State {
@@ -47,11 +46,7 @@ impl MemoryStore {
             .map_err(|_| StoreError::Internal("placement state lock poisoned".to_string()))
     }
 
-    fn with_node<T>(
-        &self,
-        node_id: &str,
-        f: impl FnOnce(&mut NodeView) -> T,
-    ) -> Result<T, StoreError> {
+    fn with_node<T>(&self, node_id: &str, f: impl FnOnce(&mut NodeView) -> T) -> Result<T, StoreError> {
         let mut state = self.lock()?;
         let i = *state
             .index
@@ -65,9 +60,7 @@ impl PlacementStore for MemoryStore {
     async fn place(&self, req: &Request, now_ms: u64) -> Result<Placement, StoreError> {
         let mut guard = self.lock()?;
         let state = &mut *guard;
-        let decision = self
-            .ranker
-            .decide(&state.nodes, req, now_ms, &mut state.rng);
+        let decision = self.ranker.decide(&state.nodes, req, now_ms, &mut state.rng);
         Ok(match decision.chosen {
             Some((i, score)) => {
                 let node = &mut state.nodes[i];
@@ -87,9 +80,7 @@ impl PlacementStore for MemoryStore {
     async fn explain(&self, req: &Request, now_ms: u64) -> Result<Explanation, StoreError> {
         let mut guard = self.lock()?;
         let state = &mut *guard;
-        let decision = self
-            .ranker
-            .decide(&state.nodes, req, now_ms, &mut state.rng);
+        let decision = self.ranker.decide(&state.nodes, req, now_ms, &mut state.rng);
         let chosen = decision.chosen.map(|(i, _)| state.nodes[i].node_id.clone());
         Ok(Explanation {
             evaluated: decision.evaluated,
@@ -105,12 +96,7 @@ impl PlacementStore for MemoryStore {
         self.with_node(node_id, |n| n.release(self.mode, sandbox_id))
     }
 
-    async fn removed(
-        &self,
-        node_id: &str,
-        sandbox_id: &str,
-        resources: Resources,
-    ) -> Result<(), StoreError> {
+    async fn removed(&self, node_id: &str, sandbox_id: &str, resources: Resources) -> Result<(), StoreError> {
         self.with_node(node_id, |n| n.removed(self.mode, sandbox_id, resources))
     }
 
@@ -121,9 +107,7 @@ impl PlacementStore for MemoryStore {
             Some(&i) => i,
             None => {
                 state.nodes.push(NodeView::new(hb.node_id.clone()));
-                state
-                    .index
-                    .insert(hb.node_id.clone(), state.nodes.len() - 1);
+                state.index.insert(hb.node_id.clone(), state.nodes.len() - 1);
                 state.nodes.len() - 1
             }
         };

@@ -8,9 +8,7 @@ pub mod redis;
 
 use std::future::Future;
 
-use crate::core::{
-    AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Request, Resources,
-};
+use crate::core::{AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Request, Resources};
 
 /// Why a store operation failed.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -47,29 +45,13 @@ pub struct Explanation {
 /// The operations placement needs from its state, each atomic.
 pub trait PlacementStore: Send + Sync + 'static {
     /// Chooses a node (Best-of-K) and reserves `req` on it, atomically.
-    fn place(
-        &self,
-        req: &Request,
-        now_ms: u64,
-    ) -> impl Future<Output = Result<Placement, StoreError>> + Send;
+    fn place(&self, req: &Request, now_ms: u64) -> impl Future<Output = Result<Placement, StoreError>> + Send;
     /// The same decision as `place`, reserving nothing.
-    fn explain(
-        &self,
-        req: &Request,
-        now_ms: u64,
-    ) -> impl Future<Output = Result<Explanation, StoreError>> + Send;
+    fn explain(&self, req: &Request, now_ms: u64) -> impl Future<Output = Result<Explanation, StoreError>> + Send;
     /// The create RPC succeeded.
-    fn created(
-        &self,
-        node_id: &str,
-        sandbox_id: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn created(&self, node_id: &str, sandbox_id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// The create RPC failed.
-    fn release(
-        &self,
-        node_id: &str,
-        sandbox_id: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn release(&self, node_id: &str, sandbox_id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// The sandbox was killed or moved away; `resources` is what it held.
     fn removed(
         &self,
@@ -86,9 +68,5 @@ pub trait PlacementStore: Send + Sync + 'static {
     /// Every node's view.
     fn nodes(&self) -> impl Future<Output = Result<Vec<NodeView>, StoreError>> + Send;
     /// Marks a node ready or draining; the node's view after the change.
-    fn set_admin(
-        &self,
-        node_id: &str,
-        admin: AdminState,
-    ) -> impl Future<Output = Result<NodeView, StoreError>> + Send;
+    fn set_admin(&self, node_id: &str, admin: AdminState) -> impl Future<Output = Result<NodeView, StoreError>> + Send;
 }

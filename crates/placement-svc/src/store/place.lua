@@ -6,7 +6,8 @@
 -- ARGV: sandbox_id, vcpus, memory_bytes, now_ms, overcommit, alpha, cpu_weight, memory_weight,
 --       max_starting, unhealthy_after_ms, mode, selector (JSON object), exclude (JSON array),
 --       k (stop after k feasible), commit (1: reserve on the winner; 0: explain only)
--- Returns: { chosen (1-based candidate, 0 = none), chosen score, then per candidate looked at:
+-- Returns: { chosen (1-based candidate, 0 = none), chosen score, chosen address, then per
+--            candidate looked at:
 --            node_id, reason ("" if feasible), score, cpu term, memory term }
 local sandbox = ARGV[1]
 local req_v = tonumber(ARGV[2])
@@ -26,12 +27,12 @@ local k = tonumber(ARGV[14])
 local commit = ARGV[15] == '1'
 
 local out = {}
-local best, best_score, feasible = 0, 0, 0
+local best, best_score, best_address, feasible = 0, 0, '', 0
 local n = #KEYS / 2
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[2 * i - 1], 'node_id', 'admin', 'seq', 'hb_ms', 'labels',
     'cap_vcpus', 'cap_mem', 'rep_vcpus', 'rep_mem', 'res_vcpus', 'res_mem', 'rm_vcpus', 'rm_mem',
-    'pending', 'cpu_usage')
+    'pending', 'cpu_usage', 'address')
   local id = h[1]
   local reason = ''
   local score, cpu, mem = 0, 0, 0
@@ -82,7 +83,7 @@ for i = 1, n do
       if mw ~= 0 then score = score + mw * mem end
       feasible = feasible + 1
       if best == 0 or score < best_score then
-        best, best_score = i, score
+        best, best_score, best_address = i, score, h[16] or ''
       end
     end
   end
@@ -104,6 +105,6 @@ if commit and best > 0 and mode ~= 'stale' then
     redis.call('HINCRBY', node, 'pending', 1)
   end
 end
-local result = { best, tostring(best_score) }
+local result = { best, tostring(best_score), best_address }
 for _, v in ipairs(out) do table.insert(result, v) end
 return result

@@ -12,7 +12,7 @@
 //! - `P:n:ID:listed`: the sandbox ids the last heartbeat listed.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
@@ -23,8 +23,8 @@ use redis::{AsyncCommands, Script, Value};
 use super::{Explanation, Placement, PlacementStore, StoreError};
 use crate::core::sample::sample_distinct;
 use crate::core::{
-    Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig,
-    Request, Reservation, Resources, Totals,
+    Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig, Request, Reservation,
+    Resources, Totals,
 };
 
 /// How long the cached list of node ids (what sampling draws from) may be old.
@@ -32,11 +32,7 @@ const NODE_LIST_TTL: Duration = Duration::from_secs(1);
 
 impl From<redis::RedisError> for StoreError {
     fn from(err: redis::RedisError) -> Self {
-        if err.is_io_error()
-            || err.is_connection_dropped()
-            || err.is_connection_refusal()
-            || err.is_timeout()
-        {
+        if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() || err.is_timeout() {
             StoreError::Unavailable(err.to_string())
         } else {
             StoreError::Internal(err.to_string())
@@ -45,7 +41,7 @@ impl From<redis::RedisError> for StoreError {
 }
 
 struct NodeList {
-    ids: Vec<String>,
+    ids: Arc<Vec<String>>,
     fetched: Option<Instant>,
 }
 
@@ -62,6 +58,17 @@ pub struct RedisStore {
     node_list: tokio::sync::Mutex<NodeList>,
     rng: Mutex<SmallRng>,
 }
+
+/// A node's four keys as read back: report hash, reservations, removals, listed set.
+type NodeKeys = (
+    HashMap<String, String>,
+    HashMap<String, String>,
+    HashMap<String, String>,
+    HashSet<String>,
+);
+
+/// The winner of a decision: node id, score, address.
+type Chosen = (String, f64, String);
 
 /// One candidate as the place script reports it.
 struct Scored {
@@ -90,9 +97,7 @@ fn int(v: &Value) -> i64 {
 }
 
 fn num<T: std::str::FromStr + Default>(map: &HashMap<String, String>, key: &str) -> T {
-    map.get(key)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_default()
+    map.get(key).and_then(|s| s.parse().ok()).unwrap_or_default()
 }
 
 impl RedisStore {
@@ -105,8 +110,8 @@ impl RedisStore {
         rank: &RankConfig,
         max_unconfirmed: u32,
     ) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Internal(format!("bad redis url {url:?}: {e}")))?;
+        let client =
+            redis::Client::open(url).map_err(|e| StoreError::Internal(format!("bad redis url {url:?}: {e}")))?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(2)))
@@ -122,7 +127,7 @@ impl RedisStore {
             heartbeat: Script::new(include_str!("heartbeat.lua")),
             lifecycle: Script::new(include_str!("lifecycle.lua")),
             node_list: tokio::sync::Mutex::new(NodeList {
-                ids: Vec::new(),
+                ids: Arc::new(Vec::new()),
                 fetched: None,
             }),
             rng: Mutex::new(SmallRng::seed_from_u64(seed_from_clock())),
@@ -143,12 +148,12 @@ impl RedisStore {
         ]
     }
 
-    async fn node_ids(&self, fresh: bool) -> Result<Vec<String>, StoreError> {
+    async fn node_ids(&self, fresh: bool) -> Result<Arc<Vec<String>>, StoreError> {
         let mut list = self.node_list.lock().await;
         if fresh || list.fetched.is_none_or(|at| at.elapsed() > NODE_LIST_TTL) {
             let mut ids: Vec<String> = self.conn.clone().smembers(self.nodes_key()).await?;
             ids.sort();
-            list.ids = ids;
+            list.ids = Arc::new(ids);
             list.fetched = Some(Instant::now());
         }
         Ok(list.ids.clone())
@@ -169,7 +174,7 @@ impl RedisStore {
         candidates: &[String],
         k: usize,
         commit: bool,
-    ) -> Result<(Option<(usize, f64)>, Vec<Scored>), StoreError> {
+    ) -> Result<(Option<(usize, f64, String)>, Vec<Scored>), StoreError> {
         let mut invocation = self.place.prepare_invoke();
         for id in candidates {
             let [node, res, _, _] = self.node_keys(id);
@@ -196,13 +201,10 @@ impl RedisStore {
             .arg(if commit { 1 } else { 0 });
         let reply: Vec<Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
         let chosen = reply.first().map(int).unwrap_or(0);
-        let score: f64 = reply
-            .get(1)
-            .map(text)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0.0);
+        let score: f64 = reply.get(1).map(text).and_then(|s| s.parse().ok()).unwrap_or(0.0);
+        let address = reply.get(2).map(text).unwrap_or_default();
         let scored = reply
-            .get(2..)
+            .get(3..)
             .unwrap_or_default()
             .chunks(5)
             .filter(|c| c.len() == 5)
@@ -217,7 +219,7 @@ impl RedisStore {
         let chosen = usize::try_from(chosen)
             .ok()
             .filter(|&c| c > 0)
-            .map(|c| (c - 1, score));
+            .map(|c| (c - 1, score, address));
         Ok((chosen, scored))
     }
 
@@ -229,7 +231,7 @@ impl RedisStore {
         req: &Request,
         now_ms: u64,
         commit: bool,
-    ) -> Result<(Option<(String, f64)>, Vec<Scored>), StoreError> {
+    ) -> Result<(Option<Chosen>, Vec<Scored>), StoreError> {
         let ids = self.node_ids(false).await?;
         let k = self.rank.k.max(1);
         let sample: Vec<String> = self
@@ -238,17 +240,15 @@ impl RedisStore {
             .map(|i| ids[i].clone())
             .collect();
         let (chosen, scored) = self.run_place(req, now_ms, &sample, k, commit).await?;
-        if let Some((i, score)) = chosen {
-            return Ok((Some((sample[i].clone(), score)), scored));
+        if let Some((i, score, address)) = chosen {
+            return Ok((Some((sample[i].clone(), score, address)), scored));
         }
         let ids = self.node_ids(true).await?;
         if sample.len() == ids.len() {
             return Ok((None, scored));
         }
         let (_, all) = self.run_place(req, now_ms, &ids, usize::MAX, false).await?;
-        let fit: Vec<usize> = (0..all.len())
-            .filter(|&i| all[i].reason.is_empty())
-            .collect();
+        let fit: Vec<usize> = (0..all.len()).filter(|&i| all[i].reason.is_empty()).collect();
         if fit.is_empty() {
             return Ok((None, all));
         }
@@ -258,7 +258,7 @@ impl RedisStore {
             .map(|j| ids[fit[j]].clone())
             .collect();
         let (chosen, _) = self.run_place(req, now_ms, &best, k, commit).await?;
-        Ok((chosen.map(|(i, score)| (best[i].clone(), score)), all))
+        Ok((chosen.map(|(i, score, address)| (best[i].clone(), score, address)), all))
     }
 
     async fn lifecycle(
@@ -291,12 +291,7 @@ impl RedisStore {
     async fn read_node(&self, node_id: &str) -> Result<Option<NodeView>, StoreError> {
         let [node, res, rm, listed] = self.node_keys(node_id);
         let mut conn = self.conn.clone();
-        let (fields, reservations, removals, listed): (
-            HashMap<String, String>,
-            HashMap<String, String>,
-            HashMap<String, String>,
-            HashSet<String>,
-        ) = redis::pipe()
+        let (fields, reservations, removals, listed): NodeKeys = redis::pipe()
             .hgetall(node)
             .hgetall(res)
             .hgetall(rm)
@@ -310,13 +305,7 @@ impl RedisStore {
             let mut parts = value.split(',');
             let vcpus = parts.next()?.parse().ok()?;
             let memory_bytes = parts.next()?.parse().ok()?;
-            Some((
-                Resources {
-                    vcpus,
-                    memory_bytes,
-                },
-                parts.map(str::to_string).collect(),
-            ))
+            Some((Resources { vcpus, memory_bytes }, parts.map(str::to_string).collect()))
         };
         let reservations = reservations
             .iter()
@@ -372,18 +361,11 @@ impl PlacementStore for RedisStore {
     async fn place(&self, req: &Request, now_ms: u64) -> Result<Placement, StoreError> {
         let (chosen, scored) = self.decide(req, now_ms, true).await?;
         Ok(match chosen {
-            Some((node_id, score)) => {
-                let address: Option<String> = self
-                    .conn
-                    .clone()
-                    .hget(&self.node_keys(&node_id)[0], "address")
-                    .await?;
-                Placement::Placed {
-                    node_id,
-                    address: address.unwrap_or_default(),
-                    score,
-                }
-            }
+            Some((node_id, score, address)) => Placement::Placed {
+                node_id,
+                address,
+                score,
+            },
             None => {
                 let decision = crate::core::Decision {
                     chosen: None,
@@ -401,7 +383,7 @@ impl PlacementStore for RedisStore {
         let (chosen, scored) = self.decide(req, now_ms, false).await?;
         Ok(Explanation {
             evaluated: scored.into_iter().map(evaluation).collect(),
-            chosen: chosen.map(|(id, _)| id),
+            chosen: chosen.map(|(id, _, _)| id),
         })
     }
 
@@ -415,14 +397,8 @@ impl PlacementStore for RedisStore {
             .await
     }
 
-    async fn removed(
-        &self,
-        node_id: &str,
-        sandbox_id: &str,
-        resources: Resources,
-    ) -> Result<(), StoreError> {
-        self.lifecycle("removed", node_id, sandbox_id, resources)
-            .await
+    async fn removed(&self, node_id: &str, sandbox_id: &str, resources: Resources) -> Result<(), StoreError> {
+        self.lifecycle("removed", node_id, sandbox_id, resources).await
     }
 
     async fn heartbeat(&self, hb: &Heartbeat, now_ms: u64) -> Result<HeartbeatOutcome, StoreError> {
@@ -461,19 +437,14 @@ impl PlacementStore for RedisStore {
             confirmed: u32::try_from(reply.get(2).map(int).unwrap_or(0)).unwrap_or(0),
             removed: u32::try_from(reply.get(3).map(int).unwrap_or(0)).unwrap_or(0),
             rebooted: reply.get(4).map(int).unwrap_or(0) == 1,
-            expired: reply
-                .get(5..)
-                .unwrap_or_default()
-                .iter()
-                .map(text)
-                .collect(),
+            expired: reply.get(5..).unwrap_or_default().iter().map(text).collect(),
         })
     }
 
     async fn nodes(&self) -> Result<Vec<NodeView>, StoreError> {
         let mut views = Vec::new();
-        for id in self.node_ids(true).await? {
-            if let Some(view) = self.read_node(&id).await? {
+        for id in self.node_ids(true).await?.iter() {
+            if let Some(view) = self.read_node(id).await? {
                 views.push(view);
             }
         }

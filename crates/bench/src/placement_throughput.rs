@@ -1,0 +1,246 @@
+//! `bench placement-throughput`: placement-svc on Redis with 1,000 nodes, through gRPC.
+//!
+//! - `placements_per_sec`: 64 clients in a closed loop, each Place followed by Created;
+//! - `p50_us`, `p99_us`: Place+Created latency at an offered 2,000 placements a second, open
+//!   loop (each request is sent on its schedule, and its latency counts from that moment, so
+//!   queueing in the client cannot hide);
+//! - `decisions_per_sec`: the pure Best-of-K decision in-process, no I/O.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use placement_svc::core::{Accounting, Heartbeat, NodeView, RankConfig, Ranker, Request, Resources};
+use placement_svc::server::{PlacementConfig, StoreConfig};
+use proto::placement::v1 as pb;
+use proto::placement::v1::placement_client::PlacementClient;
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use tonic::transport::Channel;
+
+use crate::report::Report;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(long, env = "SANDBOXSCHED_TEST_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Closed-loop clients.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Offered load of the open-loop phase, placements a second.
+    #[arg(long, default_value_t = 2000)]
+    rate: u64,
+    /// Seconds each phase runs.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+}
+
+const GIB: u64 = 1 << 30;
+
+fn place_request(id: String) -> pb::PlaceRequest {
+    pb::PlaceRequest {
+        sandbox_id: id,
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: GIB / 2,
+        }),
+        ..Default::default()
+    }
+}
+
+async fn place_and_confirm(c: &mut PlacementClient<Channel>, id: String) -> anyhow::Result<()> {
+    let placed = c.place(place_request(id.clone())).await?.into_inner();
+    c.created(pb::SandboxRef {
+        sandbox_id: id,
+        node_id: placed.node_id,
+        resources: None,
+    })
+    .await?;
+    Ok(())
+}
+
+pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let prefix = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let mut config = PlacementConfig::new("127.0.0.1:0".parse()?);
+    config.store = StoreConfig::Redis {
+        url: args.redis_url.clone(),
+        prefix: prefix.clone(),
+    };
+    config.rank.unhealthy_after_ms = 3_600_000;
+    let placement = placement_svc::server::start(config)
+        .await
+        .with_context(|| format!("placement-svc on Redis at {}", args.redis_url))?;
+    let mut channels = Vec::new();
+    for _ in 0..8 {
+        channels.push(PlacementClient::new(
+            Channel::from_shared(placement.endpoint())?.connect().await?,
+        ));
+    }
+    for n in 0..args.nodes {
+        channels[0]
+            .heartbeat(pb::HeartbeatRequest {
+                node_id: format!("node-{n:04}"),
+                boot_id: "bench".into(),
+                seq: 1,
+                address: format!("http://10.0.{}.{}:7003", n / 250, n % 250),
+                capacity: Some(pb::Resources {
+                    vcpus: 10_000,
+                    memory_bytes: 100_000 * GIB,
+                }),
+                allocated: Some(pb::Resources::default()),
+                ..Default::default()
+            })
+            .await?;
+    }
+
+    // Closed loop.
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for w in 0..args.clients {
+        let mut c = channels[w % channels.len()].clone();
+        let (done, stop) = (done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                place_and_confirm(&mut c, format!("c{w}-{i}")).await?;
+                i += 1;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<_, anyhow::Error>(())
+        }));
+    }
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    let placements_per_sec = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+
+    // Open loop at a fixed offered rate. A thread paces the sends (tokio's timer ticks in
+    // whole milliseconds, too coarse for a send every 500 µs); latency counts from each
+    // request's due time, so any queueing shows.
+    let total = (args.rate as f64 * args.seconds) as u64;
+    let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
+    let (due_tx, mut due_rx) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
+    std::thread::spawn(move || {
+        let origin = Instant::now();
+        for i in 0..total {
+            let due = origin + interval * i as u32;
+            while let Some(left) = due.checked_duration_since(Instant::now()) {
+                if left > Duration::from_micros(200) {
+                    std::thread::sleep(left - Duration::from_micros(100));
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            if due_tx.send((i, due)).is_err() {
+                return;
+            }
+        }
+    });
+    let mut tasks = Vec::with_capacity(total as usize);
+    while let Some((i, due)) = due_rx.recv().await {
+        let mut c = channels[i as usize % channels.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            place_and_confirm(&mut c, format!("o{i}")).await?;
+            Ok::<_, anyhow::Error>(due.elapsed())
+        }));
+    }
+    let mut latencies = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        latencies.push(t.await??);
+    }
+    latencies.sort();
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize].as_micros() as u64;
+    let (p50, p99) = (pct(0.50), pct(0.99));
+    placement.stop().await;
+    cleanup(&args.redis_url, &prefix).await;
+
+    let decisions_per_sec = pure_decisions(args.nodes);
+
+    let mut report = Report::new(format!(
+        "placement-throughput: {} nodes on Redis, Place+Created over gRPC",
+        args.nodes
+    ));
+    report
+        .figure(
+            "placements_per_sec",
+            placements_per_sec.round() as u64,
+            "placements/s (closed loop)",
+        )
+        .figure("clients", args.clients as u64, "")
+        .figure("offered_per_sec", args.rate, "placements/s (open loop)")
+        .figure("p50_us", p50, "µs")
+        .figure("p99_us", p99, "µs")
+        .figure(
+            "decisions_per_sec",
+            decisions_per_sec.round() as u64,
+            "decisions/s (pure, one core)",
+        );
+    Ok(report)
+}
+
+/// Best-of-3 over `nodes` views, in-process.
+fn pure_decisions(nodes: usize) -> f64 {
+    let views: Vec<NodeView> = (0..nodes)
+        .map(|n| {
+            let mut v = NodeView::new(format!("node-{n:04}"));
+            let hb = Heartbeat {
+                node_id: v.node_id.clone(),
+                boot_id: "b".into(),
+                seq: 1,
+                capacity: Resources {
+                    vcpus: 192,
+                    memory_bytes: 512 * GIB,
+                },
+                allocated: Resources {
+                    vcpus: (n % 50) as u32,
+                    memory_bytes: (n % 50) as u64 * GIB,
+                },
+                ..Heartbeat::default()
+            };
+            v.apply_heartbeat(Accounting::Reconciled, &hb, 1_000, 3);
+            v
+        })
+        .collect();
+    let ranker = Ranker::new(&RankConfig::default());
+    let req = Request {
+        sandbox_id: "s".into(),
+        resources: Resources {
+            vcpus: 1,
+            memory_bytes: GIB,
+        },
+        ..Request::default()
+    };
+    let mut rng = SmallRng::seed_from_u64(1);
+    let n = 1_000_000;
+    let started = Instant::now();
+    let mut chosen = 0usize;
+    for _ in 0..n {
+        if let Some((i, _)) = ranker.decide(&views, &req, 1_000, &mut rng).chosen {
+            chosen = chosen.wrapping_add(i);
+        }
+    }
+    std::hint::black_box(chosen);
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn cleanup(url: &str, prefix: &str) {
+    let Ok(client) = redis::Client::open(url) else { return };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return;
+    };
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_default();
+    for chunk in keys.chunks(1000) {
+        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query_async(&mut conn).await;
+    }
+}

@@ -1,0 +1,316 @@
+//! The gRPC face of placement: converts between the wire and the core, calls the store, and
+//! maps every failure to a status in one place ([`ApiError`]).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use proto::placement::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::core::{self, AdminState, NodeView, Resources};
+use crate::node_docs::NodeDocs;
+use crate::store::{Placement, PlacementStore, StoreError};
+
+/// Everything a placement call can fail with, and its status.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NoFit(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<ApiError> for Status {
+    fn from(err: ApiError) -> Self {
+        let message = err.to_string();
+        match err {
+            ApiError::Invalid(_) => Status::invalid_argument(message),
+            // E2B answers "no capacity" with RESOURCE_EXHAUSTED too.
+            ApiError::NoFit(_) => Status::resource_exhausted(message),
+            ApiError::Store(StoreError::UnknownNode(_)) => Status::not_found(message),
+            ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+            ApiError::Store(StoreError::Internal(_)) => Status::internal(message),
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::Invalid(message.into())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn resources_from_pb(r: Option<pb::Resources>) -> Resources {
+    let r = r.unwrap_or_default();
+    Resources {
+        vcpus: r.vcpus,
+        memory_bytes: r.memory_bytes,
+    }
+}
+
+fn resources_to_pb(vcpus: i64, memory_bytes: i64) -> pb::Resources {
+    pb::Resources {
+        vcpus: u32::try_from(vcpus.max(0)).unwrap_or(u32::MAX),
+        memory_bytes: u64::try_from(memory_bytes.max(0)).unwrap_or(0),
+    }
+}
+
+fn request_from_pb(req: pb::PlaceRequest) -> Result<core::Request, ApiError> {
+    if req.sandbox_id.is_empty() {
+        // The brief's review lesson: an empty synthetic ID made every reservation collide.
+        return Err(invalid("sandbox_id must not be empty: reservations are keyed by it"));
+    }
+    let resources = resources_from_pb(req.resources);
+    if resources.vcpus == 0 || resources.memory_bytes == 0 {
+        return Err(invalid(format!(
+            "resources must be positive (got {} vCPU, {} bytes): fill in the defaults before placing",
+            resources.vcpus, resources.memory_bytes
+        )));
+    }
+    Ok(core::Request {
+        sandbox_id: req.sandbox_id,
+        resources,
+        selector: req.node_selector.into_iter().collect::<BTreeMap<_, _>>(),
+        exclude: req.exclude_nodes.into_iter().collect::<HashSet<_>>(),
+    })
+}
+
+fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiError> {
+    if hb.node_id.is_empty() || hb.boot_id.is_empty() {
+        return Err(invalid("heartbeat needs node_id and boot_id"));
+    }
+    if hb.seq == 0 {
+        return Err(invalid("heartbeat sequence numbers start at 1"));
+    }
+    let capacity = resources_from_pb(hb.capacity);
+    if capacity.vcpus == 0 || capacity.memory_bytes == 0 {
+        return Err(invalid(format!("node {} reports no capacity", hb.node_id)));
+    }
+    Ok(core::Heartbeat {
+        node_id: hb.node_id,
+        boot_id: hb.boot_id,
+        seq: hb.seq,
+        address: hb.address,
+        labels: hb.labels.into_iter().collect(),
+        capacity,
+        allocated: resources_from_pb(hb.allocated),
+        memory_used_bytes: hb.memory_used_bytes,
+        cpu_usage: hb.cpu_usage,
+        sandboxes: hb
+            .sandboxes
+            .into_iter()
+            .map(|s| core::Listed {
+                sandbox_id: s.sandbox_id,
+                allocated: resources_from_pb(s.allocated),
+                memory_used_bytes: s.memory_used_bytes,
+            })
+            .collect(),
+    })
+}
+
+/// The state an operator sees: draining wins, then health.
+pub fn node_state(view: &NodeView, now_ms: u64, unhealthy_after_ms: u64) -> pb::NodeState {
+    if view.admin == AdminState::Draining {
+        pb::NodeState::Draining
+    } else if view.seq == 0 || now_ms.saturating_sub(view.last_heartbeat_ms) > unhealthy_after_ms {
+        pb::NodeState::Unhealthy
+    } else {
+        pb::NodeState::Ready
+    }
+}
+
+fn view_to_pb(view: &NodeView, now_ms: u64, unhealthy_after_ms: u64) -> pb::NodeView {
+    let (reserved, removing, believed) = (view.reserved(), view.removing(), view.believed());
+    pb::NodeView {
+        node_id: view.node_id.clone(),
+        address: view.address.clone(),
+        state: node_state(view, now_ms, unhealthy_after_ms) as i32,
+        labels: view.labels.clone().into_iter().collect(),
+        capacity: Some(pb::Resources {
+            vcpus: view.capacity.vcpus,
+            memory_bytes: view.capacity.memory_bytes,
+        }),
+        boot_id: view.boot_id.clone(),
+        seq: view.seq,
+        heartbeat_age_ms: now_ms.saturating_sub(view.last_heartbeat_ms),
+        reported: Some(resources_to_pb(view.reported.vcpus, view.reported.memory_bytes)),
+        reported_sandboxes: view.reported_sandboxes,
+        memory_used_bytes: view.memory_used_bytes,
+        reserved: Some(resources_to_pb(reserved.vcpus, reserved.memory_bytes)),
+        pending: view.pending(),
+        unconfirmed: view.unconfirmed(),
+        removing: Some(resources_to_pb(removing.vcpus, removing.memory_bytes)),
+        believed: Some(resources_to_pb(believed.vcpus, believed.memory_bytes)),
+    }
+}
+
+/// The `Placement` gRPC service over any store.
+pub struct PlacementApi<S> {
+    store: Arc<S>,
+    unhealthy_after_ms: u64,
+    node_docs: Option<NodeDocs>,
+}
+
+impl<S: PlacementStore> PlacementApi<S> {
+    pub fn new(store: Arc<S>, unhealthy_after_ms: u64, node_docs: Option<NodeDocs>) -> Self {
+        Self {
+            store,
+            unhealthy_after_ms,
+            node_docs,
+        }
+    }
+}
+
+fn sandbox_ref(r: &pb::SandboxRef) -> Result<(), ApiError> {
+    if r.sandbox_id.is_empty() || r.node_id.is_empty() {
+        return Err(invalid("sandbox_id and node_id are required"));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
+    async fn place(&self, request: Request<pb::PlaceRequest>) -> Result<Response<pb::PlaceResponse>, Status> {
+        let req = request_from_pb(request.into_inner())?;
+        let span = tracing::info_span!("place", sandbox_id = %req.sandbox_id);
+        let _enter = span.enter();
+        match self.store.place(&req, now_ms()).await.map_err(ApiError::from)? {
+            Placement::Placed {
+                node_id,
+                address,
+                score,
+            } => {
+                tracing::debug!(%node_id, score, "placed");
+                Ok(Response::new(pb::PlaceResponse {
+                    node_id,
+                    node_address: address,
+                    score,
+                }))
+            }
+            Placement::NoFit { reason } => {
+                tracing::info!(%reason, "nothing fits");
+                Err(ApiError::NoFit(reason).into())
+            }
+        }
+    }
+
+    async fn created(&self, request: Request<pb::SandboxRef>) -> Result<Response<pb::Ack>, Status> {
+        let r = request.into_inner();
+        sandbox_ref(&r)?;
+        self.store
+            .created(&r.node_id, &r.sandbox_id)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(pb::Ack {}))
+    }
+
+    async fn release(&self, request: Request<pb::SandboxRef>) -> Result<Response<pb::Ack>, Status> {
+        let r = request.into_inner();
+        sandbox_ref(&r)?;
+        self.store
+            .release(&r.node_id, &r.sandbox_id)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(pb::Ack {}))
+    }
+
+    async fn removed(&self, request: Request<pb::SandboxRef>) -> Result<Response<pb::Ack>, Status> {
+        let r = request.into_inner();
+        sandbox_ref(&r)?;
+        let held = resources_from_pb(r.resources);
+        self.store
+            .removed(&r.node_id, &r.sandbox_id, held)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(pb::Ack {}))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let raw = request.into_inner();
+        let memory_available = raw.memory_available_bytes;
+        let hb = heartbeat_from_pb(raw)?;
+        let received = now_ms();
+        let outcome = self.store.heartbeat(&hb, received).await.map_err(ApiError::from)?;
+        if outcome.rebooted {
+            tracing::info!(node_id = %hb.node_id, boot_id = %hb.boot_id, "node restarted; its view was reset");
+        }
+        for sandbox_id in &outcome.expired {
+            tracing::warn!(node_id = %hb.node_id, %sandbox_id, "reservation never confirmed by a heartbeat; released");
+        }
+        if outcome.applied {
+            if let Some(docs) = &self.node_docs {
+                docs.offer(&hb, memory_available, received);
+            }
+        }
+        Ok(Response::new(pb::HeartbeatResponse {
+            applied: outcome.applied,
+            reason: outcome.reason.unwrap_or_default(),
+        }))
+    }
+
+    async fn nodes(&self, _: Request<pb::NodesRequest>) -> Result<Response<pb::NodesResponse>, Status> {
+        let now = now_ms();
+        let mut nodes = self.store.nodes().await.map_err(ApiError::from)?;
+        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        Ok(Response::new(pb::NodesResponse {
+            nodes: nodes
+                .iter()
+                .map(|v| view_to_pb(v, now, self.unhealthy_after_ms))
+                .collect(),
+        }))
+    }
+
+    async fn explain(&self, request: Request<pb::PlaceRequest>) -> Result<Response<pb::ExplainResponse>, Status> {
+        let req = request_from_pb(request.into_inner())?;
+        let explanation = self.store.explain(&req, now_ms()).await.map_err(ApiError::from)?;
+        let chosen = explanation.chosen.clone().unwrap_or_default();
+        let candidates = explanation
+            .evaluated
+            .into_iter()
+            .map(|e| {
+                let feasible = e.rejected.is_none();
+                let reason = match (&e.rejected, e.node_id == chosen) {
+                    (Some(why), _) => why.clone(),
+                    (None, true) => "chosen: lowest score".to_string(),
+                    (None, false) => "feasible, higher score".to_string(),
+                };
+                pb::Candidate {
+                    node_id: e.node_id,
+                    feasible,
+                    reason,
+                    score: e.score,
+                    terms: e.terms.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ExplainResponse { candidates, chosen }))
+    }
+
+    async fn set_node_state(
+        &self,
+        request: Request<pb::SetNodeStateRequest>,
+    ) -> Result<Response<pb::NodeView>, Status> {
+        let req = request.into_inner();
+        let admin = match pb::NodeState::try_from(req.state) {
+            Ok(pb::NodeState::Ready) => AdminState::Ready,
+            Ok(pb::NodeState::Draining) => AdminState::Draining,
+            _ => return Err(invalid("state must be READY or DRAINING").into()),
+        };
+        let view = self
+            .store
+            .set_admin(&req.node_id, admin)
+            .await
+            .map_err(ApiError::from)?;
+        tracing::info!(node_id = %req.node_id, ?admin, "node state set");
+        Ok(Response::new(view_to_pb(&view, now_ms(), self.unhealthy_after_ms)))
+    }
+}

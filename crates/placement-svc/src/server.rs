@@ -1,0 +1,185 @@
+//! Starting and stopping placement-svc: the one place that wires store, ledger publisher and
+//! gRPC server together. Used by the binary, the launcher and the tests.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::placement::v1::placement_server::PlacementServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::api::PlacementApi;
+use crate::core::{Accounting, RankConfig};
+use crate::node_docs::NodeDocs;
+use crate::store::memory::MemoryStore;
+use crate::store::redis::RedisStore;
+use crate::store::{PlacementStore, StoreError};
+
+/// Where the placer's view lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// In this process (embedded default; one replica).
+    Memory,
+    /// In Redis, shared by every replica.
+    Redis { url: String, prefix: String },
+}
+
+/// How placement-svc runs.
+#[derive(Clone, Debug)]
+pub struct PlacementConfig {
+    pub listen: SocketAddr,
+    pub store: StoreConfig,
+    pub rank: RankConfig,
+    pub accounting: Accounting,
+    /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
+    pub max_unconfirmed_heartbeats: u32,
+    /// ledger-svc to publish node documents to (`http://HOST:PORT`), if any.
+    pub ledger_endpoint: Option<String>,
+    /// At most one node document write per node per this interval.
+    pub node_doc_interval: Duration,
+}
+
+impl PlacementConfig {
+    pub fn new(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            store: StoreConfig::Memory,
+            rank: RankConfig::default(),
+            accounting: Accounting::Reconciled,
+            max_unconfirmed_heartbeats: 3,
+            ledger_endpoint: None,
+            node_doc_interval: Duration::from_secs(5),
+        }
+    }
+
+    /// Checks values that would make the placer misbehave, with a message naming the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        let r = &self.rank;
+        if r.k == 0 {
+            return Err("k (candidates per decision) must be at least 1".into());
+        }
+        if !(r.overcommit >= 1.0 && r.overcommit.is_finite()) {
+            return Err(format!("cpu over-commit must be a number >= 1 (got {})", r.overcommit));
+        }
+        if r.cpu_weight < 0.0 || r.memory_weight < 0.0 || r.cpu_weight + r.memory_weight <= 0.0 {
+            return Err("score weights must be >= 0 and not both 0".into());
+        }
+        if r.max_starting == 0 {
+            return Err("max creates in flight per node must be at least 1".into());
+        }
+        if r.unhealthy_after_ms == 0 {
+            return Err("unhealthy-after must be positive".into());
+        }
+        if let StoreConfig::Redis { url, .. } = &self.store {
+            if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+                return Err(format!("redis url must start with redis:// (got {url:?})"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why placement-svc could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Ledger(#[from] ledger_svc::LedgerError),
+}
+
+/// A placement-svc that is serving.
+pub struct RunningPlacement {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl RunningPlacement {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::warn!(%err, "placement server ended with an error"),
+            Err(err) => tracing::warn!(%err, "placement server task failed"),
+        }
+    }
+}
+
+/// Connects the store, binds the port and serves until [`RunningPlacement::stop`].
+pub async fn start(config: PlacementConfig) -> Result<RunningPlacement, StartError> {
+    config.validate().map_err(StartError::Config)?;
+    let docs = match &config.ledger_endpoint {
+        Some(endpoint) => Some(NodeDocs::new(
+            ledger_svc::LedgerClient::connect_lazy(endpoint)?,
+            config.node_doc_interval,
+        )),
+        None => None,
+    };
+    match &config.store {
+        StoreConfig::Memory => {
+            let seed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let store = MemoryStore::new(config.accounting, &config.rank, config.max_unconfirmed_heartbeats, seed);
+            serve(config, store, docs).await
+        }
+        StoreConfig::Redis { url, prefix } => {
+            let store = RedisStore::connect(
+                url,
+                prefix,
+                config.accounting,
+                &config.rank,
+                config.max_unconfirmed_heartbeats,
+            )
+            .await?;
+            serve(config, store, docs).await
+        }
+    }
+}
+
+async fn serve<S: PlacementStore>(
+    config: PlacementConfig,
+    store: S,
+    docs: Option<NodeDocs>,
+) -> Result<RunningPlacement, StartError> {
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let api = PlacementApi::new(Arc::new(store), config.rank.unhealthy_after_ms, docs);
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<PlacementServer<PlacementApi<S>>>().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(PlacementServer::new(api))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                let _ = stopped.await;
+            }),
+    );
+    tracing::info!(%addr, store = ?config.store, accounting = config.accounting.name(), "placement-svc serving");
+    Ok(RunningPlacement { addr, stop, server })
+}
