@@ -38,6 +38,12 @@ struct UpArgs {
     /// Share placement state through this Redis instead of keeping it in memory.
     #[arg(long, env = "SANDBOXSCHED_PLACEMENT_REDIS_URL")]
     placement_redis_url: Option<String>,
+    /// How many node-svcs to run (each gets an equal share of this host's vCPUs and memory).
+    #[arg(long, env = "SANDBOXSCHED_NODES", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=50))]
+    nodes: u16,
+    /// Port of the first node-svc; the others follow.
+    #[arg(long, env = "SANDBOXSCHED_NODE_BASE_PORT", default_value_t = 7100)]
+    node_base_port: u16,
     /// Use this database for the ledger instead of the embedded SQLite file
     /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
     #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
@@ -73,6 +79,27 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .await
         .context("starting placement-svc")?;
 
+    let host = node_svc::server::host_capacity();
+    let share = u64::from(args.nodes);
+    let mut nodes = Vec::new();
+    for i in 1..=args.nodes {
+        let listen = SocketAddr::new(args.placement_listen.ip(), args.node_base_port + i - 1);
+        let id = format!("node-{i}");
+        let mut config = node_svc::server::NodeConfig::new(listen, &id, args.data_dir.join(&id));
+        config.host.capacity = node_svc::sandbox::Resources {
+            vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
+            memory_bytes: host.memory_bytes / share,
+        };
+        config.placement = Some(placement.endpoint());
+        let templates = args.data_dir.join("templates");
+        config.host.templates_dir = templates.is_dir().then_some(templates);
+        nodes.push(
+            node_svc::server::start(config)
+                .await
+                .with_context(|| format!("starting node-svc {id}"))?,
+        );
+    }
+
     println!();
     println!("sandboxsched is up (data in {})", args.data_dir.display());
     println!(
@@ -85,10 +112,26 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .as_deref()
         .map_or("in memory".to_string(), redact);
     println!("  placement-svc  grpc {}   ({placement_store})", placement.endpoint());
+    for node in &nodes {
+        let host = node.host();
+        let cap = host.capacity();
+        println!(
+            "  node-svc       grpc {}   ({}, {} vCPU, {} MiB, {} runtime)",
+            node.endpoint(),
+            host.node_id(),
+            cap.vcpus,
+            cap.memory_bytes >> 20,
+            host.runtime_kind()
+        );
+    }
     println!();
     println!("Press Ctrl-C to stop.");
 
     common::shutdown::signal().await;
+    // Sandboxes keep running; the next `up` re-adopts them.
+    for node in nodes {
+        node.stop().await;
+    }
     placement.stop().await;
     ledger.stop().await;
     println!("sandboxsched stopped");

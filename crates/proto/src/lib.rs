@@ -17,3 +17,10 @@ pub mod placement {
         tonic::include_proto!("sandboxsched.placement.v1");
     }
 }
+
+/// Sandboxes on one host: lifecycle, snapshots, node information.
+pub mod node {
+    pub mod v1 {
+        tonic::include_proto!("sandboxsched.node.v1");
+    }
+}

@@ -1,0 +1,231 @@
+//! The gRPC face of a node: converts between the wire and the host, and maps every failure to
+//! a status in one place ([`status`]).
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use proto::node::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::host::{CreateSpec, Host, NodeError, RestoreItem, SnapshotPart};
+use crate::sandbox::{Move, Refusal, Resources, SandboxRecord, State};
+
+/// The one mapping from node errors to gRPC statuses.
+pub fn status(err: NodeError) -> Status {
+    let message = err.to_string();
+    match err {
+        NodeError::Invalid(_) | NodeError::OperationReused { .. } => Status::invalid_argument(message),
+        NodeError::NotFound(_) | NodeError::UnknownTemplate(_) => Status::not_found(message),
+        NodeError::AlreadyExists(_) => Status::already_exists(message),
+        NodeError::Refused(Refusal::StaleEpoch { .. } | Refusal::IllegalMove { .. }) => {
+            Status::failed_precondition(message)
+        }
+        NodeError::Corrupt(_) => Status::data_loss(message),
+        NodeError::Runtime(_) | NodeError::Io(_) => Status::internal(message),
+    }
+}
+
+fn state_to_pb(state: State) -> pb::SandboxState {
+    match state {
+        State::Running => pb::SandboxState::Running,
+        State::Paused => pb::SandboxState::Paused,
+        State::Killed => pb::SandboxState::Killed,
+    }
+}
+
+pub fn info_to_pb(record: &SandboxRecord, memory_used_bytes: u64) -> pb::SandboxInfo {
+    pb::SandboxInfo {
+        sandbox_id: record.id.clone(),
+        state: state_to_pb(record.state) as i32,
+        template: record.template.clone(),
+        resources: Some(pb::Resources {
+            vcpus: record.resources.vcpus,
+            memory_bytes: record.resources.memory_bytes,
+        }),
+        epoch: record.epoch,
+        memory_used_bytes,
+        pgid: record.pgid,
+        created_at_unix_ms: record.created_at_unix_ms,
+        metadata: record.metadata.clone().into_iter().collect(),
+    }
+}
+
+/// The `Node` gRPC service.
+pub struct NodeApi {
+    host: Arc<Host>,
+}
+
+impl NodeApi {
+    pub fn new(host: Arc<Host>) -> Self {
+        Self { host }
+    }
+
+    async fn lifecycle(&self, req: pb::LifecycleRequest, action: Move) -> Result<Response<pb::SandboxInfo>, Status> {
+        let span = tracing::info_span!("lifecycle", sandbox_id = %req.sandbox_id, ?action, epoch = req.epoch);
+        let _enter = span.enter();
+        let record = self
+            .host
+            .lifecycle(&req.operation_id, req.epoch, &req.sandbox_id, action)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(info_to_pb(&record, 0)))
+    }
+}
+
+type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::node_server::Node for NodeApi {
+    async fn create(&self, request: Request<pb::CreateRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("create", sandbox_id = %req.sandbox_id, template = %req.template);
+        let _enter = span.enter();
+        let resources = req.resources.unwrap_or_default();
+        let spec = CreateSpec {
+            operation_id: req.operation_id,
+            epoch: req.epoch,
+            sandbox_id: req.sandbox_id,
+            template: req.template,
+            resources: Resources {
+                vcpus: resources.vcpus,
+                memory_bytes: resources.memory_bytes,
+            },
+            env: req.env_vars.into_iter().collect::<BTreeMap<_, _>>(),
+            metadata: req.metadata.into_iter().collect::<BTreeMap<_, _>>(),
+            start_command: Some(req.start_command).filter(|c| !c.is_empty()),
+            access_token: Some(req.access_token).filter(|t| !t.is_empty()),
+        };
+        let record = self.host.create(spec).await.map_err(status)?;
+        Ok(Response::new(info_to_pb(&record, 0)))
+    }
+
+    async fn kill(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
+        self.lifecycle(request.into_inner(), Move::Kill).await
+    }
+
+    async fn pause(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
+        self.lifecycle(request.into_inner(), Move::Pause).await
+    }
+
+    async fn resume(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
+        self.lifecycle(request.into_inner(), Move::Resume).await
+    }
+
+    type SnapshotStream = SnapshotStream;
+
+    async fn snapshot(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<SnapshotStream>, Status> {
+        let req = request.into_inner();
+        let record = self
+            .host
+            .snapshot_source(req.epoch, &req.sandbox_id)
+            .await
+            .map_err(status)?;
+        let description = serde_json::to_string(&record).map_err(|e| Status::internal(e.to_string()))?;
+        let header = pb::SnapshotChunk {
+            part: Some(pb::snapshot_chunk::Part::Header(pb::SnapshotHeader {
+                sandbox_id: record.id.clone(),
+                description_json: description,
+            })),
+        };
+        let parts = ReceiverStream::new(self.host.snapshot_stream(&record.id)).map(|part| match part {
+            Ok(SnapshotPart::Data(data)) => Ok(pb::SnapshotChunk {
+                part: Some(pb::snapshot_chunk::Part::Data(data)),
+            }),
+            Ok(SnapshotPart::End { sha256, bytes }) => Ok(pb::SnapshotChunk {
+                part: Some(pb::snapshot_chunk::Part::Trailer(pb::SnapshotTrailer { sha256, bytes })),
+            }),
+            Err(err) => Err(status(err)),
+        });
+        let stream = tokio_stream::once(Ok(header)).chain(parts);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn restore(
+        &self,
+        request: Request<Streaming<pb::RestoreChunk>>,
+    ) -> Result<Response<pb::SandboxInfo>, Status> {
+        let mut incoming = request.into_inner();
+        let header = match incoming.message().await? {
+            Some(pb::RestoreChunk {
+                part: Some(pb::restore_chunk::Part::Header(header)),
+            }) => header,
+            _ => return Err(Status::invalid_argument("a restore stream starts with its header")),
+        };
+        let snapshot = header
+            .snapshot
+            .ok_or_else(|| Status::invalid_argument("the restore header carries no snapshot header"))?;
+        let record: SandboxRecord = serde_json::from_str(&snapshot.description_json)
+            .map_err(|e| Status::invalid_argument(format!("bad sandbox description: {e}")))?;
+        if record.id != snapshot.sandbox_id {
+            return Err(Status::invalid_argument(
+                "description and header name different sandboxes",
+            ));
+        }
+        let (tx, rx) = mpsc::channel(8);
+        let forward = tokio::spawn(async move {
+            while let Some(chunk) = incoming.message().await? {
+                let item = match chunk.part {
+                    Some(pb::restore_chunk::Part::Data(data)) => RestoreItem::Data(data),
+                    Some(pb::restore_chunk::Part::Trailer(t)) => RestoreItem::Trailer {
+                        sha256: t.sha256,
+                        bytes: t.bytes,
+                    },
+                    _ => {
+                        return Err(Status::invalid_argument(
+                            "only data and a trailer may follow the header",
+                        ))
+                    }
+                };
+                if tx.send(item).await.is_err() {
+                    break;
+                }
+            }
+            Ok(())
+        });
+        let restored = self
+            .host
+            .restore(&header.operation_id, header.epoch, record, rx)
+            .await
+            .map_err(status);
+        forward.abort();
+        Ok(Response::new(info_to_pb(&restored?, 0)))
+    }
+
+    async fn list(&self, _: Request<pb::ListRequest>) -> Result<Response<pb::ListResponse>, Status> {
+        let sandboxes = self
+            .host
+            .list()
+            .await
+            .iter()
+            .map(|(record, used)| info_to_pb(record, *used))
+            .collect();
+        Ok(Response::new(pb::ListResponse { sandboxes }))
+    }
+
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
+        let picture = self.host.picture().await;
+        let features = self.host.features();
+        let capacity = self.host.capacity();
+        Ok(Response::new(pb::NodeInfo {
+            node_id: self.host.node_id().to_string(),
+            boot_id: self.host.boot_id().to_string(),
+            runtime: self.host.runtime_kind().to_string(),
+            capacity: Some(pb::Resources {
+                vcpus: capacity.vcpus,
+                memory_bytes: capacity.memory_bytes,
+            }),
+            memory_used_bytes: picture.memory_used_bytes,
+            memory_available_bytes: picture.memory_available_bytes,
+            sandboxes: u32::try_from(picture.sandboxes.len()).unwrap_or(u32::MAX),
+            cgroup_memory: features.cgroup_memory,
+            freezer: features.freezer,
+            namespaces: features.namespaces,
+            degraded: features.degraded,
+        }))
+    }
+}

@@ -1,0 +1,70 @@
+//! The `node-svc` binary: configuration from flags or environment, nothing else.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use node_svc::server::{NodeConfig, RuntimeKind};
+
+/// Runs sandboxes on this host and reports them to placement-svc.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address gRPC listens on.
+    #[arg(long, env = "NODE_LISTEN", default_value = "127.0.0.1:7003")]
+    listen: SocketAddr,
+    /// This node's ID (unique in the cluster).
+    #[arg(long, env = "NODE_ID", default_value = "node-1")]
+    node_id: String,
+    /// Where sandbox records and files live.
+    #[arg(long, env = "NODE_STATE_DIR", default_value = "data/node-1")]
+    state_dir: PathBuf,
+    /// Folder of templates (NAME/template.json, NAME/files/).
+    #[arg(long, env = "NODE_TEMPLATES_DIR")]
+    templates_dir: Option<PathBuf>,
+    /// placement-svc to send heartbeats to.
+    #[arg(long, env = "NODE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
+    placement: String,
+    /// Milliseconds between heartbeats.
+    #[arg(long, env = "NODE_HEARTBEAT_MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..))]
+    heartbeat_ms: u64,
+    /// vCPUs to offer (default: this host's).
+    #[arg(long, env = "NODE_VCPUS")]
+    vcpus: Option<u32>,
+    /// Memory to offer, in MiB (default: this host's).
+    #[arg(long, env = "NODE_MEMORY_MB")]
+    memory_mb: Option<u64>,
+    /// `process` (real) or `sim`.
+    #[arg(long, env = "NODE_RUNTIME", default_value = "process", value_parser = ["process", "sim"])]
+    runtime: String,
+    /// Do not use cgroups even where the host allows.
+    #[arg(long, env = "NODE_NO_CGROUPS")]
+    no_cgroups: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("node-svc");
+    let args = Args::parse();
+    let mut config = NodeConfig::new(args.listen, args.node_id, args.state_dir);
+    config.host.templates_dir = args.templates_dir;
+    if let Some(vcpus) = args.vcpus {
+        config.host.capacity.vcpus = vcpus;
+    }
+    if let Some(mb) = args.memory_mb {
+        config.host.capacity.memory_bytes = mb * 1024 * 1024;
+    }
+    config.runtime = match args.runtime.as_str() {
+        "sim" => RuntimeKind::Sim { used_share: 0.5 },
+        _ => RuntimeKind::Process {
+            cgroups: !args.no_cgroups,
+        },
+    };
+    config.placement = Some(args.placement);
+    config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms);
+    let node = node_svc::server::start(config).await?;
+    common::shutdown::signal().await;
+    node.stop().await;
+    Ok(())
+}

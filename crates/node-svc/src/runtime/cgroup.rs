@@ -1,0 +1,146 @@
+//! cgroup v1 memory and freezer groups for sandboxes (this host has v1 controllers writable
+//! by root). Each node gets its own parent group, `sandboxsched-<node>`, so several node-svcs on
+//! one host never touch each other's sandboxes.
+//!
+//! Processes join the groups from inside the child between fork and exec (writing `0` to
+//! `cgroup.procs` moves the writer), so every descendant is accounted and frozen with it.
+
+use std::ffi::CString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const ROOT: &str = "/sys/fs/cgroup";
+
+/// The cgroup parents of one node, for the controllers that are available.
+#[derive(Clone, Debug)]
+pub struct Cgroups {
+    memory: Option<PathBuf>,
+    freezer: Option<PathBuf>,
+}
+
+impl Cgroups {
+    /// Probes the host: creates `sandboxsched-<node>` under each v1 controller it can write.
+    /// Returns what worked and, for what did not, why.
+    pub fn probe(node_id: &str) -> (Self, Vec<String>) {
+        let mut degraded = Vec::new();
+        let mut make = |controller: &str| -> Option<PathBuf> {
+            let base = Path::new(ROOT).join(controller);
+            if !base.join("cgroup.procs").exists() {
+                degraded.push(format!("{controller} cgroup (v1) not mounted at {}", base.display()));
+                return None;
+            }
+            let parent = base.join(format!("sandboxsched-{node_id}"));
+            match fs::create_dir_all(&parent) {
+                Ok(()) => Some(parent),
+                Err(err) => {
+                    degraded.push(format!("cannot create {}: {err}", parent.display()));
+                    None
+                }
+            }
+        };
+        let memory = make("memory");
+        let freezer = make("freezer");
+        (Self { memory, freezer }, degraded)
+    }
+
+    /// No cgroups at all (used by tests and where the host has none).
+    pub fn none() -> Self {
+        Self {
+            memory: None,
+            freezer: None,
+        }
+    }
+
+    pub fn has_memory(&self) -> bool {
+        self.memory.is_some()
+    }
+
+    pub fn has_freezer(&self) -> bool {
+        self.freezer.is_some()
+    }
+
+    fn memory_dir(&self, sandbox: &str) -> Option<PathBuf> {
+        self.memory.as_ref().map(|p| p.join(sandbox))
+    }
+
+    fn freezer_dir(&self, sandbox: &str) -> Option<PathBuf> {
+        self.freezer.as_ref().map(|p| p.join(sandbox))
+    }
+
+    /// Creates the sandbox's groups (idempotent) and sets its memory limit.
+    pub fn create(&self, sandbox: &str, memory_limit: u64) -> std::io::Result<()> {
+        if let Some(dir) = self.memory_dir(sandbox) {
+            fs::create_dir_all(&dir)?;
+            if memory_limit > 0 {
+                fs::write(dir.join("memory.limit_in_bytes"), memory_limit.to_string())?;
+            }
+        }
+        if let Some(dir) = self.freezer_dir(sandbox) {
+            fs::create_dir_all(&dir)?;
+        }
+        Ok(())
+    }
+
+    /// The `cgroup.procs` files a new process must join, as C strings ready for `pre_exec`.
+    pub fn join_paths(&self, sandbox: &str) -> Vec<CString> {
+        [self.memory_dir(sandbox), self.freezer_dir(sandbox)]
+            .into_iter()
+            .flatten()
+            .filter_map(|d| CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok())
+            .collect()
+    }
+
+    /// Every process in the sandbox's groups.
+    pub fn pids(&self, sandbox: &str) -> Vec<i32> {
+        let dir = self.memory_dir(sandbox).or_else(|| self.freezer_dir(sandbox));
+        dir.and_then(|d| fs::read_to_string(d.join("cgroup.procs")).ok())
+            .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Memory charged to the sandbox (bytes), if accounted.
+    pub fn memory_usage(&self, sandbox: &str) -> Option<u64> {
+        let dir = self.memory_dir(sandbox)?;
+        fs::read_to_string(dir.join("memory.usage_in_bytes"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Freezes (`true`) or thaws the sandbox and waits until the kernel says it is done.
+    /// Returns `false` when there is no freezer.
+    pub fn freeze(&self, sandbox: &str, frozen: bool) -> std::io::Result<bool> {
+        let Some(dir) = self.freezer_dir(sandbox) else {
+            return Ok(false);
+        };
+        let want = if frozen { "FROZEN" } else { "THAWED" };
+        let state = dir.join("freezer.state");
+        fs::write(&state, want)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let now = fs::read_to_string(&state)?;
+            if now.trim() == want {
+                return Ok(true);
+            }
+            if Instant::now() > deadline {
+                return Err(std::io::Error::other(format!("freezer stuck in {}", now.trim())));
+            }
+            // FREEZING settles within microseconds for a handful of processes; re-asking the
+            // kernel is how the v1 freezer is meant to be driven.
+            fs::write(&state, want)?;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Removes the sandbox's groups (they must be empty).
+    pub fn remove(&self, sandbox: &str) {
+        for dir in [self.memory_dir(sandbox), self.freezer_dir(sandbox)]
+            .into_iter()
+            .flatten()
+        {
+            let _ = fs::remove_dir(dir);
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! How sandboxes actually run. Two runtimes behind one trait:
+//! - [`process::ProcessRuntime`] (the default, real): a process group per sandbox, a memory
+//!   cgroup for accounting and limits and a freezer cgroup for pause, where the host allows;
+//! - [`sim::SimRuntime`]: sandboxes that are only numbers, so one process can host many nodes
+//!   and thousands of sandboxes for scale tests and capacity planning.
+//!
+//! Every method may block (spawning, waiting for processes to go): call them from
+//! `spawn_blocking`.
+
+pub mod cgroup;
+pub mod process;
+pub mod sim;
+
+use std::path::Path;
+
+use crate::sandbox::SandboxRecord;
+
+/// Why a runtime operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("cannot start sandbox {sandbox}: {reason}")]
+    Start { sandbox: String, reason: String },
+    #[error("cannot {action} sandbox {sandbox}: {reason}")]
+    Control {
+        sandbox: String,
+        action: &'static str,
+        reason: String,
+    },
+}
+
+/// What isolation is in effect, and what is missing and why.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Features {
+    pub cgroup_memory: bool,
+    pub freezer: bool,
+    pub namespaces: bool,
+    pub degraded: Vec<String>,
+}
+
+pub trait Runtime: Send + Sync + 'static {
+    /// "process" or "sim".
+    fn kind(&self) -> &'static str;
+    fn features(&self) -> Features;
+    /// Starts the sandbox's start command (if any) with `home` as its working directory;
+    /// returns its process group (0 when nothing runs).
+    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError>;
+    /// Stops every process of the sandbox where it stands.
+    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    /// Continues every process of the sandbox.
+    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    /// Kills every process of the sandbox and returns once none is left.
+    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    /// Memory the sandbox uses now, in bytes.
+    fn memory_used(&self, record: &SandboxRecord) -> u64;
+    /// Whether the sandbox still has a live process (used to re-adopt after a restart).
+    fn alive(&self, record: &SandboxRecord) -> bool;
+    /// Takes charge of a sandbox found in the state directory at start-up (recreating its
+    /// cgroups where they are gone), without starting anything.
+    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    /// Reaps processes that ended by themselves (no zombies).
+    fn reap(&self) {}
+}

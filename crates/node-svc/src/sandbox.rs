@@ -1,0 +1,209 @@
+//! The pure core of a node: what a sandbox record holds, which lifecycle moves are legal, and
+//! how fencing epochs and operation IDs decide whether a call may act.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+/// vCPUs and memory a sandbox is allocated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+}
+
+/// Where a sandbox is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Running,
+    Paused,
+    Killed,
+}
+
+/// Everything a node persists about one sandbox (its runtime description): enough to
+/// re-adopt it after a node restart, or to recreate it on another node from a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub resources: Resources,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// The long-running command the sandbox starts with, if any (run by `sh -c`).
+    #[serde(default)]
+    pub start_command: Option<String>,
+    #[serde(default)]
+    pub access_token: Option<String>,
+    pub state: State,
+    /// The newest fencing epoch seen for this sandbox.
+    pub epoch: u64,
+    /// Process group of the start command; 0 when none runs.
+    #[serde(default)]
+    pub pgid: u32,
+    pub created_at_unix_ms: u64,
+}
+
+/// A lifecycle move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Move {
+    Pause,
+    Resume,
+    Kill,
+}
+
+/// Why a call may not act.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("epoch {got} is older than epoch {seen} already seen for sandbox {sandbox}: a newer owner acts on it")]
+    StaleEpoch { sandbox: String, got: u64, seen: u64 },
+    #[error("sandbox {sandbox} is {state:?}; cannot {action:?}")]
+    IllegalMove {
+        sandbox: String,
+        state: State,
+        action: Move,
+    },
+}
+
+/// Checks `epoch` against what the record has seen; returns the epoch to keep.
+pub fn fence(record: &SandboxRecord, epoch: u64) -> Result<u64, Refusal> {
+    if epoch < record.epoch {
+        return Err(Refusal::StaleEpoch {
+            sandbox: record.id.clone(),
+            got: epoch,
+            seen: record.epoch,
+        });
+    }
+    Ok(epoch)
+}
+
+/// The state after `action`, or `None` when the sandbox is already there (a repeat is not an
+/// error: pausing a paused sandbox succeeds and does nothing).
+pub fn next_state(record: &SandboxRecord, action: Move) -> Result<Option<State>, Refusal> {
+    let illegal = || Refusal::IllegalMove {
+        sandbox: record.id.clone(),
+        state: record.state,
+        action,
+    };
+    match (record.state, action) {
+        (State::Running, Move::Pause) => Ok(Some(State::Paused)),
+        (State::Paused, Move::Resume) => Ok(Some(State::Running)),
+        (State::Running | State::Paused, Move::Kill) => Ok(Some(State::Killed)),
+        (State::Paused, Move::Pause) | (State::Running, Move::Resume) | (State::Killed, Move::Kill) => Ok(None),
+        (State::Killed, Move::Pause | Move::Resume) => Err(illegal()),
+    }
+}
+
+/// Remembers the answers to recent operations, so a retry with the same operation ID gets
+/// the first answer and does nothing twice. Bounded: the oldest answers are forgotten first.
+pub struct Answers<T> {
+    capacity: usize,
+    order: VecDeque<String>,
+    answers: HashMap<String, (String, T)>,
+}
+
+/// What a retry with an operation ID finds.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recall<T> {
+    /// Never seen: go ahead.
+    New,
+    /// Seen, for the same call: here is its answer.
+    Answered(T),
+    /// Seen, but for another call: the ID was reused.
+    Reused { first: String },
+}
+
+impl<T: Clone> Answers<T> {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            order: VecDeque::new(),
+            answers: HashMap::new(),
+        }
+    }
+
+    /// Looks `operation_id` up for the call described by `call` (method and sandbox).
+    pub fn recall(&self, operation_id: &str, call: &str) -> Recall<T> {
+        match self.answers.get(operation_id) {
+            None => Recall::New,
+            Some((first, answer)) if first == call => Recall::Answered(answer.clone()),
+            Some((first, _)) => Recall::Reused { first: first.clone() },
+        }
+    }
+
+    pub fn remember(&mut self, operation_id: &str, call: &str, answer: T) {
+        if operation_id.is_empty() {
+            return;
+        }
+        // The first answer stands: a concurrent retry that raced it must not replace it.
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.answers.entry(operation_id.to_string()) {
+            slot.insert((call.to_string(), answer));
+            self.order.push_back(operation_id.to_string());
+        }
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.answers.remove(&old);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: State, epoch: u64) -> SandboxRecord {
+        SandboxRecord {
+            id: "s".into(),
+            template: "base".into(),
+            resources: Resources::default(),
+            env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            start_command: None,
+            access_token: None,
+            state,
+            epoch,
+            pgid: 0,
+            created_at_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn moves() {
+        assert_eq!(
+            next_state(&record(State::Running, 0), Move::Pause),
+            Ok(Some(State::Paused))
+        );
+        assert_eq!(next_state(&record(State::Paused, 0), Move::Pause), Ok(None));
+        assert_eq!(
+            next_state(&record(State::Paused, 0), Move::Kill),
+            Ok(Some(State::Killed))
+        );
+        assert!(next_state(&record(State::Killed, 0), Move::Resume).is_err());
+        assert_eq!(next_state(&record(State::Killed, 0), Move::Kill), Ok(None));
+    }
+
+    #[test]
+    fn fencing() {
+        assert_eq!(fence(&record(State::Running, 3), 3), Ok(3));
+        assert_eq!(fence(&record(State::Running, 3), 4), Ok(4));
+        assert!(matches!(
+            fence(&record(State::Running, 3), 2),
+            Err(Refusal::StaleEpoch { seen: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn answers_are_recalled_bounded_and_guarded() {
+        let mut a = Answers::new(2);
+        a.remember("op1", "pause s", 1);
+        assert_eq!(a.recall("op1", "pause s"), Recall::Answered(1));
+        assert!(matches!(a.recall("op1", "kill s"), Recall::Reused { .. }));
+        a.remember("op2", "x", 2);
+        a.remember("op3", "y", 3);
+        assert_eq!(a.recall("op1", "pause s"), Recall::New);
+        assert_eq!(a.recall("op3", "y"), Recall::Answered(3));
+    }
+}

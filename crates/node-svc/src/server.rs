@@ -1,0 +1,175 @@
+//! Starting and stopping node-svc: host, runtime, heartbeats and gRPC server wired together.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::node::v1::node_server::NodeServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::api::NodeApi;
+use crate::heartbeat::{self, HeartbeatConfig};
+use crate::host::{Host, HostConfig, NodeError};
+use crate::runtime::process::ProcessRuntime;
+use crate::runtime::sim::SimRuntime;
+use crate::runtime::Runtime;
+use crate::sandbox::Resources;
+
+/// Which runtime runs the sandboxes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RuntimeKind {
+    /// Real processes; cgroups where the host allows (and `cgroups` is true).
+    Process { cgroups: bool },
+    /// Numbers only; each sandbox uses this share of its memory.
+    Sim { used_share: f64 },
+}
+
+/// How node-svc runs.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub listen: SocketAddr,
+    pub host: HostConfig,
+    pub runtime: RuntimeKind,
+    /// placement-svc to send heartbeats to, if any.
+    pub placement: Option<String>,
+    pub heartbeat_interval: Duration,
+    pub labels: std::collections::HashMap<String, String>,
+}
+
+impl NodeConfig {
+    pub fn new(listen: SocketAddr, node_id: impl Into<String>, state_dir: impl Into<std::path::PathBuf>) -> Self {
+        Self {
+            listen,
+            host: HostConfig {
+                node_id: node_id.into(),
+                state_dir: state_dir.into(),
+                templates_dir: None,
+                capacity: host_capacity(),
+            },
+            runtime: RuntimeKind::Process { cgroups: true },
+            placement: None,
+            heartbeat_interval: Duration::from_secs(2),
+            labels: Default::default(),
+        }
+    }
+}
+
+/// This machine's vCPUs and memory.
+pub fn host_capacity() -> Resources {
+    let vcpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let memory_bytes = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(1 << 30, |kb| kb * 1024);
+    Resources { vcpus, memory_bytes }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Host(#[from] NodeError),
+}
+
+/// A node-svc that is serving.
+pub struct RunningNode {
+    addr: SocketAddr,
+    host: Arc<Host>,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    heartbeats: Option<JoinHandle<()>>,
+}
+
+impl RunningNode {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn host(&self) -> &Arc<Host> {
+        &self.host
+    }
+
+    /// Stops serving and heartbeating. Sandboxes keep running: the next start re-adopts them.
+    pub async fn stop(self) {
+        if let Some(h) = self.heartbeats {
+            h.abort();
+        }
+        let _ = self.stop.send(());
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::warn!(%err, "node server ended with an error"),
+            Err(err) => tracing::warn!(%err, "node server task failed"),
+        }
+    }
+}
+
+pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
+    if config.host.node_id.is_empty() {
+        return Err(StartError::Config("node id must not be empty".into()));
+    }
+    if config.host.capacity.vcpus == 0 || config.host.capacity.memory_bytes == 0 {
+        return Err(StartError::Config("capacity must be positive".into()));
+    }
+    let runtime: Arc<dyn Runtime> = match config.runtime {
+        RuntimeKind::Process { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),
+        RuntimeKind::Sim { used_share } => Arc::new(SimRuntime { used_share }),
+    };
+    let host = Arc::new(Host::open(config.host.clone(), runtime).await?);
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let heartbeats = match &config.placement {
+        Some(placement) => Some(
+            heartbeat::spawn(
+                host.clone(),
+                HeartbeatConfig {
+                    placement: placement.clone(),
+                    interval: config.heartbeat_interval,
+                    address: format!("http://{addr}"),
+                    labels: config.labels.clone(),
+                },
+            )
+            .map_err(|e| StartError::Config(format!("placement endpoint {placement:?}: {e}")))?,
+        ),
+        None => None,
+    };
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<NodeServer<NodeApi>>().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(NodeServer::new(NodeApi::new(host.clone())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                let _ = stopped.await;
+            }),
+    );
+    tracing::info!(%addr, node_id = %config.host.node_id, runtime = host.runtime_kind(), "node-svc serving");
+    Ok(RunningNode {
+        addr,
+        host,
+        stop,
+        server,
+        heartbeats,
+    })
+}
