@@ -5,6 +5,7 @@
 //! machine is shared and noisy.
 
 mod ledger_cas;
+mod node;
 mod placement_distribution;
 mod placement_throughput;
 mod report;
@@ -29,6 +30,8 @@ enum Scenario {
     PlacementDistribution(placement_distribution::Args),
     /// placement-svc on Redis with 1,000 nodes: closed-loop rate, open-loop latency, pure decisions.
     PlacementThroughput(placement_throughput::Args),
+    /// node-svc lifecycle latency (process runtime) and a 100 MB snapshot+restore.
+    Node(node::Args),
 }
 
 #[tokio::main]
@@ -38,6 +41,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::LedgerCas(args) => ledger_cas::run(args).await?,
         Scenario::PlacementDistribution(args) => placement_distribution::run(args)?,
         Scenario::PlacementThroughput(args) => placement_throughput::run(args).await?,
+        Scenario::Node(args) => node::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

@@ -1,0 +1,172 @@
+//! `bench node`: lifecycle latency of the process runtime through gRPC, and moving a sandbox
+//! holding 100 MB of files from one node-svc to another (snapshot streamed into restore).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use node_svc::server::{NodeConfig, RunningNode};
+use proto::node::v1 as pb;
+use proto::node::v1::node_client::NodeClient;
+use tokio_stream::StreamExt;
+
+use crate::report::Report;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Sandboxes created (and paused, resumed, killed) for the latency figures.
+    #[arg(long, default_value_t = 200)]
+    sandboxes: usize,
+    /// Megabytes of files in the sandbox that is moved.
+    #[arg(long, default_value_t = 100)]
+    snapshot_mb: usize,
+}
+
+struct Scratch {
+    node: RunningNode,
+    dir: std::path::PathBuf,
+    id: String,
+}
+
+async fn node(tag: &str) -> anyhow::Result<Scratch> {
+    let id = format!("bench-{tag}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let dir = std::env::temp_dir().join(&id);
+    let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse()?, &id, &dir)).await?;
+    Ok(Scratch { node, dir, id })
+}
+
+impl Scratch {
+    async fn remove(self) {
+        self.node.stop().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for controller in ["memory", "freezer"] {
+            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.id));
+        }
+    }
+}
+
+fn lifecycle(id: &str, op: String) -> pb::LifecycleRequest {
+    pb::LifecycleRequest {
+        operation_id: op,
+        epoch: 1,
+        sandbox_id: id.to_string(),
+    }
+}
+
+fn percentile(samples: &mut [Duration], p: f64) -> f64 {
+    samples.sort();
+    let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
+    samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1_000.0)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let a = node("a").await?;
+    let b = node("b").await?;
+    let mut ca = NodeClient::connect(a.node.endpoint()).await?;
+    let mut cb = NodeClient::connect(b.node.endpoint()).await?;
+
+    let (mut create, mut pause, mut resume, mut kill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.sandboxes {
+        let id = format!("s{i}");
+        let started = Instant::now();
+        ca.create(pb::CreateRequest {
+            operation_id: format!("c{i}"),
+            epoch: 1,
+            sandbox_id: id.clone(),
+            template: "base".into(),
+            resources: Some(pb::Resources {
+                vcpus: 1,
+                memory_bytes: 128 << 20,
+            }),
+            start_command: "sleep 600".into(),
+            ..Default::default()
+        })
+        .await?;
+        create.push(started.elapsed());
+    }
+    for (label, samples, method) in [("p", &mut pause, 0), ("r", &mut resume, 1), ("k", &mut kill, 2)] {
+        for i in 0..args.sandboxes {
+            let req = lifecycle(&format!("s{i}"), format!("{label}{i}"));
+            let started = Instant::now();
+            match method {
+                0 => ca.pause(req).await?,
+                1 => ca.resume(req).await?,
+                _ => ca.kill(req).await?,
+            };
+            samples.push(started.elapsed());
+        }
+    }
+
+    // A sandbox with `snapshot_mb` MB of files, moved from node a to node b.
+    ca.create(pb::CreateRequest {
+        operation_id: "big".into(),
+        epoch: 1,
+        sandbox_id: "big".into(),
+        template: "base".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        ..Default::default()
+    })
+    .await?;
+    let home = a.node.host().home("big");
+    let block: Vec<u8> = (0..1 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    for f in 0..args.snapshot_mb {
+        std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
+    }
+    ca.pause(lifecycle("big", "big-pause".into())).await?;
+    let started = Instant::now();
+    let source = ca.snapshot(lifecycle("big", String::new())).await?.into_inner();
+    let restore = source.map(|chunk| {
+        let chunk = chunk.expect("snapshot chunk");
+        pb::RestoreChunk {
+            part: match chunk.part {
+                Some(pb::snapshot_chunk::Part::Header(h)) => Some(pb::restore_chunk::Part::Header(pb::RestoreHeader {
+                    operation_id: "big-restore".into(),
+                    epoch: 2,
+                    snapshot: Some(h),
+                })),
+                Some(pb::snapshot_chunk::Part::Data(d)) => Some(pb::restore_chunk::Part::Data(d)),
+                Some(pb::snapshot_chunk::Part::Trailer(t)) => Some(pb::restore_chunk::Part::Trailer(t)),
+                None => None,
+            },
+        }
+    });
+    cb.restore(restore).await?;
+    let moved = started.elapsed();
+    let moved_home = b.node.host().home("big");
+    anyhow::ensure!(
+        std::fs::read(moved_home.join("data-000.bin"))? == block,
+        "the restored files differ"
+    );
+    ca.kill(lifecycle("big", "big-kill".into())).await?;
+    let mut kill_b = lifecycle("big", "big-kill-b".into());
+    kill_b.epoch = 2;
+    cb.kill(kill_b).await?;
+    a.remove().await;
+    b.remove().await;
+
+    let mut report = Report::new(format!(
+        "node: process runtime over gRPC, {} sandboxes; move of {} MB",
+        args.sandboxes, args.snapshot_mb
+    ));
+    report
+        .figure("create_p50_ms", round2(percentile(&mut create, 0.5)), "ms")
+        .figure("create_p99_ms", round2(percentile(&mut create, 0.99)), "ms")
+        .figure("pause_p50_ms", round2(percentile(&mut pause, 0.5)), "ms")
+        .figure("pause_p99_ms", round2(percentile(&mut pause, 0.99)), "ms")
+        .figure("resume_p50_ms", round2(percentile(&mut resume, 0.5)), "ms")
+        .figure("resume_p99_ms", round2(percentile(&mut resume, 0.99)), "ms")
+        .figure("kill_p50_ms", round2(percentile(&mut kill, 0.5)), "ms")
+        .figure("kill_p99_ms", round2(percentile(&mut kill, 0.99)), "ms")
+        .figure(
+            "snapshot_restore_100mb_ms",
+            round2(moved.as_secs_f64() * 1_000.0),
+            &format!("ms for {} MB", args.snapshot_mb),
+        );
+    Ok(report)
+}
