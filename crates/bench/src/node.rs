@@ -114,7 +114,9 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     })
     .await?;
     let home = a.node.host().home("big");
-    let block: Vec<u8> = (0..1 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let block: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     for f in 0..args.snapshot_mb {
         std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
     }
