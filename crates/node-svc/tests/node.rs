@@ -59,7 +59,10 @@ impl TestNode {
             let mut c = self.client().await;
             let list = c.list(pb::ListRequest {}).await.unwrap().into_inner();
             for s in list.sandboxes {
-                let _ = c.kill(lifecycle(&s.sandbox_id, "", 0)).await;
+                // At the sandbox's own epoch: an older one would be fenced off.
+                c.kill(lifecycle(&s.sandbox_id, "", s.epoch))
+                    .await
+                    .expect("cleanup kill");
             }
             self.stop().await;
         }

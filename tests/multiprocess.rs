@@ -1,0 +1,410 @@
+//! Multi-process mode, for real: ledger-svc on PostgreSQL, two placement-svc replicas sharing
+//! Redis, three node-svcs with distinct capacities running real processes, each service its
+//! own OS process. Creates go through both placement replicas (this test plays the gateway's
+//! part: Place, create on the node, Created); the accounting must stay exact at every step.
+//!
+//! Needs PostgreSQL and Redis (scripts/services starts them) and the service binaries, which
+//! `cargo test --workspace` builds.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use proto::node::v1 as node_pb;
+use proto::node::v1::node_client::NodeClient;
+use proto::placement::v1 as pl;
+use proto::placement::v1::placement_client::PlacementClient;
+use sqlx::Connection;
+use tonic::transport::Channel;
+
+const MIB: u64 = 1 << 20;
+
+fn postgres_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn redis_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A service binary next to this test's executable's build directory.
+fn binary(name: &str) -> PathBuf {
+    let mut dir = std::env::current_exe().expect("test executable path");
+    dir.pop(); // deps/
+    dir.pop(); // debug/ (or release/)
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the services first (`cargo build --workspace --bins`; `cargo test --workspace` does)",
+        path.display()
+    );
+    path
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Child processes that are killed when the test ends, however it ends.
+struct Processes(Vec<(String, Child)>);
+
+impl Processes {
+    fn spawn(&mut self, name: &str, binary: &str, args: &[String], log: &std::path::Path) {
+        let out = std::fs::File::create(log.join(format!("{name}.log"))).expect("log file");
+        let child = Command::new(self::binary(binary))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {binary}: {e}"));
+        self.0.push((name.to_string(), child));
+    }
+
+    fn assert_running(&mut self) {
+        for (name, child) in &mut self.0 {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("{name} exited early with {status}; see its log");
+            }
+        }
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+async fn connect(endpoint: &str, procs: &mut Processes) -> Channel {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        procs.assert_running();
+        match Channel::from_shared(endpoint.to_string())
+            .expect("endpoint")
+            .connect()
+            .await
+        {
+            Ok(channel) => return channel,
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(err) => panic!("{endpoint} never came up: {err}"),
+        }
+    }
+}
+
+/// Polls `check` (every 50 ms, at most 30 s) until it returns `Some`.
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn views(p: &mut PlacementClient<Channel>) -> Vec<pl::NodeView> {
+    p.nodes(pl::NodesRequest {}).await.expect("nodes").into_inner().nodes
+}
+
+/// The accounting is exact: for every node, what placement believes equals what the node
+/// really runs, with no reservation or removal left over.
+async fn assert_exact(p: &mut PlacementClient<Channel>, nodes: &mut BTreeMap<String, NodeClient<Channel>>) {
+    for view in views(p).await {
+        let real = nodes
+            .get_mut(&view.node_id)
+            .expect("known node")
+            .list(node_pb::ListRequest {})
+            .await
+            .expect("list")
+            .into_inner()
+            .sandboxes;
+        let real_vcpus: u32 = real.iter().map(|s| s.resources.unwrap_or_default().vcpus).sum();
+        let believed = view.believed.unwrap_or_default();
+        assert_eq!(
+            (believed.vcpus, view.pending, view.unconfirmed, view.reported_sandboxes),
+            (real_vcpus, 0, 0, real.len() as u32),
+            "placement's view of {} disagrees with the node",
+            view.node_id
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_as_processes_keep_accounting_exact_across_two_placers() {
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
+    let work = std::env::temp_dir().join(format!("multiprocess-{tag}"));
+    std::fs::create_dir_all(&work).unwrap();
+    let schema = format!("mp_{tag}");
+    let mut pg = sqlx::PgConnection::connect(&postgres_url()).await.unwrap_or_else(|e| {
+        panic!(
+            "PostgreSQL at {} is not reachable ({e}); run scripts/services",
+            postgres_url()
+        )
+    });
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut pg)
+        .await
+        .unwrap();
+    let mut procs = Processes(Vec::new());
+
+    let ledger = format!("127.0.0.1:{}", free_port());
+    procs.spawn(
+        "ledger",
+        "ledger-svc",
+        &[
+            "--listen".into(),
+            ledger.clone(),
+            "--database-url".into(),
+            format!("{}?options[search_path]={schema}", postgres_url()),
+        ],
+        &work,
+    );
+    let ledger_endpoint = format!("http://{ledger}");
+    connect(&ledger_endpoint, &mut procs).await;
+
+    let mut placers = Vec::new();
+    for i in 0..2 {
+        let addr = format!("127.0.0.1:{}", free_port());
+        procs.spawn(
+            &format!("placement-{i}"),
+            "placement-svc",
+            &[
+                "--listen".into(),
+                addr.clone(),
+                "--redis-url".into(),
+                redis_url(),
+                "--redis-prefix".into(),
+                format!("mp-{tag}"),
+                "--ledger".into(),
+                ledger_endpoint.clone(),
+                "--node-doc-interval-secs".into(),
+                "1".into(),
+            ],
+            &work,
+        );
+        placers.push(format!("http://{addr}"));
+    }
+    let mut p = Vec::new();
+    for endpoint in &placers {
+        p.push(PlacementClient::new(connect(endpoint, &mut procs).await));
+    }
+
+    let mut nodes = BTreeMap::new();
+    for (i, (vcpus, memory_mb)) in [(2u32, 2048u64), (4, 4096), (8, 8192)].into_iter().enumerate() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let id = format!("mp-{tag}-n{i}");
+        procs.spawn(
+            &id,
+            "node-svc",
+            &[
+                "--listen".into(),
+                addr.clone(),
+                "--node-id".into(),
+                id.clone(),
+                "--state-dir".into(),
+                work.join(&id).display().to_string(),
+                // Each node reports to one replica; Redis makes it every replica's truth.
+                "--placement".into(),
+                placers[i % 2].clone(),
+                "--heartbeat-ms".into(),
+                "100".into(),
+                "--vcpus".into(),
+                vcpus.to_string(),
+                "--memory-mb".into(),
+                memory_mb.to_string(),
+            ],
+            &work,
+        );
+        let endpoint = format!("http://{addr}");
+        nodes.insert(id, NodeClient::new(connect(&endpoint, &mut procs).await));
+    }
+
+    // Both replicas see all three nodes.
+    for replica in &p {
+        eventually("three ready nodes", || {
+            let mut r = replica.clone();
+            async move {
+                let v = views(&mut r).await;
+                (v.len() == 3 && v.iter().all(|n| n.state == pl::NodeState::Ready as i32)).then_some(())
+            }
+        })
+        .await;
+    }
+
+    // 24 creates through both replicas, concurrently, as two gateway replicas would.
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let mut placer = p[i % 2].clone();
+        let mut node_clients = nodes.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("mp{i:02}");
+            let placed = placer
+                .place(pl::PlaceRequest {
+                    sandbox_id: id.clone(),
+                    resources: Some(pl::Resources {
+                        vcpus: 1,
+                        memory_bytes: 128 * MIB,
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .expect("place")
+                .into_inner();
+            let node = node_clients.get_mut(&placed.node_id).expect("placed on a known node");
+            node.create(node_pb::CreateRequest {
+                operation_id: format!("create-{id}"),
+                epoch: 1,
+                sandbox_id: id.clone(),
+                template: "base".into(),
+                resources: Some(node_pb::Resources {
+                    vcpus: 1,
+                    memory_bytes: 128 * MIB,
+                }),
+                start_command: "sleep 120".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("create on the node");
+            placer
+                .created(pl::SandboxRef {
+                    sandbox_id: id.clone(),
+                    node_id: placed.node_id.clone(),
+                    resources: None,
+                })
+                .await
+                .expect("created");
+            (id, placed.node_id)
+        }));
+    }
+    let mut placed = Vec::new();
+    for t in tasks {
+        placed.push(t.await.unwrap());
+    }
+    procs.assert_running();
+
+    // Until heartbeats list them, reservations carry them; afterwards the reports do. Either
+    // way the total is exact at once, on both replicas.
+    for replica in &mut p {
+        let total: u32 = views(replica).await.iter().map(|n| n.believed.unwrap().vcpus).sum();
+        assert_eq!(total, 24);
+    }
+    let first = p[0].clone();
+    eventually("heartbeats listing every sandbox", || {
+        let mut r = first.clone();
+        async move {
+            let v = views(&mut r).await;
+            let listed: u32 = v.iter().map(|n| n.reported_sandboxes).sum();
+            let open: u32 = v.iter().map(|n| n.pending + n.unconfirmed).sum();
+            (listed == 24 && open == 0).then_some(())
+        }
+    })
+    .await;
+    for replica in &mut p {
+        assert_exact(replica, &mut nodes).await;
+    }
+
+    // Kill a third of them, telling the *other* replica than the one that placed them.
+    for (i, (id, node_id)) in placed.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+        let node = nodes.get_mut(node_id).unwrap();
+        node.kill(node_pb::LifecycleRequest {
+            operation_id: format!("kill-{id}"),
+            epoch: 1,
+            sandbox_id: id.clone(),
+        })
+        .await
+        .expect("kill");
+        p[(i + 1) % 2]
+            .removed(pl::SandboxRef {
+                sandbox_id: id.clone(),
+                node_id: node_id.clone(),
+                resources: Some(pl::Resources {
+                    vcpus: 1,
+                    memory_bytes: 128 * MIB,
+                }),
+            })
+            .await
+            .expect("removed");
+    }
+    for replica in &mut p {
+        let total: u32 = views(replica).await.iter().map(|n| n.believed.unwrap().vcpus).sum();
+        assert_eq!(total, 16, "kills are subtracted at once");
+    }
+    eventually("heartbeats no longer listing the killed", || {
+        let mut r = first.clone();
+        async move {
+            let listed: u32 = views(&mut r).await.iter().map(|n| n.reported_sandboxes).sum();
+            (listed == 16).then_some(())
+        }
+    })
+    .await;
+    for replica in &mut p {
+        assert_exact(replica, &mut nodes).await;
+    }
+
+    // The placers published the node documents to the ledger on PostgreSQL.
+    let ledger_client = ledger_svc::LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
+    let docs = eventually("three node documents", || {
+        let (l, tag) = (ledger_client.clone(), tag.clone());
+        async move {
+            let (docs, _) = l
+                .list::<common::docs::NodeDoc>(common::docs::NODE_KIND, "")
+                .await
+                .ok()?;
+            let mine: Vec<_> = docs.into_iter().filter(|d| d.key.id.contains(&tag)).collect();
+            (mine.len() == 3).then_some(mine)
+        }
+    })
+    .await;
+    assert!(docs.iter().all(|d| d.value.capacity.memory_bytes >= 2048 * MIB));
+
+    // Clean up: sandboxes, processes, schema, Redis keys, cgroups.
+    for (id, node_id) in placed.iter().enumerate().filter(|(i, _)| i % 3 != 0).map(|(_, x)| x) {
+        let _ = nodes
+            .get_mut(node_id)
+            .unwrap()
+            .kill(node_pb::LifecycleRequest {
+                operation_id: format!("cleanup-{id}"),
+                epoch: 1,
+                sandbox_id: id.clone(),
+            })
+            .await;
+    }
+    drop(procs);
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut pg)
+        .await
+        .unwrap();
+    if let Ok(client) = redis::Client::open(redis_url()) {
+        if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("mp-{tag}:*"))
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+            }
+        }
+    }
+    for i in 0..3 {
+        for controller in ["memory", "freezer"] {
+            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-mp-{tag}-n{i}"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+}
