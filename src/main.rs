@@ -86,6 +86,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let listen = SocketAddr::new(args.placement_listen.ip(), args.node_base_port + i - 1);
         let id = format!("node-{i}");
         let mut config = node_svc::server::NodeConfig::new(listen, &id, args.data_dir.join(&id));
+        config.envd_listen = SocketAddr::new(listen.ip(), args.node_base_port + 100 + i - 1);
         config.host.capacity = node_svc::sandbox::Resources {
             vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
             memory_bytes: host.memory_bytes / share,
@@ -116,8 +117,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let host = node.host();
         let cap = host.capacity();
         println!(
-            "  node-svc       grpc {}   ({}, {} vCPU, {} MiB, {} runtime)",
+            "  node-svc       grpc {}   envd {}   ({}, {} vCPU, {} MiB, {} runtime)",
             node.endpoint(),
+            node.envd_endpoint(),
             host.node_id(),
             cap.vcpus,
             cap.memory_bytes >> 20,

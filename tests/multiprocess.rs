@@ -214,6 +214,8 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
             &[
                 "--listen".into(),
                 addr.clone(),
+                "--envd-listen".into(),
+                "127.0.0.1:0".into(),
                 "--node-id".into(),
                 id.clone(),
                 "--state-dir".into(),

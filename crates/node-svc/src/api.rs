@@ -58,11 +58,12 @@ pub fn info_to_pb(record: &SandboxRecord, memory_used_bytes: u64) -> pb::Sandbox
 /// The `Node` gRPC service.
 pub struct NodeApi {
     host: Arc<Host>,
+    envd_address: String,
 }
 
 impl NodeApi {
-    pub fn new(host: Arc<Host>) -> Self {
-        Self { host }
+    pub fn new(host: Arc<Host>, envd_address: String) -> Self {
+        Self { host, envd_address }
     }
 
     async fn lifecycle(&self, req: pb::LifecycleRequest, action: Move) -> Result<Response<pb::SandboxInfo>, Status> {
@@ -226,6 +227,7 @@ impl pb::node_server::Node for NodeApi {
             freezer: features.freezer,
             namespaces: features.namespaces,
             degraded: features.degraded,
+            envd_address: self.envd_address.clone(),
         }))
     }
 }

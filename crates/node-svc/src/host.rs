@@ -193,6 +193,10 @@ impl Host {
         self.config.capacity
     }
 
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.runtime
+    }
+
     pub fn runtime_kind(&self) -> &'static str {
         self.runtime.kind()
     }

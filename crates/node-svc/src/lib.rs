@@ -10,6 +10,7 @@
 //! sandbox's files are. A restored sandbox starts its start command afresh on resume.
 
 pub mod api;
+pub mod envd;
 pub mod heartbeat;
 pub mod host;
 pub mod runtime;

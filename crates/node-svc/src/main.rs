@@ -14,6 +14,9 @@ struct Args {
     /// Address gRPC listens on.
     #[arg(long, env = "NODE_LISTEN", default_value = "127.0.0.1:7003")]
     listen: SocketAddr,
+    /// Address the envd-compatible HTTP endpoint listens on.
+    #[arg(long, env = "NODE_ENVD_LISTEN", default_value = "127.0.0.1:49983")]
+    envd_listen: SocketAddr,
     /// This node's ID (unique in the cluster).
     #[arg(long, env = "NODE_ID", default_value = "node-1")]
     node_id: String,
@@ -48,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
     common::telemetry::init("node-svc");
     let args = Args::parse();
     let mut config = NodeConfig::new(args.listen, args.node_id, args.state_dir);
+    config.envd_listen = args.envd_listen;
     config.host.templates_dir = args.templates_dir;
     if let Some(vcpus) = args.vcpus {
         config.host.capacity.vcpus = vcpus;

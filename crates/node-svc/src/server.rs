@@ -31,6 +31,8 @@ pub enum RuntimeKind {
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
     pub listen: SocketAddr,
+    /// Where the envd-compatible HTTP endpoint listens; port 0 picks a free one.
+    pub envd_listen: SocketAddr,
     pub host: HostConfig,
     pub runtime: RuntimeKind,
     /// placement-svc to send heartbeats to, if any.
@@ -43,6 +45,7 @@ impl NodeConfig {
     pub fn new(listen: SocketAddr, node_id: impl Into<String>, state_dir: impl Into<std::path::PathBuf>) -> Self {
         Self {
             listen,
+            envd_listen: SocketAddr::new(listen.ip(), 0),
             host: HostConfig {
                 node_id: node_id.into(),
                 state_dir: state_dir.into(),
@@ -83,6 +86,8 @@ pub enum StartError {
 /// A node-svc that is serving.
 pub struct RunningNode {
     addr: SocketAddr,
+    envd_addr: SocketAddr,
+    envd: JoinHandle<std::io::Result<()>>,
     host: Arc<Host>,
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
@@ -98,6 +103,11 @@ impl RunningNode {
         format!("http://{}", self.addr)
     }
 
+    /// The envd-compatible endpoint (`http://ADDR`).
+    pub fn envd_endpoint(&self) -> String {
+        format!("http://{}", self.envd_addr)
+    }
+
     pub fn host(&self) -> &Arc<Host> {
         &self.host
     }
@@ -108,6 +118,7 @@ impl RunningNode {
             h.abort();
         }
         let _ = self.stop.send(());
+        self.envd.abort();
         match self.server.await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => tracing::warn!(%err, "node server ended with an error"),
@@ -138,6 +149,18 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         addr: config.listen,
         source,
     })?;
+    let envd_listener = TcpListener::bind(config.envd_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.envd_listen,
+            source,
+        })?;
+    let envd_addr = envd_listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.envd_listen,
+        source,
+    })?;
+    let envd_router = crate::envd::Envd::new(host.clone()).router();
+    let envd = tokio::spawn(async move { axum::serve(envd_listener, envd_router).await });
     let heartbeats = match &config.placement {
         Some(placement) => Some(
             heartbeat::spawn(
@@ -159,14 +182,19 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(NodeServer::new(NodeApi::new(host.clone())))
+            .add_service(NodeServer::new(NodeApi::new(
+                host.clone(),
+                format!("http://{envd_addr}"),
+            )))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
                 let _ = stopped.await;
             }),
     );
-    tracing::info!(%addr, node_id = %config.host.node_id, runtime = host.runtime_kind(), "node-svc serving");
+    tracing::info!(%addr, %envd_addr, node_id = %config.host.node_id, runtime = host.runtime_kind(), "node-svc serving");
     Ok(RunningNode {
         addr,
+        envd_addr,
+        envd,
         host,
         stop,
         server,

@@ -59,4 +59,7 @@ pub trait Runtime: Send + Sync + 'static {
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
     /// Reaps processes that ended by themselves (no zombies).
     fn reap(&self) {}
+    /// Makes `command` run inside the sandbox (its cgroups), for envd's commands. The
+    /// simulated runtime runs no processes and refuses.
+    fn enclose(&self, record: &SandboxRecord, command: &mut std::process::Command) -> Result<(), RuntimeError>;
 }

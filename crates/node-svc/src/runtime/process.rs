@@ -169,7 +169,6 @@ impl Runtime for ProcessRuntime {
             .open(home.join(".start.log"))
             .map_err(|e| fail(format!("log file: {e}")))?;
         let log_err = log.try_clone().map_err(|e| fail(e.to_string()))?;
-        let join = self.cgroups.join_paths(&record.id);
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(command)
@@ -182,26 +181,8 @@ impl Runtime for ProcessRuntime {
             .envs(&record.env)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            .process_group(0);
-        // SAFETY: between fork and exec the closure only calls open/write/close on paths
-        // prepared before the fork, all async-signal-safe; it allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                for path in &join {
-                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if written != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+            .stderr(Stdio::from(log_err));
+        self.enclose(record, &mut cmd)?;
         let child = cmd.spawn().map_err(|e| fail(format!("spawn: {e}")))?;
         let pgid = child.id();
         if let Ok(mut children) = self.children.lock() {
@@ -280,5 +261,32 @@ impl Runtime for ProcessRuntime {
         if let Ok(mut children) = self.children.lock() {
             children.retain(|_, child| matches!(child.try_wait(), Ok(None)));
         }
+    }
+
+    fn enclose(&self, record: &SandboxRecord, cmd: &mut Command) -> Result<(), RuntimeError> {
+        self.cgroups
+            .create(&record.id, record.resources.memory_bytes)
+            .map_err(|e| control(record, "enclose", e))?;
+        let join = self.cgroups.join_paths(&record.id);
+        cmd.process_group(0);
+        // SAFETY: between fork and exec the closure only calls open/write/close on paths
+        // prepared before the fork, all async-signal-safe; it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &join {
+                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                    if written != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
     }
 }

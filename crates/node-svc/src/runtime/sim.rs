@@ -51,4 +51,11 @@ impl Runtime for SimRuntime {
     fn adopt(&self, _: &SandboxRecord) -> Result<(), RuntimeError> {
         Ok(())
     }
+
+    fn enclose(&self, record: &SandboxRecord, _: &mut std::process::Command) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Start {
+            sandbox: record.id.clone(),
+            reason: "the simulated runtime runs no processes".to_string(),
+        })
+    }
 }

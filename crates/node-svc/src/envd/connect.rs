@@ -1,0 +1,196 @@
+//! The Connect protocol, server side, for the JSON codec: unary calls are a JSON body in and
+//! out; server streams are 5-byte-enveloped JSON messages (flags, big-endian length) ending in
+//! an end-of-stream envelope (flag 0x02) that carries the error, if any. Errors of unary calls
+//! are `{"code": "...", "message": "..."}` with the HTTP status Connect assigns to the code.
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::{Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Connect's error codes (the subset envd uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    PermissionDenied,
+    Unauthenticated,
+    FailedPrecondition,
+    Unimplemented,
+    Internal,
+    Unavailable,
+}
+
+impl Code {
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::InvalidArgument => "invalid_argument",
+            Code::NotFound => "not_found",
+            Code::AlreadyExists => "already_exists",
+            Code::PermissionDenied => "permission_denied",
+            Code::Unauthenticated => "unauthenticated",
+            Code::FailedPrecondition => "failed_precondition",
+            Code::Unimplemented => "unimplemented",
+            Code::Internal => "internal",
+            Code::Unavailable => "unavailable",
+        }
+    }
+
+    /// The HTTP status the Connect protocol maps this code to.
+    pub fn http_status(self) -> StatusCode {
+        match self {
+            Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists => StatusCode::CONFLICT,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+            Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
+/// A Connect error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", code.name())]
+pub struct RpcError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl RpcError {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"code": self.code.name(), "message": self.message})
+    }
+}
+
+impl IntoResponse for RpcError {
+    fn into_response(self) -> Response {
+        let mut response = (self.code.http_status(), self.json().to_string()).into_response();
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        response
+    }
+}
+
+/// Decodes a unary request body.
+pub fn unary_request<T: DeserializeOwned>(body: &Bytes) -> Result<T, RpcError> {
+    if body.is_empty() {
+        return serde_json::from_str("{}").map_err(|e| RpcError::new(Code::InvalidArgument, e.to_string()));
+    }
+    serde_json::from_slice(body).map_err(|e| RpcError::new(Code::InvalidArgument, format!("bad request message: {e}")))
+}
+
+/// Encodes a unary answer.
+pub fn unary_response<T: Serialize>(result: Result<T, RpcError>) -> Response {
+    match result.and_then(|m| serde_json::to_string(&m).map_err(|e| RpcError::new(Code::Internal, e.to_string()))) {
+        Ok(json) => {
+            let mut response = (StatusCode::OK, json).into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response
+        }
+        Err(err) => err.into_response(),
+    }
+}
+
+/// Decodes the single enveloped message of a server-streaming request.
+pub fn stream_request<T: DeserializeOwned>(body: &Bytes) -> Result<T, RpcError> {
+    let bad = |why: &str| RpcError::new(Code::InvalidArgument, format!("bad Connect envelope: {why}"));
+    if body.len() < 5 {
+        return Err(bad("shorter than its 5-byte prefix"));
+    }
+    if body[0] & 0x01 != 0 {
+        return Err(bad("compressed messages are not accepted"));
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    let payload = body.get(5..5 + len).ok_or_else(|| bad("length beyond the body"))?;
+    unary_request(&Bytes::copy_from_slice(payload))
+}
+
+fn envelope(flags: u8, payload: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(5 + payload.len());
+    out.push(flags);
+    out.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(payload);
+    Bytes::from(out)
+}
+
+/// A server-streaming answer: every message of `messages`, then the end-of-stream envelope
+/// (with the error that ended the stream, if one did).
+pub fn stream_response<T, S>(messages: S) -> Response
+where
+    T: Serialize + Send + 'static,
+    S: Stream<Item = Result<T, RpcError>> + Send + 'static,
+{
+    let frames = messages
+        .map(Some)
+        .chain(futures::stream::iter([None]))
+        .scan(false, |ended, item| {
+            if *ended {
+                return futures::future::ready(None);
+            }
+            let frame = match item {
+                Some(Ok(message)) => match serde_json::to_vec(&message) {
+                    Ok(json) => envelope(0, &json),
+                    Err(err) => {
+                        *ended = true;
+                        end_frame(Some(&RpcError::new(Code::Internal, err.to_string())))
+                    }
+                },
+                Some(Err(err)) => {
+                    *ended = true;
+                    end_frame(Some(&err))
+                }
+                None => {
+                    *ended = true;
+                    end_frame(None)
+                }
+            };
+            futures::future::ready(Some(Ok::<_, std::convert::Infallible>(frame)))
+        });
+    let mut response = Response::new(Body::from_stream(frames));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
+    response
+}
+
+fn end_frame(error: Option<&RpcError>) -> Bytes {
+    let body = match error {
+        Some(err) => serde_json::json!({"error": err.json()}),
+        None => serde_json::json!({}),
+    };
+    envelope(0x02, body.to_string().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip() {
+        let frame = envelope(0, br#"{"path":"a"}"#);
+        let parsed: serde_json::Value = stream_request(&frame).unwrap();
+        assert_eq!(parsed["path"], "a");
+        assert!(stream_request::<serde_json::Value>(&Bytes::from_static(b"\x00\x00")).is_err());
+        assert!(stream_request::<serde_json::Value>(&envelope(1, b"{}")).is_err());
+        let end = end_frame(Some(&RpcError::new(Code::NotFound, "gone")));
+        assert_eq!(end[0], 0x02);
+        assert!(std::str::from_utf8(&end[5..]).unwrap().contains("not_found"));
+    }
+}

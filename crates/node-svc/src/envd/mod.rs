@@ -1,0 +1,224 @@
+//! The envd-compatible endpoint: what the E2B SDK calls inside a sandbox, for every sandbox
+//! of this node, told apart by the `E2b-Sandbox-Id` header.
+//!
+//! - `process.Process` over Connect (Start, Connect, List, SendInput, SendSignal, CloseStdin;
+//!   Update answers without effect as there are no PTYs yet; StreamInput is unimplemented);
+//! - `filesystem.Filesystem` over Connect (Stat, MakeDir, Move, ListDir, Remove; the watch
+//!   calls are unimplemented);
+//! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`.
+//!
+//! When a sandbox was created with an access token, every call for it must carry it in
+//! `X-Access-Token`. Served over HTTP/1.1 and h2c on one port.
+
+pub mod connect;
+mod files;
+mod filesystem;
+pub mod paths;
+mod process;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::host::Host;
+use crate::sandbox::{SandboxRecord, State as SandboxState};
+use connect::{stream_request, stream_response, unary_request, unary_response, Code, RpcError};
+use process::Commands;
+
+/// What every envd handler needs.
+#[derive(Clone)]
+pub struct Envd {
+    host: Arc<Host>,
+    commands: Arc<Commands>,
+}
+
+impl Envd {
+    pub fn new(host: Arc<Host>) -> Self {
+        Self {
+            host,
+            commands: Arc::new(Commands::default()),
+        }
+    }
+
+    /// The HTTP routes.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+            .route("/envs", get(envs))
+            .route("/files", get(download).post(upload))
+            .route("/process.Process/{method}", post(process_rpc))
+            .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+            .with_state(self)
+    }
+
+    /// The running sandbox a request is for, after checking its access token.
+    async fn sandbox(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
+        let id = headers
+            .get("e2b-sandbox-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| RpcError::new(Code::InvalidArgument, "the E2b-Sandbox-Id header is required"))?;
+        let record = self
+            .host
+            .get(id)
+            .await
+            .ok_or_else(|| RpcError::new(Code::NotFound, format!("sandbox {id} is not on this node")))?;
+        if let Some(token) = &record.access_token {
+            let given = headers.get("x-access-token").and_then(|v| v.to_str().ok());
+            if given != Some(token.as_str()) {
+                return Err(RpcError::new(Code::Unauthenticated, "missing or wrong X-Access-Token"));
+            }
+        }
+        if record.state != SandboxState::Running {
+            return Err(RpcError::new(
+                Code::Unavailable,
+                format!("sandbox {id} is {:?}; resume it first", record.state),
+            ));
+        }
+        Ok(record)
+    }
+}
+
+async fn envs(State(envd): State<Envd>, headers: HeaderMap) -> Response {
+    match envd.sandbox(&headers).await {
+        Ok(record) => axum::Json(record.env).into_response(),
+        Err(err) => files::rest_from_rpc(err),
+    }
+}
+
+async fn download(State(envd): State<Envd>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+    match envd.sandbox(&headers).await {
+        Ok(record) => files::download(&envd.host.home(&record.id), q.get("path").map(String::as_str)).await,
+        Err(err) => files::rest_from_rpc(err),
+    }
+}
+
+async fn upload(State(envd): State<Envd>, Query(q): Query<HashMap<String, String>>, request: Request) -> Response {
+    let record = match envd.sandbox(request.headers()).await {
+        Ok(record) => record,
+        Err(err) => return files::rest_from_rpc(err),
+    };
+    let home = envd.host.home(&record.id);
+    let path = q.get("path").map(String::as_str);
+    let multipart = request
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("multipart/form-data"));
+    if multipart {
+        match axum::extract::Multipart::from_request(request, &()).await {
+            Ok(parts) => files::upload_multipart(&home, path, parts).await,
+            Err(e) => files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
+        }
+    } else {
+        match Bytes::from_request(request, &()).await {
+            Ok(body) => files::upload_raw(&home, path, body).await,
+            Err(e) => files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
+        }
+    }
+}
+
+async fn process_rpc(
+    State(envd): State<Envd>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let record = match envd.sandbox(&headers).await {
+        Ok(record) => record,
+        Err(err) => return err.into_response(),
+    };
+    let commands = &envd.commands;
+    let id = record.id.as_str();
+    match method.as_str() {
+        "Start" => {
+            let started = async {
+                let req = stream_request(&body)?;
+                commands
+                    .start(&record, &envd.host.home(id), envd.host.runtime(), req)
+                    .await
+            }
+            .await;
+            match started {
+                Ok(events) => stream_response(events),
+                Err(err) => stream_response(futures::stream::iter([Err::<wire::EventResponse, _>(err)])),
+            }
+        }
+        "Connect" => {
+            let connected = async {
+                let req: wire::ConnectRequest = stream_request(&body)?;
+                commands.connect(id, &req.process).await
+            }
+            .await;
+            match connected {
+                Ok(events) => stream_response(events),
+                Err(err) => stream_response(futures::stream::iter([Err::<wire::EventResponse, _>(err)])),
+            }
+        }
+        "List" => unary_response(Ok::<_, RpcError>(commands.list(id).await)),
+        "SendInput" => unary_response(
+            async {
+                let req: wire::SendInputRequest = unary_request(&body)?;
+                let data = req.input.stdin.or(req.input.pty).unwrap_or_default();
+                commands.send_input(id, &req.process, &data).await?;
+                Ok(wire::Empty {})
+            }
+            .await,
+        ),
+        "SendSignal" => unary_response(
+            async {
+                let req: wire::SendSignalRequest = unary_request(&body)?;
+                commands.signal(id, &req.process, &req.signal).await?;
+                Ok(wire::Empty {})
+            }
+            .await,
+        ),
+        "CloseStdin" => unary_response(
+            async {
+                let req: wire::SelectorOnly = unary_request(&body)?;
+                commands.close_stdin(id, &req.process).await?;
+                Ok(wire::Empty {})
+            }
+            .await,
+        ),
+        // No PTYs yet, so there is nothing to resize.
+        "Update" => unary_response(Ok::<_, RpcError>(wire::Empty {})),
+        other => RpcError::new(
+            Code::Unimplemented,
+            format!("process.Process/{other} is not implemented"),
+        )
+        .into_response(),
+    }
+}
+
+async fn filesystem_rpc(
+    State(envd): State<Envd>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let record = match envd.sandbox(&headers).await {
+        Ok(record) => record,
+        Err(err) => return err.into_response(),
+    };
+    let home = envd.host.home(&record.id);
+    match method.as_str() {
+        "Stat" => unary_response(unary_request(&body).and_then(|r| filesystem::stat(&home, r))),
+        "MakeDir" => unary_response(unary_request(&body).and_then(|r| filesystem::make_dir(&home, r))),
+        "Move" => unary_response(unary_request(&body).and_then(|r| filesystem::rename(&home, r))),
+        "ListDir" => unary_response(unary_request(&body).and_then(|r| filesystem::list_dir(&home, r))),
+        "Remove" => unary_response(unary_request(&body).and_then(|r| filesystem::remove(&home, r))),
+        other => RpcError::new(
+            Code::Unimplemented,
+            format!("filesystem.Filesystem/{other} is not implemented"),
+        )
+        .into_response(),
+    }
+}

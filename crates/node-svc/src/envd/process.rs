@@ -1,0 +1,302 @@
+//! `process.Process`: commands inside a sandbox, as the E2B SDK's `commands.*` calls them.
+//!
+//! A command runs in the sandbox's cgroups (so pause freezes it too) and its own process
+//! group, with the sandbox's env vars and its home as the default working directory. Its
+//! output goes to a broadcast channel: the `Start` stream that launched it and any `Connect`
+//! stream that attaches later each follow it from where they joined.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::ChildStdin;
+use tokio::sync::{broadcast, Mutex};
+
+use super::connect::{Code, RpcError};
+use super::paths::resolve;
+use super::wire::{
+    DataEvent, EndEvent, EventResponse, ListResponse, ProcessEvent, ProcessInfo, ProcessSelector, StartRequest,
+};
+use crate::sandbox::SandboxRecord;
+
+/// How often an idle stream says it is alive (E2B's SDK expects keepalives on long streams).
+const KEEPALIVE: Duration = Duration::from_secs(30);
+/// Output chunks buffered for followers; a follower further behind loses the oldest ones.
+const BACKLOG: usize = 4096;
+
+struct Running {
+    info: ProcessInfo,
+    stdin: Mutex<Option<ChildStdin>>,
+    events: broadcast::Sender<ProcessEvent>,
+}
+
+/// Every command running in every sandbox of this node.
+#[derive(Default)]
+pub struct Commands {
+    by_sandbox: Mutex<HashMap<String, HashMap<u32, Arc<Running>>>>,
+}
+
+fn status_of(status: std::process::ExitStatus) -> EndEvent {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => EndEvent {
+            exit_code: code,
+            exited: true,
+            status: format!("exit status {code}"),
+            error: None,
+        },
+        (None, Some(signal)) => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: format!(
+                "signal: {}",
+                match signal {
+                    9 => "killed",
+                    15 => "terminated",
+                    2 => "interrupt",
+                    _ => "other",
+                }
+            ),
+            error: None,
+        },
+        (None, None) => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "unknown".to_string(),
+            error: None,
+        },
+    }
+}
+
+/// Follows `events` (after a first `start`), with keepalives, until the process ends or
+/// the caller goes away.
+fn follow(
+    pid: u32,
+    mut events: broadcast::Receiver<ProcessEvent>,
+) -> impl Stream<Item = Result<EventResponse, RpcError>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        if tx.send(ProcessEvent::Start { pid }).await.is_err() {
+            return;
+        }
+        loop {
+            let event = tokio::select! {
+                received = events.recv() => match received {
+                    Ok(event) => event,
+                    // A follower that fell behind skips what it missed rather than stall.
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                () = tokio::time::sleep(KEEPALIVE) => ProcessEvent::Keepalive {},
+                () = tx.closed() => return,
+            };
+            let last = matches!(event, ProcessEvent::End(_));
+            if tx.send(event).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx).map(|event| Ok(EventResponse { event }))
+}
+
+/// Copies a pipe into output events until it closes.
+async fn pump<R: tokio::io::AsyncRead + Unpin>(pipe: Option<R>, events: broadcast::Sender<ProcessEvent>, stdout: bool) {
+    let Some(mut pipe) = pipe else { return };
+    let mut buf = vec![0u8; 32 * 1024];
+    while let Ok(n) = pipe.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let chunk = buf[..n].to_vec();
+        let data = if stdout {
+            DataEvent::Stdout(chunk)
+        } else {
+            DataEvent::Stderr(chunk)
+        };
+        let _ = events.send(ProcessEvent::Data(data));
+    }
+}
+
+impl Commands {
+    async fn find(&self, sandbox: &str, selector: &ProcessSelector) -> Result<Arc<Running>, RpcError> {
+        let table = self.by_sandbox.lock().await;
+        let processes = table.get(sandbox);
+        let found = processes.and_then(|p| match (&selector.pid, &selector.tag) {
+            (Some(pid), _) => p.get(pid).cloned(),
+            (None, Some(tag)) => p.values().find(|r| r.info.tag.as_deref() == Some(tag)).cloned(),
+            (None, None) => None,
+        });
+        found.ok_or_else(|| RpcError::new(Code::NotFound, format!("process {selector:?} not found")))
+    }
+
+    /// Starts a command and returns the stream of its events.
+    pub async fn start(
+        self: &Arc<Self>,
+        record: &SandboxRecord,
+        home: &std::path::Path,
+        runtime: &Arc<dyn crate::runtime::Runtime>,
+        req: StartRequest,
+    ) -> Result<impl Stream<Item = Result<EventResponse, RpcError>> + Send, RpcError> {
+        if req.pty.is_some() {
+            return Err(RpcError::new(
+                Code::Unimplemented,
+                "PTY sessions are not supported by this runtime yet",
+            ));
+        }
+        if req.process.cmd.is_empty() {
+            return Err(RpcError::new(Code::InvalidArgument, "process.cmd is empty"));
+        }
+        let cwd = match &req.process.cwd {
+            Some(cwd) if !cwd.is_empty() => resolve(home, cwd)?,
+            _ => home.to_path_buf(),
+        };
+        if !cwd.is_dir() {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!(
+                    "working directory {:?} does not exist",
+                    req.process.cwd.as_deref().unwrap_or("")
+                ),
+            ));
+        }
+        let mut std_cmd = std::process::Command::new(&req.process.cmd);
+        std_cmd
+            .args(&req.process.args)
+            .current_dir(&cwd)
+            .env_clear()
+            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("HOME", home)
+            .env("USER", "user")
+            .env("E2B_SANDBOX", "true")
+            .env("E2B_SANDBOX_ID", &record.id)
+            .envs(&record.env)
+            .envs(&req.process.envs);
+        runtime
+            .enclose(record, &mut std_cmd)
+            .map_err(|e| RpcError::new(Code::Unavailable, e.to_string()))?;
+        let mut cmd = tokio::process::Command::from(std_cmd);
+        let wants_stdin = req.stdin.unwrap_or(true);
+        cmd.stdin(if wants_stdin { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|e| {
+            RpcError::new(
+                Code::InvalidArgument,
+                format!("cannot start {:?}: {e}", req.process.cmd),
+            )
+        })?;
+        let pid = child
+            .id()
+            .ok_or_else(|| RpcError::new(Code::Internal, "the process ended before it started"))?;
+        let (events, first) = broadcast::channel(BACKLOG);
+        let running = Arc::new(Running {
+            info: ProcessInfo {
+                config: req.process.clone(),
+                pid,
+                tag: req.tag.clone(),
+            },
+            stdin: Mutex::new(child.stdin.take()),
+            events: events.clone(),
+        });
+        self.by_sandbox
+            .lock()
+            .await
+            .entry(record.id.clone())
+            .or_default()
+            .insert(pid, running);
+        tracing::debug!(sandbox_id = %record.id, pid, cmd = %req.process.cmd, "command started");
+
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let this = self.clone();
+        let sandbox = record.id.clone();
+        tokio::spawn(async move {
+            tokio::join!(pump(stdout, events.clone(), true), pump(stderr, events.clone(), false));
+            let end = match child.wait().await {
+                Ok(status) => status_of(status),
+                Err(err) => EndEvent {
+                    exit_code: -1,
+                    exited: false,
+                    status: "unknown".into(),
+                    error: Some(err.to_string()),
+                },
+            };
+            if let Some(table) = this.by_sandbox.lock().await.get_mut(&sandbox) {
+                table.remove(&pid);
+            }
+            let _ = events.send(ProcessEvent::End(end));
+        });
+        Ok(follow(pid, first))
+    }
+
+    /// Attaches to a running command.
+    pub async fn connect(
+        &self,
+        sandbox: &str,
+        selector: &ProcessSelector,
+    ) -> Result<impl Stream<Item = Result<EventResponse, RpcError>> + Send, RpcError> {
+        let running = self.find(sandbox, selector).await?;
+        Ok(follow(running.info.pid, running.events.subscribe()))
+    }
+
+    pub async fn list(&self, sandbox: &str) -> ListResponse {
+        let table = self.by_sandbox.lock().await;
+        let mut processes: Vec<ProcessInfo> = table
+            .get(sandbox)
+            .map(|p| p.values().map(|r| r.info.clone()).collect())
+            .unwrap_or_default();
+        processes.sort_by_key(|p| p.pid);
+        ListResponse { processes }
+    }
+
+    pub async fn send_input(&self, sandbox: &str, selector: &ProcessSelector, data: &[u8]) -> Result<(), RpcError> {
+        let running = self.find(sandbox, selector).await?;
+        let mut stdin = running.stdin.lock().await;
+        let pipe = stdin
+            .as_mut()
+            .ok_or_else(|| RpcError::new(Code::FailedPrecondition, "the process has no open stdin"))?;
+        pipe.write_all(data)
+            .await
+            .map_err(|e| RpcError::new(Code::FailedPrecondition, format!("writing stdin: {e}")))?;
+        pipe.flush()
+            .await
+            .map_err(|e| RpcError::new(Code::Internal, e.to_string()))
+    }
+
+    pub async fn close_stdin(&self, sandbox: &str, selector: &ProcessSelector) -> Result<(), RpcError> {
+        let running = self.find(sandbox, selector).await?;
+        running.stdin.lock().await.take();
+        Ok(())
+    }
+
+    /// Sends `signal` to the command's whole process group.
+    pub async fn signal(
+        &self,
+        sandbox: &str,
+        selector: &ProcessSelector,
+        signal: &serde_json::Value,
+    ) -> Result<(), RpcError> {
+        let number = match signal {
+            serde_json::Value::String(s) if s == "SIGNAL_SIGKILL" => libc::SIGKILL,
+            serde_json::Value::String(s) if s == "SIGNAL_SIGTERM" => libc::SIGTERM,
+            serde_json::Value::Number(n) if n.as_i64() == Some(9) => libc::SIGKILL,
+            serde_json::Value::Number(n) if n.as_i64() == Some(15) => libc::SIGTERM,
+            other => {
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    format!("unsupported signal {other}"),
+                ))
+            }
+        };
+        let running = self.find(sandbox, selector).await?;
+        let pid = i32::try_from(running.info.pid).map_err(|_| RpcError::new(Code::Internal, "pid out of range"))?;
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe {
+            libc::kill(-pid, number);
+            libc::kill(pid, number);
+        }
+        Ok(())
+    }
+}

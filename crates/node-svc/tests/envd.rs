@@ -1,0 +1,430 @@
+//! The envd-compatible endpoint over real HTTP, speaking Connect's JSON protocol the way the
+//! E2B SDK does: commands with their output and exit codes, signals, files up and down,
+//! filesystem calls, and the errors the SDK maps.
+
+use std::time::Duration;
+
+use node_svc::server::{NodeConfig, RunningNode};
+use proto::node::v1 as pb;
+use proto::node::v1::node_client::NodeClient;
+use serde_json::{json, Value};
+
+struct Env {
+    node: RunningNode,
+    dir: std::path::PathBuf,
+    id: String,
+    http: reqwest::Client,
+}
+
+async fn env() -> Env {
+    let id = format!("e{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let dir = std::env::temp_dir().join(format!("envd-test-{id}"));
+    let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir))
+        .await
+        .unwrap();
+    Env {
+        node,
+        dir,
+        id,
+        http: reqwest::Client::new(),
+    }
+}
+
+impl Env {
+    async fn create(&self, sandbox: &str, token: &str) {
+        let mut c = NodeClient::connect(self.node.endpoint()).await.unwrap();
+        c.create(pb::CreateRequest {
+            operation_id: format!("c-{sandbox}"),
+            epoch: 1,
+            sandbox_id: sandbox.into(),
+            template: "base".into(),
+            resources: Some(pb::Resources {
+                vcpus: 1,
+                memory_bytes: 256 << 20,
+            }),
+            env_vars: [("GREETING".to_string(), "hello".to_string())].into(),
+            access_token: token.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.node.envd_endpoint())
+    }
+
+    /// A unary Connect call: (HTTP status, JSON body).
+    async fn unary(&self, sandbox: &str, method: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.url(&format!("/{method}")))
+            .header("E2b-Sandbox-Id", sandbox)
+            .header("Content-Type", "application/json")
+            .header("Connect-Protocol-Version", "1")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// A server-streaming Connect call: every message, then the end-of-stream JSON.
+    async fn stream(&self, sandbox: &str, method: &str, body: Value) -> (Vec<Value>, Value) {
+        let payload = body.to_string().into_bytes();
+        let mut framed = vec![0u8];
+        framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        framed.extend_from_slice(&payload);
+        let r = self
+            .http
+            .post(self.url(&format!("/{method}")))
+            .header("E2b-Sandbox-Id", sandbox)
+            .header("Content-Type", "application/connect+json")
+            .header("Connect-Protocol-Version", "1")
+            .body(framed)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(r.headers()["content-type"], "application/connect+json");
+        let bytes = tokio::time::timeout(Duration::from_secs(20), r.bytes())
+            .await
+            .unwrap()
+            .unwrap();
+        let (mut messages, mut end, mut at) = (Vec::new(), Value::Null, 0);
+        while at + 5 <= bytes.len() {
+            let flags = bytes[at];
+            let len = u32::from_be_bytes([bytes[at + 1], bytes[at + 2], bytes[at + 3], bytes[at + 4]]) as usize;
+            let msg: Value = serde_json::from_slice(&bytes[at + 5..at + 5 + len]).unwrap();
+            if flags & 0x02 != 0 {
+                end = msg;
+            } else {
+                messages.push(msg);
+            }
+            at += 5 + len;
+        }
+        (messages, end)
+    }
+
+    async fn cleanup(self) {
+        let mut c = NodeClient::connect(self.node.endpoint()).await.unwrap();
+        for s in c.list(pb::ListRequest {}).await.unwrap().into_inner().sandboxes {
+            c.kill(pb::LifecycleRequest {
+                operation_id: String::new(),
+                epoch: s.epoch,
+                sandbox_id: s.sandbox_id,
+            })
+            .await
+            .unwrap();
+        }
+        self.node.stop().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for controller in ["memory", "freezer"] {
+            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.id));
+        }
+    }
+}
+
+fn b64(v: &Value) -> String {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(v.as_str().unwrap())
+        .unwrap();
+    String::from_utf8(bytes).unwrap()
+}
+
+fn output(messages: &[Value], stream: &str) -> String {
+    messages
+        .iter()
+        .filter_map(|m| m["event"]["data"].get(stream))
+        .map(b64)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_run_with_output_env_cwd_and_exit_codes() {
+    let e = env().await;
+    e.create("cmd", "").await;
+    let start = json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo $GREETING $EXTRA; pwd; echo oops >&2; exit 3"], "envs": {"EXTRA": "world"}}, "stdin": false});
+    let (messages, end) = e.stream("cmd", "process.Process/Start", start).await;
+    assert!(messages[0]["event"]["start"]["pid"].as_u64().unwrap() > 0);
+    let stdout = output(&messages, "stdout");
+    let home = e.node.host().home("cmd");
+    assert_eq!(stdout, format!("hello world\n{}\n", home.display()));
+    assert_eq!(output(&messages, "stderr"), "oops\n");
+    let last = &messages.last().unwrap()["event"]["end"];
+    assert_eq!(
+        (last["exitCode"].as_i64(), last["exited"].as_bool()),
+        (Some(3), Some(true))
+    );
+    assert_eq!(end, json!({}));
+
+    // A working directory inside the home, by the SDK's own path for it.
+    std::fs::create_dir_all(home.join("sub")).unwrap();
+    let (messages, _) = e
+        .stream(
+            "cmd",
+            "process.Process/Start",
+            json!({"process": {"cmd": "pwd", "cwd": "/home/user/sub"}}),
+        )
+        .await;
+    assert_eq!(output(&messages, "stdout"), format!("{}\n", home.join("sub").display()));
+
+    // A command that does not exist is refused in Connect's shape, at the end of the stream.
+    let (_, end) = e
+        .stream(
+            "cmd",
+            "process.Process/Start",
+            json!({"process": {"cmd": "/no/such/binary"}}),
+        )
+        .await;
+    assert_eq!(end["error"]["code"], "invalid_argument");
+    e.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_commands_are_listed_fed_and_killed() {
+    let e = env().await;
+    e.create("bg", "").await;
+    let env = std::sync::Arc::new(e);
+    let e2 = env.clone();
+    let cat = tokio::spawn(async move {
+        e2.stream(
+            "bg",
+            "process.Process/Start",
+            json!({"process": {"cmd": "cat"}, "tag": "reader", "stdin": true}),
+        )
+        .await
+    });
+    let pid = loop {
+        let (status, list) = env.unary("bg", "process.Process/List", json!({})).await;
+        assert_eq!(status, 200);
+        if let Some(p) = list["processes"].as_array().and_then(|p| p.first()) {
+            assert_eq!(p["tag"], "reader");
+            break p["pid"].as_u64().unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let (status, _) = env
+        .unary(
+            "bg",
+            "process.Process/SendInput",
+            json!({"process": {"pid": pid}, "input": {"stdin": "cGluZwo="}}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (status, _) = env
+        .unary(
+            "bg",
+            "process.Process/CloseStdin",
+            json!({"process": {"tag": "reader"}}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (messages, _) = cat.await.unwrap();
+    assert_eq!(output(&messages, "stdout"), "ping\n");
+    assert_eq!(messages.last().unwrap()["event"]["end"]["exitCode"], 0);
+
+    let e3 = env.clone();
+    let sleeper = tokio::spawn(async move {
+        e3.stream(
+            "bg",
+            "process.Process/Start",
+            json!({"process": {"cmd": "sleep", "args": ["60"]}, "tag": "sleeper"}),
+        )
+        .await
+    });
+    let pid = loop {
+        let (_, list) = env.unary("bg", "process.Process/List", json!({})).await;
+        if let Some(p) = list["processes"].as_array().and_then(|p| p.first()) {
+            break p["pid"].as_u64().unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let (status, _) = env
+        .unary(
+            "bg",
+            "process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (messages, _) = sleeper.await.unwrap();
+    let end = &messages.last().unwrap()["event"]["end"];
+    assert_eq!(
+        (end["exitCode"].as_i64(), end["status"].as_str()),
+        (Some(-1), Some("signal: killed"))
+    );
+    let (status, body) = env
+        .unary(
+            "bg",
+            "process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        )
+        .await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+    std::sync::Arc::into_inner(env).unwrap().cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_and_filesystem_calls() {
+    let e = env().await;
+    e.create("fs", "").await;
+    let (status, made) = e
+        .unary("fs", "filesystem.Filesystem/MakeDir", json!({"path": "docs"}))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(made["entry"]["type"], "FILE_TYPE_DIRECTORY");
+    assert_eq!(made["entry"]["path"], "/home/user/docs");
+    let (status, again) = e
+        .unary("fs", "filesystem.Filesystem/MakeDir", json!({"path": "docs"}))
+        .await;
+    assert_eq!((status, again["code"].as_str()), (409, Some("already_exists")));
+
+    let form = reqwest::multipart::Form::new().part(
+        "file",
+        reqwest::multipart::Part::bytes(b"hello file".to_vec()).file_name("docs/a.txt"),
+    );
+    let r = e
+        .http
+        .post(e.url("/files?path=docs/a.txt"))
+        .header("E2b-Sandbox-Id", "fs")
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let written: Value = r.json().await.unwrap();
+    assert_eq!(
+        written,
+        json!([{"path": "/home/user/docs/a.txt", "name": "a.txt", "type": "file"}])
+    );
+    let r = e
+        .http
+        .post(e.url("/files?path=/home/user/raw.bin"))
+        .header("E2b-Sandbox-Id", "fs")
+        .header("Content-Type", "application/octet-stream")
+        .body(vec![1u8, 2, 3])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+
+    let got = e
+        .http
+        .get(e.url("/files?path=docs/a.txt"))
+        .header("E2b-Sandbox-Id", "fs")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.bytes().await.unwrap().as_ref(), b"hello file");
+    let missing = e
+        .http
+        .get(e.url("/files?path=nope.txt"))
+        .header("E2b-Sandbox-Id", "fs")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status().as_u16(), 404);
+    assert_eq!(missing.json::<Value>().await.unwrap()["code"], 404);
+
+    let (_, stat) = e
+        .unary("fs", "filesystem.Filesystem/Stat", json!({"path": "docs/a.txt"}))
+        .await;
+    assert_eq!(
+        (stat["entry"]["size"].as_str(), stat["entry"]["name"].as_str()),
+        (Some("10"), Some("a.txt"))
+    );
+    let (_, listed) = e
+        .unary(
+            "fs",
+            "filesystem.Filesystem/ListDir",
+            json!({"path": "/home/user", "depth": 2}),
+        )
+        .await;
+    let paths: Vec<&str> = listed["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        paths,
+        vec!["/home/user/docs", "/home/user/docs/a.txt", "/home/user/raw.bin"]
+    );
+    let (status, moved) = e
+        .unary(
+            "fs",
+            "filesystem.Filesystem/Move",
+            json!({"source": "docs/a.txt", "destination": "b.txt"}),
+        )
+        .await;
+    assert_eq!(
+        (status, moved["entry"]["path"].as_str()),
+        (200, Some("/home/user/b.txt"))
+    );
+    let (status, _) = e
+        .unary("fs", "filesystem.Filesystem/Remove", json!({"path": "docs"}))
+        .await;
+    assert_eq!(status, 200);
+    let (status, gone) = e
+        .unary("fs", "filesystem.Filesystem/Stat", json!({"path": "docs"}))
+        .await;
+    assert_eq!((status, gone["code"].as_str()), (404, Some("not_found")));
+    let (status, escape) = e
+        .unary("fs", "filesystem.Filesystem/Stat", json!({"path": "/etc/passwd"}))
+        .await;
+    assert_eq!((status, escape["code"].as_str()), (403, Some("permission_denied")));
+    e.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_selection_tokens_and_state_are_enforced() {
+    let e = env().await;
+    e.create("open", "").await;
+    e.create("locked", "s3cret").await;
+    let health = e.http.get(e.url("/health")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 204);
+    let (status, body) = e.unary("", "process.Process/List", json!({})).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("invalid_argument")));
+    let (status, body) = e.unary("ghost", "process.Process/List", json!({})).await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+    let (status, body) = e.unary("locked", "process.Process/List", json!({})).await;
+    assert_eq!((status, body["code"].as_str()), (401, Some("unauthenticated")));
+    let ok = e
+        .http
+        .post(e.url("/process.Process/List"))
+        .header("E2b-Sandbox-Id", "locked")
+        .header("X-Access-Token", "s3cret")
+        .header("Content-Type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status().as_u16(), 200);
+    let envs = e
+        .http
+        .get(e.url("/envs"))
+        .header("E2b-Sandbox-Id", "open")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(envs.json::<Value>().await.unwrap()["GREETING"], "hello");
+    let (status, body) = e.unary("open", "process.Process/Nope", json!({})).await;
+    assert_eq!((status, body["code"].as_str()), (501, Some("unimplemented")));
+    let (status, body) = e.unary("open", "filesystem.Filesystem/Stat", json!({"path": 5})).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("invalid_argument")));
+
+    let mut c = NodeClient::connect(e.node.endpoint()).await.unwrap();
+    c.pause(pb::LifecycleRequest {
+        operation_id: "p".into(),
+        epoch: 1,
+        sandbox_id: "open".into(),
+    })
+    .await
+    .unwrap();
+    let (status, body) = e.unary("open", "process.Process/List", json!({})).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")));
+    e.cleanup().await;
+}
