@@ -41,9 +41,13 @@ struct UpArgs {
     /// How many node-svcs to run (each gets an equal share of this host's vCPUs and memory).
     #[arg(long, env = "SANDBOXSCHED_NODES", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=50))]
     nodes: u16,
-    /// Port of the first node-svc; the others follow.
+    /// Port of the first node-svc; the others follow, and their envd endpoints start 100
+    /// higher. 0 picks free ports.
     #[arg(long, env = "SANDBOXSCHED_NODE_BASE_PORT", default_value_t = 7100)]
     node_base_port: u16,
+    /// Address of the E2B REST API and envd proxy.
+    #[arg(long, env = "SANDBOXSCHED_GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
+    gateway_listen: SocketAddr,
     /// Use this database for the ledger instead of the embedded SQLite file
     /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
     #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
@@ -83,10 +87,18 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let share = u64::from(args.nodes);
     let mut nodes = Vec::new();
     for i in 1..=args.nodes {
-        let listen = SocketAddr::new(args.placement_listen.ip(), args.node_base_port + i - 1);
+        // Port 0 picks free ports (for tests that run beside anything else).
+        let port = |offset: u16| {
+            if args.node_base_port == 0 {
+                0
+            } else {
+                args.node_base_port + offset + i - 1
+            }
+        };
+        let listen = SocketAddr::new(args.placement_listen.ip(), port(0));
         let id = format!("node-{i}");
         let mut config = node_svc::server::NodeConfig::new(listen, &id, args.data_dir.join(&id));
-        config.envd_listen = SocketAddr::new(listen.ip(), args.node_base_port + 100 + i - 1);
+        config.envd_listen = SocketAddr::new(listen.ip(), port(100));
         config.host.capacity = node_svc::sandbox::Resources {
             vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
             memory_bytes: host.memory_bytes / share,
@@ -100,6 +112,25 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("starting node-svc {id}"))?,
         );
     }
+
+    let api_key = api_key(&args.data_dir)?;
+    let mut templates = e2b_gateway::intent::builtin_templates();
+    let templates_file = args.data_dir.join("templates.json");
+    if templates_file.is_file() {
+        let extra: Vec<e2b_gateway::intent::Template> = serde_json::from_slice(&std::fs::read(&templates_file)?)
+            .with_context(|| format!("reading {}", templates_file.display()))?;
+        templates.extend(extra.into_iter().map(|t| (t.name.clone(), t)));
+    }
+    let gateway = e2b_gateway::server::start(e2b_gateway::server::GatewayConfig {
+        listen: args.gateway_listen,
+        ledger: ledger.endpoint(),
+        placement: placement.endpoint(),
+        keys: [(api_key.clone(), "default".to_string())].into(),
+        templates,
+        reap_interval: std::time::Duration::from_secs(1),
+    })
+    .await
+    .context("starting e2b-gateway")?;
 
     println!();
     println!("sandboxsched is up (data in {})", args.data_dir.display());
@@ -126,10 +157,20 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             host.runtime_kind()
         );
     }
+    println!(
+        "  e2b-gateway    http {}   (E2B REST API and envd proxy)",
+        gateway.url()
+    );
+    println!();
+    println!("Point an unmodified E2B SDK at it:");
+    println!("  export E2B_API_URL={}", gateway.url());
+    println!("  export E2B_SANDBOX_URL={}", gateway.url());
+    println!("  export E2B_API_KEY={api_key}");
     println!();
     println!("Press Ctrl-C to stop.");
 
     common::shutdown::signal().await;
+    gateway.stop().await;
     // Sandboxes keep running; the next `up` re-adopts them.
     for node in nodes {
         node.stop().await;
@@ -138,6 +179,19 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     ledger.stop().await;
     println!("sandboxsched stopped");
     Ok(())
+}
+
+/// The local stack's API key: made once, kept in the data directory so it survives restarts.
+fn api_key(data_dir: &std::path::Path) -> anyhow::Result<String> {
+    let path = data_dir.join("api_key");
+    if let Ok(key) = std::fs::read_to_string(&path) {
+        if !key.trim().is_empty() {
+            return Ok(key.trim().to_string());
+        }
+    }
+    let key = format!("e2b_{}", uuid::Uuid::new_v4().simple());
+    std::fs::write(&path, &key).with_context(|| format!("writing {}", path.display()))?;
+    Ok(key)
 }
 
 /// Hides a password in a database URL before printing it.

@@ -42,3 +42,66 @@ pub struct NodeDoc {
     /// When placement-svc received the heartbeat (unix ms).
     pub reported_at_unix_ms: u64,
 }
+
+/// Kind of sandbox manifests (written by the gateway; read by the balancer and the proxy).
+pub const SANDBOX_KIND: &str = "sandbox";
+
+/// Where a sandbox's memory estimate came from. Every manifest has one, so the balancer never
+/// meets an `UnknownMemoryEstimate` (the brief's lesson 2, cause 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EstimateSource {
+    Request,
+    Template,
+    Default,
+    Measured,
+}
+
+/// Lifecycle of a sandbox as the gateway drives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxPhase {
+    /// Written before placement; not yet running anywhere.
+    Creating,
+    Running,
+    /// Frozen in place, processes and memory kept (`memory: true`).
+    Paused,
+    /// Only files kept; the next resume starts it afresh wherever placement chooses.
+    Hibernated,
+}
+
+/// A sandbox's manifest: `sandbox/<sandbox_id>`. It describes itself: resources with their
+/// source, where it runs, when it ends.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxDoc {
+    pub sandbox_id: String,
+    pub team_id: String,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+    pub memory_source: EstimateSource,
+    #[serde(default)]
+    pub env_vars: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub phase: SandboxPhase,
+    /// The node it runs (or is paused) on; empty while creating or hibernated.
+    #[serde(default)]
+    pub node_id: String,
+    /// The node's gRPC endpoint.
+    #[serde(default)]
+    pub node_address: String,
+    /// The node's envd-compatible endpoint, where the proxy sends SDK traffic.
+    #[serde(default)]
+    pub envd_address: String,
+    /// Fencing epoch for node calls about this sandbox.
+    #[serde(default)]
+    pub epoch: u64,
+    #[serde(default)]
+    pub envd_access_token: Option<String>,
+    pub started_at_unix_ms: u64,
+    /// When the reaper ends it (kill, or pause when `auto_pause`).
+    pub end_at_unix_ms: u64,
+    #[serde(default)]
+    pub auto_pause: bool,
+}

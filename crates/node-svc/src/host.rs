@@ -425,13 +425,20 @@ impl Host {
                 let r = record.clone();
                 match action {
                     Move::Pause => self.blocking(move |rt| rt.pause(&r)).await?,
-                    Move::Resume if record.pgid == 0 => {
-                        // Its processes were not preserved (restored from a snapshot, or the
-                        // host restarted while it was paused): start afresh, files intact.
-                        let home = self.home(sandbox_id);
-                        next.pgid = self.blocking(move |rt| rt.start(&r, &home)).await?;
+                    Move::Resume => {
+                        // Thaw first: commands started through envd live in the sandbox's
+                        // cgroups too, whether or not it has a start command.
+                        let thawed = r.clone();
+                        self.blocking(move |rt| rt.resume(&thawed)).await?;
+                        let has_command = record.start_command.as_deref().is_some_and(|c| !c.trim().is_empty());
+                        if record.pgid == 0 && has_command {
+                            // Its start command was not preserved (restored from a snapshot,
+                            // or the host restarted while it was paused): start it afresh,
+                            // files intact.
+                            let home = self.home(sandbox_id);
+                            next.pgid = self.blocking(move |rt| rt.start(&r, &home)).await?;
+                        }
                     }
-                    Move::Resume => self.blocking(move |rt| rt.resume(&r)).await?,
                     Move::Kill => self.blocking(move |rt| rt.kill(&r)).await?,
                 }
                 next.state = state;

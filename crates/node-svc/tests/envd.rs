@@ -426,5 +426,22 @@ async fn sandbox_selection_tokens_and_state_are_enforced() {
     .unwrap();
     let (status, body) = e.unary("open", "process.Process/List", json!({})).await;
     assert_eq!((status, body["code"].as_str()), (503, Some("unavailable")));
+
+    // Resumed, commands run again (a sandbox without a start command is thawed too).
+    c.resume(pb::LifecycleRequest {
+        operation_id: "r".into(),
+        epoch: 1,
+        sandbox_id: "open".into(),
+    })
+    .await
+    .unwrap();
+    let (messages, _) = e
+        .stream(
+            "open",
+            "process.Process/Start",
+            json!({"process": {"cmd": "echo", "args": ["thawed"]}}),
+        )
+        .await;
+    assert_eq!(output(&messages, "stdout"), "thawed\n");
     e.cleanup().await;
 }

@@ -60,6 +60,8 @@ impl Code {
 pub struct RpcError {
     pub code: Code,
     pub message: String,
+    /// The sandbox named by the request is not on this node.
+    pub missing: bool,
 }
 
 impl RpcError {
@@ -67,6 +69,15 @@ impl RpcError {
         Self {
             code,
             message: message.into(),
+            missing: false,
+        }
+    }
+
+    /// The sandbox is not on this node.
+    pub fn missing(sandbox: &str) -> Self {
+        Self {
+            missing: true,
+            ..Self::new(Code::NotFound, format!("sandbox {sandbox} is not on this node"))
         }
     }
 
@@ -81,6 +92,11 @@ impl IntoResponse for RpcError {
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if self.missing {
+            response
+                .headers_mut()
+                .insert(super::MISSING_HEADER, HeaderValue::from_static("1"));
+        }
         response
     }
 }

@@ -25,6 +25,9 @@ pub fn rest_error(status: StatusCode, message: impl Into<String>) -> Response {
 
 /// An RPC-style refusal as a REST error.
 pub fn rest_from_rpc(err: RpcError) -> Response {
+    if err.missing {
+        return err.into_response();
+    }
     let status = match err.code {
         Code::NotFound => StatusCode::NOT_FOUND,
         Code::PermissionDenied | Code::Unauthenticated => StatusCode::UNAUTHORIZED,

@@ -50,7 +50,7 @@ impl Envd {
     /// The HTTP routes.
     pub fn router(self) -> Router {
         Router::new()
-            .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+            .route("/health", get(health))
             .route("/envs", get(envs))
             .route("/files", get(download).post(upload))
             .route("/process.Process/{method}", post(process_rpc))
@@ -65,11 +65,7 @@ impl Envd {
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .ok_or_else(|| RpcError::new(Code::InvalidArgument, "the E2b-Sandbox-Id header is required"))?;
-        let record = self
-            .host
-            .get(id)
-            .await
-            .ok_or_else(|| RpcError::new(Code::NotFound, format!("sandbox {id} is not on this node")))?;
+        let record = self.host.get(id).await.ok_or_else(|| RpcError::missing(id))?;
         if let Some(token) = &record.access_token {
             let given = headers.get("x-access-token").and_then(|v| v.to_str().ok());
             if given != Some(token.as_str()) {
@@ -83,6 +79,21 @@ impl Envd {
             ));
         }
         Ok(record)
+    }
+}
+
+/// Marks answers about a sandbox this node does not have, so a proxy in front can tell "not
+/// here" from any other 404.
+pub const MISSING_HEADER: &str = "x-e2b-sandbox-missing";
+
+/// Healthy; with `E2b-Sandbox-Id`, only if that sandbox runs here.
+async fn health(State(envd): State<Envd>, headers: HeaderMap) -> Response {
+    if !headers.contains_key("e2b-sandbox-id") {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    match envd.sandbox(&headers).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => err.into_response(),
     }
 }
 

@@ -1,0 +1,481 @@
+//! The sandbox part of E2B's REST API (paths, JSON names and statuses as `openapi.yml` has
+//! them), with every error in E2B's shape, `{"code": <status>, "message": "..."}`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use common::docs::{SandboxDoc, SandboxPhase};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::intent::{self, NewSandbox, Template};
+use crate::sandboxes::{now_ms, Failure, Sandboxes};
+
+/// The envd protocol version this stack speaks (what the SDK gates features on).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// An error answer in E2B's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({"code": self.status.as_u16(), "message": self.message})),
+        )
+            .into_response()
+    }
+}
+
+impl From<Failure> for ApiError {
+    fn from(f: Failure) -> Self {
+        let status = match &f {
+            Failure::NotFound(_) => StatusCode::NOT_FOUND,
+            Failure::Conflict(_) => StatusCode::CONFLICT,
+            // E2B answers "no capacity" with 503 too.
+            Failure::NoCapacity(_) | Failure::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let message = match &f {
+            Failure::NotFound(id) => format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
+            other => other.to_string(),
+        };
+        ApiError::new(status, message)
+    }
+}
+
+impl From<intent::Refusal> for ApiError {
+    fn from(r: intent::Refusal) -> Self {
+        match r {
+            intent::Refusal::UnknownTemplate(_) => ApiError::new(StatusCode::NOT_FOUND, r.to_string()),
+            intent::Refusal::Invalid(_) => ApiError::new(StatusCode::BAD_REQUEST, r.to_string()),
+        }
+    }
+}
+
+/// Shared by every handler.
+#[derive(Clone)]
+pub struct Gateway {
+    pub sandboxes: Arc<Sandboxes>,
+    /// API key → team.
+    pub keys: Arc<HashMap<String, String>>,
+    pub templates: Arc<BTreeMap<String, Template>>,
+}
+
+impl Gateway {
+    fn team(&self, headers: &HeaderMap) -> Result<String, ApiError> {
+        let key = headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing X-API-Key header"))?;
+        self.keys
+            .get(key)
+            .cloned()
+            .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key"))
+    }
+}
+
+fn json_body<T: for<'de> Deserialize<'de>>(body: &Bytes, required: bool) -> Result<T, ApiError> {
+    if body.len() > MAX_BODY_BYTES {
+        return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "request body too large"));
+    }
+    if body.is_empty() && !required {
+        return serde_json::from_str("{}").map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request body: {e}")))
+}
+
+fn rfc3339(ms: u64) -> String {
+    node_svc::envd::paths::rfc3339((ms / 1000) as i64, ((ms % 1000) * 1_000_000) as u32)
+}
+
+fn sandbox_json(d: &SandboxDoc) -> Value {
+    let mut v = json!({
+        "templateID": d.template,
+        "sandboxID": d.sandbox_id,
+        "clientID": d.node_id,
+        "envdVersion": ENVD_VERSION,
+    });
+    if let Some(token) = &d.envd_access_token {
+        v["envdAccessToken"] = json!(token);
+    }
+    v
+}
+
+fn state_name(phase: SandboxPhase) -> &'static str {
+    match phase {
+        SandboxPhase::Running | SandboxPhase::Creating => "running",
+        SandboxPhase::Paused | SandboxPhase::Hibernated => "paused",
+    }
+}
+
+fn detail_json(d: &SandboxDoc) -> Value {
+    let mut v = json!({
+        "templateID": d.template,
+        "sandboxID": d.sandbox_id,
+        "clientID": d.node_id,
+        "startedAt": rfc3339(d.started_at_unix_ms),
+        "endAt": rfc3339(d.end_at_unix_ms),
+        "cpuCount": d.vcpus,
+        "memoryMB": d.memory_bytes / (1024 * 1024),
+        "diskSizeMB": 0,
+        "metadata": d.metadata,
+        "state": state_name(d.phase),
+        "envdVersion": ENVD_VERSION,
+    });
+    if let Some(token) = &d.envd_access_token {
+        v["envdAccessToken"] = json!(token);
+    }
+    v
+}
+
+/// Rewrites the framework's own refusals (body too large, unreadable body, bad path) into
+/// E2B's error shape, so no answer of this API is ever plain text.
+pub async fn e2b_shaped(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 64 * 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let message = if text.trim().is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    ApiError::new(status, message).into_response()
+}
+
+pub async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let req: NewSandbox = json_body(&body, true)?;
+    let intent = intent::normalise(req, &g.templates)?;
+    let doc = g.sandboxes.create(&team, intent).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&doc))).into_response())
+}
+
+pub async fn get(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let doc = g.sandboxes.get(&team, &id).await?;
+    Ok(Json(detail_json(&doc.value)))
+}
+
+pub async fn kill(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let team = g.team(&headers)?;
+    g.sandboxes.kill(&team, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn pause(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let team = g.team(&headers)?;
+    let _: Value = json_body(&body, false)?;
+    g.sandboxes.pause(&team, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct TimeoutBody {
+    timeout: Option<i64>,
+}
+
+pub async fn resume(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let req: TimeoutBody = json_body(&body, false)?;
+    let secs = intent::timeout(req.timeout)?;
+    let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
+    if !resumed {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already running"),
+        ));
+    }
+    Ok((StatusCode::CREATED, Json(sandbox_json(&doc))).into_response())
+}
+
+pub async fn connect(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let req: TimeoutBody = json_body(&body, true)?;
+    let secs = intent::timeout(req.timeout)?;
+    let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sandbox_json(&doc))).into_response())
+}
+
+pub async fn set_timeout(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let team = g.team(&headers)?;
+    let req: TimeoutBody = json_body(&body, true)?;
+    if req.timeout.is_none() {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "timeout is required"));
+    }
+    let secs = intent::timeout(req.timeout)?;
+    g.sandboxes.set_timeout(&team, &id, secs).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct RefreshBody {
+    duration: Option<i64>,
+}
+
+pub async fn refresh(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let team = g.team(&headers)?;
+    let req: RefreshBody = json_body(&body, false)?;
+    let secs = intent::timeout(req.duration)?;
+    g.sandboxes.set_timeout(&team, &id, secs).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `metadata=k1%3Dv1%26k2%3Dv2` as E2B's list filters encode it.
+fn metadata_filter(raw: Option<&String>) -> Result<BTreeMap<String, String>, ApiError> {
+    let Some(raw) = raw.filter(|r| !r.is_empty()) else {
+        return Ok(BTreeMap::new());
+    };
+    raw.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid metadata filter {pair:?}")))?;
+            let decode = |s: &str| {
+                percent_decode(s).ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "invalid metadata encoding"))
+            };
+            Ok((decode(k)?, decode(v)?))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = s.get(i + 1..i + 3)?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// `GET /sandboxes` and `GET /v2/sandboxes`: the team's sandboxes, filtered by metadata and
+/// state, a page at a time (`limit`, `nextToken`; the next token in `X-Next-Token`).
+pub async fn list(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Query(query): Query<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let one = |name: &str| query.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let wanted = metadata_filter(one("metadata").as_ref())?;
+    let states: Vec<String> = query
+        .iter()
+        .filter(|(k, _)| k == "state")
+        .flat_map(|(_, v)| v.split(',').map(str::to_string).collect::<Vec<_>>())
+        .collect();
+    for s in &states {
+        if s != "running" && s != "paused" {
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, format!("invalid state {s:?}")));
+        }
+    }
+    let limit = match one("limit") {
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|l| (1..=1000).contains(l))
+            .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "limit must be 1 to 1000"))?,
+        None => 1000,
+    };
+    let after = one("nextToken").unwrap_or_default();
+    let mut docs: Vec<SandboxDoc> = g
+        .sandboxes
+        .all()
+        .await?
+        .into_iter()
+        .map(|d| d.value)
+        .filter(|d| d.team_id == team && d.phase != SandboxPhase::Creating)
+        .filter(|d| wanted.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
+        .filter(|d| states.is_empty() || states.iter().any(|s| s == state_name(d.phase)))
+        .filter(|d| d.sandbox_id.as_str() > after.as_str())
+        .collect();
+    docs.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
+    let next = (docs.len() > limit).then(|| docs[limit - 1].sandbox_id.clone());
+    docs.truncate(limit);
+    let body: Vec<Value> = docs.iter().map(detail_json).collect();
+    let mut response = Json(body).into_response();
+    if let Some(next) = next {
+        if let Ok(v) = HeaderValue::from_str(&next) {
+            response.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(response)
+}
+
+fn metric(doc: &SandboxDoc, used: u64) -> Value {
+    let now = now_ms();
+    json!({
+        "timestamp": rfc3339(now),
+        "timestampUnix": now / 1000,
+        "cpuCount": doc.vcpus,
+        "cpuUsedPct": 0.0,
+        "memUsed": used,
+        "memTotal": doc.memory_bytes,
+        "memCache": 0,
+        "diskUsed": 0,
+        "diskTotal": 0,
+    })
+}
+
+pub async fn metrics(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let doc = g.sandboxes.get(&team, &id).await?;
+    let used = g.sandboxes.measured(&doc.value).await?;
+    Ok(Json(json!([metric(&doc.value, used)])))
+}
+
+pub async fn list_metrics(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let ids: Vec<&str> = query
+        .get("sandbox_ids")
+        .map(|s| s.split(',').filter(|s| !s.is_empty()).collect())
+        .unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for id in ids {
+        let doc = g.sandboxes.get(&team, id).await?;
+        let used = g.sandboxes.measured(&doc.value).await.unwrap_or(0);
+        out.insert(id.to_string(), metric(&doc.value, used));
+    }
+    Ok(Json(json!({"sandboxes": out})))
+}
+
+fn node_json(n: &proto::placement::v1::NodeView) -> Value {
+    let state = match proto::placement::v1::NodeState::try_from(n.state) {
+        Ok(proto::placement::v1::NodeState::Ready) => "ready",
+        Ok(proto::placement::v1::NodeState::Draining) => "draining",
+        _ => "unhealthy",
+    };
+    let cap = n.capacity.unwrap_or_default();
+    let believed = n.believed.unwrap_or_default();
+    json!({
+        "nodeID": n.node_id,
+        "status": state,
+        "sandboxCount": n.reported_sandboxes,
+        "cpuCount": cap.vcpus,
+        "memoryMB": cap.memory_bytes / (1024 * 1024),
+        "allocatedCPU": believed.vcpus,
+        "allocatedMemoryMiB": believed.memory_bytes / (1024 * 1024),
+        "memoryUsedMiB": n.memory_used_bytes / (1024 * 1024),
+        "pending": n.pending,
+        "unconfirmed": n.unconfirmed,
+        "heartbeatAgeMs": n.heartbeat_age_ms,
+    })
+}
+
+pub async fn nodes(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    g.team(&headers)?;
+    let nodes = g.sandboxes.nodes().await?;
+    Ok(Json(Value::Array(nodes.iter().map(node_json).collect())))
+}
+
+pub async fn node(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    g.team(&headers)?;
+    let nodes = g.sandboxes.nodes().await?;
+    let node = nodes
+        .iter()
+        .find(|n| n.node_id == id)
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("node {id} not found")))?;
+    Ok(Json(node_json(node)))
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route")
+}

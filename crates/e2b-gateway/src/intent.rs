@@ -1,0 +1,229 @@
+//! The pure core of the gateway: turning an E2B create request into a complete intent before
+//! anything is placed. The template decides resources when it states them, else the request,
+//! else the shared defaults; the source of the memory estimate is recorded, so the manifest
+//! describes itself (the brief's lesson 2: a manifest without a memory estimate is a sandbox
+//! the balancer can never move).
+
+use std::collections::BTreeMap;
+
+use common::docs::EstimateSource;
+use common::resources::{DEFAULT_MEMORY_BYTES, DEFAULT_VCPUS};
+use serde::Deserialize;
+
+/// Default sandbox timeout, as E2B's SDKs assume (seconds).
+pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+/// Longest timeout accepted (24 h).
+pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+const MAX_ENV_VARS: usize = 256;
+const MAX_METADATA: usize = 64;
+const MAX_VALUE_BYTES: usize = 4096;
+
+/// A configured template.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct Template {
+    pub name: String,
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+}
+
+/// `NewSandbox`, as E2B's API defines it (the fields this gateway acts on; others are
+/// accepted and ignored).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub timeout: Option<i64>,
+    pub auto_pause: Option<bool>,
+    pub secure: Option<bool>,
+    pub metadata: Option<BTreeMap<String, String>>,
+    pub env_vars: Option<BTreeMap<String, String>>,
+    /// Not in E2B's schema: resources for templates that do not fix them.
+    pub cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: Option<u64>,
+}
+
+/// Why a create request is refused before anything happens.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("template '{0}' not found")]
+    UnknownTemplate(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Everything a create needs, complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CreateIntent {
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+    pub memory_source: EstimateSource,
+    pub timeout_secs: u64,
+    pub auto_pause: bool,
+    pub secure: bool,
+    pub env_vars: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Checks a timeout in seconds against E2B's bounds.
+pub fn timeout(value: Option<i64>) -> Result<u64, Refusal> {
+    match value {
+        None => Ok(DEFAULT_TIMEOUT_SECS),
+        Some(t) if t <= 0 => Err(Refusal::Invalid(format!("timeout must be positive (got {t})"))),
+        Some(t) if t as u64 > MAX_TIMEOUT_SECS => Err(Refusal::Invalid(format!(
+            "timeout {t} s exceeds the maximum of {MAX_TIMEOUT_SECS} s"
+        ))),
+        Some(t) => Ok(t as u64),
+    }
+}
+
+fn check_map(what: &str, map: &BTreeMap<String, String>, max: usize, env: bool) -> Result<(), Refusal> {
+    if map.len() > max {
+        return Err(Refusal::Invalid(format!(
+            "at most {max} {what} are allowed (got {})",
+            map.len()
+        )));
+    }
+    for (k, v) in map {
+        let bad_key = k.is_empty()
+            || k.len() > 256
+            || (env && !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+            || (env && k.starts_with(|c: char| c.is_ascii_digit()));
+        if bad_key {
+            return Err(Refusal::Invalid(format!("invalid {what} key {k:?}")));
+        }
+        if v.len() > MAX_VALUE_BYTES || v.contains('\0') {
+            return Err(Refusal::Invalid(format!(
+                "{what} value for {k:?} is too long or contains NUL"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Normalises a create request against the configured templates.
+pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Result<CreateIntent, Refusal> {
+    let name = req.template_id.trim();
+    if name.is_empty() {
+        return Err(Refusal::Invalid("templateID is required".to_string()));
+    }
+    // E2B accepts `name:tag`; tags are not versioned here.
+    let name = name.split(':').next().unwrap_or(name);
+    let template = templates
+        .get(name)
+        .ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
+    let timeout_secs = timeout(req.timeout)?;
+    let env_vars = req.env_vars.unwrap_or_default();
+    let metadata = req.metadata.unwrap_or_default();
+    check_map("envVars", &env_vars, MAX_ENV_VARS, true)?;
+    check_map("metadata", &metadata, MAX_METADATA, false)?;
+    let (memory_bytes, memory_source) = match (template.memory_mb, req.memory_mb) {
+        (Some(mb), _) => (mb * 1024 * 1024, EstimateSource::Template),
+        (None, Some(mb)) if mb > 0 => (mb * 1024 * 1024, EstimateSource::Request),
+        (None, Some(_)) => return Err(Refusal::Invalid("memoryMB must be positive".to_string())),
+        (None, None) => (DEFAULT_MEMORY_BYTES, EstimateSource::Default),
+    };
+    let vcpus = match (template.vcpus, req.cpu_count) {
+        (Some(v), _) => v,
+        (None, Some(v)) if v > 0 => v,
+        (None, Some(_)) => return Err(Refusal::Invalid("cpuCount must be positive".to_string())),
+        (None, None) => DEFAULT_VCPUS,
+    };
+    Ok(CreateIntent {
+        template: template.name.clone(),
+        vcpus,
+        memory_bytes,
+        memory_source,
+        timeout_secs,
+        auto_pause: req.auto_pause.unwrap_or(false),
+        secure: req.secure.unwrap_or(false),
+        env_vars,
+        metadata,
+    })
+}
+
+/// The templates every gateway knows without configuration.
+pub fn builtin_templates() -> BTreeMap<String, Template> {
+    [Template {
+        name: "base".to_string(),
+        vcpus: None,
+        memory_mb: None,
+    }]
+    .into_iter()
+    .map(|t| (t.name.clone(), t))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn templates() -> BTreeMap<String, Template> {
+        let mut t = builtin_templates();
+        t.insert(
+            "big".into(),
+            Template {
+                name: "big".into(),
+                vcpus: Some(4),
+                memory_mb: Some(4096),
+            },
+        );
+        t
+    }
+
+    fn req(template: &str) -> NewSandbox {
+        NewSandbox {
+            template_id: template.into(),
+            ..NewSandbox::default()
+        }
+    }
+
+    #[test]
+    fn every_intent_has_a_memory_estimate_and_its_source() {
+        let d = normalise(req("base"), &templates()).unwrap();
+        assert_eq!(
+            (d.memory_bytes, d.memory_source, d.vcpus),
+            (DEFAULT_MEMORY_BYTES, EstimateSource::Default, 1)
+        );
+        let t = normalise(req("big"), &templates()).unwrap();
+        assert_eq!(
+            (t.memory_bytes, t.memory_source, t.vcpus),
+            (4096 << 20, EstimateSource::Template, 4)
+        );
+        let mut r = req("base");
+        r.memory_mb = Some(1024);
+        let r = normalise(r, &templates()).unwrap();
+        assert_eq!((r.memory_bytes, r.memory_source), (1024 << 20, EstimateSource::Request));
+        // The template wins over the request where it states resources.
+        let mut over = req("big");
+        over.memory_mb = Some(64);
+        assert_eq!(
+            normalise(over, &templates()).unwrap().memory_source,
+            EstimateSource::Template
+        );
+    }
+
+    #[test]
+    fn refusals() {
+        assert_eq!(
+            normalise(req("nope"), &templates()),
+            Err(Refusal::UnknownTemplate("nope".into()))
+        );
+        assert!(normalise(req(""), &templates()).is_err());
+        for t in [0, -5, 86_401] {
+            let mut r = req("base");
+            r.timeout = Some(t);
+            assert!(normalise(r, &templates()).is_err(), "timeout {t}");
+        }
+        let mut r = req("base");
+        r.env_vars = Some([("BAD-KEY".to_string(), "x".to_string())].into());
+        assert!(normalise(r, &templates()).is_err());
+        let mut r = req("base:latest");
+        r.timeout = Some(60);
+        assert_eq!(normalise(r, &templates()).unwrap().timeout_secs, 60);
+    }
+}

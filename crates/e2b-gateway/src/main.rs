@@ -1,0 +1,58 @@
+//! The `e2b-gateway` binary: configuration from flags or environment, nothing else.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use e2b_gateway::intent;
+use e2b_gateway::server::GatewayConfig;
+
+/// E2B's REST API and envd proxy.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address the REST API (and envd proxy) listens on.
+    #[arg(long, env = "GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
+    listen: SocketAddr,
+    #[arg(long, env = "GATEWAY_LEDGER", default_value = "http://127.0.0.1:7001")]
+    ledger: String,
+    #[arg(long, env = "GATEWAY_PLACEMENT", default_value = "http://127.0.0.1:7002")]
+    placement: String,
+    /// API keys as KEY=TEAM, comma-separated.
+    #[arg(long, env = "GATEWAY_API_KEYS", value_delimiter = ',', required = true)]
+    api_keys: Vec<String>,
+    /// A JSON file of extra templates: [{"name": "...", "vcpus": 2, "memory_mb": 1024}].
+    #[arg(long, env = "GATEWAY_TEMPLATES")]
+    templates: Option<std::path::PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("e2b-gateway");
+    let args = Args::parse();
+    let mut keys = HashMap::new();
+    for pair in &args.api_keys {
+        let (key, team) = pair
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("API key {pair:?} must be KEY=TEAM"))?;
+        keys.insert(key.to_string(), team.to_string());
+    }
+    let mut templates = intent::builtin_templates();
+    if let Some(path) = &args.templates {
+        let extra: Vec<intent::Template> = serde_json::from_slice(&std::fs::read(path)?)?;
+        templates.extend(extra.into_iter().map(|t| (t.name.clone(), t)));
+    }
+    let gateway = e2b_gateway::server::start(GatewayConfig {
+        listen: args.listen,
+        ledger: args.ledger,
+        placement: args.placement,
+        keys,
+        templates,
+        reap_interval: Duration::from_secs(1),
+    })
+    .await?;
+    common::shutdown::signal().await;
+    gateway.stop().await;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! The envd proxy: the SDK sends every envd call to one URL with an `E2b-Sandbox-Id` header;
+//! the gateway finds the node's envd endpoint for that sandbox and streams the call there and
+//! the answer back.
+//!
+//! Where each sandbox runs comes from a routing table kept fresh by a ledger watch on the
+//! sandbox manifests (no ledger read per request). A miss (a sandbox created a moment ago,
+//! before the watch delivered it) is read from the ledger once and remembered.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderName, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use futures::{StreamExt, TryStreamExt};
+use ledger_svc::{LedgerClient, WatchEvent};
+use serde_json::json;
+use tokio::sync::RwLock;
+
+/// Sandbox → envd endpoint, for running sandboxes.
+#[derive(Clone, Default)]
+pub struct Routes {
+    table: Arc<RwLock<HashMap<String, Route>>>,
+}
+
+#[derive(Clone, Debug)]
+struct Route {
+    envd: String,
+    running: bool,
+}
+
+fn route_of(doc: &SandboxDoc) -> Option<Route> {
+    (!doc.envd_address.is_empty()).then(|| Route {
+        envd: doc.envd_address.clone(),
+        running: doc.phase == SandboxPhase::Running,
+    })
+}
+
+impl Routes {
+    /// Lists the manifests, then follows the ledger from that revision on.
+    pub fn follow(&self, ledger: LedgerClient) -> tokio::task::JoinHandle<()> {
+        let routes = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let start = match ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await {
+                    Ok((docs, revision)) => {
+                        let mut table = routes.table.write().await;
+                        table.clear();
+                        for d in docs {
+                            if let Some(r) = route_of(&d.value) {
+                                table.insert(d.value.sandbox_id.clone(), r);
+                            }
+                        }
+                        revision + 1
+                    }
+                    Err(err) => {
+                        tracing::warn!(%err, "routing table: cannot list manifests; retrying");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        continue;
+                    }
+                };
+                let mut watch = ledger.watch(SANDBOX_KIND, "", start);
+                while let Some(update) = watch.next().await {
+                    let Ok(update) = update else { break };
+                    let mut table = routes.table.write().await;
+                    for event in update.events {
+                        match event {
+                            WatchEvent::Put(doc) => {
+                                if let Ok(d) = serde_json::from_str::<SandboxDoc>(&doc.payload) {
+                                    match route_of(&d) {
+                                        Some(r) => table.insert(d.sandbox_id.clone(), r),
+                                        None => table.remove(&d.sandbox_id),
+                                    };
+                                }
+                            }
+                            WatchEvent::Deleted { key, .. } => {
+                                table.remove(&key.id);
+                            }
+                        }
+                    }
+                }
+                // The watch ended (compacted, or an error that is not transient): list again.
+            }
+        })
+    }
+
+    /// Drops a sandbox's route (it was killed, or its node says it is not there).
+    pub async fn forget(&self, id: &str) {
+        self.table.write().await.remove(id);
+    }
+
+    /// Marks a sandbox paused or running without waiting for the watch.
+    pub async fn set_running(&self, id: &str, running: bool) {
+        if let Some(route) = self.table.write().await.get_mut(id) {
+            route.running = running;
+        }
+    }
+
+    async fn lookup(&self, ledger: &LedgerClient, id: &str) -> Option<Route> {
+        if let Some(r) = self.table.read().await.get(id) {
+            return Some(r.clone());
+        }
+        let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.ok()??;
+        let route = route_of(&doc.value)?;
+        self.table.write().await.insert(id.to_string(), route.clone());
+        Some(route)
+    }
+}
+
+#[derive(Clone)]
+pub struct Proxy {
+    pub routes: Routes,
+    pub ledger: LedgerClient,
+    pub http: reqwest::Client,
+}
+
+fn sandbox_error(status: StatusCode, id: &str, message: &str) -> Response {
+    (
+        status,
+        Json(json!({"sandboxId": id, "message": message, "code": status.as_u16()})),
+    )
+        .into_response()
+}
+
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Forwards an envd request to the node that runs the sandbox, streaming both ways.
+pub async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
+    let Some(id) = request
+        .headers()
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+    else {
+        return crate::api::not_found().await.into_response();
+    };
+    let Some(route) = proxy.routes.lookup(&proxy.ledger, &id).await else {
+        // What E2B's edge answers for a sandbox that does not exist (any more); the SDK maps
+        // 502 to "sandbox timed out or not found".
+        return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");
+    };
+    if !route.running {
+        return sandbox_error(
+            StatusCode::BAD_GATEWAY,
+            &id,
+            "The sandbox is paused; resume or connect to it first",
+        );
+    }
+    let (parts, body) = request.into_parts();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let url = format!("{}{path}", route.envd);
+    let mut outbound = proxy
+        .http
+        .request(parts.method.clone(), &url)
+        .body(reqwest::Body::wrap_stream(body.into_data_stream()));
+    for (name, value) in &parts.headers {
+        if name == "host" || HOP_BY_HOP.contains(&name.as_str()) {
+            continue;
+        }
+        outbound = outbound.header(name, value);
+    }
+    match outbound.send().await {
+        Ok(answer) if answer.headers().contains_key(node_svc::envd::MISSING_HEADER) => {
+            // The node no longer has it (killed, or moved away a moment ago).
+            proxy.routes.forget(&id).await;
+            sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found")
+        }
+        Ok(answer) => {
+            let mut response = Response::builder().status(answer.status().as_u16());
+            for (name, value) in answer.headers() {
+                if HOP_BY_HOP.contains(&name.as_str()) {
+                    continue;
+                }
+                if let Ok(name) = HeaderName::from_bytes(name.as_str().as_bytes()) {
+                    response = response.header(name, value.as_bytes());
+                }
+            }
+            let stream = answer.bytes_stream().map_err(std::io::Error::other);
+            response
+                .body(Body::from_stream(stream))
+                .unwrap_or_else(|_| sandbox_error(StatusCode::BAD_GATEWAY, &id, "bad answer from the node"))
+        }
+        Err(err) => {
+            tracing::warn!(sandbox_id = %id, %err, "envd proxy: node unreachable");
+            sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox's node is unreachable")
+        }
+    }
+}

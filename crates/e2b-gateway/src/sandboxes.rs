@@ -1,0 +1,471 @@
+//! Driving sandboxes through their lives across ledger, placement and nodes, undoing every
+//! step of a create that fails (no manifest, reservation or process left behind).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use proto::node::v1 as node_pb;
+use proto::node::v1::node_client::NodeClient;
+use proto::placement::v1 as pl;
+use proto::placement::v1::placement_client::PlacementClient;
+use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+use crate::intent::CreateIntent;
+
+/// Attempts on different nodes before a create gives up.
+const CREATE_ATTEMPTS: usize = 3;
+
+/// Why a sandbox operation failed, in terms the REST layer maps to E2B's statuses.
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    NoCapacity(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<LedgerError> for Failure {
+    fn from(err: LedgerError) -> Self {
+        match err {
+            LedgerError::Unavailable(m) => Failure::Unavailable(format!("ledger unavailable: {m}")),
+            other => Failure::Internal(other.to_string()),
+        }
+    }
+}
+
+fn from_status(what: &str, status: tonic::Status) -> Failure {
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+            Failure::Unavailable(format!("{what}: {}", status.message()))
+        }
+        Code::ResourceExhausted => Failure::NoCapacity(status.message().to_string()),
+        Code::NotFound => Failure::NotFound(status.message().to_string()),
+        Code::FailedPrecondition | Code::AlreadyExists => Failure::Conflict(status.message().to_string()),
+        _ => Failure::Internal(format!("{what}: {}", status.message())),
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn random_id(len: usize) -> String {
+    let raw = uuid::Uuid::new_v4().simple().to_string() + &uuid::Uuid::new_v4().simple().to_string();
+    raw.chars().take(len).collect()
+}
+
+/// A node's channel, and its envd address once asked.
+type NodeEntry = (NodeClient<Channel>, Option<String>);
+
+/// Channels to nodes, and their envd addresses, by node gRPC address.
+#[derive(Default)]
+struct Nodes {
+    clients: Mutex<HashMap<String, NodeEntry>>,
+}
+
+impl Nodes {
+    async fn client(&self, address: &str) -> Result<NodeClient<Channel>, Failure> {
+        let mut map = self.clients.lock().await;
+        if let Some((c, _)) = map.get(address) {
+            return Ok(c.clone());
+        }
+        let channel = Endpoint::from_shared(address.to_string())
+            .map_err(|e| Failure::Internal(format!("bad node address {address:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        let client = NodeClient::new(channel);
+        map.insert(address.to_string(), (client.clone(), None));
+        Ok(client)
+    }
+
+    async fn envd(&self, address: &str) -> Result<String, Failure> {
+        if let Some((_, Some(envd))) = self.clients.lock().await.get(address) {
+            return Ok(envd.clone());
+        }
+        let mut client = self.client(address).await?;
+        let info = client
+            .info(node_pb::InfoRequest {})
+            .await
+            .map_err(|s| from_status("node info", s))?
+            .into_inner();
+        if let Some(entry) = self.clients.lock().await.get_mut(address) {
+            entry.1 = Some(info.envd_address.clone());
+        }
+        Ok(info.envd_address)
+    }
+}
+
+/// The gateway's view of sandboxes: the ledger is the truth, placement and nodes do the work.
+pub struct Sandboxes {
+    pub ledger: LedgerClient,
+    /// The proxy's routing table: this gateway's own changes apply to it at once.
+    pub routes: crate::proxy::Routes,
+    placement: PlacementClient<Channel>,
+    nodes: Nodes,
+}
+
+impl Sandboxes {
+    pub fn new(ledger: LedgerClient, placement_endpoint: &str) -> Result<Arc<Self>, Failure> {
+        let channel = Endpoint::from_shared(placement_endpoint.to_string())
+            .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        Ok(Arc::new(Self {
+            ledger,
+            routes: crate::proxy::Routes::default(),
+            placement: PlacementClient::new(channel),
+            nodes: Nodes::default(),
+        }))
+    }
+
+    /// A sandbox's manifest, if `team` owns it (another team's sandbox does not exist for it).
+    pub async fn get(&self, team: &str, id: &str) -> Result<Versioned<SandboxDoc>, Failure> {
+        match self.ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await? {
+            Some(doc) if doc.value.team_id == team => Ok(doc),
+            _ => Err(Failure::NotFound(id.to_string())),
+        }
+    }
+
+    /// Every manifest (all teams).
+    pub async fn all(&self) -> Result<Vec<Versioned<SandboxDoc>>, Failure> {
+        Ok(self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?.0)
+    }
+
+    async fn save(&self, doc: &Versioned<SandboxDoc>) -> Result<u64, Failure> {
+        let txn = Txn::new().update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)?;
+        match self.ledger.compare(txn).await {
+            Ok(done) => Ok(done.versions[0]),
+            Err(LedgerError::Conflict { .. }) => Err(Failure::Conflict(format!(
+                "sandbox {} changed concurrently; retry",
+                doc.value.sandbox_id
+            ))),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Creates a sandbox: manifest first, then place, then create on the node, then running.
+    pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        let sandbox_id = format!("i{}", random_id(19));
+        let span = tracing::info_span!("create", sandbox_id = %sandbox_id, template = %intent.template);
+        let _enter = span.enter();
+        let now = now_ms();
+        let mut doc = SandboxDoc {
+            sandbox_id: sandbox_id.clone(),
+            team_id: team.to_string(),
+            template: intent.template.clone(),
+            vcpus: intent.vcpus,
+            memory_bytes: intent.memory_bytes,
+            memory_source: intent.memory_source,
+            env_vars: intent.env_vars.clone(),
+            metadata: intent.metadata.clone(),
+            phase: SandboxPhase::Creating,
+            node_id: String::new(),
+            node_address: String::new(),
+            envd_address: String::new(),
+            epoch: 1,
+            envd_access_token: intent.secure.then(|| random_id(32)),
+            started_at_unix_ms: now,
+            end_at_unix_ms: now + intent.timeout_secs * 1000,
+            auto_pause: intent.auto_pause,
+        };
+        let version = self
+            .ledger
+            .compare(Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc)?)
+            .await?
+            .versions[0];
+        let undo_manifest = || async {
+            if let Err(err) = self
+                .ledger
+                .compare(Txn::new().delete(SANDBOX_KIND, &sandbox_id, version))
+                .await
+            {
+                tracing::error!(%err, "could not delete the manifest of a failed create");
+            }
+        };
+        let placed = match self.place_and_start(&doc).await {
+            Ok(placed) => placed,
+            Err(err) => {
+                undo_manifest().await;
+                return Err(err);
+            }
+        };
+        doc.node_id = placed.node_id.clone();
+        doc.node_address = placed.node_address.clone();
+        doc.envd_address = placed.envd_address;
+        doc.phase = SandboxPhase::Running;
+        let saved = self
+            .save(&Versioned {
+                key: ledger_svc::DocKey::new(SANDBOX_KIND, &sandbox_id),
+                version,
+                create_revision: 0,
+                mod_revision: 0,
+                value: doc.clone(),
+            })
+            .await;
+        if let Err(err) = saved {
+            // Undo everything: the process, the reservation, the manifest.
+            self.stop_on_node(&doc).await;
+            undo_manifest().await;
+            return Err(err);
+        }
+        tracing::info!(node_id = %doc.node_id, "sandbox running");
+        Ok(doc)
+    }
+
+    async fn place_and_start(&self, doc: &SandboxDoc) -> Result<Placed, Failure> {
+        let mut exclude = Vec::new();
+        let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
+        for attempt in 0..CREATE_ATTEMPTS {
+            let placed = self
+                .placement
+                .clone()
+                .place(pl::PlaceRequest {
+                    sandbox_id: doc.sandbox_id.clone(),
+                    resources: Some(pl::Resources {
+                        vcpus: doc.vcpus,
+                        memory_bytes: doc.memory_bytes,
+                    }),
+                    node_selector: Default::default(),
+                    exclude_nodes: exclude.clone(),
+                })
+                .await
+                .map_err(|s| from_status("placement", s))?
+                .into_inner();
+            let started = self.start_on(doc, &placed, attempt).await;
+            let sandbox_ref = pl::SandboxRef {
+                sandbox_id: doc.sandbox_id.clone(),
+                node_id: placed.node_id.clone(),
+                resources: None,
+            };
+            match started {
+                Ok(envd_address) => {
+                    if let Err(status) = self.placement.clone().created(sandbox_ref).await {
+                        tracing::warn!(%status, "placement did not hear of the create; its reservation will expire");
+                    }
+                    return Ok(Placed {
+                        node_id: placed.node_id,
+                        node_address: placed.node_address,
+                        envd_address,
+                    });
+                }
+                Err(err) => {
+                    tracing::warn!(node_id = %placed.node_id, %err, attempt, "create failed on node; trying another");
+                    let _ = self.placement.clone().release(sandbox_ref).await;
+                    exclude.push(placed.node_id);
+                    last = err;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    async fn start_on(&self, doc: &SandboxDoc, placed: &pl::PlaceResponse, attempt: usize) -> Result<String, Failure> {
+        let mut node = self.nodes.client(&placed.node_address).await?;
+        node.create(node_pb::CreateRequest {
+            operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
+            epoch: doc.epoch,
+            sandbox_id: doc.sandbox_id.clone(),
+            template: doc.template.clone(),
+            resources: Some(node_pb::Resources {
+                vcpus: doc.vcpus,
+                memory_bytes: doc.memory_bytes,
+            }),
+            env_vars: doc.env_vars.clone().into_iter().collect(),
+            metadata: doc.metadata.clone().into_iter().collect(),
+            start_command: String::new(),
+            access_token: doc.envd_access_token.clone().unwrap_or_default(),
+        })
+        .await
+        .map_err(|s| from_status("node create", s))?;
+        match self.nodes.envd(&placed.node_address).await {
+            Ok(envd) => Ok(envd),
+            Err(err) => {
+                let _ = node
+                    .kill(node_pb::LifecycleRequest {
+                        operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
+                        epoch: doc.epoch,
+                        sandbox_id: doc.sandbox_id.clone(),
+                    })
+                    .await;
+                Err(err)
+            }
+        }
+    }
+
+    /// Kills the sandbox on its node and tells placement (errors logged: the manifest goes
+    /// regardless, and a heartbeat will correct placement).
+    async fn stop_on_node(&self, doc: &SandboxDoc) {
+        if doc.node_address.is_empty() {
+            return;
+        }
+        if let Ok(mut node) = self.nodes.client(&doc.node_address).await {
+            let killed = node
+                .kill(node_pb::LifecycleRequest {
+                    operation_id: format!("kill-{}-{}", doc.sandbox_id, doc.epoch),
+                    epoch: doc.epoch,
+                    sandbox_id: doc.sandbox_id.clone(),
+                })
+                .await;
+            if let Err(status) = killed {
+                if status.code() != Code::NotFound {
+                    tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "kill on node failed");
+                }
+            }
+        }
+        let removed = self
+            .placement
+            .clone()
+            .removed(pl::SandboxRef {
+                sandbox_id: doc.sandbox_id.clone(),
+                node_id: doc.node_id.clone(),
+                resources: Some(pl::Resources {
+                    vcpus: doc.vcpus,
+                    memory_bytes: doc.memory_bytes,
+                }),
+            })
+            .await;
+        if let Err(status) = removed {
+            tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "placement did not hear of the kill");
+        }
+    }
+
+    /// Kills a sandbox and deletes its manifest.
+    pub async fn kill(&self, team: &str, id: &str) -> Result<(), Failure> {
+        let doc = self.get(team, id).await?;
+        self.routes.forget(id).await;
+        self.stop_on_node(&doc.value).await;
+        match self
+            .ledger
+            .compare(Txn::new().delete(SANDBOX_KIND, id, doc.version))
+            .await
+        {
+            Ok(_) | Err(LedgerError::Conflict { .. }) => {}
+            Err(err) => return Err(err.into()),
+        }
+        tracing::info!(sandbox_id = %id, "sandbox killed");
+        Ok(())
+    }
+
+    async fn node_call(&self, doc: &SandboxDoc, op: &str) -> Result<(), Failure> {
+        let mut node = self.nodes.client(&doc.node_address).await?;
+        let req = node_pb::LifecycleRequest {
+            operation_id: format!("{op}-{}-{}", doc.sandbox_id, uuid::Uuid::new_v4().simple()),
+            epoch: doc.epoch,
+            sandbox_id: doc.sandbox_id.clone(),
+        };
+        let result = match op {
+            "pause" => node.pause(req).await,
+            _ => node.resume(req).await,
+        };
+        result.map(|_| ()).map_err(|s| from_status(op, s))
+    }
+
+    /// Freezes a running sandbox in place.
+    pub async fn pause(&self, team: &str, id: &str) -> Result<(), Failure> {
+        let mut doc = self.get(team, id).await?;
+        if doc.value.phase != SandboxPhase::Running {
+            return Err(Failure::Conflict(format!("sandbox {id} is already paused")));
+        }
+        self.routes.set_running(id, false).await;
+        if let Err(err) = self.node_call(&doc.value, "pause").await {
+            self.routes.set_running(id, true).await;
+            return Err(err);
+        }
+        doc.value.phase = SandboxPhase::Paused;
+        self.save(&doc).await?;
+        Ok(())
+    }
+
+    /// Resumes a paused sandbox (true) or finds it running already (false), and sets its end.
+    pub async fn resume(&self, team: &str, id: &str, timeout_secs: u64) -> Result<(SandboxDoc, bool), Failure> {
+        let mut doc = self.get(team, id).await?;
+        let resumed = doc.value.phase != SandboxPhase::Running;
+        if resumed {
+            self.node_call(&doc.value, "resume").await?;
+            doc.value.phase = SandboxPhase::Running;
+        }
+        doc.value.end_at_unix_ms = doc.value.end_at_unix_ms.max(now_ms() + timeout_secs * 1000);
+        self.save(&doc).await?;
+        self.routes.set_running(id, true).await;
+        Ok((doc.value, resumed))
+    }
+
+    /// Sets when the sandbox ends, `secs` from now.
+    pub async fn set_timeout(&self, team: &str, id: &str, secs: u64) -> Result<(), Failure> {
+        let mut doc = self.get(team, id).await?;
+        doc.value.end_at_unix_ms = now_ms() + secs * 1000;
+        self.save(&doc).await?;
+        Ok(())
+    }
+
+    /// Memory the node measures for the sandbox now.
+    pub async fn measured(&self, doc: &SandboxDoc) -> Result<u64, Failure> {
+        let mut node = self.nodes.client(&doc.node_address).await?;
+        let list = node
+            .list(node_pb::ListRequest {})
+            .await
+            .map_err(|s| from_status("node list", s))?
+            .into_inner();
+        Ok(list
+            .sandboxes
+            .iter()
+            .find(|s| s.sandbox_id == doc.sandbox_id)
+            .map_or(0, |s| s.memory_used_bytes))
+    }
+
+    /// The placer's view of every node.
+    pub async fn nodes(&self) -> Result<Vec<pl::NodeView>, Failure> {
+        Ok(self
+            .placement
+            .clone()
+            .nodes(pl::NodesRequest {})
+            .await
+            .map_err(|s| from_status("placement", s))?
+            .into_inner()
+            .nodes)
+    }
+
+    /// Ends every sandbox whose time is up: paused where it asked for that, else killed. The
+    /// end time lives in the manifest, so this survives gateway restarts.
+    pub async fn reap(&self) -> Result<usize, Failure> {
+        let now = now_ms();
+        let mut ended = 0;
+        for doc in self.all().await? {
+            let d = &doc.value;
+            if d.end_at_unix_ms > now || d.phase == SandboxPhase::Creating {
+                continue;
+            }
+            let result = if d.auto_pause && d.phase == SandboxPhase::Running {
+                self.pause(&d.team_id, &d.sandbox_id).await
+            } else if d.auto_pause {
+                continue;
+            } else {
+                self.kill(&d.team_id, &d.sandbox_id).await
+            };
+            match result {
+                Ok(()) => ended += 1,
+                Err(err) => tracing::warn!(sandbox_id = %d.sandbox_id, %err, "reaper could not end sandbox"),
+            }
+        }
+        Ok(ended)
+    }
+}
+
+struct Placed {
+    node_id: String,
+    node_address: String,
+    envd_address: String,
+}

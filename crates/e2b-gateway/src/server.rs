@@ -1,0 +1,170 @@
+//! Starting and stopping the gateway: REST API and envd proxy on one port, told apart by the
+//! `E2b-Sandbox-Id` header, plus the reaper.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+
+use crate::api::{self, Gateway};
+use crate::intent::Template;
+use crate::proxy::{self, Proxy};
+use crate::sandboxes::Sandboxes;
+
+/// How the gateway runs.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    pub listen: SocketAddr,
+    pub ledger: String,
+    pub placement: String,
+    /// API key → team.
+    pub keys: HashMap<String, String>,
+    pub templates: BTreeMap<String, Template>,
+    /// How often the reaper looks for sandboxes whose time is up.
+    pub reap_interval: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+}
+
+pub struct RunningGateway {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<std::io::Result<()>>,
+    background: Vec<JoinHandle<()>>,
+}
+
+impl RunningGateway {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn stop(self) {
+        for task in &self.background {
+            task.abort();
+        }
+        let _ = self.stop.send(());
+        let _ = self.server.await;
+    }
+}
+
+#[derive(Clone)]
+struct Dispatch {
+    api: Router,
+    proxy: Proxy,
+}
+
+/// Envd traffic (it carries `E2b-Sandbox-Id`) goes to the proxy; everything else is the API.
+async fn dispatch(State(d): State<Dispatch>, request: Request) -> Response {
+    if request.headers().contains_key("e2b-sandbox-id") {
+        return proxy::forward(State(d.proxy), request).await;
+    }
+    match d.api.oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
+    if config.keys.is_empty() {
+        return Err(StartError::Config("at least one API key is needed".into()));
+    }
+    let ledger =
+        ledger_svc::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
+    let sandboxes = Sandboxes::new(ledger.clone(), &config.placement).map_err(|e| StartError::Config(e.to_string()))?;
+    let gateway = Gateway {
+        sandboxes: sandboxes.clone(),
+        keys: Arc::new(config.keys.clone()),
+        templates: Arc::new(config.templates.clone()),
+    };
+    let api_router = Router::new()
+        .route("/health", get(api::health))
+        .route("/sandboxes", get(api::list).post(api::create))
+        .route("/v2/sandboxes", get(api::list).post(api::create))
+        .route("/v2/sandboxes/{id}/connect", post(api::connect))
+        .route("/sandboxes/metrics", get(api::list_metrics))
+        .route("/sandboxes/{id}", get(api::get).delete(api::kill))
+        .route("/sandboxes/{id}/pause", post(api::pause))
+        .route("/sandboxes/{id}/resume", post(api::resume))
+        .route("/sandboxes/{id}/connect", post(api::connect))
+        .route("/sandboxes/{id}/timeout", post(api::set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(api::refresh))
+        .route("/sandboxes/{id}/metrics", get(api::metrics))
+        .route("/nodes", get(api::nodes))
+        .route("/nodes/{id}", get(api::node))
+        .fallback(api::not_found)
+        .layer(DefaultBodyLimit::max(api::MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response(api::e2b_shaped))
+        .with_state(gateway);
+    let routes = sandboxes.routes.clone();
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
+        .map_err(|e| StartError::Config(e.to_string()))?;
+    let app = Router::new().fallback(dispatch).with_state(Dispatch {
+        api: api_router,
+        proxy: Proxy {
+            routes: routes.clone(),
+            ledger: ledger.clone(),
+            http,
+        },
+    });
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let mut background = vec![routes.follow(ledger)];
+    let reaper = sandboxes.clone();
+    let interval = config.reap_interval;
+    background.push(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match reaper.reap().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(ended = n, "reaper ended sandboxes whose time was up"),
+                Err(err) => tracing::debug!(%err, "reaper pass failed"),
+            }
+        }
+    }));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    tracing::info!(%addr, "e2b-gateway serving");
+    Ok(RunningGateway {
+        addr,
+        stop,
+        server,
+        background,
+    })
+}

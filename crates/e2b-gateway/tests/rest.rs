@@ -1,0 +1,241 @@
+//! The gateway's REST API over HTTP with a real ledger, placement and node behind it: E2B's
+//! error shape on every bad input, team isolation, no capacity, and the undo of failed creates.
+
+use std::time::Duration;
+
+use e2b_gateway::server::{GatewayConfig, RunningGateway};
+use serde_json::{json, Value};
+
+struct Stack {
+    ledger: ledger_svc::RunningLedger,
+    placement: placement_svc::server::RunningPlacement,
+    node: node_svc::server::RunningNode,
+    gateway: RunningGateway,
+    dir: std::path::PathBuf,
+    node_id: String,
+}
+
+async fn stack(node_memory_mb: u64) -> Stack {
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
+    let dir = std::env::temp_dir().join(format!("gateway-test-{tag}"));
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        format!("sqlite://{}", dir.join("ledger.db").display()),
+    ))
+    .await
+    .unwrap();
+    let placement = placement_svc::server::start(placement_svc::server::PlacementConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+    ))
+    .await
+    .unwrap();
+    let node_id = format!("g{tag}");
+    let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &node_id, dir.join("node"));
+    config.placement = Some(placement.endpoint());
+    config.heartbeat_interval = Duration::from_millis(50);
+    config.host.capacity.memory_bytes = node_memory_mb << 20;
+    let node = node_svc::server::start(config).await.unwrap();
+    let gateway = e2b_gateway::server::start(GatewayConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ledger: ledger.endpoint(),
+        placement: placement.endpoint(),
+        keys: [
+            ("key-a".to_string(), "team-a".to_string()),
+            ("key-b".to_string(), "team-b".to_string()),
+        ]
+        .into(),
+        templates: e2b_gateway::intent::builtin_templates(),
+        reap_interval: Duration::from_millis(100),
+    })
+    .await
+    .unwrap();
+    // Wait (bounded) until the node has registered with placement.
+    let mut p = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
+        .await
+        .unwrap();
+    for _ in 0..200 {
+        let nodes = p
+            .nodes(proto::placement::v1::NodesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .nodes;
+        if !nodes.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Stack {
+        ledger,
+        placement,
+        node,
+        gateway,
+        dir,
+        node_id,
+    }
+}
+
+impl Stack {
+    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> (u16, Value) {
+        let client = reqwest::Client::new();
+        let mut req = client.request(method.parse().unwrap(), format!("{}{path}", self.gateway.url()));
+        if let Some(key) = key {
+            req = req.header("X-API-Key", key);
+        }
+        if let Some(body) = body {
+            req = req.header("Content-Type", "application/json").body(body.to_string());
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    async fn stop(self) {
+        self.gateway.stop().await;
+        self.node.stop().await;
+        self.placement.stop().await;
+        self.ledger.stop().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for controller in ["memory", "freezer"] {
+            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.node_id));
+        }
+    }
+}
+
+fn assert_e2b_error(answer: &(u16, Value), status: u16) {
+    assert_eq!(answer.0, status, "{answer:?}");
+    assert_eq!(answer.1["code"], status, "{answer:?}");
+    assert!(
+        answer.1["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{answer:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_e2b_errors_and_changes_nothing() {
+    let s = stack(4096).await;
+    let key = Some("key-a");
+    let base = Some(r#"{"templateID":"base"}"#);
+    assert_e2b_error(&s.call("POST", "/sandboxes", None, base).await, 401);
+    assert_e2b_error(&s.call("POST", "/sandboxes", Some("wrong"), base).await, 401);
+    assert_e2b_error(&s.call("POST", "/sandboxes", key, Some("{not json")).await, 400);
+    assert_e2b_error(
+        &s.call("POST", "/sandboxes", key, Some(r#"{"templateID": 5}"#)).await,
+        400,
+    );
+    assert_e2b_error(
+        &s.call("POST", "/sandboxes", key, Some(r#"{"templateID":"nope"}"#))
+            .await,
+        404,
+    );
+    let negative = Some(r#"{"templateID":"base","timeout":-1}"#);
+    assert_e2b_error(&s.call("POST", "/sandboxes", key, negative).await, 400);
+    let too_long = Some(r#"{"templateID":"base","timeout":999999}"#);
+    assert_e2b_error(&s.call("POST", "/sandboxes", key, too_long).await, 400);
+    let huge = format!(
+        r#"{{"templateID":"base","metadata":{{"k":"{}"}}}}"#,
+        "x".repeat(2 << 20)
+    );
+    assert_e2b_error(&s.call("POST", "/sandboxes", key, Some(&huge)).await, 413);
+    assert_e2b_error(&s.call("GET", "/sandboxes/iunknown", key, None).await, 404);
+    assert_e2b_error(&s.call("POST", "/sandboxes/iunknown/pause", key, None).await, 404);
+    assert_e2b_error(&s.call("GET", "/sandboxes?metadata=broken", key, None).await, 400);
+    let (status, list) = s.call("GET", "/sandboxes", key, None).await;
+    assert_eq!((status, list), (200, json!([])), "a refused request created something");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teams_see_only_their_own_and_manifests_carry_memory() {
+    let s = stack(4096).await;
+    let body = Some(r#"{"templateID":"base","metadata":{"who":"a"}}"#);
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), body).await;
+    assert_eq!(status, 201, "{created:?}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(created["envdVersion"], e2b_gateway::api::ENVD_VERSION);
+    // Another team: 404, not 403, on every verb.
+    assert_e2b_error(
+        &s.call("GET", &format!("/sandboxes/{id}"), Some("key-b"), None).await,
+        404,
+    );
+    assert_e2b_error(
+        &s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-b"), None).await,
+        404,
+    );
+    assert_eq!(s.call("GET", "/sandboxes", Some("key-b"), None).await.1, json!([]));
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(
+        (detail["state"].as_str(), detail["memoryMB"].as_u64()),
+        (Some("running"), Some(512))
+    );
+    // The manifest describes itself: memory bytes > 0 and where the estimate came from.
+    let ledger = ledger_svc::LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let doc = ledger
+        .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.value.memory_bytes, common::resources::DEFAULT_MEMORY_BYTES);
+    assert_eq!(doc.value.memory_source, common::docs::EstimateSource::Default);
+
+    let (status, _) = s
+        .call("POST", &format!("/sandboxes/{id}/pause"), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    assert_e2b_error(
+        &s.call("POST", &format!("/sandboxes/{id}/pause"), Some("key-a"), None)
+            .await,
+        409,
+    );
+    let resume = Some(r#"{"timeout":60}"#);
+    let (status, resumed) = s
+        .call("POST", &format!("/sandboxes/{id}/resume"), Some("key-a"), resume)
+        .await;
+    assert_eq!((status, resumed["sandboxID"].as_str()), (201, Some(id.as_str())));
+    let (status, _) = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(status, 204);
+    assert_e2b_error(
+        &s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await,
+        404,
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_capacity_is_503_and_leaves_nothing_behind() {
+    // 600 MiB of node memory: one 512 MiB sandbox fits, the second does not.
+    let s = stack(600).await;
+    let base = Some(r#"{"templateID":"base"}"#);
+    let (status, _) = s.call("POST", "/sandboxes", Some("key-a"), base).await;
+    assert_eq!(status, 201);
+    let full = s.call("POST", "/sandboxes", Some("key-a"), base).await;
+    assert_e2b_error(&full, 503);
+    assert!(full.1["message"].as_str().unwrap().contains("memory"), "{full:?}");
+    let (_, list) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
+    assert_eq!(list.as_array().unwrap().len(), 1, "the failed create left a manifest");
+    let ledger = ledger_svc::LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let (docs, _) = ledger.list::<Value>(common::docs::SANDBOX_KIND, "").await.unwrap();
+    assert_eq!(docs.len(), 1);
+    let id = list[0]["sandboxID"].as_str().unwrap().to_string();
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_ends_sandboxes_at_their_timeout() {
+    let s = stack(4096).await;
+    let body = Some(r#"{"templateID":"base","timeout":1}"#);
+    let (_, created) = s.call("POST", "/sandboxes", Some("key-a"), body).await;
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let mut gone = false;
+    for _ in 0..100 {
+        if s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await.0 == 404 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the sandbox outlived its timeout");
+    s.stop().await;
+}

@@ -1,0 +1,73 @@
+"""The real client: the E2B Python SDK from PyPI against the local stack, with nothing but
+E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY set."""
+
+import time
+
+import pytest
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxQuery,
+)
+
+
+def test_a_sandbox_through_its_whole_life(stack):
+    sbx = Sandbox.create(metadata={"suite": "e2e", "run": "life"}, envs={"GREETING": "hello"}, timeout=120)
+    try:
+        # Commands: output, exit codes, env vars, working directory, background.
+        r = sbx.commands.run("echo $GREETING from $(basename $PWD)")
+        assert (r.stdout, r.exit_code) == ("hello from home\n", 0)
+        with pytest.raises(CommandExitException) as failed:
+            sbx.commands.run("echo nope >&2; exit 3")
+        assert failed.value.exit_code == 3
+        assert "nope" in failed.value.stderr
+        assert sbx.commands.run("echo $ONLY_HERE", envs={"ONLY_HERE": "per-command"}).stdout == "per-command\n"
+        sbx.files.make_dir("work")
+        assert sbx.commands.run("pwd", cwd="/home/user/work").stdout.strip().endswith("/work")
+        background = sbx.commands.run("sleep 60", background=True)
+        assert background.pid in [p.pid for p in sbx.commands.list()]
+        background.kill()
+
+        # Files: write, read, list.
+        sbx.files.write("work/notes.txt", "kept across pause")
+        assert sbx.files.read("work/notes.txt") == "kept across pause"
+        assert [e.name for e in sbx.files.list("work")] == ["notes.txt"]
+
+        # Pause, then connect: resumed, files there, commands run.
+        sbx.pause()
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.state.value == "paused"
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.files.read("work/notes.txt") == "kept across pause"
+        assert again.commands.run("cat work/notes.txt").stdout == "kept across pause"
+
+        # Timeout, and list with a metadata filter.
+        again.set_timeout(300)
+        found = Sandbox.list(query=SandboxQuery(metadata={"run": "life"})).next_items()
+        assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
+        assert found[0].metadata == {"suite": "e2e", "run": "life"}
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": "other"})).next_items() == []
+    finally:
+        sbx.kill()
+    assert sbx.is_running() is False
+
+
+def test_the_sdk_error_paths(stack):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_not_a_key")
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("i-does-not-exist")
+    with pytest.raises((NotFoundException, SandboxException)) as unknown:
+        Sandbox.create("no-such-template")
+    assert "no-such-template" in str(unknown.value)
+
+
+def test_a_sandbox_ends_at_its_timeout(stack):
+    sbx = Sandbox.create(timeout=1)
+    deadline = time.monotonic() + 20
+    while sbx.is_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sbx.is_running() is False
