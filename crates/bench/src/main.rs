@@ -4,6 +4,7 @@
 //! one JSON object with the figures. Ratios measured within one run are what to compare: this
 //! machine is shared and noisy.
 
+mod gateway_create;
 mod ledger_cas;
 mod node;
 mod placement_distribution;
@@ -32,6 +33,8 @@ enum Scenario {
     PlacementThroughput(placement_throughput::Args),
     /// node-svc lifecycle latency (process runtime) and a 100 MB snapshot+restore.
     Node(node::Args),
+    /// Creates through the E2B REST API until running (then a kill): latency and throughput.
+    GatewayCreate(gateway_create::Args),
 }
 
 #[tokio::main]
@@ -42,6 +45,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::PlacementDistribution(args) => placement_distribution::run(args)?,
         Scenario::PlacementThroughput(args) => placement_throughput::run(args).await?,
         Scenario::Node(args) => node::run(args).await?,
+        Scenario::GatewayCreate(args) => gateway_create::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

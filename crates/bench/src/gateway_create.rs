@@ -1,0 +1,141 @@
+//! `bench gateway-create`: creates through the REST API until the sandbox runs (201), then a
+//! kill, against the whole stack in this process on the embedded default with the process
+//! runtime: latency with one client at a time, and throughput with 64 concurrent clients.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use e2b_gateway::server::GatewayConfig;
+
+use crate::report::Report;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Sequential creates for the latency figures.
+    #[arg(long, default_value_t = 200)]
+    creates: usize,
+    /// Concurrent clients for the throughput figure.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Seconds the throughput phase runs.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+}
+
+async fn create_and_kill(http: &reqwest::Client, url: &str) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let r = http
+        .post(format!("{url}/sandboxes"))
+        .header("X-API-Key", "bench")
+        .header("Content-Type", "application/json")
+        .body(r#"{"templateID":"base"}"#)
+        .send()
+        .await?;
+    anyhow::ensure!(r.status().as_u16() == 201, "create answered {}", r.status());
+    let took = started.elapsed();
+    let body: serde_json::Value = r.json().await?;
+    let id = body["sandboxID"].as_str().context("sandboxID")?;
+    let k = http
+        .delete(format!("{url}/sandboxes/{id}"))
+        .header("X-API-Key", "bench")
+        .send()
+        .await?;
+    anyhow::ensure!(k.status().as_u16() == 204, "kill answered {}", k.status());
+    Ok(took)
+}
+
+pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let dir = std::env::temp_dir().join(format!("bench-gateway-{tag}"));
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        "127.0.0.1:0".parse()?,
+        format!("sqlite://{}", dir.join("ledger.db").display()),
+    ))
+    .await?;
+    let placement =
+        placement_svc::server::start(placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse()?)).await?;
+    let node_id = format!("bench-gw-{tag}");
+    let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse()?, &node_id, dir.join("node"));
+    config.placement = Some(placement.endpoint());
+    config.heartbeat_interval = Duration::from_millis(200);
+    config.host.capacity = node_svc::sandbox::Resources {
+        vcpus: 256,
+        memory_bytes: 512 << 30,
+    };
+    let node = node_svc::server::start(config).await?;
+    let gateway = e2b_gateway::server::start(GatewayConfig {
+        listen: "127.0.0.1:0".parse()?,
+        ledger: ledger.endpoint(),
+        placement: placement.endpoint(),
+        keys: [("bench".to_string(), "bench".to_string())].into(),
+        templates: e2b_gateway::intent::builtin_templates(),
+        reap_interval: Duration::from_secs(5),
+    })
+    .await?;
+    let url = gateway.url();
+    let http = reqwest::Client::new();
+    // Until the node's first heartbeat lands, nothing can be placed.
+    let ready = Instant::now();
+    while create_and_kill(&http, &url).await.is_err() {
+        anyhow::ensure!(
+            ready.elapsed() < Duration::from_secs(10),
+            "the stack never accepted a create"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let mut latencies = Vec::with_capacity(args.creates);
+    for _ in 0..args.creates {
+        latencies.push(create_and_kill(&http, &url).await?);
+    }
+    latencies.sort();
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
+    let (p50, p99) = (pct(0.5), pct(0.99));
+
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..args.clients {
+        let (http, url, done, stop) = (http.clone(), url.clone(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                create_and_kill(&http, &url).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<_, anyhow::Error>(())
+        }));
+    }
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    let per_sec = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+
+    gateway.stop().await;
+    node.stop().await;
+    placement.stop().await;
+    ledger.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    for controller in ["memory", "freezer"] {
+        let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{node_id}"));
+    }
+
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    let mut report = Report::new(format!(
+        "gateway-create: REST create until running, then kill; embedded default, process runtime ({} sequential, {} concurrent clients)",
+        args.creates, args.clients
+    ));
+    report
+        .figure("create_p50_ms", round(p50), "ms")
+        .figure("create_p99_ms", round(p99), "ms")
+        .figure(
+            "creates_per_sec",
+            per_sec.round() as u64,
+            "creates/s (each followed by its kill)",
+        );
+    Ok(report)
+}
