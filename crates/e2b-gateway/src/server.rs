@@ -10,7 +10,6 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
@@ -127,16 +126,12 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             http,
         },
     });
-    let listener = TcpListener::bind(config.listen)
+    let (listener, addr) = common::net::bind(config.listen)
         .await
         .map_err(|source| StartError::Bind {
             addr: config.listen,
             source,
         })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
     let mut background = vec![routes.follow(ledger)];
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;

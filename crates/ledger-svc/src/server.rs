@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -109,16 +108,12 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
             Err(err) => return Err(err.into()),
         }
     };
-    let listener = TcpListener::bind(config.listen)
+    let (listener, addr) = common::net::bind(config.listen)
         .await
         .map_err(|source| StartError::Bind {
             addr: config.listen,
             source,
         })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
 
     let tracker = HeadTracker::new(head);
     let (committer, committer_task) = Committer::spawn(store.clone(), tracker.sender());

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::node::v1::node_server::NodeServer;
-use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -139,26 +138,19 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         RuntimeKind::Sim { used_share } => Arc::new(SimRuntime { used_share }),
     };
     let host = Arc::new(Host::open(config.host.clone(), runtime).await?);
-    let listener = TcpListener::bind(config.listen)
+    let (listener, addr) = common::net::bind(config.listen)
         .await
         .map_err(|source| StartError::Bind {
             addr: config.listen,
             source,
         })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
-    let envd_listener = TcpListener::bind(config.envd_listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.envd_listen,
-            source,
-        })?;
-    let envd_addr = envd_listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.envd_listen,
-        source,
-    })?;
+    let (envd_listener, envd_addr) =
+        common::net::bind(config.envd_listen)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: config.envd_listen,
+                source,
+            })?;
     let envd_router = crate::envd::Envd::new(host.clone()).router();
     let envd = tokio::spawn(async move { axum::serve(envd_listener, envd_router).await });
     let heartbeats = match &config.placement {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::placement::v1::placement_server::PlacementServer;
-use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -158,16 +157,12 @@ async fn serve<S: PlacementStore>(
     store: S,
     docs: Option<NodeDocs>,
 ) -> Result<RunningPlacement, StartError> {
-    let listener = TcpListener::bind(config.listen)
+    let (listener, addr) = common::net::bind(config.listen)
         .await
         .map_err(|source| StartError::Bind {
             addr: config.listen,
             source,
         })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
     let api = PlacementApi::new(Arc::new(store), config.rank.unhealthy_after_ms, docs);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<PlacementServer<PlacementApi<S>>>().await;
