@@ -55,7 +55,7 @@ pub struct RedisStore {
     place: Script,
     heartbeat: Script,
     lifecycle: Script,
-    node_list: tokio::sync::Mutex<NodeList>,
+    node_list: std::sync::RwLock<NodeList>,
     rng: Mutex<SmallRng>,
 }
 
@@ -126,7 +126,7 @@ impl RedisStore {
             place: Script::new(include_str!("place.lua")),
             heartbeat: Script::new(include_str!("heartbeat.lua")),
             lifecycle: Script::new(include_str!("lifecycle.lua")),
-            node_list: tokio::sync::Mutex::new(NodeList {
+            node_list: std::sync::RwLock::new(NodeList {
                 ids: Arc::new(Vec::new()),
                 fetched: None,
             }),
@@ -149,14 +149,22 @@ impl RedisStore {
     }
 
     async fn node_ids(&self, fresh: bool) -> Result<Arc<Vec<String>>, StoreError> {
-        let mut list = self.node_list.lock().await;
-        if fresh || list.fetched.is_none_or(|at| at.elapsed() > NODE_LIST_TTL) {
-            let mut ids: Vec<String> = self.conn.clone().smembers(self.nodes_key()).await?;
-            ids.sort();
-            list.ids = Arc::new(ids);
+        // Read-mostly: every decision reads the list, one in a second refreshes it.
+        if !fresh {
+            if let Ok(list) = self.node_list.read() {
+                if list.fetched.is_some_and(|at| at.elapsed() <= NODE_LIST_TTL) {
+                    return Ok(list.ids.clone());
+                }
+            }
+        }
+        let mut ids: Vec<String> = self.conn.clone().smembers(self.nodes_key()).await?;
+        ids.sort();
+        let ids = Arc::new(ids);
+        if let Ok(mut list) = self.node_list.write() {
+            list.ids = ids.clone();
             list.fetched = Some(Instant::now());
         }
-        Ok(list.ids.clone())
+        Ok(ids)
     }
 
     fn sample(&self, n: usize, k: usize) -> Vec<usize> {
