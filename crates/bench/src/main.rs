@@ -4,6 +4,7 @@
 //! one JSON object with the figures. Ratios measured within one run are what to compare: this
 //! machine is shared and noisy.
 
+mod balance_convergence;
 mod gateway_create;
 mod ledger_cas;
 mod node;
@@ -35,6 +36,8 @@ enum Scenario {
     Node(node::Args),
     /// Creates through the E2B REST API until running (then a kill): latency and throughput.
     GatewayCreate(gateway_create::Args),
+    /// The balance planner on a simulated, skewed cluster: moves against a lower bound.
+    BalanceConvergence(balance_convergence::Args),
 }
 
 #[tokio::main]
@@ -46,6 +49,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::PlacementThroughput(args) => placement_throughput::run(args).await?,
         Scenario::Node(args) => node::run(args).await?,
         Scenario::GatewayCreate(args) => gateway_create::run(args).await?,
+        Scenario::BalanceConvergence(args) => balance_convergence::run(args)?,
     };
     report.print(cli.json);
     Ok(())
