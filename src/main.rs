@@ -128,6 +128,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         keys: [(api_key.clone(), "default".to_string())].into(),
         templates,
         reap_interval: std::time::Duration::from_secs(1),
+        hibernate_dir: args.data_dir.join("hibernated"),
     })
     .await
     .context("starting e2b-gateway")?;

@@ -72,6 +72,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         keys: [("bench".to_string(), "bench".to_string())].into(),
         templates: e2b_gateway::intent::builtin_templates(),
         reap_interval: Duration::from_secs(5),
+        hibernate_dir: dir.join("hibernated"),
     })
     .await?;
     let url = gateway.url();

@@ -104,4 +104,11 @@ pub struct SandboxDoc {
     pub end_at_unix_ms: u64,
     #[serde(default)]
     pub auto_pause: bool,
+    /// Set while another operation (a balancer move) owns the sandbox's lifecycle: the proxy
+    /// holds the sandbox's requests until it is running somewhere again.
+    #[serde(default)]
+    pub lifecycle_owner: Option<String>,
+    /// When the sandbox last moved (unix ms), for the balancer's cooldown.
+    #[serde(default)]
+    pub last_moved_unix_ms: Option<u64>,
 }

@@ -213,8 +213,13 @@ pub async fn pause(
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
-    let _: Value = json_body(&body, false)?;
-    g.sandboxes.pause(&team, &id).await?;
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    struct PauseBody {
+        memory: Option<bool>,
+    }
+    let req: PauseBody = json_body(&body, false)?;
+    g.sandboxes.pause(&team, &id, req.memory.unwrap_or(true)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

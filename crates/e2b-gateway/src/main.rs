@@ -22,6 +22,9 @@ struct Args {
     /// API keys as KEY=TEAM, comma-separated.
     #[arg(long, env = "GATEWAY_API_KEYS", value_delimiter = ',', required = true)]
     api_keys: Vec<String>,
+    /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
+    #[arg(long, env = "GATEWAY_HIBERNATE_DIR", default_value = "data/hibernated")]
+    hibernate_dir: std::path::PathBuf,
     /// A JSON file of extra templates: [{"name": "...", "vcpus": 2, "memory_mb": 1024}].
     #[arg(long, env = "GATEWAY_TEMPLATES")]
     templates: Option<std::path::PathBuf>,
@@ -50,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
         keys,
         templates,
         reap_interval: Duration::from_secs(1),
+        hibernate_dir: args.hibernate_dir,
     })
     .await?;
     common::shutdown::signal().await;

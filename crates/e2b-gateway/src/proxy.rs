@@ -24,20 +24,28 @@ use tokio::sync::RwLock;
 #[derive(Clone, Default)]
 pub struct Routes {
     table: Arc<RwLock<HashMap<String, Route>>>,
+    /// Woken on every change of the table, for requests held during a move.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Clone, Debug)]
 struct Route {
     envd: String,
     running: bool,
+    /// Another operation (a move) owns the sandbox: hold its requests.
+    moving: bool,
 }
 
 fn route_of(doc: &SandboxDoc) -> Option<Route> {
-    (!doc.envd_address.is_empty()).then(|| Route {
+    (!doc.envd_address.is_empty() || doc.lifecycle_owner.is_some()).then(|| Route {
         envd: doc.envd_address.clone(),
         running: doc.phase == SandboxPhase::Running,
+        moving: doc.lifecycle_owner.is_some(),
     })
 }
+
+/// How long a request may wait for a moving sandbox to resume somewhere.
+pub const HOLD_DURING_MOVE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Routes {
     /// Lists the manifests, then follows the ledger from that revision on.
@@ -65,6 +73,7 @@ impl Routes {
                 let mut watch = ledger.watch(SANDBOX_KIND, "", start);
                 while let Some(update) = watch.next().await {
                     let Ok(update) = update else { break };
+                    let _woken = Wake(&routes.changed);
                     let mut table = routes.table.write().await;
                     for event in update.events {
                         match event {
@@ -90,12 +99,30 @@ impl Routes {
     /// Drops a sandbox's route (it was killed, or its node says it is not there).
     pub async fn forget(&self, id: &str) {
         self.table.write().await.remove(id);
+        self.changed.notify_waiters();
     }
 
     /// Marks a sandbox paused or running without waiting for the watch.
     pub async fn set_running(&self, id: &str, running: bool) {
         if let Some(route) = self.table.write().await.get_mut(id) {
             route.running = running;
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The sandbox's route once it is not being moved, waiting at most `limit`.
+    async fn settled(&self, ledger: &LedgerClient, id: &str, limit: std::time::Duration) -> Option<Route> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            // Register for the next change before looking, so none is missed in between.
+            let changed = self.changed.notified();
+            let route = self.lookup(ledger, id).await?;
+            if !route.moving {
+                return Some(route);
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Some(route);
+            }
         }
     }
 
@@ -107,6 +134,15 @@ impl Routes {
         let route = route_of(&doc.value)?;
         self.table.write().await.insert(id.to_string(), route.clone());
         Some(route)
+    }
+}
+
+/// Wakes held requests when dropped (after the table's write lock is released).
+struct Wake<'a>(&'a tokio::sync::Notify);
+
+impl Drop for Wake<'_> {
+    fn drop(&mut self) {
+        self.0.notify_waiters();
     }
 }
 
@@ -146,7 +182,7 @@ pub async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
     else {
         return crate::api::not_found().await.into_response();
     };
-    let Some(route) = proxy.routes.lookup(&proxy.ledger, &id).await else {
+    let Some(route) = proxy.routes.settled(&proxy.ledger, &id, HOLD_DURING_MOVE).await else {
         // What E2B's edge answers for a sandbox that does not exist (any more); the SDK maps
         // 502 to "sandbox timed out or not found".
         return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");

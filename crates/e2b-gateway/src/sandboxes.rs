@@ -111,6 +111,8 @@ impl Nodes {
 /// The gateway's view of sandboxes: the ledger is the truth, placement and nodes do the work.
 pub struct Sandboxes {
     pub ledger: LedgerClient,
+    /// Where hibernated sandboxes' files wait (pause with `memory: false`).
+    hibernate_dir: std::path::PathBuf,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
     pub routes: crate::proxy::Routes,
     placement: PlacementClient<Channel>,
@@ -118,13 +120,18 @@ pub struct Sandboxes {
 }
 
 impl Sandboxes {
-    pub fn new(ledger: LedgerClient, placement_endpoint: &str) -> Result<Arc<Self>, Failure> {
+    pub fn new(
+        ledger: LedgerClient,
+        placement_endpoint: &str,
+        hibernate_dir: std::path::PathBuf,
+    ) -> Result<Arc<Self>, Failure> {
         let channel = Endpoint::from_shared(placement_endpoint.to_string())
             .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
         Ok(Arc::new(Self {
             ledger,
+            hibernate_dir,
             routes: crate::proxy::Routes::default(),
             placement: PlacementClient::new(channel),
             nodes: Nodes::default(),
@@ -180,6 +187,8 @@ impl Sandboxes {
             started_at_unix_ms: now,
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,
+            lifecycle_owner: None,
+            last_moved_unix_ms: None,
         };
         let version = self
             .ledger
@@ -347,6 +356,9 @@ impl Sandboxes {
         let doc = self.get(team, id).await?;
         self.routes.forget(id).await;
         self.stop_on_node(&doc.value).await;
+        let (meta, tar) = self.hibernation_files(id);
+        let _ = tokio::fs::remove_file(meta).await;
+        let _ = tokio::fs::remove_file(tar).await;
         match self
             .ledger
             .compare(Txn::new().delete(SANDBOX_KIND, id, doc.version))
@@ -373,8 +385,9 @@ impl Sandboxes {
         result.map(|_| ()).map_err(|s| from_status(op, s))
     }
 
-    /// Freezes a running sandbox in place.
-    pub async fn pause(&self, team: &str, id: &str) -> Result<(), Failure> {
+    /// Pauses a running sandbox: frozen in place with its memory (`memory`), or hibernated:
+    /// only its files kept (here, off the node), its processes stopped and the node freed.
+    pub async fn pause(&self, team: &str, id: &str, memory: bool) -> Result<(), Failure> {
         let mut doc = self.get(team, id).await?;
         if doc.value.phase != SandboxPhase::Running {
             return Err(Failure::Conflict(format!("sandbox {id} is already paused")));
@@ -384,8 +397,150 @@ impl Sandboxes {
             self.routes.set_running(id, true).await;
             return Err(err);
         }
+        if !memory {
+            if let Err(err) = self.hibernate(&doc.value).await {
+                tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place");
+            } else {
+                self.stop_on_node(&doc.value).await;
+                doc.value.node_id.clear();
+                doc.value.node_address.clear();
+                doc.value.envd_address.clear();
+                doc.value.epoch += 1;
+                doc.value.phase = SandboxPhase::Hibernated;
+                self.save(&doc).await?;
+                self.routes.forget(id).await;
+                return Ok(());
+            }
+        }
         doc.value.phase = SandboxPhase::Paused;
         self.save(&doc).await?;
+        Ok(())
+    }
+
+    fn hibernation_files(&self, id: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        (
+            self.hibernate_dir.join(format!("{id}.json")),
+            self.hibernate_dir.join(format!("{id}.tar")),
+        )
+    }
+
+    /// Copies a paused sandbox's snapshot (header, archive, checksum) off its node.
+    async fn hibernate(&self, doc: &SandboxDoc) -> Result<(), Failure> {
+        use tokio::io::AsyncWriteExt;
+        let io = |e: std::io::Error| Failure::Internal(format!("hibernation store: {e}"));
+        tokio::fs::create_dir_all(&self.hibernate_dir).await.map_err(io)?;
+        let (meta_path, tar_path) = self.hibernation_files(&doc.sandbox_id);
+        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut stream = node
+            .snapshot(node_pb::LifecycleRequest {
+                operation_id: String::new(),
+                epoch: doc.epoch,
+                sandbox_id: doc.sandbox_id.clone(),
+            })
+            .await
+            .map_err(|s| from_status("snapshot", s))?
+            .into_inner();
+        let mut tar = tokio::fs::File::create(&tar_path).await.map_err(io)?;
+        let (mut header, mut trailer) = (None, None);
+        while let Some(chunk) = stream.message().await.map_err(|s| from_status("snapshot", s))? {
+            match chunk.part {
+                Some(node_pb::snapshot_chunk::Part::Header(h)) => header = Some(h),
+                Some(node_pb::snapshot_chunk::Part::Data(d)) => tar.write_all(&d).await.map_err(io)?,
+                Some(node_pb::snapshot_chunk::Part::Trailer(t)) => trailer = Some(t),
+                None => {}
+            }
+        }
+        tar.sync_all().await.map_err(io)?;
+        let (Some(header), Some(trailer)) = (header, trailer) else {
+            return Err(Failure::Internal("the snapshot stream was incomplete".into()));
+        };
+        let meta = serde_json::json!({
+            "description_json": header.description_json,
+            "sha256": trailer.sha256,
+            "bytes": trailer.bytes,
+        });
+        tokio::fs::write(&meta_path, meta.to_string()).await.map_err(io)?;
+        Ok(())
+    }
+
+    /// Cold-boots a hibernated sandbox wherever placement chooses: restore its files there,
+    /// start it, and point the manifest at it.
+    async fn wake(&self, doc: &mut Versioned<SandboxDoc>) -> Result<(), Failure> {
+        let id = doc.value.sandbox_id.clone();
+        let (meta_path, tar_path) = self.hibernation_files(&id);
+        let io = |e: std::io::Error| Failure::Internal(format!("hibernation store: {e}"));
+        let meta: serde_json::Value = serde_json::from_slice(&tokio::fs::read(&meta_path).await.map_err(io)?)
+            .map_err(|e| Failure::Internal(e.to_string()))?;
+        let placed = self
+            .placement
+            .clone()
+            .place(pl::PlaceRequest {
+                sandbox_id: id.clone(),
+                resources: Some(pl::Resources {
+                    vcpus: doc.value.vcpus,
+                    memory_bytes: doc.value.memory_bytes,
+                }),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| from_status("placement", s))?
+            .into_inner();
+        let sandbox_ref = pl::SandboxRef {
+            sandbox_id: id.clone(),
+            node_id: placed.node_id.clone(),
+            resources: None,
+        };
+        let restored = async {
+            let data = tokio::fs::read(&tar_path).await.map_err(io)?;
+            let mut chunks = vec![node_pb::RestoreChunk {
+                part: Some(node_pb::restore_chunk::Part::Header(node_pb::RestoreHeader {
+                    operation_id: format!("wake-{id}-{}", doc.value.epoch),
+                    epoch: doc.value.epoch,
+                    snapshot: Some(node_pb::SnapshotHeader {
+                        sandbox_id: id.clone(),
+                        description_json: meta["description_json"].as_str().unwrap_or_default().to_string(),
+                    }),
+                })),
+            }];
+            for piece in data.chunks(256 * 1024) {
+                chunks.push(node_pb::RestoreChunk {
+                    part: Some(node_pb::restore_chunk::Part::Data(piece.to_vec())),
+                });
+            }
+            chunks.push(node_pb::RestoreChunk {
+                part: Some(node_pb::restore_chunk::Part::Trailer(node_pb::SnapshotTrailer {
+                    sha256: meta["sha256"].as_str().unwrap_or_default().to_string(),
+                    bytes: meta["bytes"].as_u64().unwrap_or_default(),
+                })),
+            });
+            let mut node = self.nodes.client(&placed.node_address).await?;
+            node.restore(tokio_stream::iter(chunks))
+                .await
+                .map_err(|s| from_status("restore", s))?;
+            node.resume(node_pb::LifecycleRequest {
+                operation_id: format!("wake-resume-{id}-{}", doc.value.epoch),
+                epoch: doc.value.epoch,
+                sandbox_id: id.clone(),
+            })
+            .await
+            .map_err(|s| from_status("resume", s))?;
+            self.nodes.envd(&placed.node_address).await
+        }
+        .await;
+        let envd = match restored {
+            Ok(envd) => envd,
+            Err(err) => {
+                let _ = self.placement.clone().release(sandbox_ref).await;
+                return Err(err);
+            }
+        };
+        let _ = self.placement.clone().created(sandbox_ref).await;
+        doc.value.node_id = placed.node_id;
+        doc.value.node_address = placed.node_address;
+        doc.value.envd_address = envd;
+        doc.value.phase = SandboxPhase::Running;
+        let _ = tokio::fs::remove_file(&meta_path).await;
+        let _ = tokio::fs::remove_file(&tar_path).await;
         Ok(())
     }
 
@@ -393,9 +548,13 @@ impl Sandboxes {
     pub async fn resume(&self, team: &str, id: &str, timeout_secs: u64) -> Result<(SandboxDoc, bool), Failure> {
         let mut doc = self.get(team, id).await?;
         let resumed = doc.value.phase != SandboxPhase::Running;
-        if resumed {
-            self.node_call(&doc.value, "resume").await?;
-            doc.value.phase = SandboxPhase::Running;
+        match doc.value.phase {
+            SandboxPhase::Running => {}
+            SandboxPhase::Hibernated => self.wake(&mut doc).await?,
+            SandboxPhase::Paused | SandboxPhase::Creating => {
+                self.node_call(&doc.value, "resume").await?;
+                doc.value.phase = SandboxPhase::Running;
+            }
         }
         doc.value.end_at_unix_ms = doc.value.end_at_unix_ms.max(now_ms() + timeout_secs * 1000);
         self.save(&doc).await?;
@@ -449,7 +608,7 @@ impl Sandboxes {
                 continue;
             }
             let result = if d.auto_pause && d.phase == SandboxPhase::Running {
-                self.pause(&d.team_id, &d.sandbox_id).await
+                self.pause(&d.team_id, &d.sandbox_id, true).await
             } else if d.auto_pause {
                 continue;
             } else {

@@ -30,6 +30,8 @@ pub struct GatewayConfig {
     pub templates: BTreeMap<String, Template>,
     /// How often the reaper looks for sandboxes whose time is up.
     pub reap_interval: Duration,
+    /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
+    pub hibernate_dir: std::path::PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +90,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     }
     let ledger =
         ledger_svc::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
-    let sandboxes = Sandboxes::new(ledger.clone(), &config.placement).map_err(|e| StartError::Config(e.to_string()))?;
+    let sandboxes = Sandboxes::new(ledger.clone(), &config.placement, config.hibernate_dir.clone())
+        .map_err(|e| StartError::Config(e.to_string()))?;
     let gateway = Gateway {
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),

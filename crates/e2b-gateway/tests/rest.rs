@@ -1,116 +1,12 @@
 //! The gateway's REST API over HTTP with a real ledger, placement and node behind it: E2B's
 //! error shape on every bad input, team isolation, no capacity, and the undo of failed creates.
 
+mod support;
+
 use std::time::Duration;
 
-use e2b_gateway::server::{GatewayConfig, RunningGateway};
 use serde_json::{json, Value};
-
-struct Stack {
-    ledger: ledger_svc::RunningLedger,
-    placement: placement_svc::server::RunningPlacement,
-    node: node_svc::server::RunningNode,
-    gateway: RunningGateway,
-    dir: std::path::PathBuf,
-    node_id: String,
-}
-
-async fn stack(node_memory_mb: u64) -> Stack {
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
-    let dir = std::env::temp_dir().join(format!("gateway-test-{tag}"));
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        format!("sqlite://{}", dir.join("ledger.db").display()),
-    ))
-    .await
-    .unwrap();
-    let placement = placement_svc::server::start(placement_svc::server::PlacementConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-    ))
-    .await
-    .unwrap();
-    let node_id = format!("g{tag}");
-    let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &node_id, dir.join("node"));
-    config.placement = Some(placement.endpoint());
-    config.heartbeat_interval = Duration::from_millis(50);
-    config.host.capacity.memory_bytes = node_memory_mb << 20;
-    let node = node_svc::server::start(config).await.unwrap();
-    let gateway = e2b_gateway::server::start(GatewayConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ledger: ledger.endpoint(),
-        placement: placement.endpoint(),
-        keys: [
-            ("key-a".to_string(), "team-a".to_string()),
-            ("key-b".to_string(), "team-b".to_string()),
-        ]
-        .into(),
-        templates: e2b_gateway::intent::builtin_templates(),
-        reap_interval: Duration::from_millis(100),
-    })
-    .await
-    .unwrap();
-    // Wait (bounded) until the node has registered with placement.
-    let mut p = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
-        .await
-        .unwrap();
-    for _ in 0..200 {
-        let nodes = p
-            .nodes(proto::placement::v1::NodesRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .nodes;
-        if !nodes.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Stack {
-        ledger,
-        placement,
-        node,
-        gateway,
-        dir,
-        node_id,
-    }
-}
-
-impl Stack {
-    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> (u16, Value) {
-        let client = reqwest::Client::new();
-        let mut req = client.request(method.parse().unwrap(), format!("{}{path}", self.gateway.url()));
-        if let Some(key) = key {
-            req = req.header("X-API-Key", key);
-        }
-        if let Some(body) = body {
-            req = req.header("Content-Type", "application/json").body(body.to_string());
-        }
-        let r = req.send().await.unwrap();
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap();
-        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-    }
-
-    async fn stop(self) {
-        self.gateway.stop().await;
-        self.node.stop().await;
-        self.placement.stop().await;
-        self.ledger.stop().await;
-        let _ = std::fs::remove_dir_all(&self.dir);
-        for controller in ["memory", "freezer"] {
-            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.node_id));
-        }
-    }
-}
-
-fn assert_e2b_error(answer: &(u16, Value), status: u16) {
-    assert_eq!(answer.0, status, "{answer:?}");
-    assert_eq!(answer.1["code"], status, "{answer:?}");
-    assert!(
-        answer.1["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "{answer:?}"
-    );
-}
+use support::{assert_e2b_error, stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_e2b_errors_and_changes_nothing() {

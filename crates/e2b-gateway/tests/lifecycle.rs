@@ -1,0 +1,167 @@
+//! Sandbox lifecycles across the gateway: hibernation (pause with `memory: false`), a backend
+//! going away, the reaper after a gateway restart, and envd requests held while a sandbox is
+//! being moved.
+
+mod support;
+
+use std::time::Duration;
+
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, Txn};
+use support::{assert_e2b_error, stack};
+
+async fn create(s: &support::Stack, body: &str) -> String {
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    assert_eq!(status, 201, "{created:?}");
+    created["sandboxID"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    std::fs::write(s.node.host().home(&id).join("keep.txt"), "still here").unwrap();
+
+    let (status, _) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some("key-a"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(status, 204);
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(detail["state"], "paused");
+    assert!(
+        s.node.host().get(&id).await.is_none(),
+        "the node still holds a hibernated sandbox"
+    );
+    // Its files wait off the node; its envd traffic gets the SDK's "not running" answer.
+    let envd = reqwest::Client::new()
+        .get(format!("{}/health", s.url()))
+        .header("E2b-Sandbox-Id", &id)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(envd.status().as_u16(), 502);
+
+    let (status, _) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some("key-a"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(status, 201);
+    assert_eq!(
+        std::fs::read_to_string(s.node.host().home(&id).join("keep.txt")).unwrap(),
+        "still here"
+    );
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(detail["state"], "running");
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_down_is_503_and_leaves_nothing() {
+    let mut s = stack(4096).await;
+    if let Some(p) = s.placement.take() {
+        p.stop().await;
+    }
+    let answer = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID":"base"}"#))
+        .await;
+    assert_e2b_error(&answer, 503);
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let (docs, _) = ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await.unwrap();
+    assert!(docs.is_empty(), "a failed create left its manifest");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_survives_a_gateway_restart() {
+    let mut s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base","timeout":2}"#).await;
+    // The gateway goes away before the sandbox's end; a new one must still end it.
+    if let Some(g) = s.gateway.take() {
+        g.stop().await;
+    }
+    let restarted = e2b_gateway::server::start(s.config.clone()).await.unwrap();
+    s.gateway = Some(restarted);
+    let mut gone = false;
+    for _ in 0..100 {
+        if s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await.0 == 404 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the sandbox outlived its timeout across a gateway restart");
+    assert!(s.node.host().get(&id).await.is_none(), "its process survived");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_requests_are_held_while_a_sandbox_moves() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    // A mover takes ownership and pauses it (what balance-svc does first).
+    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
+    let mut moving = doc.value.clone();
+    moving.lifecycle_owner = Some("test-move".into());
+    moving.phase = SandboxPhase::Paused;
+    let v = ledger
+        .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &moving).unwrap())
+        .await
+        .unwrap()
+        .versions[0];
+    // Let the gateway's watch see the ownership before the request arrives.
+    for _ in 0..100 {
+        let r = reqwest::Client::new()
+            .get(format!("{}/health", s.url()))
+            .header("E2b-Sandbox-Id", &id)
+            .timeout(Duration::from_millis(50))
+            .send()
+            .await;
+        if r.is_err() {
+            break; // held: the request did not come back within 50 ms
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let url = s.url();
+    let held_id = id.clone();
+    let held = tokio::spawn(async move {
+        reqwest::Client::new()
+            .get(format!("{url}/health"))
+            .header("E2b-Sandbox-Id", &held_id)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !held.is_finished(),
+        "the request was answered while the sandbox was moving"
+    );
+    // The move ends: running again (here, where it was), ownership released.
+    let mut done = moving.clone();
+    done.lifecycle_owner = None;
+    done.phase = SandboxPhase::Running;
+    ledger
+        .compare(Txn::new().update(SANDBOX_KIND, &id, v, &done).unwrap())
+        .await
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(5), held)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 204, "the held request went through once the move ended");
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
