@@ -18,18 +18,31 @@ def test_a_sandbox_through_its_whole_life(stack):
     sbx = Sandbox.create(metadata={"suite": "e2e", "run": "life"}, envs={"GREETING": "hello"}, timeout=120)
     try:
         # Commands: output, exit codes, env vars, working directory, background.
-        r = sbx.commands.run("echo $GREETING from $(basename $PWD)")
-        assert (r.stdout, r.exit_code) == ("hello from home\n", 0)
+        r = sbx.commands.run("echo $GREETING from $PWD")
+        assert (r.stdout, r.exit_code) == ("hello from /home/user\n", 0)
         with pytest.raises(CommandExitException) as failed:
             sbx.commands.run("echo nope >&2; exit 3")
         assert failed.value.exit_code == 3
         assert "nope" in failed.value.stderr
         assert sbx.commands.run("echo $ONLY_HERE", envs={"ONLY_HERE": "per-command"}).stdout == "per-command\n"
         sbx.files.make_dir("work")
-        assert sbx.commands.run("pwd", cwd="/home/user/work").stdout.strip().endswith("/work")
+        assert sbx.commands.run("pwd", cwd="/home/user/work").stdout == "/home/user/work\n"
+        assert sbx.commands.run("ls /home/user").stdout == "work\n"
         background = sbx.commands.run("sleep 60", background=True)
         assert background.pid in [p.pid for p in sbx.commands.list()]
         background.kill()
+
+        # A directory watch sees a new file.
+        watch = sbx.files.watch_dir("work")
+        sbx.files.write("work/seen.txt", "hi")
+        deadline = time.monotonic() + 10
+        names = set()
+        while "seen.txt" not in names and time.monotonic() < deadline:
+            names |= {event.name for event in watch.get_new_events()}
+            time.sleep(0.05)
+        watch.stop()
+        assert "seen.txt" in names
+        sbx.files.remove("work/seen.txt")
 
         # Files: write, read, list.
         sbx.files.write("work/notes.txt", "kept across pause")

@@ -151,7 +151,14 @@ async fn commands_run_with_output_env_cwd_and_exit_codes() {
     assert!(messages[0]["event"]["start"]["pid"].as_u64().unwrap() > 0);
     let stdout = output(&messages, "stdout");
     let home = e.node.host().home("cmd");
-    assert_eq!(stdout, format!("hello world\n{}\n", home.display()));
+    // With a mount namespace the sandbox's files are at /home/user, as in E2B's sandboxes.
+    let namespaced = e.node.host().features().namespaces;
+    let seen_home = if namespaced {
+        "/home/user".to_string()
+    } else {
+        home.display().to_string()
+    };
+    assert_eq!(stdout, format!("hello world\n{seen_home}\n"));
     assert_eq!(output(&messages, "stderr"), "oops\n");
     let last = &messages.last().unwrap()["event"]["end"];
     assert_eq!(
@@ -169,7 +176,19 @@ async fn commands_run_with_output_env_cwd_and_exit_codes() {
             json!({"process": {"cmd": "pwd", "cwd": "/home/user/sub"}}),
         )
         .await;
-    assert_eq!(output(&messages, "stdout"), format!("{}\n", home.join("sub").display()));
+    assert_eq!(output(&messages, "stdout"), format!("{seen_home}/sub\n"));
+    if namespaced {
+        // The host's view of the same files is untouched: this is a bind mount.
+        std::fs::write(home.join("sub/from-host.txt"), "shared").unwrap();
+        let (messages, _) = e
+            .stream(
+                "cmd",
+                "process.Process/Start",
+                json!({"process": {"cmd": "cat", "args": ["/home/user/sub/from-host.txt"]}}),
+            )
+            .await;
+        assert_eq!(output(&messages, "stdout"), "shared");
+    }
 
     // A command that does not exist is refused in Connect's shape, at the end of the stream.
     let (_, end) = e

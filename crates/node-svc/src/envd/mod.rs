@@ -3,8 +3,8 @@
 //!
 //! - `process.Process` over Connect (Start, Connect, List, SendInput, SendSignal, CloseStdin;
 //!   Update answers without effect as there are no PTYs yet; StreamInput is unimplemented);
-//! - `filesystem.Filesystem` over Connect (Stat, MakeDir, Move, ListDir, Remove; the watch
-//!   calls are unimplemented);
+//! - `filesystem.Filesystem` over Connect (Stat, MakeDir, Move, ListDir, Remove, WatchDir,
+//!   CreateWatcher, GetWatcherEvents, RemoveWatcher);
 //! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`.
 //!
 //! When a sandbox was created with an access token, every call for it must carry it in
@@ -15,6 +15,7 @@ mod files;
 mod filesystem;
 pub mod paths;
 mod process;
+mod watch;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures::StreamExt;
 
 use crate::host::Host;
 use crate::sandbox::{SandboxRecord, State as SandboxState};
@@ -37,6 +39,7 @@ use process::Commands;
 pub struct Envd {
     host: Arc<Host>,
     commands: Arc<Commands>,
+    watchers: Arc<watch::Watchers>,
 }
 
 impl Envd {
@@ -44,6 +47,7 @@ impl Envd {
         Self {
             host,
             commands: Arc::new(Commands::default()),
+            watchers: Arc::new(watch::Watchers::default()),
         }
     }
 
@@ -226,6 +230,37 @@ async fn filesystem_rpc(
         "Move" => unary_response(unary_request(&body).and_then(|r| filesystem::rename(&home, r))),
         "ListDir" => unary_response(unary_request(&body).and_then(|r| filesystem::list_dir(&home, r))),
         "Remove" => unary_response(unary_request(&body).and_then(|r| filesystem::remove(&home, r))),
+        "CreateWatcher" => unary_response(unary_request(&body).and_then(|r: wire::WatchRequest| {
+            let dir = paths::resolve(&home, &r.path)?;
+            let watcher_id = envd.watchers.create(&record.id, &dir, r.recursive)?;
+            Ok(serde_json::json!({ "watcherId": watcher_id }))
+        })),
+        "GetWatcherEvents" => unary_response(unary_request(&body).and_then(|r: wire::WatcherRef| {
+            let events = envd.watchers.take(&record.id, &r.watcher_id)?;
+            Ok(serde_json::json!({ "events": events }))
+        })),
+        "RemoveWatcher" => unary_response(unary_request(&body).and_then(|r: wire::WatcherRef| {
+            envd.watchers.remove(&record.id, &r.watcher_id)?;
+            Ok(wire::Empty {})
+        })),
+        "WatchDir" => {
+            let watching = stream_request(&body).and_then(|r: wire::WatchRequest| {
+                let dir = paths::resolve(&home, &r.path)?;
+                watch::stream(&dir, r.recursive)
+            });
+            match watching {
+                Ok((watcher, events)) => {
+                    let start = futures::stream::iter([Ok(serde_json::json!({"start": {}}))]);
+                    let follow = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(move |e| {
+                        // The watcher lives as long as the stream is read.
+                        let _keep = &watcher;
+                        Ok(serde_json::json!({ "filesystem": e }))
+                    });
+                    stream_response(start.chain(follow))
+                }
+                Err(err) => stream_response(futures::stream::iter([Err::<serde_json::Value, _>(err)])),
+            }
+        }
         other => RpcError::new(
             Code::Unimplemented,
             format!("filesystem.Filesystem/{other} is not implemented"),

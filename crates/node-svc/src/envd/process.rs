@@ -165,17 +165,15 @@ impl Commands {
         let mut std_cmd = std::process::Command::new(&req.process.cmd);
         std_cmd
             .args(&req.process.args)
-            .current_dir(&cwd)
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("HOME", home)
             .env("USER", "user")
             .env("E2B_SANDBOX", "true")
             .env("E2B_SANDBOX_ID", &record.id)
             .envs(&record.env)
             .envs(&req.process.envs);
         runtime
-            .enclose(record, &mut std_cmd)
+            .enclose(record, home, &cwd, &mut std_cmd)
             .map_err(|e| RpcError::new(Code::Unavailable, e.to_string()))?;
         let mut cmd = tokio::process::Command::from(std_cmd);
         let wants_stdin = req.stdin.unwrap_or(true);

@@ -200,6 +200,20 @@ pub struct MoveRequest {
     pub destination: String,
 }
 
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WatchRequest {
+    pub path: String,
+    pub recursive: bool,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WatcherRef {
+    #[serde(alias = "watcher_id")]
+    pub watcher_id: String,
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct EntryInfo {

@@ -59,7 +59,14 @@ pub trait Runtime: Send + Sync + 'static {
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
     /// Reaps processes that ended by themselves (no zombies).
     fn reap(&self) {}
-    /// Makes `command` run inside the sandbox (its cgroups), for envd's commands. The
-    /// simulated runtime runs no processes and refuses.
-    fn enclose(&self, record: &SandboxRecord, command: &mut std::process::Command) -> Result<(), RuntimeError>;
+    /// Makes `command` run inside the sandbox: its cgroups, and (where the runtime has a mount
+    /// namespace) its `home` seen at `/home/user`; `cwd` is a host path inside `home`. Sets the
+    /// working directory and `HOME`. The simulated runtime runs no processes and refuses.
+    fn enclose(
+        &self,
+        record: &SandboxRecord,
+        home: &Path,
+        cwd: &Path,
+        command: &mut std::process::Command,
+    ) -> Result<(), RuntimeError>;
 }

@@ -10,6 +10,7 @@
 //! PID and mount namespaces are not used yet; `Features::degraded` says so.
 
 use std::collections::HashMap;
+use std::ffi::CString;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -22,6 +23,8 @@ use crate::sandbox::SandboxRecord;
 
 pub struct ProcessRuntime {
     cgroups: Cgroups,
+    /// Commands get a private mount namespace with the sandbox's home at /home/user.
+    mount_namespace: bool,
     degraded: Vec<String>,
     /// Start commands this process spawned, to reap when they end.
     children: Mutex<HashMap<String, Child>>,
@@ -104,12 +107,22 @@ impl ProcessRuntime {
         if !cgroups.has_memory() {
             degraded.push("no memory cgroup: memory is the process group's RSS, without limits".to_string());
         }
-        degraded.push("PID and mount namespaces are not used yet".to_string());
+        let mount_namespace = use_cgroups && probe_mount_namespace();
+        if !mount_namespace {
+            degraded.push(format!(
+                "no mount namespace: commands see the sandbox's files at their host path, not {SANDBOX_HOME}"
+            ));
+        }
+        degraded.push(
+            "no PID namespace: a sandbox's processes see the host's (std's spawn puts only children in a new one)"
+                .to_string(),
+        );
         for line in &degraded {
             tracing::warn!(node_id, "runtime degraded: {line}");
         }
         Self {
             cgroups,
+            mount_namespace,
             degraded,
             children: Mutex::new(HashMap::new()),
         }
@@ -147,7 +160,7 @@ impl Runtime for ProcessRuntime {
         Features {
             cgroup_memory: self.cgroups.has_memory(),
             freezer: self.cgroups.has_freezer(),
-            namespaces: false,
+            namespaces: self.mount_namespace,
             degraded: self.degraded.clone(),
         }
     }
@@ -172,17 +185,15 @@ impl Runtime for ProcessRuntime {
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(command)
-            .current_dir(home)
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("HOME", home)
             .env("E2B_SANDBOX", "true")
             .env("E2B_SANDBOX_ID", &record.id)
             .envs(&record.env)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err));
-        self.enclose(record, &mut cmd)?;
+        self.enclose(record, home, home, &mut cmd)?;
         let child = cmd.spawn().map_err(|e| fail(format!("spawn: {e}")))?;
         let pgid = child.id();
         if let Ok(mut children) = self.children.lock() {
@@ -263,14 +274,28 @@ impl Runtime for ProcessRuntime {
         }
     }
 
-    fn enclose(&self, record: &SandboxRecord, cmd: &mut Command) -> Result<(), RuntimeError> {
+    fn enclose(&self, record: &SandboxRecord, home: &Path, cwd: &Path, cmd: &mut Command) -> Result<(), RuntimeError> {
         self.cgroups
             .create(&record.id, record.resources.memory_bytes)
             .map_err(|e| control(record, "enclose", e))?;
         let join = self.cgroups.join_paths(&record.id);
         cmd.process_group(0);
-        // SAFETY: between fork and exec the closure only calls open/write/close on paths
-        // prepared before the fork, all async-signal-safe; it allocates nothing.
+        let view = if self.mount_namespace {
+            let inside = match cwd.strip_prefix(home) {
+                Ok(rel) if !rel.as_os_str().is_empty() => Path::new(SANDBOX_HOME).join(rel),
+                _ => Path::new(SANDBOX_HOME).to_path_buf(),
+            };
+            cmd.env("HOME", SANDBOX_HOME).env("PWD", &inside);
+            let c =
+                |p: &Path| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|e| control(record, "enclose", e));
+            Some((c(home)?, c(Path::new(SANDBOX_HOME))?, c(&inside)?))
+        } else {
+            cmd.env("HOME", home).current_dir(cwd);
+            None
+        };
+        // SAFETY: between fork and exec the closure only makes system calls (open, write,
+        // close, unshare, mount, chdir) on C strings prepared before the fork, all
+        // async-signal-safe; it allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
                 for path in &join {
@@ -284,9 +309,69 @@ impl Runtime for ProcessRuntime {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
+                if let Some((home, target, inside)) = &view {
+                    enter_mount_namespace(home, target)?;
+                    if libc::chdir(inside.as_ptr()) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 Ok(())
             });
         }
         Ok(())
     }
+}
+
+/// Where the SDK expects a sandbox's home.
+const SANDBOX_HOME: &str = "/home/user";
+
+/// In the calling (just forked) process: a private mount namespace with `home` bound at
+/// `target`.
+///
+/// # Safety
+/// Only async-signal-safe system calls; meant for `pre_exec`.
+unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Result<()> {
+    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // Nothing mounted from here on may leak back to the host.
+    if libc::mount(
+        std::ptr::null(),
+        c"/".as_ptr(),
+        std::ptr::null(),
+        libc::MS_REC | libc::MS_PRIVATE,
+        std::ptr::null(),
+    ) != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    if libc::mount(
+        home.as_ptr(),
+        target.as_ptr(),
+        std::ptr::null(),
+        libc::MS_BIND | libc::MS_REC,
+        std::ptr::null(),
+    ) != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether commands can get a mount namespace here: makes the /home/user mount point and
+/// runs `true` through the same steps once.
+fn probe_mount_namespace() -> bool {
+    if std::fs::create_dir_all(SANDBOX_HOME).is_err() {
+        return false;
+    }
+    let Ok(target) = CString::new(SANDBOX_HOME) else {
+        return false;
+    };
+    let home = target.clone();
+    let mut probe = Command::new("/bin/true");
+    // SAFETY: as in `enclose`.
+    unsafe {
+        probe.pre_exec(move || enter_mount_namespace(&home, &target));
+    }
+    probe.status().is_ok_and(|s| s.success())
 }

@@ -52,7 +52,13 @@ impl Runtime for SimRuntime {
         Ok(())
     }
 
-    fn enclose(&self, record: &SandboxRecord, _: &mut std::process::Command) -> Result<(), RuntimeError> {
+    fn enclose(
+        &self,
+        record: &SandboxRecord,
+        _: &Path,
+        _: &Path,
+        _: &mut std::process::Command,
+    ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Start {
             sandbox: record.id.clone(),
             reason: "the simulated runtime runs no processes".to_string(),

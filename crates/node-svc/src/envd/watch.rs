@@ -1,0 +1,149 @@
+//! Directory watches (inotify through the `notify` crate), for both ways the SDK watches:
+//! `WatchDir` streams events; `CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher` let the
+//! sync SDK poll for them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use notify::event::{EventKind, ModifyKind};
+use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::connect::{Code, RpcError};
+
+/// Events kept per polled watcher before the oldest are dropped.
+const BUFFERED: usize = 10_000;
+
+/// `FilesystemEvent`: the entry's path relative to the watched directory, and what happened.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct FsEvent {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+}
+
+fn event_type(kind: &EventKind) -> Option<&'static str> {
+    Some(match kind {
+        EventKind::Create(_) => "EVENT_TYPE_CREATE",
+        EventKind::Modify(ModifyKind::Name(_)) => "EVENT_TYPE_RENAME",
+        EventKind::Modify(ModifyKind::Metadata(_)) => "EVENT_TYPE_CHMOD",
+        EventKind::Modify(_) => "EVENT_TYPE_WRITE",
+        EventKind::Remove(_) => "EVENT_TYPE_REMOVE",
+        EventKind::Access(_) | EventKind::Any | EventKind::Other => return None,
+    })
+}
+
+/// Starts watching `dir`; every event goes to `sink`.
+pub fn watch(
+    dir: &Path,
+    recursive: bool,
+    sink: impl Fn(FsEvent) + Send + 'static,
+) -> Result<RecommendedWatcher, RpcError> {
+    if !dir.is_dir() {
+        return Err(RpcError::new(
+            Code::NotFound,
+            format!("{} is not a directory", dir.display()),
+        ));
+    }
+    let root: PathBuf = dir.to_path_buf();
+    let mut watcher = notify::recommended_watcher(move |result: notify::Result<notify::Event>| {
+        let Ok(event) = result else { return };
+        let Some(kind) = event_type(&event.kind) else { return };
+        for path in &event.paths {
+            let name = path.strip_prefix(&root).unwrap_or(path).display().to_string();
+            sink(FsEvent { name, kind });
+        }
+    })
+    .map_err(|e| RpcError::new(Code::Internal, format!("cannot watch: {e}")))?;
+    let mode = if recursive {
+        RecursiveMode::Recursive
+    } else {
+        RecursiveMode::NonRecursive
+    };
+    watcher
+        .watch(dir, mode)
+        .map_err(|e| RpcError::new(Code::Internal, format!("cannot watch {}: {e}", dir.display())))?;
+    Ok(watcher)
+}
+
+/// A streaming watch: the watcher lives as long as the returned receiver is read.
+pub fn stream(dir: &Path, recursive: bool) -> Result<(RecommendedWatcher, mpsc::UnboundedReceiver<FsEvent>), RpcError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let watcher = watch(dir, recursive, move |e| {
+        let _ = tx.send(e);
+    })?;
+    Ok((watcher, rx))
+}
+
+struct Polled {
+    sandbox: String,
+    events: Arc<Mutex<Vec<FsEvent>>>,
+    _watcher: RecommendedWatcher,
+}
+
+/// Watchers the SDK polls, by ID.
+#[derive(Default)]
+pub struct Watchers {
+    by_id: Mutex<HashMap<String, Polled>>,
+}
+
+impl Watchers {
+    pub fn create(&self, sandbox: &str, dir: &Path, recursive: bool) -> Result<String, RpcError> {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let buffer = events.clone();
+        let watcher = watch(dir, recursive, move |e| {
+            if let Ok(mut b) = buffer.lock() {
+                if b.len() >= BUFFERED {
+                    b.remove(0);
+                }
+                b.push(e);
+            }
+        })?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        if let Ok(mut map) = self.by_id.lock() {
+            map.insert(
+                id.clone(),
+                Polled {
+                    sandbox: sandbox.to_string(),
+                    events,
+                    _watcher: watcher,
+                },
+            );
+        }
+        Ok(id)
+    }
+
+    /// Takes the events gathered since the last call.
+    pub fn take(&self, sandbox: &str, id: &str) -> Result<Vec<FsEvent>, RpcError> {
+        let map = self
+            .by_id
+            .lock()
+            .map_err(|_| RpcError::new(Code::Internal, "watcher registry poisoned"))?;
+        let polled = map
+            .get(id)
+            .filter(|p| p.sandbox == sandbox)
+            .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher {id} not found")))?;
+        let events = polled
+            .events
+            .lock()
+            .map(|mut e| std::mem::take(&mut *e))
+            .unwrap_or_default();
+        Ok(events)
+    }
+
+    pub fn remove(&self, sandbox: &str, id: &str) -> Result<(), RpcError> {
+        let mut map = self
+            .by_id
+            .lock()
+            .map_err(|_| RpcError::new(Code::Internal, "watcher registry poisoned"))?;
+        match map.get(id) {
+            Some(p) if p.sandbox == sandbox => {
+                map.remove(id);
+                Ok(())
+            }
+            _ => Err(RpcError::new(Code::NotFound, format!("watcher {id} not found"))),
+        }
+    }
+}
