@@ -29,6 +29,9 @@ struct UpArgs {
     /// Where the stack keeps its state (the ledger's SQLite file, sandbox directories).
     #[arg(long, env = "SANDBOXSCHED_DATA_DIR", default_value = "data")]
     data_dir: PathBuf,
+    /// Where Prometheus metrics of every service are served (`GET /metrics`).
+    #[arg(long, env = "SANDBOXSCHED_METRICS_LISTEN", default_value = "127.0.0.1:9100")]
+    metrics_listen: SocketAddr,
     /// Address of ledger-svc's gRPC endpoint.
     #[arg(long, env = "SANDBOXSCHED_LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
     ledger_listen: SocketAddr,
@@ -68,6 +71,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let database_url = args
         .ledger_database_url
         .unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("ledger.db").display()));
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen)
+        .await
+        .context("starting the metrics endpoint")?;
     let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(args.ledger_listen, &database_url))
         .await
         .context("starting ledger-svc")?;
@@ -162,6 +168,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "  e2b-gateway    http {}   (E2B REST API and envd proxy)",
         gateway.url()
     );
+    println!("  metrics        http://{metrics_addr}/metrics   (Prometheus, every service)");
     println!();
     println!("Point an unmodified E2B SDK at it:");
     println!("  export E2B_API_URL={}", gateway.url());

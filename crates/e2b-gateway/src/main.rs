@@ -15,6 +15,9 @@ struct Args {
     /// Address the REST API (and envd proxy) listens on.
     #[arg(long, env = "GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
+    #[arg(long, env = "GATEWAY_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
     #[arg(long, env = "GATEWAY_LEDGER", default_value = "http://127.0.0.1:7001")]
     ledger: String,
     #[arg(long, env = "GATEWAY_PLACEMENT", default_value = "http://127.0.0.1:7002")]
@@ -34,6 +37,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     common::telemetry::init("e2b-gateway");
     let args = Args::parse();
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
+    tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut keys = HashMap::new();
     for pair in &args.api_keys {
         let (key, team) = pair

@@ -75,13 +75,23 @@ struct Dispatch {
 
 /// Envd traffic (it carries `E2b-Sandbox-Id`) goes to the proxy; everything else is the API.
 async fn dispatch(State(d): State<Dispatch>, request: Request) -> Response {
-    if request.headers().contains_key("e2b-sandbox-id") {
-        return proxy::forward(State(d.proxy), request).await;
-    }
-    match d.api.oneshot(request).await {
-        Ok(response) => response,
-        Err(never) => match never {},
-    }
+    let started = std::time::Instant::now();
+    let method = request.method().to_string();
+    let (kind, response) = if request.headers().contains_key("e2b-sandbox-id") {
+        ("envd", proxy::forward(State(d.proxy), request).await)
+    } else {
+        let response = match d.api.oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
+        ("api", response)
+    };
+    let status = response.status().as_u16().to_string();
+    metrics::counter!("gateway_http_requests_total", "kind" => kind, "method" => method.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!("gateway_http_request_duration_seconds", "kind" => kind, "method" => method)
+        .record(started.elapsed().as_secs_f64());
+    response
 }
 
 pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {

@@ -135,3 +135,27 @@ async fn the_reaper_ends_sandboxes_at_their_timeout() {
     assert!(gone, "the sandbox outlived its timeout");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_is_counted_by_every_service() {
+    let handle = common::metrics::recorder().expect("the only recorder of this test process");
+    let s = stack(4096).await;
+    let (status, created) = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID":"base"}"#))
+        .await;
+    assert_eq!(status, 201);
+    let text = handle.render();
+    for name in [
+        "gateway_http_requests_total",
+        "gateway_http_request_duration_seconds_bucket",
+        "placement_places_total{outcome=\"placed\"}",
+        "placement_place_duration_seconds_bucket",
+        "ledger_compares_total{outcome=\"committed\"}",
+        "node_lifecycle_duration_seconds_bucket{op=\"create\"",
+    ] {
+        assert!(text.contains(name), "{name} missing from:\n{text}");
+    }
+    let id = created["sandboxID"].as_str().unwrap();
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}

@@ -220,21 +220,34 @@ impl pb::ledger_server::Ledger for LedgerApi {
             .collect::<Result<Vec<_>, _>>()
             .map_err(ApiError::from)?;
         model::validate_entries(&entries).map_err(ApiError::from)?;
-        let reply = match self.committer.submit(entries).await.map_err(ApiError::from)? {
-            Outcome::Committed { revision, versions } => pb::CompareResponse {
-                succeeded: true,
-                revision,
-                versions: versions
-                    .into_iter()
-                    .map(|(key, version)| pb::DocumentVersion {
-                        kind: key.kind,
-                        id: key.id,
-                        version,
-                    })
-                    .collect(),
-                conflicts: Vec::new(),
-            },
+        let started = std::time::Instant::now();
+        let outcome = self.committer.submit(entries).await;
+        metrics::histogram!("ledger_compare_duration_seconds").record(started.elapsed().as_secs_f64());
+        let outcome =
+            outcome.inspect_err(|_| metrics::counter!("ledger_compares_total", "outcome" => "error").increment(1));
+        let reply = match outcome.map_err(ApiError::from)? {
+            Outcome::Committed { revision, versions } => {
+                metrics::counter!("ledger_compares_total", "outcome" => "committed").increment(1);
+                metrics::gauge!("ledger_revision").set(revision as f64);
+                pb::CompareResponse {
+                    succeeded: true,
+                    revision,
+                    versions: versions
+                        .into_iter()
+                        .map(|(key, version)| pb::DocumentVersion {
+                            kind: key.kind,
+                            id: key.id,
+                            version,
+                        })
+                        .collect(),
+                    conflicts: Vec::new(),
+                }
+            }
             Outcome::Conflicted { revision, conflicts } => {
+                metrics::counter!("ledger_compares_total", "outcome" => "conflict").increment(1);
+                for c in &conflicts {
+                    metrics::counter!("ledger_cas_conflicts_total", "kind" => c.key.kind.clone()).increment(1);
+                }
                 tracing::debug!(
                     conflicts = ?conflicts.iter().map(|c| c.key.to_string()).collect::<Vec<_>>(),
                     "compare conflicted"

@@ -75,6 +75,7 @@ async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, head: watch::Sender<
             }
         }
         let (compares, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.entries, p.reply)).unzip();
+        metrics::histogram!("ledger_commit_batch_compares").record(compares.len() as f64);
         match store.apply(&compares).await {
             Ok(outcomes) => {
                 let newest = outcomes

@@ -67,6 +67,7 @@ impl HeadTracker {
     }
 
     fn set_db_up(&self, up: bool) {
+        metrics::gauge!("ledger_database_up").set(if up { 1.0 } else { 0.0 });
         if self.db_up.swap(up, Ordering::AcqRel) != up {
             if up {
                 tracing::info!("database reachable again");

@@ -12,6 +12,9 @@ struct Args {
     /// Address gRPC listens on.
     #[arg(long, env = "LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
     listen: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
+    #[arg(long, env = "LEDGER_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
     /// `sqlite://PATH` for the embedded default, or `postgres://USER@HOST:PORT/DB`.
     #[arg(long, env = "LEDGER_DATABASE_URL", default_value = "sqlite://data/ledger.db")]
     database_url: String,
@@ -24,6 +27,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     common::telemetry::init("ledger-svc");
     let args = Args::parse();
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
+    tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = LedgerConfig::new(args.listen, args.database_url);
     config.retain_revisions = args.retain_revisions;
     let ledger = ledger_svc::start(config).await?;

@@ -69,11 +69,18 @@ impl NodeApi {
     async fn lifecycle(&self, req: pb::LifecycleRequest, action: Move) -> Result<Response<pb::SandboxInfo>, Status> {
         let span = tracing::info_span!("lifecycle", sandbox_id = %req.sandbox_id, ?action, epoch = req.epoch);
         let _enter = span.enter();
-        let record = self
+        let started = std::time::Instant::now();
+        let result = self
             .host
             .lifecycle(&req.operation_id, req.epoch, &req.sandbox_id, action)
-            .await
-            .map_err(status)?;
+            .await;
+        let op = match action {
+            Move::Pause => "pause",
+            Move::Resume => "resume",
+            Move::Kill => "kill",
+        };
+        metrics::histogram!("node_lifecycle_duration_seconds", "op" => op).record(started.elapsed().as_secs_f64());
+        let record = result.map_err(status)?;
         Ok(Response::new(info_to_pb(&record, 0)))
     }
 }
@@ -101,7 +108,11 @@ impl pb::node_server::Node for NodeApi {
             start_command: Some(req.start_command).filter(|c| !c.is_empty()),
             access_token: Some(req.access_token).filter(|t| !t.is_empty()),
         };
-        let record = self.host.create(spec).await.map_err(status)?;
+        let started = std::time::Instant::now();
+        let result = self.host.create(spec).await;
+        metrics::histogram!("node_lifecycle_duration_seconds", "op" => "create")
+            .record(started.elapsed().as_secs_f64());
+        let record = result.map_err(status)?;
         Ok(Response::new(info_to_pb(&record, 0)))
     }
 

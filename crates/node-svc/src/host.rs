@@ -483,6 +483,13 @@ impl Host {
         let listed = self.list().await;
         let mut allocated = Resources::default();
         let mut used = own_rss();
+        let (running, paused) = listed.iter().fold((0u32, 0u32), |(r, p), (rec, _)| match rec.state {
+            State::Running => (r + 1, p),
+            State::Paused => (r, p + 1),
+            State::Killed => (r, p),
+        });
+        metrics::gauge!("node_sandboxes", "state" => "running").set(f64::from(running));
+        metrics::gauge!("node_sandboxes", "state" => "paused").set(f64::from(paused));
         let sandboxes = listed
             .into_iter()
             .map(|(r, memory_used)| {

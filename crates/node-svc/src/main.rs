@@ -14,6 +14,9 @@ struct Args {
     /// Address gRPC listens on.
     #[arg(long, env = "NODE_LISTEN", default_value = "127.0.0.1:7003")]
     listen: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
+    #[arg(long, env = "NODE_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
     /// Address the envd-compatible HTTP endpoint listens on.
     #[arg(long, env = "NODE_ENVD_LISTEN", default_value = "127.0.0.1:49983")]
     envd_listen: SocketAddr,
@@ -50,6 +53,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     common::telemetry::init("node-svc");
     let args = Args::parse();
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
+    tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = NodeConfig::new(args.listen, args.node_id, args.state_dir);
     config.envd_listen = args.envd_listen;
     config.host.templates_dir = args.templates_dir;

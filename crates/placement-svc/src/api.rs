@@ -180,7 +180,16 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let req = request_from_pb(request.into_inner())?;
         let span = tracing::info_span!("place", sandbox_id = %req.sandbox_id);
         let _enter = span.enter();
-        match self.store.place(&req, now_ms()).await.map_err(ApiError::from)? {
+        let started = std::time::Instant::now();
+        let placed = self.store.place(&req, now_ms()).await;
+        metrics::histogram!("placement_place_duration_seconds").record(started.elapsed().as_secs_f64());
+        let outcome = match &placed {
+            Ok(Placement::Placed { .. }) => "placed",
+            Ok(Placement::NoFit { .. }) => "no_fit",
+            Err(_) => "error",
+        };
+        metrics::counter!("placement_places_total", "outcome" => outcome).increment(1);
+        match placed.map_err(ApiError::from)? {
             Placement::Placed {
                 node_id,
                 address,
@@ -240,6 +249,20 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let hb = heartbeat_from_pb(raw)?;
         let received = now_ms();
         let outcome = self.store.heartbeat(&hb, received).await.map_err(ApiError::from)?;
+        metrics::counter!("placement_heartbeats_total", "applied" => if outcome.applied { "true" } else { "false" })
+            .increment(1);
+        metrics::gauge!("placement_node_last_heartbeat_timestamp_seconds", "node" => hb.node_id.clone())
+            .set(received as f64 / 1000.0);
+        let corrections = [
+            ("confirmed", u64::from(outcome.confirmed)),
+            ("removed", u64::from(outcome.removed)),
+            ("expired", outcome.expired.len() as u64),
+        ];
+        for (kind, n) in corrections {
+            if n > 0 {
+                metrics::counter!("placement_accounting_corrections_total", "kind" => kind).increment(n);
+            }
+        }
         if outcome.rebooted {
             tracing::info!(node_id = %hb.node_id, boot_id = %hb.boot_id, "node restarted; its view was reset");
         }
@@ -261,6 +284,15 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let now = now_ms();
         let mut nodes = self.store.nodes().await.map_err(ApiError::from)?;
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        for v in &nodes {
+            let node = v.node_id.clone();
+            metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "pending")
+                .set(f64::from(v.pending()));
+            metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "unconfirmed")
+                .set(f64::from(v.unconfirmed()));
+            metrics::gauge!("placement_heartbeat_age_seconds", "node" => node)
+                .set(now.saturating_sub(v.last_heartbeat_ms) as f64 / 1000.0);
+        }
         Ok(Response::new(pb::NodesResponse {
             nodes: nodes
                 .iter()

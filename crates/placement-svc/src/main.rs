@@ -14,6 +14,9 @@ struct Args {
     /// Address gRPC listens on.
     #[arg(long, env = "PLACEMENT_LISTEN", default_value = "127.0.0.1:7002")]
     listen: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
+    #[arg(long, env = "PLACEMENT_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
     /// Share the view through Redis (`redis://HOST:PORT`); without it the view is in memory.
     #[arg(long, env = "PLACEMENT_REDIS_URL")]
     redis_url: Option<String>,
@@ -60,6 +63,8 @@ fn parse_accounting(s: &str) -> Result<Accounting, String> {
 async fn main() -> anyhow::Result<()> {
     common::telemetry::init("placement-svc");
     let args = Args::parse();
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
+    tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = PlacementConfig::new(args.listen);
     config.store = match args.redis_url {
         Some(url) => StoreConfig::Redis {
