@@ -20,6 +20,12 @@ struct Args {
     /// Address the envd-compatible HTTP endpoint listens on.
     #[arg(long, env = "NODE_ENVD_LISTEN", default_value = "127.0.0.1:49983")]
     envd_listen: SocketAddr,
+    /// The gRPC endpoint other services should use for this node (default: http://LISTEN).
+    #[arg(long, env = "NODE_ADVERTISE")]
+    advertise: Option<String>,
+    /// The envd endpoint the gateway's proxy should use (default: http://ENVD_LISTEN).
+    #[arg(long, env = "NODE_ADVERTISE_ENVD")]
+    advertise_envd: Option<String>,
     /// This node's ID (unique in the cluster).
     #[arg(long, env = "NODE_ID", default_value = "node-1")]
     node_id: String,
@@ -57,6 +63,8 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = NodeConfig::new(args.listen, args.node_id, args.state_dir);
     config.envd_listen = args.envd_listen;
+    config.advertise = args.advertise;
+    config.advertise_envd = args.advertise_envd;
     config.host.templates_dir = args.templates_dir;
     if let Some(vcpus) = args.vcpus {
         config.host.capacity.vcpus = vcpus;

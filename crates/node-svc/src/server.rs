@@ -38,6 +38,10 @@ pub struct NodeConfig {
     pub placement: Option<String>,
     pub heartbeat_interval: Duration,
     pub labels: std::collections::HashMap<String, String>,
+    /// The gRPC endpoint others should use (default: `http://` + the bound address).
+    pub advertise: Option<String>,
+    /// The envd endpoint others should use (default: `http://` + its bound address).
+    pub advertise_envd: Option<String>,
 }
 
 impl NodeConfig {
@@ -55,6 +59,8 @@ impl NodeConfig {
             placement: None,
             heartbeat_interval: Duration::from_secs(2),
             labels: Default::default(),
+            advertise: None,
+            advertise_envd: None,
         }
     }
 }
@@ -160,7 +166,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                 HeartbeatConfig {
                     placement: placement.clone(),
                     interval: config.heartbeat_interval,
-                    address: format!("http://{addr}"),
+                    address: config.advertise.clone().unwrap_or_else(|| format!("http://{addr}")),
                     labels: config.labels.clone(),
                 },
             )
