@@ -182,7 +182,10 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
             .add_service(health_service)
             .add_service(NodeServer::new(NodeApi::new(
                 host.clone(),
-                format!("http://{envd_addr}"),
+                config
+                    .advertise_envd
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{envd_addr}")),
             )))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
                 let _ = stopped.await;
