@@ -229,15 +229,20 @@ struct TimeoutBody {
     timeout: Option<i64>,
 }
 
+/// The caller's team and the timeout its body asks for (E2B's default when absent).
+fn team_and_timeout(g: &Gateway, headers: &HeaderMap, body: &Bytes, required: bool) -> Result<(String, u64), ApiError> {
+    let team = g.team(headers)?;
+    let req: TimeoutBody = json_body(body, required)?;
+    Ok((team, intent::timeout(req.timeout)?))
+}
+
 pub async fn resume(
     State(g): State<Gateway>,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let team = g.team(&headers)?;
-    let req: TimeoutBody = json_body(&body, false)?;
-    let secs = intent::timeout(req.timeout)?;
+    let (team, secs) = team_and_timeout(&g, &headers, &body, false)?;
     let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
     if !resumed {
         return Err(ApiError::new(
@@ -254,9 +259,7 @@ pub async fn connect(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let team = g.team(&headers)?;
-    let req: TimeoutBody = json_body(&body, true)?;
-    let secs = intent::timeout(req.timeout)?;
+    let (team, secs) = team_and_timeout(&g, &headers, &body, true)?;
     let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(sandbox_json(&doc))).into_response())
