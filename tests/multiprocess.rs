@@ -404,9 +404,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
         }
     }
     for i in 0..3 {
-        for controller in ["memory", "freezer"] {
-            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-mp-{tag}-n{i}"));
-        }
+        node_svc::runtime::cgroup::remove_parents(&format!("mp-{tag}-n{i}"));
     }
     let _ = std::fs::remove_dir_all(&work);
 }

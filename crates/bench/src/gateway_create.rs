@@ -121,9 +121,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     placement.stop().await;
     ledger.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
-    for controller in ["memory", "freezer"] {
-        let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{node_id}"));
-    }
+    node_svc::runtime::cgroup::remove_parents(&node_id);
 
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(

@@ -38,9 +38,7 @@ impl Scratch {
     async fn remove(self) {
         self.node.stop().await;
         let _ = std::fs::remove_dir_all(&self.dir);
-        for controller in ["memory", "freezer"] {
-            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.id));
-        }
+        node_svc::runtime::cgroup::remove_parents(&self.id);
     }
 }
 

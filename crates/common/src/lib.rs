@@ -5,6 +5,7 @@
 //! (disagreeing about the default memory estimate is exactly how the system in the brief's
 //! lesson 2 ended up unable to move anything).
 
+pub mod clock;
 pub mod docs;
 pub mod metrics;
 pub mod net;

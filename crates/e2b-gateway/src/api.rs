@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::intent::{self, NewSandbox, Template};
-use crate::sandboxes::{now_ms, Failure, Sandboxes};
+use crate::sandboxes::{Failure, Sandboxes};
+use common::clock::now_ms;
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
 pub const ENVD_VERSION: &str = "0.5.7";

@@ -1,6 +1,7 @@
 //! Driving sandboxes through their lives across ledger, placement and nodes, undoing every
 //! step of a create that fails (no manifest, reservation or process left behind).
 
+use common::clock::now_ms;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,12 +55,6 @@ fn from_status(what: &str, status: tonic::Status) -> Failure {
         Code::FailedPrecondition | Code::AlreadyExists => Failure::Conflict(status.message().to_string()),
         _ => Failure::Internal(format!("{what}: {}", status.message())),
     }
-}
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn random_id(len: usize) -> String {

@@ -2,6 +2,7 @@
 //! every sandbox listed by ID (what lets placement release a reservation exactly when the node
 //! reports the sandbox, the brief's lesson 1).
 
+use common::clock::now_ms;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,12 +24,6 @@ pub struct HeartbeatConfig {
     /// This node's gRPC endpoint, as placement should hand it out.
     pub address: String,
     pub labels: HashMap<String, String>,
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The heartbeat message for one picture.

@@ -6,6 +6,7 @@
 //! and migration). On start the host re-adopts every sandbox the directory says is running or
 //! paused, so a node restart loses none (E2B's users report theirs vanish).
 
+use common::clock::now_ms;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -54,12 +55,6 @@ impl From<RuntimeError> for NodeError {
 
 fn io(err: impl std::fmt::Display) -> NodeError {
     NodeError::Io(err.to_string())
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A template: files that seed a sandbox's home, default env vars, an optional start command.

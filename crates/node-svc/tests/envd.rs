@@ -120,9 +120,7 @@ impl Env {
         }
         self.node.stop().await;
         let _ = std::fs::remove_dir_all(&self.dir);
-        for controller in ["memory", "freezer"] {
-            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.id));
-        }
+        node_svc::runtime::cgroup::remove_parents(&self.id);
     }
 }
 

@@ -1,6 +1,7 @@
 //! The gRPC face of placement: converts between the wire and the core, calls the store, and
 //! maps every failure to a status in one place ([`ApiError`]).
 
+use common::clock::now_ms;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
@@ -38,12 +39,6 @@ impl From<ApiError> for Status {
 
 fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::Invalid(message.into())
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn resources_from_pb(r: Option<pb::Resources>) -> Resources {

@@ -109,9 +109,7 @@ impl Stack {
         }
         self.ledger.stop().await;
         let _ = std::fs::remove_dir_all(&self.dir);
-        for controller in ["memory", "freezer"] {
-            let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{controller}/sandboxsched-{}", self.node_id));
-        }
+        node_svc::runtime::cgroup::remove_parents(&self.node_id);
     }
 }
 

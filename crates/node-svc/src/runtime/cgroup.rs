@@ -144,3 +144,11 @@ impl Cgroups {
         }
     }
 }
+
+/// Removes a node's (empty) parent groups, `sandboxsched-<node>`, under every controller: what
+/// tests and benchmarks call once a node and all its sandboxes are gone.
+pub fn remove_parents(node_id: &str) {
+    for controller in ["memory", "freezer"] {
+        let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(format!("sandboxsched-{node_id}")));
+    }
+}
