@@ -1,7 +1,19 @@
 //! balance-svc: keeps the cluster's memory balanced by migrating sandboxes.
 //!
-//! So far the pure core exists ([`plan`]): observing the spread, planning the fewest moves,
-//! and the lower bound the benchmark compares plans to. The executor (moves as persisted,
-//! fenced state machines with a lease) and the service around it are issue 6's next steps.
+//! - [`plan`]: the pure core: spread, observation status, the fewest moves, drains, and the
+//!   lower bound plans are compared to.
+//! - [`view`]: from ledger documents to the planner's snapshot (pure).
+//! - [`record`]: the plan, lease, observation and control documents, and a move's steps.
+//! - [`migrate`]: executes moves as persisted, fenced, idempotent state machines.
+//! - [`lease`]: one executor at a time.
+//! - [`balancer`]: the cycle (lease, resume, observe, plan, commit, execute).
+//! - [`api`], [`server`]: the gRPC face and the wiring.
 
+pub mod api;
+pub mod balancer;
+pub mod lease;
+pub mod migrate;
 pub mod plan;
+pub mod record;
+pub mod server;
+pub mod view;

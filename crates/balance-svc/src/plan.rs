@@ -18,6 +18,8 @@ pub struct NodeMemory {
     pub node_id: String,
     /// Ready for new sandboxes (not draining, not unhealthy).
     pub ready: bool,
+    /// Being drained: everything on it moves to ready nodes, cooldown or not.
+    pub draining: bool,
     pub capacity_bytes: u64,
     pub available_bytes: u64,
 }
@@ -156,6 +158,31 @@ pub enum ScanResult {
     NothingToDo,
     /// Over the threshold, but no allowed move improves the spread.
     NoImprovingMove,
+    /// A draining node holds sandboxes that fit nowhere.
+    NoFitForDrain,
+}
+
+impl ScanResult {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScanResult::PlanFound => "PlanFound",
+            ScanResult::NothingToDo => "NothingToDo",
+            ScanResult::NoImprovingMove => "NoImprovingMove",
+            ScanResult::NoFitForDrain => "NoFitForDrain",
+        }
+    }
+}
+
+impl Skip {
+    pub fn name(self) -> &'static str {
+        match self {
+            Skip::UnknownMemoryEstimate => "UnknownMemoryEstimate",
+            Skip::LifecycleOwned => "LifecycleOwned",
+            Skip::Cooldown => "Cooldown",
+            Skip::NotMovable => "NotMovable",
+            Skip::NoFit => "NoFit",
+        }
+    }
 }
 
 /// A plan and the scan that found it.
@@ -285,6 +312,82 @@ pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     plan
 }
 
+/// Moves everything movable off draining nodes: largest first, each onto the ready node with
+/// the most available memory after the moves already chosen, never overfilling it. Cooldown
+/// does not apply (a drain must empty the node); lifecycle-owned, paused and unknown-size
+/// sandboxes are skipped and counted, and tried again on the next scan.
+pub fn plan_drain(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
+    let mut ready: Vec<NodeMemory> = snapshot.nodes.iter().filter(|n| n.ready).cloned().collect();
+    let spread_before = spread(&ready);
+    let mut plan = Plan {
+        result: ScanResult::NothingToDo,
+        moves: Vec::new(),
+        skips: BTreeMap::new(),
+        spread_before,
+        spread_after: spread_before,
+    };
+    let draining: Vec<&str> = snapshot
+        .nodes
+        .iter()
+        .filter(|n| n.draining)
+        .map(|n| n.node_id.as_str())
+        .collect();
+    let mut leaving: Vec<&Candidate> = Vec::new();
+    for c in snapshot
+        .sandboxes
+        .iter()
+        .filter(|c| draining.contains(&c.node_id.as_str()))
+    {
+        let skip = if c.memory_bytes == 0 {
+            Some(Skip::UnknownMemoryEstimate)
+        } else if c.lifecycle_owned {
+            Some(Skip::LifecycleOwned)
+        } else if !c.movable {
+            Some(Skip::NotMovable)
+        } else {
+            None
+        };
+        match skip {
+            Some(reason) => *plan.skips.entry(reason).or_default() += 1,
+            None => leaving.push(c),
+        }
+    }
+    leaving.sort_by(|a, b| {
+        b.memory_bytes
+            .cmp(&a.memory_bytes)
+            .then(a.sandbox_id.cmp(&b.sandbox_id))
+    });
+    for c in leaving {
+        if plan.moves.len() >= tuning.max_moves {
+            break;
+        }
+        let best = ready
+            .iter_mut()
+            .filter(|n| n.available_bytes >= c.memory_bytes)
+            .max_by(|a, b| a.ratio().total_cmp(&b.ratio()));
+        let Some(to) = best else {
+            *plan.skips.entry(Skip::NoFit).or_default() += 1;
+            continue;
+        };
+        to.available_bytes -= c.memory_bytes;
+        plan.moves.push(Move {
+            sandbox_id: c.sandbox_id.clone(),
+            from: c.node_id.clone(),
+            to: to.node_id.clone(),
+            memory_bytes: c.memory_bytes,
+        });
+    }
+    plan.spread_after = spread(&ready);
+    plan.result = if !plan.moves.is_empty() {
+        ScanResult::PlanFound
+    } else if plan.skips.contains_key(&Skip::NoFit) {
+        ScanResult::NoFitForDrain
+    } else {
+        ScanResult::NothingToDo
+    };
+    plan
+}
+
 /// Indices of the most pressured (lowest available ratio) and least pressured nodes.
 fn extremes(nodes: &[NodeMemory]) -> (usize, usize) {
     let mut lo = 0;
@@ -365,6 +468,7 @@ mod tests {
         NodeMemory {
             node_id: id.into(),
             ready: true,
+            draining: false,
             capacity_bytes: capacity_gib * GIB,
             available_bytes: available_gib * GIB,
         }
@@ -499,6 +603,39 @@ mod tests {
                 assert!(p.moves.len() >= moves_lower_bound(&snap, &Tuning::default()), "{p:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_drain_empties_the_node_largest_first_without_overfilling() {
+        let mut gone = node("gone", 16, 4);
+        gone.ready = false;
+        gone.draining = true;
+        let mut cooling = sandbox("cooling", "gone", 4);
+        cooling.last_moved_ms = Some(9_000);
+        let mut paused = sandbox("paused", "gone", 1);
+        paused.movable = false;
+        let snap = Snapshot {
+            nodes: vec![gone, node("a", 16, 6), node("b", 16, 5)],
+            sandboxes: vec![
+                sandbox("small", "gone", 2),
+                cooling,
+                paused,
+                sandbox("huge", "gone", 7),
+                sandbox("stay", "a", 1),
+            ],
+            now_ms: 10_000,
+        };
+        let plan = plan_drain(&snap, &Tuning::default());
+        let moved: Vec<(&str, &str)> = plan
+            .moves
+            .iter()
+            .map(|m| (m.sandbox_id.as_str(), m.to.as_str()))
+            .collect();
+        // 7 GiB fits nowhere; 4 GiB goes to the emptier node a, then 2 GiB to b (5 > 2).
+        assert_eq!(moved, vec![("cooling", "a"), ("small", "b")]);
+        assert_eq!(plan.skips.get(&Skip::NoFit), Some(&1));
+        assert_eq!(plan.skips.get(&Skip::NotMovable), Some(&1));
+        assert_eq!(plan.result, ScanResult::PlanFound);
     }
 
     #[test]

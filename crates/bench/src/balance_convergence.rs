@@ -41,6 +41,7 @@ fn snapshot(capacity: &[u64], placement: &HashMap<String, (usize, u64, Option<u6
             .map(|(i, cap)| NodeMemory {
                 node_id: format!("node-{i:03}"),
                 ready: true,
+                draining: false,
                 capacity_bytes: *cap,
                 available_bytes: cap.saturating_sub(used[i]),
             })

@@ -20,6 +20,8 @@ use crate::intent::CreateIntent;
 
 /// Attempts on different nodes before a create gives up.
 const CREATE_ATTEMPTS: usize = 3;
+/// How long a lifecycle call waits for a balancer move of its sandbox to finish.
+const WAIT_FOR_MOVE: Duration = Duration::from_secs(15);
 
 /// Why a sandbox operation failed, in terms the REST layer maps to E2B's statuses.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +143,25 @@ impl Sandboxes {
         }
     }
 
+    /// The manifest once no move owns the sandbox's lifecycle: a balancer move holds it for
+    /// the seconds a migration takes, and a kill, pause or resume waits for it rather than
+    /// racing it (the move's fencing epoch would refuse the race anyway).
+    pub async fn get_settled(&self, team: &str, id: &str) -> Result<Versioned<SandboxDoc>, Failure> {
+        let deadline = tokio::time::Instant::now() + WAIT_FOR_MOVE;
+        loop {
+            let doc = self.get(team, id).await?;
+            match &doc.value.lifecycle_owner {
+                None => return Ok(doc),
+                Some(owner) if tokio::time::Instant::now() >= deadline => {
+                    return Err(Failure::Conflict(format!(
+                        "sandbox {id} is being moved ({owner}); retry in a few seconds"
+                    )))
+                }
+                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
     /// Every manifest (all teams).
     pub async fn all(&self) -> Result<Vec<Versioned<SandboxDoc>>, Failure> {
         Ok(self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?.0)
@@ -149,7 +170,7 @@ impl Sandboxes {
     async fn save(&self, doc: &Versioned<SandboxDoc>) -> Result<u64, Failure> {
         let txn = Txn::new().update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)?;
         match self.ledger.compare(txn).await {
-            Ok(done) => Ok(done.versions[0]),
+            Ok(done) => Ok(done.versions.first().copied().unwrap_or(doc.version + 1)),
             Err(LedgerError::Conflict { .. }) => Err(Failure::Conflict(format!(
                 "sandbox {} changed concurrently; retry",
                 doc.value.sandbox_id
@@ -348,7 +369,7 @@ impl Sandboxes {
 
     /// Kills a sandbox and deletes its manifest.
     pub async fn kill(&self, team: &str, id: &str) -> Result<(), Failure> {
-        let doc = self.get(team, id).await?;
+        let doc = self.get_settled(team, id).await?;
         self.routes.forget(id).await;
         self.stop_on_node(&doc.value).await;
         let (meta, tar) = self.hibernation_files(id);
@@ -383,7 +404,7 @@ impl Sandboxes {
     /// Pauses a running sandbox: frozen in place with its memory (`memory`), or hibernated:
     /// only its files kept (here, off the node), its processes stopped and the node freed.
     pub async fn pause(&self, team: &str, id: &str, memory: bool) -> Result<(), Failure> {
-        let mut doc = self.get(team, id).await?;
+        let mut doc = self.get_settled(team, id).await?;
         if doc.value.phase != SandboxPhase::Running {
             return Err(Failure::Conflict(format!("sandbox {id} is already paused")));
         }
@@ -541,7 +562,7 @@ impl Sandboxes {
 
     /// Resumes a paused sandbox (true) or finds it running already (false), and sets its end.
     pub async fn resume(&self, team: &str, id: &str, timeout_secs: u64) -> Result<(SandboxDoc, bool), Failure> {
-        let mut doc = self.get(team, id).await?;
+        let mut doc = self.get_settled(team, id).await?;
         let resumed = doc.value.phase != SandboxPhase::Running;
         match doc.value.phase {
             SandboxPhase::Running => {}
@@ -559,7 +580,7 @@ impl Sandboxes {
 
     /// Sets when the sandbox ends, `secs` from now.
     pub async fn set_timeout(&self, team: &str, id: &str, secs: u64) -> Result<(), Failure> {
-        let mut doc = self.get(team, id).await?;
+        let mut doc = self.get_settled(team, id).await?;
         doc.value.end_at_unix_ms = now_ms() + secs * 1000;
         self.save(&doc).await?;
         Ok(())

@@ -266,7 +266,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         }
         if outcome.applied {
             if let Some(docs) = &self.node_docs {
-                docs.offer(&hb, memory_available, received);
+                docs.offer(&hb, outcome.draining, memory_available, received);
             }
         }
         Ok(Response::new(pb::HeartbeatResponse {
@@ -337,6 +337,9 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             .set_admin(&req.node_id, admin)
             .await
             .map_err(ApiError::from)?;
+        if let Some(docs) = &self.node_docs {
+            docs.refresh(&req.node_id);
+        }
         tracing::info!(node_id = %req.node_id, ?admin, "node state set");
         Ok(Response::new(view_to_pb(&view, now_ms(), self.unhealthy_after_ms)))
     }

@@ -34,7 +34,7 @@ impl NodeDocs {
     }
 
     /// Writes the node's document in the background if its interval has passed.
-    pub fn offer(&self, hb: &Heartbeat, memory_available_bytes: u64, received_ms: u64) {
+    pub fn offer(&self, hb: &Heartbeat, draining: bool, memory_available_bytes: u64, received_ms: u64) {
         let known_version = {
             let Ok(mut last) = self.last.lock() else { return };
             match last.get(&hb.node_id) {
@@ -52,7 +52,7 @@ impl NodeDocs {
             address: hb.address.clone(),
             boot_id: hb.boot_id.clone(),
             seq: hb.seq,
-            state: "ready".to_string(),
+            state: if draining { "draining" } else { "ready" }.to_string(),
             capacity: Capacity {
                 vcpus: hb.capacity.vcpus,
                 memory_bytes: hb.capacity.memory_bytes,
@@ -90,6 +90,18 @@ impl NodeDocs {
                 }
             }
         });
+    }
+
+    /// The next heartbeat of `node_id` writes its document whatever the interval (its state
+    /// just changed).
+    pub fn refresh(&self, node_id: &str) {
+        if let Ok(mut last) = self.last.lock() {
+            if let Some(entry) = last.get_mut(node_id) {
+                if let Some(due) = Instant::now().checked_sub(self.every) {
+                    entry.0 = due;
+                }
+            }
+        }
     }
 
     /// Compare-and-swap on this one document; on a conflict (another replica wrote it), read

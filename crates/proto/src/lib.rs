@@ -24,3 +24,10 @@ pub mod node {
         tonic::include_proto!("sandboxsched.node.v1");
     }
 }
+
+/// Memory balance: observations, plans, drains.
+pub mod balance {
+    pub mod v1 {
+        tonic::include_proto!("sandboxsched.balance.v1");
+    }
+}

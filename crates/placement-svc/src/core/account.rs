@@ -132,6 +132,8 @@ pub struct HeartbeatOutcome {
     pub expired: Vec<String>,
     /// The boot ID changed: the node restarted and its view was reset.
     pub rebooted: bool,
+    /// An operator marked the node draining (node documents carry it to the balancer).
+    pub draining: bool,
 }
 
 /// The placer's view of one node.
@@ -275,7 +277,10 @@ impl NodeView {
         now_ms: u64,
         max_unconfirmed_heartbeats: u32,
     ) -> HeartbeatOutcome {
-        let mut outcome = HeartbeatOutcome::default();
+        let mut outcome = HeartbeatOutcome {
+            draining: self.admin == AdminState::Draining,
+            ..HeartbeatOutcome::default()
+        };
         if hb.boot_id == self.boot_id {
             if hb.seq <= self.seq {
                 outcome.reason = Some(format!(

@@ -18,12 +18,14 @@ end
 local first_id = 15
 redis.call('SADD', all_key, ARGV[1])
 redis.call('HSETNX', node, 'admin', 'ready')
+local draining = 0
+if redis.call('HGET', node, 'admin') == 'draining' then draining = 1 end
 redis.call('HSET', node, 'node_id', ARGV[1], 'boot', ARGV[2], 'seq', ARGV[3], 'hb_ms', ARGV[4],
   'address', ARGV[5], 'labels', ARGV[6], 'cap_vcpus', ARGV[7], 'cap_mem', ARGV[8],
   'rep_vcpus', ARGV[9], 'rep_mem', ARGV[10], 'rep_sbx', #ARGV - first_id + 1,
   'mem_used', ARGV[11], 'cpu_usage', ARGV[12])
 if ARGV[13] ~= 'reconciled' then
-  return { 1, '', 0, 0, rebooted }
+  return { 1, '', 0, 0, rebooted, draining }
 end
 local max_unconfirmed = tonumber(ARGV[14])
 local listed = {}
@@ -77,6 +79,6 @@ for i = 1, #rms, 2 do
 end
 redis.call('HSET', node, 'res_vcpus', res_v, 'res_mem', res_m, 'pending', pending,
   'unconfirmed', unconfirmed, 'rm_vcpus', rm_v, 'rm_mem', rm_m)
-local result = { 1, '', confirmed, removed, rebooted }
+local result = { 1, '', confirmed, removed, rebooted, draining }
 for _, id in ipairs(expired) do table.insert(result, id) end
 return result

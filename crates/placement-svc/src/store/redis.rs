@@ -445,7 +445,8 @@ impl PlacementStore for RedisStore {
             confirmed: u32::try_from(reply.get(2).map(int).unwrap_or(0)).unwrap_or(0),
             removed: u32::try_from(reply.get(3).map(int).unwrap_or(0)).unwrap_or(0),
             rebooted: reply.get(4).map(int).unwrap_or(0) == 1,
-            expired: reply.get(5..).unwrap_or_default().iter().map(text).collect(),
+            draining: reply.get(5).map(int).unwrap_or(0) == 1,
+            expired: reply.get(6..).unwrap_or_default().iter().map(text).collect(),
         })
     }
 

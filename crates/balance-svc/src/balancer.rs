@@ -1,0 +1,334 @@
+//! One balance cycle, every interval: hold the lease, finish any plan left unfinished (by a
+//! crash), observe, plan, commit, execute.
+//!
+//! Observation and planning read node documents and manifests; nothing they read is ever in
+//! a compare-and-swap guard. The plan commit creates the plan document and guards nothing
+//! else: node documents are rewritten every few seconds by placement, and a commit that
+//! compared them would always fail (the brief's lesson 2, cause 2).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::clock::now_ms;
+use common::docs::{NodeDoc, SandboxDoc, NODE_KIND, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use tokio::sync::RwLock;
+
+use crate::lease::Lease;
+use crate::migrate::{MoveError, Mover};
+use crate::plan::{self, ScanResult, Status, Tuning};
+use crate::record::{
+    ControlDoc, MoveRecord, ObservationDoc, PlanDoc, PlanReason, Step, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
+    OBSERVATION_KIND, PLAN_KIND,
+};
+use crate::view;
+
+/// How balancing behaves.
+#[derive(Clone, Debug)]
+pub struct BalanceTuning {
+    pub plan: Tuning,
+    /// Between cycles (5 s, as the seed's node reports).
+    pub interval: Duration,
+    /// A node whose document is older than this is not ready.
+    pub stale_after: Duration,
+    /// Judge anyway if a finished move is still not reflected after this long.
+    pub reflect_timeout: Duration,
+    /// Plans kept in the ledger for history.
+    pub history: usize,
+}
+
+impl Default for BalanceTuning {
+    fn default() -> Self {
+        Self {
+            plan: Tuning::default(),
+            interval: Duration::from_secs(5),
+            stale_after: Duration::from_secs(30),
+            reflect_timeout: Duration::from_secs(30),
+            history: 100,
+        }
+    }
+}
+
+/// What a cycle failed with.
+#[derive(Debug, thiserror::Error)]
+pub enum CycleError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Move(#[from] MoveError),
+}
+
+/// What this replica knows, for Status and metrics.
+#[derive(Clone, Debug, Default)]
+pub struct Known {
+    pub leader: bool,
+    pub observation: ObservationDoc,
+    pub active_plan: Option<String>,
+    pub control: ControlDoc,
+}
+
+/// A finished plan's moves waiting for a heartbeat to show them.
+#[derive(Default)]
+struct Awaiting {
+    moves: Vec<MoveRecord>,
+    since_ms: u64,
+}
+
+pub struct Balancer {
+    ledger: LedgerClient,
+    lease: Lease,
+    mover: Mover,
+    tuning: BalanceTuning,
+    known: Arc<RwLock<Known>>,
+    awaiting: tokio::sync::Mutex<Awaiting>,
+}
+
+impl Balancer {
+    pub fn new(ledger: LedgerClient, lease: Lease, mover: Mover, tuning: BalanceTuning) -> Self {
+        Self {
+            ledger,
+            lease,
+            mover,
+            tuning,
+            known: Arc::new(RwLock::new(Known::default())),
+            awaiting: tokio::sync::Mutex::new(Awaiting::default()),
+        }
+    }
+
+    pub fn known(&self) -> Arc<RwLock<Known>> {
+        self.known.clone()
+    }
+
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// One cycle. Returns the observation's status label when this replica is the executor.
+    pub async fn cycle(&self) -> Result<Option<String>, CycleError> {
+        let leader = self.lease.hold().await?;
+        metrics::gauge!("balance_leader").set(if leader { 1.0 } else { 0.0 });
+        self.known.write().await.leader = leader;
+        if !leader {
+            return Ok(None);
+        }
+        let control = self
+            .ledger
+            .get::<ControlDoc>(CONTROL_KIND, CONTROL_ID)
+            .await?
+            .map(|c| c.value)
+            .unwrap_or_default();
+        self.known.write().await.control = control.clone();
+        self.finish_unfinished().await?;
+
+        let (nodes, _) = self.ledger.list::<NodeDoc>(NODE_KIND, "").await?;
+        let nodes: Vec<NodeDoc> = nodes.into_iter().map(|n| n.value).collect();
+        let (manifests, _) = self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?;
+        let manifests: Vec<SandboxDoc> = manifests.into_iter().map(|m| m.value).collect();
+        let now = now_ms();
+        let snapshot = view::snapshot(
+            &nodes,
+            &manifests,
+            &control,
+            now,
+            self.tuning.stale_after.as_millis() as u64,
+        );
+        let awaiting = self.still_awaiting(&nodes, now).await;
+        let (mut status, spread) = plan::observe(&snapshot, &self.tuning.plan, awaiting);
+        if control.paused && status == Status::PlanningRequired {
+            status = Status::Blocked("BalancingPaused".into());
+        }
+        let draining = snapshot.nodes.iter().any(|n| n.draining);
+        let ready = snapshot.nodes.iter().filter(|n| n.ready).count() as u32;
+        self.observe(&status, spread, ready).await?;
+        if control.paused || awaiting {
+            return Ok(Some(status.label()));
+        }
+
+        let (reason, found) = if draining {
+            (PlanReason::Drain, plan::plan_drain(&snapshot, &self.tuning.plan))
+        } else if status == Status::PlanningRequired {
+            (PlanReason::Balance, plan::plan(&snapshot, &self.tuning.plan))
+        } else {
+            return Ok(Some(status.label()));
+        };
+        let skips: BTreeMap<String, u64> = found
+            .skips
+            .iter()
+            .map(|(k, v)| (k.name().to_string(), *v as u64))
+            .collect();
+        for (skip, n) in &skips {
+            metrics::counter!("balance_scan_skips_total", "reason" => skip.clone()).increment(*n);
+        }
+        metrics::counter!("balance_scans_total", "result" => found.result.name()).increment(1);
+        tracing::info!(
+            result = found.result.name(),
+            ?reason,
+            moves = found.moves.len(),
+            ?skips,
+            spread_before = found.spread_before,
+            spread_expected = found.spread_after,
+            "plan scan"
+        );
+        if found.result != ScanResult::PlanFound {
+            return Ok(Some(status.label()));
+        }
+        let addresses: BTreeMap<&str, &str> = nodes.iter().map(|n| (n.node_id.as_str(), n.address.as_str())).collect();
+        let plan_id = format!("{now:013}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let doc = PlanDoc {
+            plan_id: plan_id.clone(),
+            reason,
+            spread_before: found.spread_before,
+            spread_expected: found.spread_after,
+            skips,
+            created_at_unix_ms: now,
+            finished_at_unix_ms: None,
+            moves: found
+                .moves
+                .iter()
+                .enumerate()
+                .map(|(i, m)| MoveRecord {
+                    move_id: format!("{plan_id}.{i}"),
+                    sandbox_id: m.sandbox_id.clone(),
+                    from_node: m.from.clone(),
+                    from_address: addresses.get(m.from.as_str()).copied().unwrap_or_default().to_string(),
+                    to_node: m.to.clone(),
+                    to_address: addresses.get(m.to.as_str()).copied().unwrap_or_default().to_string(),
+                    memory_bytes: m.memory_bytes,
+                    step: Step::Planned,
+                    epoch: 0,
+                    error: None,
+                    failed_at: None,
+                    paused_at_unix_ms: None,
+                    resumed_at_unix_ms: None,
+                    finished_at_unix_ms: None,
+                })
+                .collect(),
+        };
+        let committed = self.commit(&doc).await?;
+        tracing::info!(%plan_id, moves = doc.moves.len(), "plan started");
+        self.run(committed).await?;
+        self.prune().await?;
+        Ok(Some(status.label()))
+    }
+
+    /// Creates the plan document: the one document this write guards.
+    pub async fn commit(&self, doc: &PlanDoc) -> Result<Versioned<PlanDoc>, CycleError> {
+        let result = self
+            .ledger
+            .compare(Txn::new().create(PLAN_KIND, &doc.plan_id, doc)?)
+            .await;
+        let outcome = match &result {
+            Ok(_) => "committed",
+            Err(LedgerError::Conflict { .. }) => "conflict",
+            Err(_) => "error",
+        };
+        metrics::counter!("balance_plan_commits_total", "outcome" => outcome).increment(1);
+        let committed = result?;
+        Ok(Versioned {
+            key: ledger_svc::DocKey::new(PLAN_KIND, &doc.plan_id),
+            version: committed.versions.first().copied().unwrap_or(1),
+            create_revision: committed.revision,
+            mod_revision: committed.revision,
+            value: doc.clone(),
+        })
+    }
+
+    /// Executes a committed plan and waits for heartbeats to show its moves.
+    async fn run(&self, plan: Versioned<PlanDoc>) -> Result<(), CycleError> {
+        let plan_id = plan.value.plan_id.clone();
+        self.known.write().await.active_plan = Some(plan_id.clone());
+        let result = self.mover.execute(plan).await;
+        self.known.write().await.active_plan = None;
+        let done = result?;
+        let outcomes: BTreeMap<&str, usize> = done.moves.iter().fold(BTreeMap::new(), |mut acc, m| {
+            *acc.entry(m.step.name()).or_default() += 1;
+            acc
+        });
+        tracing::info!(%plan_id, ?outcomes, finished = done.is_finished(), "plan executed");
+        let mut awaiting = self.awaiting.lock().await;
+        awaiting.moves = done.moves.into_iter().filter(|m| m.step.is_final()).collect();
+        awaiting.since_ms = now_ms();
+        Ok(())
+    }
+
+    /// Plans a crash (or a lost lease) left unfinished are resumed before anything new.
+    async fn finish_unfinished(&self) -> Result<(), CycleError> {
+        let (plans, _) = self.ledger.list::<PlanDoc>(PLAN_KIND, "").await?;
+        for plan in plans {
+            if plan.value.finished_at_unix_ms.is_none() {
+                tracing::info!(plan_id = %plan.value.plan_id, "resuming an unfinished plan");
+                self.run(plan).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// True while a finished move is not yet visible in the node documents (bounded).
+    async fn still_awaiting(&self, nodes: &[NodeDoc], now: u64) -> bool {
+        let mut awaiting = self.awaiting.lock().await;
+        if awaiting.moves.is_empty() {
+            return false;
+        }
+        let seen = awaiting.moves.iter().all(|m| view::reflected(m, nodes));
+        let expired = now.saturating_sub(awaiting.since_ms) > self.tuning.reflect_timeout.as_millis() as u64;
+        if seen || expired {
+            if expired && !seen {
+                tracing::warn!("moves not reflected by heartbeats in time; judging anyway");
+            }
+            awaiting.moves.clear();
+            return false;
+        }
+        true
+    }
+
+    /// Records the observation in the ledger (its own document) and in metrics.
+    async fn observe(&self, status: &Status, spread: f64, ready: u32) -> Result<(), CycleError> {
+        let label = status.label();
+        metrics::gauge!("balance_spread").set(spread);
+        metrics::counter!("balance_observations_total", "status" => label.clone()).increment(1);
+        let current = self
+            .ledger
+            .get::<ObservationDoc>(OBSERVATION_KIND, OBSERVATION_ID)
+            .await?;
+        let mut doc = current.as_ref().map(|c| c.value.clone()).unwrap_or_default();
+        if doc.status != label {
+            tracing::info!(status = %label, spread, ready_nodes = ready, "observation");
+        }
+        *doc.counts.entry(label.clone()).or_default() += 1;
+        doc.status = label;
+        doc.spread = spread;
+        doc.ready_nodes = ready;
+        doc.observed_at_unix_ms = now_ms();
+        doc.plan_id = self.known.read().await.active_plan.clone();
+        let txn = match &current {
+            Some(c) => Txn::new().update(OBSERVATION_KIND, OBSERVATION_ID, c.version, &doc)?,
+            None => Txn::new().create(OBSERVATION_KIND, OBSERVATION_ID, &doc)?,
+        };
+        match self.ledger.compare(txn).await {
+            Ok(_) | Err(LedgerError::Conflict { .. }) => {}
+            Err(err) => return Err(err.into()),
+        }
+        self.known.write().await.observation = doc;
+        Ok(())
+    }
+
+    /// Keeps the newest finished plans, deleting older ones.
+    async fn prune(&self) -> Result<(), CycleError> {
+        let (plans, _) = self.ledger.list::<PlanDoc>(PLAN_KIND, "").await?;
+        let finished: Vec<&Versioned<PlanDoc>> =
+            plans.iter().filter(|p| p.value.finished_at_unix_ms.is_some()).collect();
+        if finished.len() <= self.tuning.history {
+            return Ok(());
+        }
+        let excess = finished.len() - self.tuning.history;
+        // Plan IDs start with their creation time, so list order is age order.
+        for old in finished.into_iter().take(excess) {
+            let _ = self
+                .ledger
+                .compare(Txn::new().delete(PLAN_KIND, &old.value.plan_id, old.version))
+                .await;
+        }
+        Ok(())
+    }
+}

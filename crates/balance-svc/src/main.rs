@@ -1,0 +1,62 @@
+//! The `balance-svc` binary: configuration from flags or environment, nothing else.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use balance_svc::server::BalanceConfig;
+use clap::Parser;
+
+/// Observes memory spread, plans the fewest moves and migrates sandboxes safely.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address gRPC listens on.
+    #[arg(long, env = "BALANCE_LISTEN", default_value = "127.0.0.1:7003")]
+    listen: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
+    #[arg(long, env = "BALANCE_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
+    #[arg(long, env = "BALANCE_LEDGER", default_value = "http://127.0.0.1:7001")]
+    ledger: String,
+    /// placement-svc, told about drains and moves.
+    #[arg(long, env = "BALANCE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
+    placement: String,
+    /// Seconds between observations.
+    #[arg(long, env = "BALANCE_INTERVAL_MS", default_value_t = 5_000)]
+    interval_ms: u64,
+    /// Act when the spread exceeds this.
+    #[arg(long, env = "BALANCE_THRESHOLD", default_value_t = 0.1)]
+    threshold: f64,
+    /// Plan down to this (below the threshold: hysteresis).
+    #[arg(long, env = "BALANCE_TARGET", default_value_t = 0.05)]
+    target: f64,
+    /// A moved sandbox is not moved again for this long.
+    #[arg(long, env = "BALANCE_COOLDOWN_SECS", default_value_t = 300)]
+    cooldown_secs: u64,
+    /// Moves at once.
+    #[arg(long, env = "BALANCE_CONCURRENCY", default_value_t = 1)]
+    concurrency: usize,
+    /// The executor lease's time to live.
+    #[arg(long, env = "BALANCE_LEASE_TTL_SECS", default_value_t = 15)]
+    lease_ttl_secs: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("balance-svc");
+    let args = Args::parse();
+    let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
+    tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
+    let mut config = BalanceConfig::new(args.listen, args.ledger);
+    config.placement_endpoint = Some(args.placement);
+    config.tuning.interval = Duration::from_millis(args.interval_ms);
+    config.tuning.plan.threshold = args.threshold;
+    config.tuning.plan.target = args.target;
+    config.tuning.plan.cooldown_ms = args.cooldown_secs * 1000;
+    config.concurrency = args.concurrency;
+    config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
+    let running = balance_svc::server::start(config).await?;
+    common::shutdown::signal().await;
+    running.stop().await;
+    Ok(())
+}

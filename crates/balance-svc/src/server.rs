@@ -1,0 +1,217 @@
+//! Starting and stopping balance-svc: the balance loop and its gRPC server. Used by the
+//! binary, the launcher and the tests.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ledger_svc::LedgerClient;
+use proto::balance::v1::balance_server::BalanceServer;
+use proto::placement::v1::placement_client::PlacementClient;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Endpoint;
+
+use crate::api::BalanceApi;
+use crate::balancer::{BalanceTuning, Balancer};
+use crate::lease::Lease;
+use crate::migrate::{Halt, MoveError, Mover};
+
+/// How balance-svc runs.
+#[derive(Clone, Debug)]
+pub struct BalanceConfig {
+    pub listen: SocketAddr,
+    pub ledger_endpoint: String,
+    /// placement-svc, told about drains and moved sandboxes (optional).
+    pub placement_endpoint: Option<String>,
+    pub tuning: BalanceTuning,
+    /// Moves at once (1, as the seed).
+    pub concurrency: usize,
+    pub lease_ttl: Duration,
+    /// This replica's name in the lease (default: a fresh UUID).
+    pub holder: Option<String>,
+    /// Crash tests only: stop the loop as if the process died at this point of a move.
+    pub halt: Option<Halt>,
+}
+
+impl BalanceConfig {
+    pub fn new(listen: SocketAddr, ledger_endpoint: String) -> Self {
+        Self {
+            listen,
+            ledger_endpoint,
+            placement_endpoint: None,
+            tuning: BalanceTuning::default(),
+            concurrency: 1,
+            lease_ttl: Duration::from_secs(15),
+            holder: None,
+            halt: None,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let p = &self.tuning.plan;
+        if !(p.threshold > 0.0 && p.threshold < 1.0) {
+            return Err(format!("threshold must be in (0, 1) (got {})", p.threshold));
+        }
+        if !(p.target >= 0.0 && p.target < p.threshold) {
+            return Err(format!(
+                "target must be >= 0 and below the threshold {} (got {}), or balancing would flap",
+                p.threshold, p.target
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err("concurrency must be at least 1".into());
+        }
+        if self.tuning.interval.is_zero() {
+            return Err("interval must be positive".into());
+        }
+        if self.lease_ttl <= self.tuning.interval {
+            return Err(format!(
+                "the lease TTL ({:?}) must exceed the interval ({:?}), or the lease lapses between cycles",
+                self.lease_ttl, self.tuning.interval
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Ledger(#[from] ledger_svc::LedgerError),
+    #[error("bad placement endpoint: {0}")]
+    Placement(String),
+}
+
+/// A balance-svc that is serving and balancing.
+pub struct RunningBalance {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// `None` once awaited by [`RunningBalance::loop_done`].
+    looping: Option<JoinHandle<()>>,
+}
+
+impl RunningBalance {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Whether the balance loop ended by itself (only a crash-test halt or a fence does that).
+    pub fn loop_ended(&self) -> bool {
+        self.looping.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Waits for the loop to end (crash tests: until the injected halt).
+    pub async fn loop_done(&mut self) {
+        if let Some(looping) = self.looping.take() {
+            let _ = looping.await;
+        }
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        self.loop_done().await;
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::warn!(%err, "balance server ended with an error"),
+            Err(err) => tracing::warn!(%err, "balance server task failed"),
+        }
+    }
+}
+
+/// Binds, serves gRPC and runs the balance loop until [`RunningBalance::stop`].
+pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> {
+    config.validate().map_err(StartError::Config)?;
+    let ledger = LedgerClient::connect_lazy(&config.ledger_endpoint)?;
+    let placement = match &config.placement_endpoint {
+        Some(endpoint) => Some(PlacementClient::new(
+            Endpoint::from_shared(endpoint.clone())
+                .map_err(|e| StartError::Placement(e.to_string()))?
+                .connect_timeout(Duration::from_secs(2))
+                .connect_lazy(),
+        )),
+        None => None,
+    };
+    let holder = config
+        .holder
+        .clone()
+        .unwrap_or_else(|| format!("balance-{}", uuid::Uuid::new_v4().simple()));
+    let lease = Lease::new(ledger.clone(), holder, config.lease_ttl);
+    let mover = Mover::new(ledger.clone(), placement.clone(), config.concurrency).with_halt(config.halt);
+    let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));
+    let api = BalanceApi::new(ledger, placement, balancer.known());
+
+    let (listener, addr) = common::net::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<BalanceServer<BalanceApi>>().await;
+    let (stop, stopped) = watch::channel(false);
+    let mut server_stop = stopped.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(BalanceServer::new(api))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                let _ = server_stop.wait_for(|s| *s).await;
+            }),
+    );
+    let looping = tokio::spawn(balance_loop(balancer, config.tuning.interval, stopped));
+    tracing::info!(%addr, "balance-svc serving");
+    Ok(RunningBalance {
+        addr,
+        stop,
+        server,
+        looping: Some(looping),
+    })
+}
+
+/// Cycles every `interval` until stopped. Errors are logged and the next cycle tries again;
+/// only a halt (crash tests) or a fence ends the loop's current work.
+async fn balance_loop(balancer: Arc<Balancer>, interval: Duration, mut stopped: watch::Receiver<bool>) {
+    let mut ledger_down = false;
+    loop {
+        match balancer.cycle().await {
+            Ok(_) => {
+                if ledger_down {
+                    tracing::info!("ledger reachable again; balancing resumed");
+                    ledger_down = false;
+                }
+                metrics::gauge!("balance_ledger_up").set(1.0);
+            }
+            Err(crate::balancer::CycleError::Move(MoveError::Halted(step))) => {
+                tracing::warn!(step, "balance loop halted by fault injection");
+                return;
+            }
+            Err(crate::balancer::CycleError::Move(MoveError::Fenced(why))) => {
+                tracing::warn!(%why, "another executor acts now; this one stands down until it holds the lease");
+            }
+            Err(crate::balancer::CycleError::Ledger(err)) if err.is_transient() => {
+                metrics::gauge!("balance_ledger_up").set(0.0);
+                if !ledger_down {
+                    tracing::error!(%err, "ledger unreachable; balancing waits for it");
+                    ledger_down = true;
+                }
+            }
+            Err(err) => tracing::warn!(%err, "balance cycle failed; trying again next interval"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stopped.wait_for(|s| *s) => break,
+        }
+    }
+    balancer.lease().release().await;
+}

@@ -1,0 +1,212 @@
+//! From ledger documents to the planner's [`Snapshot`], and whether a finished move has been
+//! seen by a heartbeat yet. Pure: the balancer reads the documents, this decides what they say.
+
+use std::collections::HashMap;
+
+use common::docs::{NodeDoc, SandboxDoc, SandboxPhase};
+
+use crate::plan::{Candidate, NodeMemory, Snapshot};
+use crate::record::{ControlDoc, MoveRecord, Step};
+
+/// Builds the planner's input. A node is ready when its document says so, the operator has
+/// not asked to drain it, and it reported within `stale_after_ms`; a sandbox's memory is what
+/// its node measured in the latest heartbeat when that is known (> 0), else its manifest's
+/// estimate, which every manifest carries (the brief's lesson 2, cause 1).
+pub fn snapshot(
+    nodes: &[NodeDoc],
+    manifests: &[SandboxDoc],
+    control: &ControlDoc,
+    now_ms: u64,
+    stale_after_ms: u64,
+) -> Snapshot {
+    let measured: HashMap<(&str, &str), u64> = nodes
+        .iter()
+        .flat_map(|n| {
+            n.sandboxes
+                .iter()
+                .map(move |s| ((n.node_id.as_str(), s.sandbox_id.as_str()), s.memory_used_bytes))
+        })
+        .collect();
+    let nodes_out = nodes
+        .iter()
+        .map(|n| {
+            let draining = n.state == "draining" || control.draining.contains(&n.node_id);
+            let fresh = now_ms.saturating_sub(n.reported_at_unix_ms) < stale_after_ms;
+            NodeMemory {
+                node_id: n.node_id.clone(),
+                ready: !draining && fresh && n.state == "ready",
+                draining,
+                capacity_bytes: n.capacity.memory_bytes,
+                available_bytes: n.memory_available_bytes,
+            }
+        })
+        .collect();
+    let sandboxes = manifests
+        .iter()
+        .filter(|m| !m.node_id.is_empty())
+        .map(|m| {
+            let measured = measured
+                .get(&(m.node_id.as_str(), m.sandbox_id.as_str()))
+                .copied()
+                .unwrap_or(0);
+            Candidate {
+                sandbox_id: m.sandbox_id.clone(),
+                node_id: m.node_id.clone(),
+                memory_bytes: if measured > 0 { measured } else { m.memory_bytes },
+                lifecycle_owned: m.lifecycle_owner.is_some(),
+                last_moved_ms: m.last_moved_unix_ms,
+                movable: m.phase == SandboxPhase::Running,
+            }
+        })
+        .collect();
+    Snapshot {
+        nodes: nodes_out,
+        sandboxes,
+        now_ms,
+    }
+}
+
+/// A finished move is reflected once the target's latest document lists the sandbox and the
+/// source's no longer does (a rolled-back move: the source lists it and the target does not).
+/// Judging the spread before that would count the move twice or not at all.
+pub fn reflected(m: &MoveRecord, nodes: &[NodeDoc]) -> bool {
+    let lists = |node: &str| {
+        nodes
+            .iter()
+            .find(|n| n.node_id == node)
+            .map(|n| n.sandboxes.iter().any(|s| s.sandbox_id == m.sandbox_id))
+    };
+    let (on_source, on_target) = (lists(&m.from_node), lists(&m.to_node));
+    match m.step {
+        // A node without a document cannot show anything; do not wait for it forever.
+        Step::Done => on_source != Some(true) && on_target != Some(false),
+        Step::RolledBack => on_source != Some(false) && on_target != Some(true),
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use common::docs::{Capacity, EstimateSource, NodeSandbox};
+
+    fn node(id: &str, state: &str, available: u64, listed: &[(&str, u64)], at: u64) -> NodeDoc {
+        NodeDoc {
+            node_id: id.into(),
+            state: state.into(),
+            capacity: Capacity {
+                vcpus: 4,
+                memory_bytes: 1000,
+            },
+            memory_available_bytes: available,
+            sandboxes: listed
+                .iter()
+                .map(|(s, m)| NodeSandbox {
+                    sandbox_id: (*s).into(),
+                    allocated_memory_bytes: 100,
+                    memory_used_bytes: *m,
+                })
+                .collect(),
+            reported_at_unix_ms: at,
+            ..NodeDoc::default()
+        }
+    }
+
+    fn manifest(id: &str, node: &str, phase: SandboxPhase) -> SandboxDoc {
+        SandboxDoc {
+            sandbox_id: id.into(),
+            team_id: "t".into(),
+            template: "base".into(),
+            vcpus: 1,
+            memory_bytes: 512,
+            memory_source: EstimateSource::Default,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            phase,
+            node_id: node.into(),
+            node_address: String::new(),
+            envd_address: String::new(),
+            epoch: 1,
+            envd_access_token: None,
+            started_at_unix_ms: 0,
+            end_at_unix_ms: 0,
+            auto_pause: false,
+            lifecycle_owner: None,
+            last_moved_unix_ms: None,
+        }
+    }
+
+    #[test]
+    fn measured_memory_wins_over_the_estimate_and_states_are_read() {
+        let nodes = vec![
+            node("a", "ready", 400, &[("s1", 300), ("s2", 0)], 10_000),
+            node("b", "draining", 900, &[], 10_000),
+            node("c", "ready", 900, &[], 1_000),
+            node("d", "ready", 900, &[], 10_000),
+        ];
+        let manifests = vec![
+            manifest("s1", "a", SandboxPhase::Running),
+            manifest("s2", "a", SandboxPhase::Paused),
+            manifest("s3", "", SandboxPhase::Hibernated),
+        ];
+        let control = ControlDoc {
+            paused: false,
+            draining: vec!["d".into()],
+        };
+        let snap = snapshot(&nodes, &manifests, &control, 10_500, 5_000);
+        let ready: Vec<(&str, bool, bool)> = snap
+            .nodes
+            .iter()
+            .map(|n| (n.node_id.as_str(), n.ready, n.draining))
+            .collect();
+        assert_eq!(
+            ready,
+            vec![
+                ("a", true, false),
+                ("b", false, true),
+                ("c", false, false),
+                ("d", false, true)
+            ]
+        );
+        assert_eq!(snap.sandboxes.len(), 2, "a hibernated sandbox is on no node");
+        assert_eq!(snap.sandboxes[0].memory_bytes, 300);
+        assert_eq!(
+            snap.sandboxes[1].memory_bytes, 512,
+            "unmeasured: the manifest's estimate"
+        );
+        assert!(!snap.sandboxes[1].movable);
+    }
+
+    #[test]
+    fn a_move_is_reflected_only_when_both_nodes_show_it() {
+        let record = MoveRecord {
+            move_id: "p.0".into(),
+            sandbox_id: "s".into(),
+            from_node: "a".into(),
+            from_address: String::new(),
+            to_node: "b".into(),
+            to_address: String::new(),
+            memory_bytes: 1,
+            step: Step::Done,
+            epoch: 2,
+            error: None,
+            failed_at: None,
+            paused_at_unix_ms: None,
+            resumed_at_unix_ms: None,
+            finished_at_unix_ms: None,
+        };
+        let before = vec![node("a", "ready", 0, &[("s", 1)], 0), node("b", "ready", 0, &[], 0)];
+        let half = vec![
+            node("a", "ready", 0, &[("s", 1)], 0),
+            node("b", "ready", 0, &[("s", 1)], 0),
+        ];
+        let after = vec![node("a", "ready", 0, &[], 0), node("b", "ready", 0, &[("s", 1)], 0)];
+        assert!(!reflected(&record, &before));
+        assert!(!reflected(&record, &half));
+        assert!(reflected(&record, &after));
+        let mut undone = record.clone();
+        undone.step = Step::RolledBack;
+        assert!(reflected(&undone, &before));
+        assert!(!reflected(&undone, &half));
+    }
+}

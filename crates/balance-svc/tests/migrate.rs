@@ -1,0 +1,555 @@
+//! balance-svc against real parts: a ledger on SQLite, placement in memory publishing node
+//! documents, and two node-svcs running real process sandboxes.
+//!
+//! The crash tests kill the executor (its loop ends at an injected halt and never releases
+//! its lease, as a dead process would) after each step of a move in turn, before and after
+//! the plan document records the step, then start a fresh balance-svc and check the brief's
+//! invariant: the sandbox runs in exactly one place, with its files, and the plan finishes.
+
+use std::time::Duration;
+
+use balance_svc::migrate::Halt;
+use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+use balance_svc::server::{BalanceConfig, RunningBalance};
+use common::docs::{EstimateSource, NodeDoc, SandboxDoc, SandboxPhase, NODE_KIND, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, Txn};
+use node_svc::server::RunningNode;
+use proto::balance::v1 as bpb;
+use proto::balance::v1::balance_client::BalanceClient;
+use proto::node::v1 as npb;
+use proto::node::v1::node_client::NodeClient;
+
+struct Cluster {
+    ledger: ledger_svc::RunningLedger,
+    placement: placement_svc::server::RunningPlacement,
+    nodes: Vec<RunningNode>,
+    client: LedgerClient,
+    dir: std::path::PathBuf,
+    tag: String,
+}
+
+async fn cluster(node_memory_mb: &[u64]) -> Cluster {
+    common::telemetry::init("balance-test");
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let dir = std::env::temp_dir().join(format!("balance-test-{tag}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        format!("sqlite://{}", dir.join("ledger.db").display()),
+    ))
+    .await
+    .unwrap();
+    let mut pconfig = placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse().unwrap());
+    pconfig.ledger_endpoint = Some(ledger.endpoint());
+    pconfig.node_doc_interval = Duration::ZERO;
+    let placement = placement_svc::server::start(pconfig).await.unwrap();
+    let mut nodes = Vec::new();
+    for (i, mb) in node_memory_mb.iter().enumerate() {
+        let id = format!("b{tag}-{i}");
+        let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, dir.join(&id));
+        config.placement = Some(placement.endpoint());
+        config.heartbeat_interval = Duration::from_millis(100);
+        config.host.capacity.memory_bytes = mb << 20;
+        nodes.push(node_svc::server::start(config).await.unwrap());
+    }
+    let client = LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
+    let cluster = Cluster {
+        ledger,
+        placement,
+        nodes,
+        client,
+        dir,
+        tag,
+    };
+    // Every node has a document (placement wrote it from a heartbeat).
+    cluster
+        .until("every node has a document", || async {
+            let (docs, _) = cluster.client.list::<NodeDoc>(NODE_KIND, "").await.ok()?;
+            (docs.len() == cluster.nodes.len()).then_some(())
+        })
+        .await;
+    cluster
+}
+
+impl Cluster {
+    fn node_id(&self, i: usize) -> String {
+        format!("b{}-{i}", self.tag)
+    }
+
+    /// Polls `check` until it answers (the state it waits for is in other processes' hands),
+    /// failing loudly after 30 s.
+    async fn until<T, F, Fut>(&self, what: &str, mut check: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// A running process sandbox on node `i` with a file in its home, and its manifest.
+    async fn sandbox(&self, i: usize, id: &str, start_command: &str) {
+        let node = &self.nodes[i];
+        let mut grpc = NodeClient::connect(node.endpoint()).await.unwrap();
+        grpc.create(npb::CreateRequest {
+            operation_id: format!("create-{id}"),
+            epoch: 1,
+            sandbox_id: id.to_string(),
+            template: "base".into(),
+            resources: Some(npb::Resources {
+                vcpus: 1,
+                memory_bytes: 64 << 20,
+            }),
+            start_command: start_command.to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        std::fs::write(node.host().home(id).join("notes.txt"), format!("files of {id}")).unwrap();
+        let manifest = SandboxDoc {
+            sandbox_id: id.to_string(),
+            team_id: "team".into(),
+            template: "base".into(),
+            vcpus: 1,
+            memory_bytes: 64 << 20,
+            memory_source: EstimateSource::Request,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            phase: SandboxPhase::Running,
+            node_id: self.node_id(i),
+            node_address: node.endpoint(),
+            envd_address: node.envd_endpoint(),
+            epoch: 1,
+            envd_access_token: None,
+            started_at_unix_ms: 0,
+            end_at_unix_ms: u64::MAX / 2,
+            auto_pause: false,
+            lifecycle_owner: None,
+            last_moved_unix_ms: None,
+        };
+        self.client
+            .compare(Txn::new().create(SANDBOX_KIND, id, &manifest).unwrap())
+            .await
+            .unwrap();
+    }
+
+    /// Commits a plan of one move, as the balancer would.
+    async fn plan_one(&self, plan_id: &str, sandbox: &str, from: usize, to: usize) {
+        let doc = PlanDoc {
+            plan_id: plan_id.to_string(),
+            reason: PlanReason::Balance,
+            spread_before: 0.2,
+            spread_expected: 0.0,
+            skips: Default::default(),
+            created_at_unix_ms: 0,
+            finished_at_unix_ms: None,
+            moves: vec![MoveRecord {
+                move_id: format!("{plan_id}.0"),
+                sandbox_id: sandbox.to_string(),
+                from_node: self.node_id(from),
+                from_address: self.nodes[from].endpoint(),
+                to_node: self.node_id(to),
+                to_address: self.nodes[to].endpoint(),
+                memory_bytes: 64 << 20,
+                step: Step::Planned,
+                epoch: 0,
+                error: None,
+                failed_at: None,
+                paused_at_unix_ms: None,
+                resumed_at_unix_ms: None,
+                finished_at_unix_ms: None,
+            }],
+        };
+        self.client
+            .compare(Txn::new().create(PLAN_KIND, plan_id, &doc).unwrap())
+            .await
+            .unwrap();
+    }
+
+    async fn balance(&self, halt: Option<Halt>) -> RunningBalance {
+        let mut config = BalanceConfig::new("127.0.0.1:0".parse().unwrap(), self.ledger.endpoint());
+        config.placement_endpoint = Some(self.placement.endpoint());
+        config.tuning.interval = Duration::from_millis(100);
+        config.lease_ttl = Duration::from_millis(600);
+        config.tuning.stale_after = Duration::from_secs(5);
+        config.halt = halt;
+        balance_svc::server::start(config).await.unwrap()
+    }
+
+    async fn finished_plan(&self, plan_id: &str) -> PlanDoc {
+        self.until(&format!("plan {plan_id} finished"), || async {
+            let plan = self.client.get::<PlanDoc>(PLAN_KIND, plan_id).await.ok()??;
+            plan.value.finished_at_unix_ms.is_some().then_some(plan.value)
+        })
+        .await
+    }
+
+    /// The brief's invariant: running on exactly one node (the one the manifest names, with
+    /// its start command's process alive), unowned, with its files.
+    async fn assert_runs_once(&self, id: &str, on: usize) {
+        let manifest = self
+            .client
+            .get::<SandboxDoc>(SANDBOX_KIND, id)
+            .await
+            .unwrap()
+            .unwrap()
+            .value;
+        assert_eq!(manifest.node_id, self.node_id(on), "{manifest:?}");
+        assert_eq!(manifest.node_address, self.nodes[on].endpoint());
+        assert_eq!(manifest.envd_address, self.nodes[on].envd_endpoint());
+        assert_eq!(manifest.lifecycle_owner, None);
+        for (i, node) in self.nodes.iter().enumerate() {
+            let record = node.host().get(id).await;
+            if i == on {
+                let record = record.unwrap_or_else(|| panic!("{id} is not on node {i}"));
+                assert_eq!(record.state, node_svc::sandbox::State::Running, "{record:?}");
+                assert!(record.pgid > 0, "its start command runs: {record:?}");
+                assert!(
+                    alive(record.pgid),
+                    "the start command's process {} is gone",
+                    record.pgid
+                );
+                let notes = std::fs::read_to_string(node.host().home(id).join("notes.txt")).unwrap();
+                assert_eq!(notes, format!("files of {id}"));
+            } else {
+                assert!(record.is_none(), "a second copy of {id} is on node {i}: {record:?}");
+            }
+        }
+    }
+
+    async fn stop(self) {
+        for node in self.nodes {
+            for (record, _) in node.host().list().await {
+                let _ = node
+                    .host()
+                    .lifecycle("cleanup", u64::MAX, &record.id, node_svc::sandbox::Move::Kill)
+                    .await;
+            }
+            node.stop().await;
+        }
+        self.placement.stop().await;
+        self.ledger.stop().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for i in 0..4 {
+            node_svc::runtime::cgroup::remove_parents(&format!("b{}-{i}", self.tag));
+        }
+    }
+}
+
+/// The process exists and is not a zombie.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_move_survives_the_executor_dying_after_every_step() {
+    let cluster = cluster(&[4096, 4096]).await;
+    let mut halts = Vec::new();
+    for step in [
+        Step::Owned,
+        Step::SourcePaused,
+        Step::Restored,
+        Step::TargetResumed,
+        Step::Switched,
+    ] {
+        halts.push(Halt { step, recorded: false });
+        halts.push(Halt { step, recorded: true });
+    }
+    halts.push(Halt {
+        step: Step::Done,
+        recorded: false,
+    });
+    for (n, halt) in halts.into_iter().enumerate() {
+        let id = format!("crash{n}");
+        // Alternate directions so each case starts from a fresh source.
+        let (from, to) = if n % 2 == 0 { (0, 1) } else { (1, 0) };
+        cluster.sandbox(from, &id, "sleep 600").await;
+        let plan_id = format!("0000000000000-crash{n}");
+        cluster.plan_one(&plan_id, &id, from, to).await;
+
+        let mut dying = cluster.balance(Some(halt)).await;
+        tokio::time::timeout(Duration::from_secs(30), dying.loop_done())
+            .await
+            .unwrap_or_else(|_| panic!("the executor never reached {halt:?}"));
+        dying.stop().await;
+
+        let recovered = cluster.balance(None).await;
+        let plan = cluster.finished_plan(&plan_id).await;
+        recovered.stop().await;
+        assert_eq!(plan.moves[0].step, Step::Done, "after {halt:?}: {plan:?}");
+        assert!(plan.moves[0].epoch >= 2, "{plan:?}");
+        cluster.assert_runs_once(&id, to).await;
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_move_rolls_back_to_the_source() {
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "stays", "sleep 600").await;
+    // The target refuses the restore: it already has a sandbox of that ID... of its own.
+    // Simplest real failure: a target address where no node listens.
+    let plan_id = "0000000000000-rollback";
+    let mut doc_plan = {
+        cluster.plan_one(plan_id, "stays", 0, 1).await;
+        cluster
+            .client
+            .get::<PlanDoc>(PLAN_KIND, plan_id)
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    doc_plan.value.moves[0].to_address = "http://127.0.0.1:1".into();
+    cluster
+        .client
+        .compare(
+            Txn::new()
+                .update(PLAN_KIND, plan_id, doc_plan.version, &doc_plan.value)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let balance = cluster.balance(None).await;
+    let plan = cluster.finished_plan(plan_id).await;
+    balance.stop().await;
+    assert_eq!(plan.moves[0].step, Step::RolledBack, "{plan:?}");
+    assert!(plan.moves[0].error.is_some());
+    cluster.assert_runs_once("stays", 0).await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_older_executor_is_fenced_out_by_the_epoch() {
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "fenced", "sleep 600").await;
+    let plan_id = "0000000000000-fence";
+    cluster.plan_one(plan_id, "fenced", 0, 1).await;
+    // The first executor owns the sandbox (epoch 2) and pauses it, then "hangs".
+    let mut first = cluster
+        .balance(Some(Halt {
+            step: Step::SourcePaused,
+            recorded: true,
+        }))
+        .await;
+    first.loop_done().await;
+    first.stop().await;
+    let old_epoch = cluster
+        .client
+        .get::<PlanDoc>(PLAN_KIND, plan_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .value
+        .moves[0]
+        .epoch;
+    let second = cluster.balance(None).await;
+    cluster.finished_plan(plan_id).await;
+    second.stop().await;
+    // The hung executor wakes up and tries its next action with its epoch: refused.
+    let mut source = NodeClient::connect(cluster.nodes[1].endpoint()).await.unwrap();
+    let refused = source
+        .pause(npb::LifecycleRequest {
+            operation_id: "late".into(),
+            epoch: old_epoch,
+            sandbox_id: "fenced".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    cluster.assert_runs_once("fenced", 1).await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plan_commits_land_while_node_documents_change_every_100ms() {
+    let cluster = cluster(&[4096, 4096]).await;
+    // Node documents rewritten every 100 ms by another writer (as placement does).
+    let writer = {
+        let client = cluster.client.clone();
+        tokio::spawn(async move {
+            for _ in 0..50 {
+                if let Ok((docs, _)) = client.list::<NodeDoc>(NODE_KIND, "").await {
+                    for doc in docs {
+                        let mut value = doc.value.clone();
+                        value.seq += 1;
+                        let _ = client
+                            .compare(
+                                Txn::new()
+                                    .update(NODE_KIND, &value.node_id, doc.version, &value)
+                                    .unwrap(),
+                            )
+                            .await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let mut landed = 0;
+    for i in 0..20 {
+        // Read the node documents (as a scan does); commit only after one was rewritten.
+        let (before, _) = cluster.client.list::<NodeDoc>(NODE_KIND, "").await.unwrap();
+        let before: Vec<u64> = before.iter().map(|d| d.version).collect();
+        cluster
+            .until("a node document rewritten since the read", || async {
+                let (after, _) = cluster.client.list::<NodeDoc>(NODE_KIND, "").await.ok()?;
+                (after.iter().map(|d| d.version).collect::<Vec<_>>() != before).then_some(())
+            })
+            .await;
+        let plan = PlanDoc {
+            plan_id: format!("commit-{i}"),
+            reason: PlanReason::Balance,
+            spread_before: 0.3,
+            spread_expected: 0.0,
+            skips: Default::default(),
+            created_at_unix_ms: 0,
+            finished_at_unix_ms: Some(1),
+            moves: Vec::new(),
+        };
+        let balancer = balance_svc::balancer::Balancer::new(
+            cluster.client.clone(),
+            balance_svc::lease::Lease::new(cluster.client.clone(), "t".into(), Duration::from_secs(5)),
+            balance_svc::migrate::Mover::new(cluster.client.clone(), None, 1),
+            Default::default(),
+        );
+        balancer
+            .commit(&plan)
+            .await
+            .expect("a plan commit guards only the plan document");
+        landed += 1;
+    }
+    writer.abort();
+    assert_eq!(landed, 20);
+    cluster.stop().await;
+}
+
+/// Skewed memory (sandboxes really allocating it) is observed, planned, moved and judged
+/// satisfied; status and history answer over gRPC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_skewed_cluster_is_balanced_until_satisfied() {
+    let cluster = cluster(&[1024, 1024]).await;
+    let hog = "python3 -c \"import time; b = b'x' * (60 << 20); time.sleep(600)\"";
+    for id in ["hog0", "hog1", "hog2"] {
+        cluster.sandbox(0, id, hog).await;
+    }
+    // Wait until node 0's document shows the memory in use.
+    let node0 = cluster.node_id(0);
+    cluster
+        .until("the skew shows in node documents", || async {
+            let (docs, _) = cluster.client.list::<NodeDoc>(NODE_KIND, "").await.ok()?;
+            let ratio = |id: &str| {
+                docs.iter()
+                    .find(|d| d.value.node_id == id)
+                    .map(|d| d.value.available_ratio)
+            };
+            let spread = ratio(&cluster.node_id(1))? - ratio(&node0)?;
+            (spread > 0.12).then_some(())
+        })
+        .await;
+    let balance = cluster.balance(None).await;
+    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    let status = cluster
+        .until("Satisfied after a move", || {
+            let mut api = api.clone();
+            async move {
+                let status = api.status(bpb::StatusRequest {}).await.ok()?.into_inner();
+                let o = status.observation.clone()?;
+                (o.status == "Satisfied/SpreadWithinThreshold"
+                    && o.counts.contains_key("PendingBalance/PlanningRequired"))
+                .then_some(status)
+            }
+        })
+        .await;
+    assert!(status.leader);
+    let history = api
+        .history(bpb::HistoryRequest { limit: 10 })
+        .await
+        .unwrap()
+        .into_inner()
+        .plans;
+    let moved: Vec<&bpb::MoveView> = history.iter().flat_map(|p| &p.moves).collect();
+    assert!(!moved.is_empty());
+    assert!(moved.iter().all(|m| m.step == "Done"), "{moved:?}");
+    let fetched = api
+        .get_plan(bpb::GetPlanRequest {
+            plan_id: history[0].plan_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(fetched, history[0]);
+    let missing = api
+        .get_plan(bpb::GetPlanRequest { plan_id: "nope".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+    for m in moved {
+        cluster.assert_runs_once(&m.sandbox_id, 1).await;
+    }
+    balance.stop().await;
+    cluster.stop().await;
+}
+
+/// Drain: placement stops choosing the node and everything running on it moves off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drained_node_is_emptied() {
+    let cluster = cluster(&[2048, 2048]).await;
+    for id in ["d0", "d1"] {
+        cluster.sandbox(0, id, "sleep 600").await;
+    }
+    let balance = cluster.balance(None).await;
+    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    let refused = api
+        .drain(bpb::DrainRequest {
+            node_id: String::new(),
+            undo: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let answer = api
+        .drain(bpb::DrainRequest {
+            node_id: cluster.node_id(0),
+            undo: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.draining_nodes, vec![cluster.node_id(0)]);
+    assert_eq!(answer.remaining_sandboxes, 2);
+    cluster
+        .until("the drained node is empty", || async {
+            let manifests = cluster.client.list::<SandboxDoc>(SANDBOX_KIND, "").await.ok()?.0;
+            manifests
+                .iter()
+                .all(|m| m.value.node_id == cluster.node_id(1) && m.value.lifecycle_owner.is_none())
+                .then_some(())
+        })
+        .await;
+    for id in ["d0", "d1"] {
+        cluster.assert_runs_once(id, 1).await;
+    }
+    // Placement no longer offers the node.
+    let mut placement = proto::placement::v1::placement_client::PlacementClient::connect(cluster.placement.endpoint())
+        .await
+        .unwrap();
+    let nodes = placement
+        .nodes(proto::placement::v1::NodesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .nodes;
+    let drained = nodes.iter().find(|n| n.node_id == cluster.node_id(0)).unwrap();
+    assert_eq!(drained.state, proto::placement::v1::NodeState::Draining as i32);
+    balance.stop().await;
+    cluster.stop().await;
+}
