@@ -51,6 +51,15 @@ struct UpArgs {
     /// Address of the E2B REST API and envd proxy.
     #[arg(long, env = "SANDBOXSCHED_GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
     gateway_listen: SocketAddr,
+    /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
+    #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
+    node_memory_mb: Option<u64>,
+    /// Address of balance-svc's gRPC endpoint (status, plan history, drain, pause).
+    #[arg(long, env = "SANDBOXSCHED_BALANCE_LISTEN", default_value = "127.0.0.1:7003")]
+    balance_listen: SocketAddr,
+    /// Milliseconds between balance observations.
+    #[arg(long, env = "SANDBOXSCHED_BALANCE_INTERVAL_MS", default_value_t = 5_000)]
+    balance_interval_ms: u64,
     /// Use this database for the ledger instead of the embedded SQLite file
     /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
     #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
@@ -107,7 +116,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         config.envd_listen = SocketAddr::new(listen.ip(), port(100));
         config.host.capacity = node_svc::sandbox::Resources {
             vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
-            memory_bytes: host.memory_bytes / share,
+            memory_bytes: args.node_memory_mb.map_or(host.memory_bytes / share, |mb| mb << 20),
         };
         config.placement = Some(placement.endpoint());
         let templates = args.data_dir.join("templates");
@@ -118,6 +127,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("starting node-svc {id}"))?,
         );
     }
+
+    let mut balance_config = balance_svc::server::BalanceConfig::new(args.balance_listen, ledger.endpoint());
+    balance_config.placement_endpoint = Some(placement.endpoint());
+    balance_config.tuning.interval = std::time::Duration::from_millis(args.balance_interval_ms.max(1));
+    balance_config.lease_ttl = balance_config.lease_ttl.max(balance_config.tuning.interval * 3);
+    let balance = balance_svc::server::start(balance_config)
+        .await
+        .context("starting balance-svc")?;
 
     let api_key = api_key(&args.data_dir)?;
     let mut templates = e2b_gateway::intent::builtin_templates();
@@ -165,6 +182,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         );
     }
     println!(
+        "  balance-svc    grpc {}   (observes every {} ms; its observations and plans are logged here)",
+        balance.endpoint(),
+        args.balance_interval_ms
+    );
+    println!(
         "  e2b-gateway    http {}   (E2B REST API and envd proxy)",
         gateway.url()
     );
@@ -178,6 +200,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     println!("Press Ctrl-C to stop.");
 
     common::shutdown::signal().await;
+    // Balance first: a move in flight finishes its current step; a restart resumes the rest.
+    balance.stop().await;
     gateway.stop().await;
     // Sandboxes keep running; the next `up` re-adopts them.
     for node in nodes {

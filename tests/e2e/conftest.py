@@ -24,19 +24,21 @@ def _binary() -> Path:
     raise RuntimeError("target/debug/sandboxsched is missing: run `cargo build` (scripts/test-all does)")
 
 
-@pytest.fixture(scope="session")
-def stack():
+def _start(nodes: int, log_level: str, **extra):
+    """Runs `sandboxsched up` on free ports; returns (process, data dir, log path, exports)."""
     data = Path(tempfile.mkdtemp(prefix="e2e-stack-"))
     env = dict(os.environ)
     env.update(
         SANDBOXSCHED_DATA_DIR=str(data),
         SANDBOXSCHED_LEDGER_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_PLACEMENT_LISTEN="127.0.0.1:0",
+        SANDBOXSCHED_BALANCE_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_GATEWAY_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_NODE_BASE_PORT="0",
         SANDBOXSCHED_METRICS_LISTEN="127.0.0.1:0",
-        SANDBOXSCHED_NODES="2",
-        RUST_LOG="warn",
+        SANDBOXSCHED_NODES=str(nodes),
+        RUST_LOG=log_level,
+        **extra,
     )
     # Output goes to a file, never a pipe nobody drains: a full pipe would stall the stack.
     log = data / "stack.log"
@@ -53,11 +55,42 @@ def stack():
     if set(exports) != {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}:
         proc.kill()
         raise RuntimeError("the stack did not come up:\n" + log.read_text())
-    os.environ.update(exports)
-    yield exports
+    return proc, data, log, exports
+
+
+def _stop(proc, data):
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
     shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def stack():
+    proc, data, _log, exports = _start(2, "warn")
+    os.environ.update(exports)
+    yield exports
+    _stop(proc, data)
+
+
+@pytest.fixture(scope="module")
+def balanced_stack():
+    """Three small nodes (1 GiB each, so a few hundred MB of real use is a clear skew) with
+    balance-svc observing every second; its log is where observations and plans show."""
+    proc, data, log, exports = _start(
+        3,
+        "info",
+        SANDBOXSCHED_NODE_MEMORY_MB="1024",
+        SANDBOXSCHED_BALANCE_INTERVAL_MS="1000",
+    )
+    saved = {k: os.environ.get(k) for k in exports}
+    os.environ.update(exports)
+    yield {"exports": exports, "log": log}
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _stop(proc, data)

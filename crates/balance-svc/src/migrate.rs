@@ -76,6 +76,12 @@ pub struct Halt {
     pub recorded: bool,
 }
 
+/// Snapshots arrive as a stream of hundreds of MB: a large HTTP/2 window keeps the sender
+/// from stalling on window updates (the node's server uses the same).
+fn node_svc_window() -> Option<u32> {
+    Some(8 << 20)
+}
+
 /// gRPC clients per node address, connected lazily and reused.
 #[derive(Clone, Default)]
 pub struct NodeClients {
@@ -91,6 +97,8 @@ impl NodeClients {
         let channel = Endpoint::from_shared(address.to_string())
             .map_err(|e| MoveError::Failed(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
+            .initial_stream_window_size(node_svc_window())
+            .initial_connection_window_size(node_svc_window().map(|w| w * 2))
             .connect_lazy();
         let client = NodeClient::new(channel).max_decoding_message_size(16 << 20);
         clients.insert(address.to_string(), client.clone());

@@ -7,6 +7,7 @@
 mod balance_convergence;
 mod gateway_create;
 mod ledger_cas;
+mod migration;
 mod node;
 mod placement_distribution;
 mod placement_throughput;
@@ -38,6 +39,8 @@ enum Scenario {
     GatewayCreate(gateway_create::Args),
     /// The balance planner on a simulated, skewed cluster: moves against a lower bound.
     BalanceConvergence(balance_convergence::Args),
+    /// One process sandbox with 100 MB of files moved by the balance executor: downtime.
+    Migration(migration::Args),
 }
 
 #[tokio::main]
@@ -50,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Node(args) => node::run(args).await?,
         Scenario::GatewayCreate(args) => gateway_create::run(args).await?,
         Scenario::BalanceConvergence(args) => balance_convergence::run(args)?,
+        Scenario::Migration(args) => migration::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

@@ -63,8 +63,17 @@ fn round2(x: f64) -> f64 {
 pub async fn run(args: Args) -> anyhow::Result<Report> {
     let a = node("a").await?;
     let b = node("b").await?;
-    let mut ca = NodeClient::connect(a.node.endpoint()).await?;
-    let mut cb = NodeClient::connect(b.node.endpoint()).await?;
+    // The same HTTP/2 windows as the balance executor's clients: a snapshot is one long stream.
+    let client = |endpoint: String| async move {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint)?
+            .initial_stream_window_size(Some(node_svc::server::STREAM_WINDOW))
+            .initial_connection_window_size(Some(node_svc::server::STREAM_WINDOW * 2))
+            .connect()
+            .await?;
+        anyhow::Ok(NodeClient::new(channel))
+    };
+    let mut ca = client(a.node.endpoint()).await?;
+    let mut cb = client(b.node.endpoint()).await?;
 
     let (mut create, mut pause, mut resume, mut kill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.sandboxes {

@@ -82,6 +82,9 @@ impl Nodes {
         let channel = Endpoint::from_shared(address.to_string())
             .map_err(|e| Failure::Internal(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
+            // Hibernation streams whole snapshots: HTTP/2's default 64 KiB window stalls them.
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(16 << 20))
             .connect_lazy();
         let client = NodeClient::new(channel);
         map.insert(address.to_string(), (client.clone(), None));

@@ -1,0 +1,176 @@
+//! `bench migration`: one process sandbox holding 100 MB of files moved between two
+//! node-svcs by balance-svc's executor (own, pause, stream snapshot into restore, resume,
+//! switch, delete the source), on a ledger in SQLite. `downtime_ms` is paused-to-resumed.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use balance_svc::migrate::Mover;
+use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, Txn};
+use node_svc::server::{NodeConfig, RunningNode};
+use proto::node::v1 as pb;
+use proto::node::v1::node_client::NodeClient;
+
+use crate::report::Report;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Megabytes of files in the moved sandbox.
+    #[arg(long, default_value_t = 100)]
+    mb: usize,
+    /// Moves measured (back and forth); the median is reported.
+    #[arg(long, default_value_t = 5)]
+    moves: usize,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(0.0)
+}
+
+pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let dir = std::env::temp_dir().join(format!("bench-migration-{tag}"));
+    std::fs::create_dir_all(&dir)?;
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        "127.0.0.1:0".parse()?,
+        format!("sqlite://{}", dir.join("ledger.db").display()),
+    ))
+    .await?;
+    let client = LedgerClient::connect_lazy(&ledger.endpoint())?;
+    let mut nodes: Vec<(String, RunningNode)> = Vec::new();
+    for i in 0..2 {
+        let id = format!("mig{tag}-{i}");
+        let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse()?, &id, dir.join(&id))).await?;
+        nodes.push((id, node));
+    }
+    let id = "moving";
+    let mut a = NodeClient::connect(nodes[0].1.endpoint()).await?;
+    a.create(pb::CreateRequest {
+        operation_id: "create".into(),
+        epoch: 1,
+        sandbox_id: id.into(),
+        template: "base".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        start_command: "sleep 3600".into(),
+        ..Default::default()
+    })
+    .await?;
+    let block: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let home = nodes[0].1.host().home(id);
+    for f in 0..args.mb {
+        std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
+    }
+    let manifest = SandboxDoc {
+        sandbox_id: id.into(),
+        team_id: "bench".into(),
+        template: "base".into(),
+        vcpus: 1,
+        memory_bytes: 256 << 20,
+        memory_source: EstimateSource::Request,
+        env_vars: Default::default(),
+        metadata: Default::default(),
+        phase: SandboxPhase::Running,
+        node_id: nodes[0].0.clone(),
+        node_address: nodes[0].1.endpoint(),
+        envd_address: nodes[0].1.envd_endpoint(),
+        epoch: 1,
+        envd_access_token: None,
+        started_at_unix_ms: 0,
+        end_at_unix_ms: u64::MAX / 2,
+        auto_pause: false,
+        lifecycle_owner: None,
+        last_moved_unix_ms: None,
+    };
+    client.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
+
+    let mover = Mover::new(client.clone(), None, 1);
+    let (mut downtime, mut total, mut rate) = (Vec::new(), Vec::new(), Vec::new());
+    for n in 0..args.moves {
+        let (from, to) = if n % 2 == 0 { (0, 1) } else { (1, 0) };
+        let plan_id = format!("bench-{n}");
+        let plan = PlanDoc {
+            plan_id: plan_id.clone(),
+            reason: PlanReason::Balance,
+            spread_before: 0.0,
+            spread_expected: 0.0,
+            skips: Default::default(),
+            created_at_unix_ms: 0,
+            finished_at_unix_ms: None,
+            moves: vec![MoveRecord {
+                move_id: format!("{plan_id}.0"),
+                sandbox_id: id.into(),
+                from_node: nodes[from].0.clone(),
+                from_address: nodes[from].1.endpoint(),
+                to_node: nodes[to].0.clone(),
+                to_address: nodes[to].1.endpoint(),
+                memory_bytes: 256 << 20,
+                step: Step::Planned,
+                epoch: 0,
+                error: None,
+                failed_at: None,
+                paused_at_unix_ms: None,
+                resumed_at_unix_ms: None,
+                finished_at_unix_ms: None,
+            }],
+        };
+        client.compare(Txn::new().create(PLAN_KIND, &plan_id, &plan)?).await?;
+        let committed = client
+            .get::<PlanDoc>(PLAN_KIND, &plan_id)
+            .await?
+            .context("plan just written")?;
+        let started = Instant::now();
+        let done = mover.execute(committed).await?;
+        let elapsed = started.elapsed();
+        let record = &done.moves[0];
+        anyhow::ensure!(
+            record.step == Step::Done,
+            "the move ended {:?}: {:?}",
+            record.step,
+            record.error
+        );
+        let moved = nodes[to].1.host().home(id).join("data-000.bin");
+        anyhow::ensure!(std::fs::read(moved)? == block, "the moved files differ");
+        let d = record.downtime_ms().unwrap_or(0) as f64;
+        downtime.push(d);
+        total.push(elapsed.as_secs_f64() * 1000.0);
+        rate.push(args.mb as f64 / (d.max(1.0) / 1000.0));
+    }
+    let last = if args.moves % 2 == 0 { 0 } else { 1 };
+    let _ = nodes[last]
+        .1
+        .host()
+        .lifecycle("bench-cleanup", u64::MAX, id, node_svc::sandbox::Move::Kill)
+        .await;
+    for (node_id, node) in nodes {
+        node.stop().await;
+        node_svc::runtime::cgroup::remove_parents(&node_id);
+    }
+    ledger.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let mut report = Report::new(format!(
+        "migration: one process sandbox with {} MB of files, {} moves between two node-svcs (medians)",
+        args.mb, args.moves
+    ));
+    report
+        .figure("downtime_ms", median(downtime), "ms paused -> resumed (goal < 1000)")
+        .figure(
+            "move_ms",
+            (median(total) * 10.0).round() / 10.0,
+            "ms whole move, own to source deleted",
+        )
+        .figure(
+            "mb_per_sec",
+            (median(rate) * 10.0).round() / 10.0,
+            "MB/s during the downtime",
+        );
+    Ok(report)
+}
