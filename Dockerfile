@@ -8,7 +8,7 @@ COPY . .
 RUN cargo build --release --locked --bins \
  && mkdir /out \
  && cp target/release/sandboxsched target/release/ledger-svc target/release/placement-svc \
-       target/release/node-svc target/release/e2b-gateway /out/
+       target/release/node-svc target/release/e2b-gateway target/release/balance-svc /out/
 
 FROM debian:bookworm-slim
 RUN apt-get update \

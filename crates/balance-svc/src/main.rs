@@ -21,7 +21,7 @@ struct Args {
     /// placement-svc, told about drains and moves.
     #[arg(long, env = "BALANCE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
     placement: String,
-    /// Seconds between observations.
+    /// Milliseconds between observations.
     #[arg(long, env = "BALANCE_INTERVAL_MS", default_value_t = 5_000)]
     interval_ms: u64,
     /// Act when the spread exceeds this.
