@@ -94,7 +94,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let mover = Mover::new(client.clone(), None, 1);
     let (mut downtime, mut total, mut rate) = (Vec::new(), Vec::new(), Vec::new());
     for n in 0..args.moves {
-        let (from, to) = if n % 2 == 0 { (0, 1) } else { (1, 0) };
+        let (from, to) = if n.is_multiple_of(2) { (0, 1) } else { (1, 0) };
         let plan_id = format!("bench-{n}");
         let plan = PlanDoc {
             plan_id: plan_id.clone(),
@@ -143,7 +143,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         total.push(elapsed.as_secs_f64() * 1000.0);
         rate.push(args.mb as f64 / (d.max(1.0) / 1000.0));
     }
-    let last = if args.moves % 2 == 0 { 0 } else { 1 };
+    let last = if args.moves.is_multiple_of(2) { 0 } else { 1 };
     let _ = nodes[last]
         .1
         .host()
