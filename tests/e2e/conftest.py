@@ -87,7 +87,8 @@ def balanced_stack():
     )
     saved = {k: os.environ.get(k) for k in exports}
     os.environ.update(exports)
-    yield {"exports": exports, "log": log}
+    balance = re.search(r"balance-svc\s+grpc (\S+)", log.read_text()).group(1)
+    yield {"exports": exports, "log": log, "binary": _binary(), "balance": balance}
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -6,6 +6,7 @@ sandbox still answers `commands.run` through the gateway and still has its files
 import json
 import os
 import re
+import subprocess
 import time
 import urllib.request
 from collections import Counter
@@ -60,6 +61,14 @@ def test_a_skewed_node_is_balanced_within_60_seconds(balanced_stack):
             again = Sandbox.connect(s.sandbox_id)
             assert again.commands.run("cat keep.txt").stdout == f"files of {s.sandbox_id}"
             assert again.commands.run("echo still here").stdout == "still here\n"
+        # The operator's view of the same: status and history through the launcher's CLI.
+        cli = [str(balanced_stack["binary"])]
+        where_flag = ["--balance", balanced_stack["balance"]]
+        status = subprocess.run(cli + ["status"] + where_flag, capture_output=True, text=True, check=True).stdout
+        assert "PendingBalance/PlanningRequired" in status, status
+        history = subprocess.run(cli + ["history"] + where_flag, capture_output=True, text=True, check=True).stdout
+        assert all(s.sandbox_id in history for s in moved), history
+        assert "Done" in history, history
         print(f"balanced in {elapsed:.1f} s, {len(moved)} sandbox(es) moved off {hot}")
     finally:
         for s in sandboxes:

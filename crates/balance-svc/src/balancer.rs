@@ -19,7 +19,7 @@ use crate::lease::Lease;
 use crate::migrate::{MoveError, Mover};
 use crate::plan::{self, ScanResult, Status, Tuning};
 use crate::record::{
-    ControlDoc, MoveRecord, ObservationDoc, PlanDoc, PlanReason, Step, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
+    ControlDoc, MoveRecord, ObservationDoc, PlanDoc, PlanReason, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
     OBSERVATION_KIND, PLAN_KIND,
 };
 use crate::view;
@@ -187,21 +187,15 @@ impl Balancer {
                 .moves
                 .iter()
                 .enumerate()
-                .map(|(i, m)| MoveRecord {
-                    move_id: format!("{plan_id}.{i}"),
-                    sandbox_id: m.sandbox_id.clone(),
-                    from_node: m.from.clone(),
-                    from_address: addresses.get(m.from.as_str()).copied().unwrap_or_default().to_string(),
-                    to_node: m.to.clone(),
-                    to_address: addresses.get(m.to.as_str()).copied().unwrap_or_default().to_string(),
-                    memory_bytes: m.memory_bytes,
-                    step: Step::Planned,
-                    epoch: 0,
-                    error: None,
-                    failed_at: None,
-                    paused_at_unix_ms: None,
-                    resumed_at_unix_ms: None,
-                    finished_at_unix_ms: None,
+                .map(|(i, m)| {
+                    let address = |node: &str| addresses.get(node).copied().unwrap_or_default();
+                    MoveRecord::planned(
+                        format!("{plan_id}.{i}"),
+                        &m.sandbox_id,
+                        (&m.from, address(&m.from)),
+                        (&m.to, address(&m.to)),
+                        m.memory_bytes,
+                    )
                 })
                 .collect(),
         };

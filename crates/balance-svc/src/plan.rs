@@ -141,6 +141,21 @@ pub enum Skip {
     NoFit,
 }
 
+/// Why `c` may not move now, if it may not; `cooldown` is (now, cooldown) in ms when it applies.
+fn skip_reason(c: &Candidate, cooldown: Option<(u64, u64)>) -> Option<Skip> {
+    if c.memory_bytes == 0 {
+        Some(Skip::UnknownMemoryEstimate)
+    } else if c.lifecycle_owned {
+        Some(Skip::LifecycleOwned)
+    } else if !c.movable {
+        Some(Skip::NotMovable)
+    } else if cooldown.is_some_and(|(now, span)| c.last_moved_ms.is_some_and(|at| now.saturating_sub(at) < span)) {
+        Some(Skip::Cooldown)
+    } else {
+        None
+    }
+}
+
 /// One planned move.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Move {
@@ -219,21 +234,7 @@ pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     let mut by_node: Vec<Vec<&Candidate>> = vec![Vec::new(); nodes.len()];
     for c in &snapshot.sandboxes {
         let Some(&i) = index.get(&c.node_id) else { continue };
-        let skip = if c.memory_bytes == 0 {
-            Some(Skip::UnknownMemoryEstimate)
-        } else if c.lifecycle_owned {
-            Some(Skip::LifecycleOwned)
-        } else if !c.movable {
-            Some(Skip::NotMovable)
-        } else if c
-            .last_moved_ms
-            .is_some_and(|at| snapshot.now_ms.saturating_sub(at) < tuning.cooldown_ms)
-        {
-            Some(Skip::Cooldown)
-        } else {
-            None
-        };
-        match skip {
+        match skip_reason(c, Some((snapshot.now_ms, tuning.cooldown_ms))) {
             Some(reason) => *plan.skips.entry(reason).or_default() += 1,
             None => by_node[i].push(c),
         }
@@ -338,16 +339,8 @@ pub fn plan_drain(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
         .iter()
         .filter(|c| draining.contains(&c.node_id.as_str()))
     {
-        let skip = if c.memory_bytes == 0 {
-            Some(Skip::UnknownMemoryEstimate)
-        } else if c.lifecycle_owned {
-            Some(Skip::LifecycleOwned)
-        } else if !c.movable {
-            Some(Skip::NotMovable)
-        } else {
-            None
-        };
-        match skip {
+        // Cooldown does not hold a sandbox on a node that must empty.
+        match skip_reason(c, None) {
             Some(reason) => *plan.skips.entry(reason).or_default() += 1,
             None => leaving.push(c),
         }

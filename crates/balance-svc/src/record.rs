@@ -144,6 +144,26 @@ pub struct MoveRecord {
 }
 
 impl MoveRecord {
+    /// A move as committed with its plan: nothing done yet.
+    pub fn planned(move_id: String, sandbox_id: &str, from: (&str, &str), to: (&str, &str), memory_bytes: u64) -> Self {
+        Self {
+            move_id,
+            sandbox_id: sandbox_id.to_string(),
+            from_node: from.0.to_string(),
+            from_address: from.1.to_string(),
+            to_node: to.0.to_string(),
+            to_address: to.1.to_string(),
+            memory_bytes,
+            step: Step::Planned,
+            epoch: 0,
+            error: None,
+            failed_at: None,
+            paused_at_unix_ms: None,
+            resumed_at_unix_ms: None,
+            finished_at_unix_ms: None,
+        }
+    }
+
     /// Paused on the source until running on the target.
     pub fn downtime_ms(&self) -> Option<u64> {
         Some(self.resumed_at_unix_ms?.saturating_sub(self.paused_at_unix_ms?))

@@ -149,22 +149,13 @@ impl Cluster {
             skips: Default::default(),
             created_at_unix_ms: 0,
             finished_at_unix_ms: None,
-            moves: vec![MoveRecord {
-                move_id: format!("{plan_id}.0"),
-                sandbox_id: sandbox.to_string(),
-                from_node: self.node_id(from),
-                from_address: self.nodes[from].endpoint(),
-                to_node: self.node_id(to),
-                to_address: self.nodes[to].endpoint(),
-                memory_bytes: 64 << 20,
-                step: Step::Planned,
-                epoch: 0,
-                error: None,
-                failed_at: None,
-                paused_at_unix_ms: None,
-                resumed_at_unix_ms: None,
-                finished_at_unix_ms: None,
-            }],
+            moves: vec![MoveRecord::planned(
+                format!("{plan_id}.0"),
+                sandbox,
+                (&self.node_id(from), &self.nodes[from].endpoint()),
+                (&self.node_id(to), &self.nodes[to].endpoint()),
+                64 << 20,
+            )],
         };
         self.client
             .compare(Txn::new().create(PLAN_KIND, plan_id, &doc).unwrap())
@@ -508,6 +499,19 @@ async fn a_drained_node_is_emptied() {
     }
     let balance = cluster.balance(None).await;
     let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    // Pausing is recorded and reported; resuming lets the drain proceed.
+    let paused = api
+        .set_paused(bpb::SetPausedRequest { paused: true })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(paused.paused);
+    let resumed = api
+        .set_paused(bpb::SetPausedRequest { paused: false })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!resumed.paused);
     let refused = api
         .drain(bpb::DrainRequest {
             node_id: String::new(),

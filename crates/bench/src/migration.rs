@@ -104,22 +104,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             skips: Default::default(),
             created_at_unix_ms: 0,
             finished_at_unix_ms: None,
-            moves: vec![MoveRecord {
-                move_id: format!("{plan_id}.0"),
-                sandbox_id: id.into(),
-                from_node: nodes[from].0.clone(),
-                from_address: nodes[from].1.endpoint(),
-                to_node: nodes[to].0.clone(),
-                to_address: nodes[to].1.endpoint(),
-                memory_bytes: 256 << 20,
-                step: Step::Planned,
-                epoch: 0,
-                error: None,
-                failed_at: None,
-                paused_at_unix_ms: None,
-                resumed_at_unix_ms: None,
-                finished_at_unix_ms: None,
-            }],
+            moves: vec![MoveRecord::planned(
+                format!("{plan_id}.0"),
+                id,
+                (&nodes[from].0, &nodes[from].1.endpoint()),
+                (&nodes[to].0, &nodes[to].1.endpoint()),
+                256 << 20,
+            )],
         };
         client.compare(Txn::new().create(PLAN_KIND, &plan_id, &plan)?).await?;
         let committed = client
