@@ -109,8 +109,8 @@ struct UpArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("sandboxsched");
-    match Cli::parse().command {
+    let telemetry = common::telemetry::init("sandboxsched");
+    let result = match Cli::parse().command {
         Command::Up(args) => up(*args).await,
         Command::Status(op) => operator::status(&op.balance).await,
         Command::History { operator: op, limit } => operator::history(&op.balance, limit).await,
@@ -121,7 +121,9 @@ async fn main() -> anyhow::Result<()> {
             undo,
         } => operator::drain(&op.balance, &node_id, undo).await,
         Command::Balancing { operator: op, action } => operator::balancing(&op.balance, action == "pause").await,
-    }
+    };
+    telemetry.shutdown().await;
+    result
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<()> {

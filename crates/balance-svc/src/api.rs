@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::trace::TracedChannel;
 use ledger_svc::{LedgerClient, LedgerError, Txn};
 use proto::balance::v1 as pb;
 use proto::balance::v1::balance_server::Balance;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::RwLock;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::balancer::Known;
@@ -26,12 +26,16 @@ fn status(err: LedgerError) -> Status {
 
 pub struct BalanceApi {
     ledger: LedgerClient,
-    placement: Option<PlacementClient<Channel>>,
+    placement: Option<PlacementClient<TracedChannel>>,
     known: Arc<RwLock<Known>>,
 }
 
 impl BalanceApi {
-    pub fn new(ledger: LedgerClient, placement: Option<PlacementClient<Channel>>, known: Arc<RwLock<Known>>) -> Self {
+    pub fn new(
+        ledger: LedgerClient,
+        placement: Option<PlacementClient<TracedChannel>>,
+        known: Arc<RwLock<Known>>,
+    ) -> Self {
         Self {
             ledger,
             placement,

@@ -43,7 +43,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("balance-svc");
+    let telemetry = common::telemetry::init("balance-svc");
     let args = Args::parse();
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
@@ -58,5 +58,6 @@ async fn main() -> anyhow::Result<()> {
     let running = balance_svc::server::start(config).await?;
     common::shutdown::signal().await;
     running.stop().await;
+    telemetry.shutdown().await;
     Ok(())
 }

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::trace::TracedChannel;
 use futures::StreamExt;
 use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
@@ -25,7 +26,7 @@ use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::Mutex;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::Code;
 use tracing::Instrument;
 
@@ -85,11 +86,11 @@ fn node_svc_window() -> Option<u32> {
 /// gRPC clients per node address, connected lazily and reused.
 #[derive(Clone, Default)]
 pub struct NodeClients {
-    clients: Arc<Mutex<HashMap<String, NodeClient<Channel>>>>,
+    clients: Arc<Mutex<HashMap<String, NodeClient<TracedChannel>>>>,
 }
 
 impl NodeClients {
-    pub async fn get(&self, address: &str) -> Result<NodeClient<Channel>, MoveError> {
+    pub async fn get(&self, address: &str) -> Result<NodeClient<TracedChannel>, MoveError> {
         let mut clients = self.clients.lock().await;
         if let Some(client) = clients.get(address) {
             return Ok(client.clone());
@@ -100,7 +101,7 @@ impl NodeClients {
             .initial_stream_window_size(node_svc_window())
             .initial_connection_window_size(node_svc_window().map(|w| w * 2))
             .connect_lazy();
-        let client = NodeClient::new(channel).max_decoding_message_size(16 << 20);
+        let client = NodeClient::new(common::trace::traced(channel)).max_decoding_message_size(16 << 20);
         clients.insert(address.to_string(), client.clone());
         Ok(client)
     }
@@ -116,7 +117,7 @@ struct Shared {
 pub struct Mover {
     ledger: LedgerClient,
     nodes: NodeClients,
-    placement: Option<PlacementClient<Channel>>,
+    placement: Option<PlacementClient<TracedChannel>>,
     /// Moves at once (the seed ran one).
     concurrency: usize,
     halt: Option<Halt>,
@@ -125,7 +126,7 @@ pub struct Mover {
 }
 
 impl Mover {
-    pub fn new(ledger: LedgerClient, placement: Option<PlacementClient<Channel>>, concurrency: usize) -> Self {
+    pub fn new(ledger: LedgerClient, placement: Option<PlacementClient<TracedChannel>>, concurrency: usize) -> Self {
         Self {
             ledger,
             nodes: NodeClients::default(),
@@ -153,7 +154,8 @@ impl Mover {
         let results: Vec<Result<(), MoveError>> = futures::stream::iter(pending)
             .map(|i| {
                 let shared = shared.clone();
-                let span = tracing::info_span!("move", plan_id = %plan_id, move_index = i);
+                // Each move is its own trace (linked to its sandbox's creation in run_move).
+                let span = tracing::info_span!(parent: None, "balance.move", plan_id = %plan_id, move_index = i);
                 async move { self.run_move(&shared, i).await }.instrument(span)
             })
             .buffer_unordered(self.concurrency)
@@ -186,13 +188,24 @@ impl Mover {
             sandbox_id = %record.sandbox_id, move_id = %record.move_id, from = %record.from_node,
             to = %record.to_node, step = record.step.name(), "move picked up"
         );
+        if let Ok(Some(manifest)) = self.manifest(&record).await {
+            if let Some(created) = &manifest.value.trace_context {
+                common::trace::link(&tracing::Span::current(), created);
+            }
+        }
         let picked = self.pick_up(record.clone()).await?;
         if picked != record {
             self.record(shared, index, &picked).await?;
             record = picked;
         }
         while !record.step.is_final() {
-            let next = match self.retrying(&record).await {
+            let action = tracing::info_span!(
+                "balance.step",
+                otel.name = %format!("balance.{}", action_name(record.step)),
+                sandbox_id = %record.sandbox_id,
+                epoch = record.epoch,
+            );
+            let next = match self.retrying(&record).instrument(action).await {
                 Ok(next) => next,
                 Err(err @ (MoveError::Fenced(_) | MoveError::Halted(_))) => return Err(err),
                 Err(MoveError::Gone(_)) => self.abandon(record.clone()).await?,
@@ -576,5 +589,19 @@ impl Mover {
             ))),
             Err(err) => Err(from_ledger(err)),
         }
+    }
+}
+
+/// The action that follows a step, as its span is named.
+fn action_name(step: Step) -> &'static str {
+    match step {
+        Step::Planned => "own",
+        Step::Owned => "pause",
+        Step::SourcePaused => "transfer",
+        Step::Restored => "resume",
+        Step::TargetResumed => "switch_route",
+        Step::Switched => "delete_source",
+        Step::RollingBack => "roll_back",
+        Step::Done | Step::RolledBack | Step::Abandoned => "none",
     }
 }

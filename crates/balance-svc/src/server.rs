@@ -134,12 +134,12 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     config.validate().map_err(StartError::Config)?;
     let ledger = LedgerClient::connect_lazy(&config.ledger_endpoint)?;
     let placement = match &config.placement_endpoint {
-        Some(endpoint) => Some(PlacementClient::new(
+        Some(endpoint) => Some(PlacementClient::new(common::trace::traced(
             Endpoint::from_shared(endpoint.clone())
                 .map_err(|e| StartError::Placement(e.to_string()))?
                 .connect_timeout(Duration::from_secs(2))
                 .connect_lazy(),
-        )),
+        ))),
         None => None,
     };
     let holder = config
@@ -163,6 +163,7 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     let mut server_stop = stopped.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
+            .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(BalanceServer::new(api))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {

@@ -133,6 +133,7 @@ mod tests {
             auto_pause: false,
             lifecycle_owner: None,
             last_moved_unix_ms: None,
+            trace_context: None,
         }
     }
 

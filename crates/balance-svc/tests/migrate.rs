@@ -132,6 +132,7 @@ impl Cluster {
             auto_pause: false,
             lifecycle_owner: None,
             last_moved_unix_ms: None,
+            trace_context: None,
         };
         self.client
             .compare(Txn::new().create(SANDBOX_KIND, id, &manifest).unwrap())

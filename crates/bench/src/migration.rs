@@ -88,6 +88,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         auto_pause: false,
         lifecycle_owner: None,
         last_moved_unix_ms: None,
+        trace_context: None,
     };
     client.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
 

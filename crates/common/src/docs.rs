@@ -111,4 +111,7 @@ pub struct SandboxDoc {
     /// When the sandbox last moved (unix ms), for the balancer's cooldown.
     #[serde(default)]
     pub last_moved_unix_ms: Option<u64>,
+    /// W3C `traceparent` of the request that created it: a move's trace links back to it.
+    #[serde(default)]
+    pub trace_context: Option<String>,
 }

@@ -12,3 +12,4 @@ pub mod net;
 pub mod resources;
 pub mod shutdown;
 pub mod telemetry;
+pub mod trace;

@@ -35,7 +35,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("e2b-gateway");
+    let telemetry = common::telemetry::init("e2b-gateway");
     let args = Args::parse();
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
@@ -63,5 +63,6 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     common::shutdown::signal().await;
     gateway.stop().await;
+    telemetry.shutdown().await;
     Ok(())
 }

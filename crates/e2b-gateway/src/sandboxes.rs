@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::trace::TracedChannel;
 use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::Mutex;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::Code;
 
 use crate::intent::CreateIntent;
@@ -65,7 +66,7 @@ fn random_id(len: usize) -> String {
 }
 
 /// A node's channel, and its envd address once asked.
-type NodeEntry = (NodeClient<Channel>, Option<String>);
+type NodeEntry = (NodeClient<TracedChannel>, Option<String>);
 
 /// Channels to nodes, and their envd addresses, by node gRPC address.
 #[derive(Default)]
@@ -74,7 +75,7 @@ struct Nodes {
 }
 
 impl Nodes {
-    async fn client(&self, address: &str) -> Result<NodeClient<Channel>, Failure> {
+    async fn client(&self, address: &str) -> Result<NodeClient<TracedChannel>, Failure> {
         let mut map = self.clients.lock().await;
         if let Some((c, _)) = map.get(address) {
             return Ok(c.clone());
@@ -86,7 +87,7 @@ impl Nodes {
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(16 << 20))
             .connect_lazy();
-        let client = NodeClient::new(channel);
+        let client = NodeClient::new(common::trace::traced(channel));
         map.insert(address.to_string(), (client.clone(), None));
         Ok(client)
     }
@@ -115,7 +116,7 @@ pub struct Sandboxes {
     hibernate_dir: std::path::PathBuf,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
     pub routes: crate::proxy::Routes,
-    placement: PlacementClient<Channel>,
+    placement: PlacementClient<TracedChannel>,
     nodes: Nodes,
 }
 
@@ -133,7 +134,7 @@ impl Sandboxes {
             ledger,
             hibernate_dir,
             routes: crate::proxy::Routes::default(),
-            placement: PlacementClient::new(channel),
+            placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: Nodes::default(),
         }))
     }
@@ -208,6 +209,7 @@ impl Sandboxes {
             auto_pause: intent.auto_pause,
             lifecycle_owner: None,
             last_moved_unix_ms: None,
+            trace_context: common::trace::traceparent(),
         };
         let version = self
             .ledger

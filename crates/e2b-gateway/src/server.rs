@@ -122,6 +122,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/sandboxes/{id}/metrics", get(api::metrics))
         .route("/nodes", get(api::nodes))
         .route("/nodes/{id}", get(api::node))
+        .route_layer(axum::middleware::from_fn(traced))
         .fallback(api::not_found)
         .layer(DefaultBodyLimit::max(api::MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(api::e2b_shaped))
@@ -175,4 +176,18 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         server,
         background,
     })
+}
+
+/// Each REST call is a span named by its route, continuing the caller's `traceparent` (or
+/// starting the trace): a create's ledger writes, placement decision and node call join it.
+async fn traced(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use tracing::Instrument;
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| request.uri().path().to_string(), |p| p.as_str().to_string());
+    let span = common::trace::http_span(request.method(), &route, request.headers());
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
+    response
 }

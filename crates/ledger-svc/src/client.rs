@@ -15,6 +15,7 @@
 
 use std::time::Duration;
 
+use common::trace::TracedChannel;
 use proto::ledger::v1 as pb;
 use proto::ledger::v1::ledger_client::LedgerClient as GrpcClient;
 use serde::de::DeserializeOwned;
@@ -211,7 +212,7 @@ pub struct WatchUpdate {
 /// A handle on a ledger. Cheap to clone; calls share one HTTP/2 connection.
 #[derive(Clone)]
 pub struct LedgerClient {
-    grpc: GrpcClient<Channel>,
+    grpc: GrpcClient<TracedChannel>,
 }
 
 impl LedgerClient {
@@ -232,7 +233,7 @@ impl LedgerClient {
 
     pub fn from_channel(channel: Channel) -> Self {
         Self {
-            grpc: GrpcClient::new(channel),
+            grpc: GrpcClient::new(common::trace::traced(channel)),
         }
     }
 
@@ -353,7 +354,7 @@ impl LedgerClient {
 
 /// The task behind [`LedgerClient::watch`].
 struct Follower {
-    grpc: GrpcClient<Channel>,
+    grpc: GrpcClient<TracedChannel>,
     kind: String,
     id_prefix: String,
     /// The next revision wanted; 0 until the first response when starting "from now".

@@ -25,7 +25,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("ledger-svc");
+    let telemetry = common::telemetry::init("ledger-svc");
     let args = Args::parse();
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
@@ -34,5 +34,6 @@ async fn main() -> anyhow::Result<()> {
     let ledger = ledger_svc::start(config).await?;
     common::shutdown::signal().await;
     ledger.stop().await;
+    telemetry.shutdown().await;
     Ok(())
 }

@@ -142,6 +142,7 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
     let mut until_stopped = stopped;
     let server = tokio::spawn(
         tonic::transport::Server::builder()
+            .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(LedgerServer::new(api))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {

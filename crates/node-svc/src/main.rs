@@ -57,7 +57,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("node-svc");
+    let telemetry = common::telemetry::init("node-svc");
     let args = Args::parse();
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
@@ -83,5 +83,6 @@ async fn main() -> anyhow::Result<()> {
     let node = node_svc::server::start(config).await?;
     common::shutdown::signal().await;
     node.stop().await;
+    telemetry.shutdown().await;
     Ok(())
 }

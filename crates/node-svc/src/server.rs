@@ -183,6 +183,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
     let (stop, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
+            .trace_fn(common::trace::grpc_span)
             // Restores stream archives of hundreds of MB: HTTP/2's default 64 KiB windows
             // would stall the sender on every window update (about 55 MB/s here).
             .initial_stream_window_size(Some(STREAM_WINDOW))

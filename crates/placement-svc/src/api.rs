@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use proto::placement::v1 as pb;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::core::{self, AdminState, NodeView, Resources};
 use crate::node_docs::NodeDocs;
@@ -173,10 +174,18 @@ fn sandbox_ref(r: &pb::SandboxRef) -> Result<(), ApiError> {
 impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
     async fn place(&self, request: Request<pb::PlaceRequest>) -> Result<Response<pb::PlaceResponse>, Status> {
         let req = request_from_pb(request.into_inner())?;
-        let span = tracing::info_span!("place", sandbox_id = %req.sandbox_id);
-        let _enter = span.enter();
+        let span = tracing::info_span!(
+            "placement.decide",
+            sandbox_id = %req.sandbox_id,
+            vcpus = req.resources.vcpus,
+            memory_bytes = req.resources.memory_bytes,
+            excluded = req.exclude.len(),
+            node_id = tracing::field::Empty,
+            score = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
         let started = std::time::Instant::now();
-        let placed = self.store.place(&req, now_ms()).await;
+        let placed = self.store.place(&req, now_ms()).instrument(span.clone()).await;
         metrics::histogram!("placement_place_duration_seconds").record(started.elapsed().as_secs_f64());
         let outcome = match &placed {
             Ok(Placement::Placed { .. }) => "placed",
@@ -184,6 +193,11 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             Err(_) => "error",
         };
         metrics::counter!("placement_places_total", "outcome" => outcome).increment(1);
+        span.record("outcome", outcome);
+        if let Ok(Placement::Placed { node_id, score, .. }) = &placed {
+            span.record("node_id", node_id.as_str());
+            span.record("score", *score);
+        }
         match placed.map_err(ApiError::from)? {
             Placement::Placed {
                 node_id,

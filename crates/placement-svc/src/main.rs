@@ -61,7 +61,7 @@ fn parse_accounting(s: &str) -> Result<Accounting, String> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("placement-svc");
+    let telemetry = common::telemetry::init("placement-svc");
     let args = Args::parse();
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
@@ -88,5 +88,6 @@ async fn main() -> anyhow::Result<()> {
     let running = placement_svc::server::start(config).await?;
     common::shutdown::signal().await;
     running.stop().await;
+    telemetry.shutdown().await;
     Ok(())
 }

@@ -169,6 +169,7 @@ async fn serve<S: PlacementStore>(
     let (stop, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
+            .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(PlacementServer::new(api))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {

@@ -1,0 +1,239 @@
+//! Distributed tracing, checked at a real OTLP receiver: an in-test gRPC server implementing
+//! the OTLP trace service, to which the services (here in this process, as the launcher runs
+//! them) export.
+//!
+//! One create through the REST API is one trace: the gateway's request span, the placement
+//! decision and the node's create, continued across gRPC hops by W3C context in metadata. A
+//! balance move of that sandbox is a trace of its own whose root span links back to the
+//! create's trace, and whose steps reach the nodes (snapshot, restore) in the move's trace.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, PLAN_KIND};
+use common::docs::{SandboxDoc, SANDBOX_KIND};
+use ledger_svc::{LedgerClient, Txn};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::trace::v1::Span;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Every span the receiver got.
+#[derive(Clone, Default)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<Span>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource in request.into_inner().resource_spans {
+            for scope in resource.scope_spans {
+                spans.extend(scope.spans);
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Receiver {
+    fn names_in_trace(&self, trace_id: &str) -> Vec<String> {
+        let spans = self.spans.lock().unwrap();
+        spans
+            .iter()
+            .filter(|s| hex(&s.trace_id) == trace_id)
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
+    /// The trace ID of a `balance.move` span linked to `trace_id`.
+    fn move_linked_to(&self, trace_id: &str) -> Option<String> {
+        let spans = self.spans.lock().unwrap();
+        spans
+            .iter()
+            .find(|s| s.name == "balance.move" && s.links.iter().any(|l| hex(&l.trace_id) == trace_id))
+            .map(|s| hex(&s.trace_id))
+    }
+}
+
+/// Polls `check` until it answers: the spans arrive when the exporter sends them, in batches.
+async fn until<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    // The standard variables, as an operator sets them (this test binary holds only this test).
+    std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{collector}"));
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let telemetry = common::telemetry::init("sandboxsched-test");
+    assert!(telemetry.exporting(), "the OTLP exporter was not installed");
+
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let dir = std::env::temp_dir().join(format!("tracing-test-{tag}"));
+    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        format!("sqlite://{}", dir.join("ledger.db").display()),
+    ))
+    .await
+    .unwrap();
+    let mut pconfig = placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse().unwrap());
+    pconfig.ledger_endpoint = Some(ledger.endpoint());
+    pconfig.node_doc_interval = Duration::ZERO;
+    let placement = placement_svc::server::start(pconfig).await.unwrap();
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let id = format!("t{tag}-{i}");
+        let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, dir.join(&id));
+        config.placement = Some(placement.endpoint());
+        config.heartbeat_interval = Duration::from_millis(100);
+        nodes.push((id, node_svc::server::start(config).await.unwrap()));
+    }
+    let gateway = e2b_gateway::server::start(e2b_gateway::server::GatewayConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ledger: ledger.endpoint(),
+        placement: placement.endpoint(),
+        keys: [("key".to_string(), "team".to_string())].into(),
+        templates: e2b_gateway::intent::builtin_templates(),
+        reap_interval: Duration::from_secs(1),
+        hibernate_dir: dir.join("hibernated"),
+    })
+    .await
+    .unwrap();
+    let client = LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
+    until("both nodes heard of", || async {
+        let (docs, _) = client
+            .list::<common::docs::NodeDoc>(common::docs::NODE_KIND, "")
+            .await
+            .ok()?;
+        (docs.len() == 2).then_some(())
+    })
+    .await;
+
+    // A create whose caller sent a traceparent (as an instrumented SDK would).
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let created = reqwest::Client::new()
+        .post(format!("{}/sandboxes", gateway.url()))
+        .header("X-API-Key", "key")
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .header("Content-Type", "application/json")
+        .body(r#"{"templateID":"base","timeout":300}"#)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let created: serde_json::Value = serde_json::from_str(&created).unwrap();
+    let sandbox_id = created["sandboxID"].as_str().unwrap().to_string();
+    telemetry.flush().await;
+    let names = until("the create's spans at the receiver", || async {
+        let names = receiver.names_in_trace(trace_id);
+        let has = |n: &str| names.iter().any(|x| x.contains(n));
+        (has("POST /sandboxes") && has("Placement/Place") && has("placement.decide") && has("Node/Create"))
+            .then_some(names)
+    })
+    .await;
+    assert!(
+        names.iter().any(|n| n.contains("Ledger/Compare")),
+        "ledger writes join the trace: {names:?}"
+    );
+
+    // The manifest keeps the creation's context; a move of the sandbox links back to it.
+    let manifest = client
+        .get::<SandboxDoc>(SANDBOX_KIND, &sandbox_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .value;
+    let traceparent = manifest
+        .trace_context
+        .clone()
+        .expect("the manifest keeps its creation context");
+    assert!(traceparent.contains(trace_id), "{traceparent}");
+    let from = nodes.iter().position(|(id, _)| *id == manifest.node_id).unwrap();
+    let to = 1 - from;
+    let plan = PlanDoc {
+        plan_id: "0000000000000-traced".into(),
+        reason: PlanReason::Balance,
+        spread_before: 0.2,
+        spread_expected: 0.0,
+        skips: Default::default(),
+        created_at_unix_ms: 0,
+        finished_at_unix_ms: None,
+        moves: vec![MoveRecord::planned(
+            "0000000000000-traced.0".into(),
+            &sandbox_id,
+            (&nodes[from].0, &nodes[from].1.endpoint()),
+            (&nodes[to].0, &nodes[to].1.endpoint()),
+            manifest.memory_bytes,
+        )],
+    };
+    client
+        .compare(Txn::new().create(PLAN_KIND, &plan.plan_id, &plan).unwrap())
+        .await
+        .unwrap();
+    let mut bconfig = balance_svc::server::BalanceConfig::new("127.0.0.1:0".parse().unwrap(), ledger.endpoint());
+    bconfig.tuning.interval = Duration::from_millis(100);
+    bconfig.lease_ttl = Duration::from_secs(2);
+    let balance = balance_svc::server::start(bconfig).await.unwrap();
+    let moved = until("the move's trace, linked to the create", || async {
+        receiver.move_linked_to(trace_id)
+    })
+    .await;
+    assert_ne!(moved, trace_id, "a move is a trace of its own");
+    let names = until("the move's steps at the receiver", || async {
+        let names = receiver.names_in_trace(&moved);
+        let has = |n: &str| names.iter().any(|x| x.contains(n));
+        (has("balance.transfer") && has("Node/Snapshot") && has("Node/Restore") && has("balance.switch_route"))
+            .then_some(names)
+    })
+    .await;
+    assert!(names.iter().any(|n| n.contains("balance.pause")), "{names:?}");
+
+    balance.stop().await;
+    gateway.stop().await;
+    for (id, node) in nodes {
+        for (record, _) in node.host().list().await {
+            let _ = node
+                .host()
+                .lifecycle("cleanup", u64::MAX, &record.id, node_svc::sandbox::Move::Kill)
+                .await;
+        }
+        node.stop().await;
+        node_svc::runtime::cgroup::remove_parents(&id);
+    }
+    placement.stop().await;
+    ledger.stop().await;
+    telemetry.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
