@@ -9,13 +9,15 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-
-mod operator;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "sandboxsched: an E2B-compatible sandbox control plane")]
 struct Cli {
+    /// A TOML file of settings (table `[sandboxsched]`, keys = the long flag names of `up`);
+    /// environment variables and flags override it.
+    #[arg(long, global = true, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -23,46 +25,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the whole local stack in this process until Ctrl-C.
-    Up(Box<UpArgs>),
-    /// Balance status: the latest observation, the plan in progress, paused, draining nodes.
-    Status(OperatorArgs),
-    /// The newest balance plans with their moves.
-    History {
-        #[command(flatten)]
-        operator: OperatorArgs,
-        /// How many plans.
-        #[arg(long, default_value_t = 10)]
-        limit: u32,
-    },
-    /// One plan (an operation) by ID.
-    Plan {
-        #[command(flatten)]
-        operator: OperatorArgs,
-        plan_id: String,
-    },
-    /// Drain a node (placement stops choosing it; balance moves its sandboxes off), or undo.
-    Drain {
-        #[command(flatten)]
-        operator: OperatorArgs,
-        node_id: String,
-        /// Make the node ready again.
-        #[arg(long)]
-        undo: bool,
-    },
-    /// Pause or resume balancing.
-    Balancing {
-        #[command(flatten)]
-        operator: OperatorArgs,
-        #[arg(value_parser = ["pause", "resume"])]
-        action: String,
-    },
-}
-
-#[derive(clap::Args, Debug)]
-struct OperatorArgs {
-    /// balance-svc's gRPC endpoint.
-    #[arg(long, env = "SANDBOXSCHED_BALANCE", default_value = "http://127.0.0.1:7003")]
-    balance: String,
+    Up(UpArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -110,17 +73,8 @@ struct UpArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("sandboxsched");
-    let result = match Cli::parse().command {
-        Command::Up(args) => up(*args).await,
-        Command::Status(op) => operator::status(&op.balance).await,
-        Command::History { operator: op, limit } => operator::history(&op.balance, limit).await,
-        Command::Plan { operator: op, plan_id } => operator::plan(&op.balance, &plan_id).await,
-        Command::Drain {
-            operator: op,
-            node_id,
-            undo,
-        } => operator::drain(&op.balance, &node_id, undo).await,
-        Command::Balancing { operator: op, action } => operator::balancing(&op.balance, action == "pause").await,
+    let result = match common::config::parse::<Cli>("sandboxsched").command {
+        Command::Up(args) => up(args).await,
     };
     telemetry.shutdown().await;
     result

@@ -16,12 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _binary() -> Path:
+def _binary(name: str = "sandboxsched") -> Path:
     for profile in ("debug", "release"):
-        path = ROOT / "target" / profile / "sandboxsched"
+        path = ROOT / "target" / profile / name
         if path.exists():
             return path
-    raise RuntimeError("target/debug/sandboxsched is missing: run `cargo build` (scripts/test-all does)")
+    raise RuntimeError(f"target/debug/{name} is missing: run `cargo build` (scripts/test-all does)")
 
 
 def _start(nodes: int, log_level: str, **extra):
@@ -88,7 +88,7 @@ def balanced_stack():
     saved = {k: os.environ.get(k) for k in exports}
     os.environ.update(exports)
     balance = re.search(r"balance-svc\s+grpc (\S+)", log.read_text()).group(1)
-    yield {"exports": exports, "log": log, "binary": _binary(), "balance": balance}
+    yield {"exports": exports, "log": log, "ctl": _binary("sandboxsched-ctl"), "balance": balance}
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -10,6 +10,10 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// A TOML file of settings (table `[balance-svc]`, keys = these flags' long names); environment
+    /// variables and flags override it.
+    #[arg(long, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<std::path::PathBuf>,
     /// Address gRPC listens on.
     #[arg(long, env = "BALANCE_LISTEN", default_value = "127.0.0.1:7003")]
     listen: SocketAddr,
@@ -44,7 +48,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("balance-svc");
-    let args = Args::parse();
+    let args = common::config::parse::<Args>("balance-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = BalanceConfig::new(args.listen, args.ledger);

@@ -6,6 +6,7 @@
 //! lesson 2 ended up unable to move anything).
 
 pub mod clock;
+pub mod config;
 pub mod docs;
 pub mod metrics;
 pub mod net;

@@ -12,6 +12,10 @@ use e2b_gateway::server::GatewayConfig;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// A TOML file of settings (table `[e2b-gateway]`, keys = these flags' long names); environment
+    /// variables and flags override it.
+    #[arg(long, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<std::path::PathBuf>,
     /// Address the REST API (and envd proxy) listens on.
     #[arg(long, env = "GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
@@ -36,7 +40,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("e2b-gateway");
-    let args = Args::parse();
+    let args = common::config::parse::<Args>("e2b-gateway");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut keys = HashMap::new();

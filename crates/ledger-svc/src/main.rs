@@ -9,6 +9,10 @@ use ledger_svc::LedgerConfig;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// A TOML file of settings (table `[ledger-svc]`, keys = these flags' long names); environment
+    /// variables and flags override it.
+    #[arg(long, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<std::path::PathBuf>,
     /// Address gRPC listens on.
     #[arg(long, env = "LEDGER_LISTEN", default_value = "127.0.0.1:7001")]
     listen: SocketAddr,
@@ -26,7 +30,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("ledger-svc");
-    let args = Args::parse();
+    let args = common::config::parse::<Args>("ledger-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = LedgerConfig::new(args.listen, args.database_url);

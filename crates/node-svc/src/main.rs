@@ -11,6 +11,10 @@ use node_svc::server::{NodeConfig, RuntimeKind};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// A TOML file of settings (table `[node-svc]`, keys = these flags' long names); environment
+    /// variables and flags override it.
+    #[arg(long, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<std::path::PathBuf>,
     /// Address gRPC listens on.
     #[arg(long, env = "NODE_LISTEN", default_value = "127.0.0.1:7003")]
     listen: SocketAddr,
@@ -58,7 +62,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("node-svc");
-    let args = Args::parse();
+    let args = common::config::parse::<Args>("node-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = NodeConfig::new(args.listen, args.node_id, args.state_dir);

@@ -1,4 +1,4 @@
-//! The `placement-svc` binary: configuration from flags or environment, nothing else.
+//! The `placement-svc` binary: configuration from a file, the environment or flags, nothing else.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,6 +11,10 @@ use placement_svc::server::{PlacementConfig, StoreConfig};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// A TOML file of settings (table `[placement-svc]`, keys = these flags' long names); environment
+    /// variables and flags override it.
+    #[arg(long, env = "SANDBOXSCHED_CONFIG")]
+    config: Option<std::path::PathBuf>,
     /// Address gRPC listens on.
     #[arg(long, env = "PLACEMENT_LISTEN", default_value = "127.0.0.1:7002")]
     listen: SocketAddr,
@@ -62,7 +66,7 @@ fn parse_accounting(s: &str) -> Result<Accounting, String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("placement-svc");
-    let args = Args::parse();
+    let args = common::config::parse::<Args>("placement-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = PlacementConfig::new(args.listen);
