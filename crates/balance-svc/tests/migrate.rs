@@ -218,10 +218,15 @@ impl Cluster {
     async fn stop(self) {
         for node in self.nodes {
             for (record, _) in node.host().list().await {
-                let _ = node
-                    .host()
-                    .lifecycle("cleanup", u64::MAX, &record.id, node_svc::sandbox::Move::Kill)
-                    .await;
+                node.host()
+                    .lifecycle(
+                        &format!("cleanup-{}", record.id),
+                        u64::MAX,
+                        &record.id,
+                        node_svc::sandbox::Move::Kill,
+                    )
+                    .await
+                    .expect("a test sandbox is killed");
             }
             node.stop().await;
         }
