@@ -408,3 +408,248 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     }
     let _ = std::fs::remove_dir_all(&work);
 }
+
+/// Crash safety with real processes: a balance-svc process aborts itself (no clean-up, its
+/// lease kept, as a SIGKILL would leave it) right after each step of a move in turn, before and
+/// after the plan records that step; a fresh balance-svc process takes over once the lease
+/// expires. Every time, the sandbox ends up running in exactly one place, with its files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_survives_balance_svc_dying_after_every_step() {
+    use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+    use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
+    use ledger_svc::{LedgerClient, Txn};
+
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
+    let work = std::env::temp_dir().join(format!("multiprocess-balance-{tag}"));
+    std::fs::create_dir_all(&work).unwrap();
+    let schema = format!("mpb_{tag}");
+    let mut pg = sqlx::PgConnection::connect(&postgres_url()).await.unwrap_or_else(|e| {
+        panic!(
+            "PostgreSQL at {} is not reachable ({e}); run scripts/services",
+            postgres_url()
+        )
+    });
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut pg)
+        .await
+        .unwrap();
+    let mut procs = Processes(Vec::new());
+    let ledger = format!("127.0.0.1:{}", free_port());
+    procs.spawn(
+        "ledger",
+        "ledger-svc",
+        &[
+            "--listen".into(),
+            ledger.clone(),
+            "--database-url".into(),
+            format!("{}?options[search_path]={schema}", postgres_url()),
+        ],
+        &work,
+    );
+    let ledger_endpoint = format!("http://{ledger}");
+    connect(&ledger_endpoint, &mut procs).await;
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let (grpc, envd) = (free_port(), free_port());
+        let id = format!("mpb{tag}-{i}");
+        procs.spawn(
+            &id,
+            "node-svc",
+            &[
+                "--listen".into(),
+                format!("127.0.0.1:{grpc}"),
+                "--envd-listen".into(),
+                format!("127.0.0.1:{envd}"),
+                "--node-id".into(),
+                id.clone(),
+                "--state-dir".into(),
+                work.join(&id).display().to_string(),
+            ],
+            &work,
+        );
+        let endpoint = format!("http://127.0.0.1:{grpc}");
+        let client = NodeClient::new(connect(&endpoint, &mut procs).await);
+        nodes.push((id, endpoint, format!("http://127.0.0.1:{envd}"), client));
+    }
+    let ledger_client = LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
+    let balance = |halt: Option<String>| {
+        let mut args = vec![
+            "--listen".to_string(),
+            format!("127.0.0.1:{}", free_port()),
+            "--ledger".into(),
+            ledger_endpoint.clone(),
+            "--placement".into(),
+            "http://127.0.0.1:1".into(),
+            "--interval-ms".into(),
+            "100".into(),
+            "--lease-ttl-secs".into(),
+            "1".into(),
+        ];
+        if let Some(h) = halt {
+            args.extend(["--fault-halt".into(), h]);
+        }
+        let log = std::fs::File::create(work.join(format!("balance-{}.log", uuid::Uuid::new_v4().simple()))).unwrap();
+        Command::new(binary("balance-svc"))
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("balance-svc starts")
+    };
+
+    let mut cases = Vec::new();
+    for step in ["Owned", "SourcePaused", "Restored", "TargetResumed", "Switched"] {
+        cases.push(step.to_string());
+        cases.push(format!("{step}:recorded"));
+    }
+    cases.push("Done".into());
+    for (n, halt) in cases.iter().enumerate() {
+        let (from, to) = if n % 2 == 0 { (0, 1) } else { (1, 0) };
+        let id = format!("mpb{n}");
+        nodes[from]
+            .3
+            .create(node_pb::CreateRequest {
+                operation_id: format!("create-{id}"),
+                epoch: 1,
+                sandbox_id: id.clone(),
+                template: "base".into(),
+                resources: Some(node_pb::Resources {
+                    vcpus: 1,
+                    memory_bytes: 64 * MIB,
+                }),
+                start_command: "sleep 600".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let node_ids: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
+        let home = |node: usize| work.join(&node_ids[node]).join("sandboxes").join(&id).join("home");
+        std::fs::write(home(from).join("notes.txt"), &id).unwrap();
+        let manifest = SandboxDoc {
+            sandbox_id: id.clone(),
+            team_id: "team".into(),
+            template: "base".into(),
+            vcpus: 1,
+            memory_bytes: 64 * MIB,
+            memory_source: EstimateSource::Request,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            phase: SandboxPhase::Running,
+            node_id: nodes[from].0.clone(),
+            node_address: nodes[from].1.clone(),
+            envd_address: nodes[from].2.clone(),
+            epoch: 1,
+            envd_access_token: None,
+            started_at_unix_ms: 0,
+            end_at_unix_ms: u64::MAX / 2,
+            auto_pause: false,
+            lifecycle_owner: None,
+            last_moved_unix_ms: None,
+            trace_context: None,
+        };
+        let plan_id = format!("0000000000000-mp{n}");
+        let plan = PlanDoc {
+            plan_id: plan_id.clone(),
+            reason: PlanReason::Balance,
+            spread_before: 0.2,
+            spread_expected: 0.0,
+            skips: Default::default(),
+            created_at_unix_ms: 0,
+            finished_at_unix_ms: None,
+            moves: vec![MoveRecord::planned(
+                format!("{plan_id}.0"),
+                &id,
+                (&nodes[from].0, &nodes[from].1),
+                (&nodes[to].0, &nodes[to].1),
+                64 * MIB,
+            )],
+        };
+        ledger_client
+            .compare(
+                Txn::new()
+                    .create(SANDBOX_KIND, &id, &manifest)
+                    .unwrap()
+                    .create(PLAN_KIND, &plan_id, &plan)
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+
+        let mut dying = balance(Some(halt.clone()));
+        let status = eventually(&format!("balance-svc to die after {halt}"), || {
+            let exited = dying.try_wait().unwrap();
+            async move { exited }
+        })
+        .await;
+        assert!(
+            !status.success(),
+            "after {halt} it should have aborted, not exited cleanly"
+        );
+        let mut recovering = balance(None);
+        let done = eventually(&format!("plan {plan_id} finished after a crash at {halt}"), || async {
+            let plan = ledger_client.get::<PlanDoc>(PLAN_KIND, &plan_id).await.ok()??;
+            plan.value.finished_at_unix_ms.is_some().then_some(plan.value)
+        })
+        .await;
+        let _ = recovering.kill();
+        let _ = recovering.wait();
+        assert_eq!(done.moves[0].step, Step::Done, "after {halt}: {done:?}");
+
+        // Exactly one copy, running, on the target, with its files and its process.
+        let mut copies = Vec::new();
+        for (i, node) in nodes.iter_mut().enumerate() {
+            let listed = node
+                .3
+                .list(node_pb::ListRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .sandboxes;
+            copies.extend(listed.into_iter().filter(|s| s.sandbox_id == id).map(|s| (i, s)));
+        }
+        assert_eq!(copies.len(), 1, "after {halt}: copies {copies:?}");
+        let (at, info) = &copies[0];
+        assert_eq!(*at, to, "after {halt}");
+        assert_eq!(
+            info.state,
+            node_pb::SandboxState::Running as i32,
+            "after {halt}: {info:?}"
+        );
+        assert!(
+            std::path::Path::new(&format!("/proc/{}", info.pgid)).exists(),
+            "after {halt}: its process group leader {} is gone",
+            info.pgid
+        );
+        assert_eq!(std::fs::read_to_string(home(to).join("notes.txt")).unwrap(), id);
+        let manifest = ledger_client
+            .get::<SandboxDoc>(SANDBOX_KIND, &id)
+            .await
+            .unwrap()
+            .unwrap()
+            .value;
+        assert_eq!(
+            (manifest.node_id.as_str(), manifest.lifecycle_owner),
+            (nodes[to].0.as_str(), None)
+        );
+        nodes[to]
+            .3
+            .kill(node_pb::LifecycleRequest {
+                operation_id: format!("done-{id}"),
+                epoch: manifest.epoch,
+                sandbox_id: id.clone(),
+            })
+            .await
+            .unwrap();
+    }
+    drop(procs);
+    for (id, ..) in &nodes {
+        node_svc::runtime::cgroup::remove_parents(id);
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut pg)
+        .await
+        .unwrap();
+}

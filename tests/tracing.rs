@@ -56,6 +56,19 @@ impl Receiver {
             .collect()
     }
 
+    /// A string attribute of the span named `name` in `trace_id`.
+    fn attribute(&self, trace_id: &str, name: &str, key: &str) -> Option<String> {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        let spans = self.spans.lock().unwrap();
+        let span = spans.iter().find(|s| hex(&s.trace_id) == trace_id && s.name == name)?;
+        let kv = span.attributes.iter().find(|kv| kv.key == key)?;
+        match kv.value.as_ref()?.value.as_ref()? {
+            Value::StringValue(s) => Some(s.clone()),
+            Value::DoubleValue(d) => Some(d.to_string()),
+            other => Some(format!("{other:?}")),
+        }
+    }
+
     /// The trace ID of a `balance.move` span linked to `trace_id`.
     fn move_linked_to(&self, trace_id: &str) -> Option<String> {
         let spans = self.spans.lock().unwrap();

@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use balance_svc::migrate::Halt;
+use balance_svc::record::Step;
 use balance_svc::server::BalanceConfig;
 use clap::Parser;
 
@@ -43,6 +45,24 @@ struct Args {
     /// The executor lease's time to live.
     #[arg(long, env = "BALANCE_LEASE_TTL_SECS", default_value_t = 15)]
     lease_ttl_secs: u64,
+    /// Fault injection for crash tests: abort the process (no clean-up, lease kept) right after
+    /// a move completes this step's action, before its record (`STEP`) or after it
+    /// (`STEP:recorded`). Steps: Owned, SourcePaused, Restored, TargetResumed, Switched, Done.
+    #[arg(long, hide = true, value_parser = parse_halt)]
+    fault_halt: Option<Halt>,
+}
+
+fn parse_halt(s: &str) -> Result<Halt, String> {
+    let (name, recorded) = match s.split_once(':') {
+        Some((name, "recorded")) => (name, true),
+        Some((_, other)) => return Err(format!("{other:?} is not `recorded`")),
+        None => (s, false),
+    };
+    let step = Step::FORWARD
+        .into_iter()
+        .find(|step| step.name() == name)
+        .ok_or_else(|| format!("{name:?} is not a step"))?;
+    Ok(Halt { step, recorded })
 }
 
 #[tokio::main]
@@ -59,8 +79,15 @@ async fn main() -> anyhow::Result<()> {
     config.tuning.plan.cooldown_ms = args.cooldown_secs * 1000;
     config.concurrency = args.concurrency;
     config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
-    let running = balance_svc::server::start(config).await?;
-    common::shutdown::signal().await;
+    config.halt = args.fault_halt;
+    let mut running = balance_svc::server::start(config).await?;
+    tokio::select! {
+        _ = common::shutdown::signal() => {}
+        _ = running.loop_done(), if args.fault_halt.is_some() => {
+            eprintln!("fault injection: aborting the process mid-move");
+            std::process::abort();
+        }
+    }
     running.stop().await;
     telemetry.shutdown().await;
     Ok(())

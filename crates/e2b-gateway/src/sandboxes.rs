@@ -185,9 +185,15 @@ impl Sandboxes {
 
     /// Creates a sandbox: manifest first, then place, then create on the node, then running.
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        use tracing::Instrument;
         let sandbox_id = format!("i{}", random_id(19));
+        // Instrumented, not entered: an entered span held across an await would leak onto
+        // whatever else the thread polls meanwhile.
         let span = tracing::info_span!("create", sandbox_id = %sandbox_id, template = %intent.template);
-        let _enter = span.enter();
+        self.create_as(team, intent, sandbox_id).instrument(span).await
+    }
+
+    async fn create_as(&self, team: &str, intent: CreateIntent, sandbox_id: String) -> Result<SandboxDoc, Failure> {
         let now = now_ms();
         let mut doc = SandboxDoc {
             sandbox_id: sandbox_id.clone(),

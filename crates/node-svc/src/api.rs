@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::host::{CreateSpec, Host, NodeError, RestoreItem, SnapshotPart};
 use crate::sandbox::{Move, Refusal, Resources, SandboxRecord, State};
@@ -68,11 +69,11 @@ impl NodeApi {
 
     async fn lifecycle(&self, req: pb::LifecycleRequest, action: Move) -> Result<Response<pb::SandboxInfo>, Status> {
         let span = tracing::info_span!("lifecycle", sandbox_id = %req.sandbox_id, ?action, epoch = req.epoch);
-        let _enter = span.enter();
         let started = std::time::Instant::now();
         let result = self
             .host
             .lifecycle(&req.operation_id, req.epoch, &req.sandbox_id, action)
+            .instrument(span)
             .await;
         let op = match action {
             Move::Pause => "pause",
@@ -92,7 +93,6 @@ impl pb::node_server::Node for NodeApi {
     async fn create(&self, request: Request<pb::CreateRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
         let req = request.into_inner();
         let span = tracing::info_span!("create", sandbox_id = %req.sandbox_id, template = %req.template);
-        let _enter = span.enter();
         let resources = req.resources.unwrap_or_default();
         let spec = CreateSpec {
             operation_id: req.operation_id,
@@ -109,7 +109,7 @@ impl pb::node_server::Node for NodeApi {
             access_token: Some(req.access_token).filter(|t| !t.is_empty()),
         };
         let started = std::time::Instant::now();
-        let result = self.host.create(spec).await;
+        let result = self.host.create(spec).instrument(span).await;
         metrics::histogram!("node_lifecycle_duration_seconds", "op" => "create")
             .record(started.elapsed().as_secs_f64());
         let record = result.map_err(status)?;

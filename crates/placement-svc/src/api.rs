@@ -146,6 +146,19 @@ fn view_to_pb(view: &NodeView, now_ms: u64, unhealthy_after_ms: u64) -> pb::Node
     }
 }
 
+/// The decision's candidates as one attribute: `node=score` for each feasible node looked at,
+/// `node!reason` for each filtered out, in the order looked at.
+fn candidates(evaluated: &[core::Evaluation]) -> String {
+    evaluated
+        .iter()
+        .map(|e| match &e.rejected {
+            None => format!("{}={:.4}", e.node_id, e.score),
+            Some(why) => format!("{}!{why}", e.node_id),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The `Placement` gRPC service over any store.
 pub struct PlacementApi<S> {
     store: Arc<S>,
@@ -182,6 +195,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             excluded = req.exclude.len(),
             node_id = tracing::field::Empty,
             score = tracing::field::Empty,
+            candidates = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
         let started = std::time::Instant::now();
@@ -194,15 +208,23 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         };
         metrics::counter!("placement_places_total", "outcome" => outcome).increment(1);
         span.record("outcome", outcome);
-        if let Ok(Placement::Placed { node_id, score, .. }) = &placed {
+        if let Ok(Placement::Placed {
+            node_id,
+            score,
+            evaluated,
+            ..
+        }) = &placed
+        {
             span.record("node_id", node_id.as_str());
             span.record("score", *score);
+            span.record("candidates", candidates(evaluated).as_str());
         }
         match placed.map_err(ApiError::from)? {
             Placement::Placed {
                 node_id,
                 address,
                 score,
+                ..
             } => {
                 tracing::debug!(%node_id, score, "placed");
                 Ok(Response::new(pb::PlaceResponse {

@@ -69,6 +69,7 @@ impl PlacementStore for MemoryStore {
                     node_id: node.node_id.clone(),
                     address: node.address.clone(),
                     score,
+                    evaluated: decision.evaluated,
                 }
             }
             None => Placement::NoFit {

@@ -30,6 +30,8 @@ pub enum Placement {
         node_id: String,
         address: String,
         score: f64,
+        /// Every node the decision looked at, for the decision's trace span.
+        evaluated: Vec<Evaluation>,
     },
     /// Nothing fits; the reason names what filtered the nodes out.
     NoFit { reason: String },

@@ -373,6 +373,7 @@ impl PlacementStore for RedisStore {
                 node_id,
                 address,
                 score,
+                evaluated: scored.into_iter().map(evaluation).collect(),
             },
             None => {
                 let decision = crate::core::Decision {
