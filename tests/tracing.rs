@@ -180,6 +180,15 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
         names.iter().any(|n| n.contains("Ledger/Compare")),
         "ledger writes join the trace: {names:?}"
     );
+    // The decision carries its candidates and scores.
+    let chosen = receiver
+        .attribute(trace_id, "placement.decide", "node_id")
+        .expect("the chosen node");
+    let candidates = receiver
+        .attribute(trace_id, "placement.decide", "candidates")
+        .expect("the candidates");
+    assert!(candidates.contains(&format!("{chosen}=")), "{candidates}");
+    assert!(receiver.attribute(trace_id, "placement.decide", "score").is_some());
 
     // The manifest keeps the creation's context; a move of the sandbox links back to it.
     let manifest = client
