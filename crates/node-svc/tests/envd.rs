@@ -200,6 +200,47 @@ async fn commands_run_with_output_env_cwd_and_exit_codes() {
     e.cleanup().await;
 }
 
+/// One PID namespace per sandbox, shared by its commands: a background process outlives the
+/// command that started it and the next command sees it, and nothing of the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_has_one_pid_namespace_for_all_its_commands() {
+    let e = env().await;
+    let degraded = e.node.host().features().degraded;
+    assert!(
+        degraded.iter().all(|d| !d.contains("PID namespace")),
+        "this host (root, cgroup v1) permits PID namespaces, yet: {degraded:?}"
+    );
+    e.create("pids", "").await;
+    let start = |script: &str| json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": false});
+    let (messages, _) = e
+        .stream(
+            "pids",
+            "process.Process/Start",
+            start("sleep 300 >/dev/null 2>&1 & echo $!"),
+        )
+        .await;
+    let background: u32 = output(&messages, "stdout").trim().parse().unwrap();
+    assert!(
+        background < 100,
+        "a PID of the sandbox's own namespace, not the host's: {background}"
+    );
+    let (messages, _) = e
+        .stream(
+            "pids",
+            "process.Process/Start",
+            start(&format!(
+                "kill -0 {background} && echo alive; ls /proc | grep -c '^[0-9]'"
+            )),
+        )
+        .await;
+    let seen = output(&messages, "stdout");
+    let mut lines = seen.lines();
+    assert_eq!(lines.next(), Some("alive"), "{seen}");
+    let visible: usize = lines.next().unwrap().parse().unwrap();
+    assert!(visible < 10, "only the sandbox's processes are visible, saw {visible}");
+    e.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_commands_are_listed_fed_and_killed() {
     let e = env().await;

@@ -7,7 +7,19 @@
 //!   process cannot die), then wait until none is left and reap our own children;
 //! - memory: the cgroup's usage, or the summed RSS of the process group without one.
 //!
-//! PID and mount namespaces are not used yet; `Features::degraded` says so.
+//! Namespaces, where the host permits them:
+//! - mount: every command gets a private mount namespace with the sandbox's folder bound at
+//!   /home/user;
+//! - PID: each sandbox has one PID namespace, shared by all its commands as in a VM. Its PID 1
+//!   is a reaper: a shell whose only job is waiting, so a command's background processes
+//!   survive the command and are reaped when they end (a shell's wait reaps any child, and
+//!   orphans become PID 1's children). Each command joins the namespace with `setns` and one more `fork` in
+//!   `pre_exec`, because a PID namespace only applies to children: the process std spawned
+//!   stays outside, waits for the command, and exits with its status; the command dies with
+//!   it (PR_SET_PDEATHSIG), and sees only its sandbox's processes in a /proc mounted in its
+//!   own mount namespace.
+//!
+//! Where a feature is missing, `Features::degraded` and the log say so once.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -25,6 +37,9 @@ pub struct ProcessRuntime {
     cgroups: Cgroups,
     /// Commands get a private mount namespace with the sandbox's home at /home/user.
     mount_namespace: bool,
+    /// Each sandbox's commands share a PID namespace (needs the mount namespace, for /proc,
+    /// and cgroups, to find the namespace's reaper again after a restart).
+    pid_namespace: bool,
     degraded: Vec<String>,
     /// Start commands this process spawned, to reap when they end.
     children: Mutex<HashMap<String, Child>>,
@@ -113,24 +128,29 @@ impl ProcessRuntime {
                 "no mount namespace: commands see the sandbox's files at their host path, not {SANDBOX_HOME}"
             ));
         }
-        degraded.push(
-            "no PID namespace: a sandbox's processes see the host's (std's spawn puts only children in a new one)"
-                .to_string(),
-        );
+        let pid_namespace = mount_namespace && cgroups.has_memory() && probe_pid_namespace();
+        if !pid_namespace {
+            degraded.push("no PID namespace: a sandbox's processes see the host's".to_string());
+        }
         for line in &degraded {
             tracing::warn!(node_id, "runtime degraded: {line}");
         }
         Self {
             cgroups,
             mount_namespace,
+            pid_namespace,
             degraded,
             children: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Every live process of the sandbox: its cgroup members and its process group.
-    fn processes(&self, record: &SandboxRecord) -> Vec<i32> {
+    /// Every live process of the sandbox: its cgroup members and its process group; with
+    /// `with_reaper` false, without its PID namespace's reaper (which is not a command).
+    fn processes(&self, record: &SandboxRecord, with_reaper: bool) -> Vec<i32> {
         let mut pids = self.cgroups.pids(&record.id);
+        if !with_reaper {
+            pids.retain(|&pid| !is_reaper_part(pid));
+        }
         if record.pgid > 0 {
             for pid in group_members(record.pgid) {
                 if !pids.contains(&pid) {
@@ -140,6 +160,41 @@ impl ProcessRuntime {
         }
         pids.retain(|&pid| !is_zombie(pid));
         pids
+    }
+
+    /// The host PID of the sandbox's PID-namespace reaper, started if it is not running.
+    fn reaper(&self, record: &SandboxRecord) -> Result<i32, RuntimeError> {
+        let find = || self.cgroups.pids(&record.id).into_iter().find(|&pid| is_reaper(pid));
+        if let Some(pid) = find() {
+            return Ok(pid);
+        }
+        let join = self.cgroups.join_paths(&record.id);
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", REAPER_SCRIPT])
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: only async-signal-safe system calls on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &join {
+                    join_cgroup(path)?;
+                }
+                start_reaper()
+            });
+        }
+        // The process std spawns forks the reaper into the new namespace and exits at once.
+        let status = cmd.status().map_err(|e| control(record, "pid namespace", e))?;
+        if !status.success() {
+            return Err(control(
+                record,
+                "pid namespace",
+                format!("reaper start failed: {status}"),
+            ));
+        }
+        find().ok_or_else(|| control(record, "pid namespace", "the reaper did not start"))
     }
 
     fn reap_one(&self, sandbox: &str) {
@@ -235,7 +290,7 @@ impl Runtime for ProcessRuntime {
             let _ = self.cgroups.freeze(&record.id, false);
             signal_group(record.pgid, libc::SIGCONT);
             self.reap_one(&record.id);
-            if self.processes(record).is_empty() {
+            if self.processes(record, true).is_empty() {
                 break;
             }
             if Instant::now() > deadline {
@@ -259,7 +314,7 @@ impl Runtime for ProcessRuntime {
     }
 
     fn alive(&self, record: &SandboxRecord) -> bool {
-        !self.processes(record).is_empty()
+        !self.processes(record, false).is_empty()
     }
 
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
@@ -279,6 +334,12 @@ impl Runtime for ProcessRuntime {
             .create(&record.id, record.resources.memory_bytes)
             .map_err(|e| control(record, "enclose", e))?;
         let join = self.cgroups.join_paths(&record.id);
+        let pid_ns = if self.pid_namespace {
+            let reaper = self.reaper(record)?;
+            Some(CString::new(format!("/proc/{reaper}/ns/pid")).map_err(|e| control(record, "enclose", e))?)
+        } else {
+            None
+        };
         cmd.process_group(0);
         let view = if self.mount_namespace {
             let inside = match cwd.strip_prefix(home) {
@@ -294,26 +355,21 @@ impl Runtime for ProcessRuntime {
             None
         };
         // SAFETY: between fork and exec the closure only makes system calls (open, write,
-        // close, unshare, mount, chdir) on C strings prepared before the fork, all
-        // async-signal-safe; it allocates nothing.
+        // close, unshare, mount, chdir, setns, fork, waitpid, _exit) on C strings prepared
+        // before the fork, all async-signal-safe; it allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
                 for path in &join {
-                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if written != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                    join_cgroup(path)?;
                 }
                 if let Some((home, target, inside)) = &view {
                     enter_mount_namespace(home, target)?;
                     if libc::chdir(inside.as_ptr()) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
+                }
+                if let Some(ns) = &pid_ns {
+                    enter_pid_namespace(ns)?;
                 }
                 Ok(())
             });
@@ -356,6 +412,153 @@ unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Re
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Moves the calling process into a cgroup (`path` is its `cgroup.procs`).
+///
+/// # Safety
+/// Only async-signal-safe system calls; meant for `pre_exec`.
+unsafe fn join_cgroup(path: &CString) -> std::io::Result<()> {
+    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+    libc::close(fd);
+    if written != 1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Closes every descriptor: a process that will never exec must not hold std's exec-status
+/// pipe (spawn would wait for it) nor the command's pipes (readers would wait for EOF).
+unsafe fn close_all() {
+    libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
+}
+
+/// What a sandbox's PID 1 runs: waiting is all it does (`wait` reaps every child, adopted
+/// orphans included); it ignores the signals it has no handler for, as PID 1 does.
+const REAPER_SCRIPT: &str = "while :; do sleep 3600 & wait $!; done";
+
+/// In the process std spawned: creates a PID namespace, forks its PID 1 (which goes on to exec
+/// the reaper, in a session of its own) and exits.
+///
+/// # Safety
+/// Only async-signal-safe system calls; meant for `pre_exec`.
+unsafe fn start_reaper() -> std::io::Result<()> {
+    if libc::unshare(libc::CLONE_NEWPID) != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    match libc::fork() {
+        -1 => Err(std::io::Error::last_os_error()),
+        0 => {
+            // PID 1 keeps only its standard descriptors (all /dev/null).
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+            libc::setsid();
+            Ok(())
+        }
+        _ => {
+            close_all();
+            libc::_exit(0);
+        }
+    }
+}
+
+/// Joins the PID namespace `ns` (a `/proc/PID/ns/pid` path): forks, lets the child go on to
+/// exec the command inside the namespace (with its own /proc), and turns the caller into a
+/// stand-in that waits for it and exits with its status.
+///
+/// # Safety
+/// Only async-signal-safe system calls; meant for `pre_exec`, after the mount namespace.
+unsafe fn enter_pid_namespace(ns: &CString) -> std::io::Result<()> {
+    let fd = libc::open(ns.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let joined = libc::setns(fd, libc::CLONE_NEWPID);
+    libc::close(fd);
+    if joined != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    match libc::fork() {
+        -1 => Err(std::io::Error::last_os_error()),
+        0 => {
+            // The command: dies with its stand-in (a signal to the PID the SDK knows ends it).
+            // (Its parent is outside its namespace, so getppid() cannot check for a parent
+            // that died before this line; the stand-in only dies by a signal sent to it.)
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let proc_ = c"proc";
+            if libc::mount(
+                proc_.as_ptr(),
+                c"/proc".as_ptr(),
+                proc_.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        }
+        child => {
+            close_all();
+            let mut status = 0;
+            loop {
+                if libc::waitpid(child, &mut status, 0) == child {
+                    break;
+                }
+                if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                    libc::_exit(127);
+                }
+            }
+            if libc::WIFEXITED(status) {
+                libc::_exit(libc::WEXITSTATUS(status));
+            }
+            libc::_exit(128 + libc::WTERMSIG(status));
+        }
+    }
+}
+
+/// A field of /proc/PID/status (`NSpid`, `PPid`…), without its name.
+fn status_field(pid: i32, field: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?;
+    Some(line[field.len() + 1..].trim().to_string())
+}
+
+/// Whether `pid` is a PID namespace's reaper: PID 1 in the innermost namespace it is in.
+fn is_reaper(pid: i32) -> bool {
+    status_field(pid, "NSpid").is_some_and(|ids| {
+        let ids: Vec<&str> = ids.split_whitespace().collect();
+        ids.len() > 1 && ids.last() == Some(&"1")
+    })
+}
+
+/// The reaper or the `sleep` it waits on: the namespace's own, not the sandbox's commands.
+fn is_reaper_part(pid: i32) -> bool {
+    is_reaper(pid)
+        || (status_field(pid, "PPid")
+            .and_then(|p| p.parse::<i32>().ok())
+            .is_some_and(is_reaper)
+            && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == b"sleep\x003600\x00"))
+}
+
+/// Whether sandboxes can get a PID namespace here: `true` run in a new one.
+fn probe_pid_namespace() -> bool {
+    let mut probe = Command::new("/bin/true");
+    // SAFETY: one async-signal-safe system call.
+    unsafe {
+        probe.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWPID) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    probe.status().is_ok_and(|s| s.success())
 }
 
 /// Whether commands can get a mount namespace here: makes the /home/user mount point and
