@@ -159,6 +159,19 @@ fn candidates(evaluated: &[core::Evaluation]) -> String {
         .join(" ")
 }
 
+/// Reservation and heartbeat-age gauges from a view of every node.
+pub fn publish_gauges(nodes: &[NodeView], now: u64) {
+    for v in nodes {
+        let node = v.node_id.clone();
+        metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "pending")
+            .set(f64::from(v.pending()));
+        metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "unconfirmed")
+            .set(f64::from(v.unconfirmed()));
+        metrics::gauge!("placement_heartbeat_age_seconds", "node" => node)
+            .set(now.saturating_sub(v.last_heartbeat_ms) as f64 / 1000.0);
+    }
+}
+
 /// The `Placement` gRPC service over any store.
 pub struct PlacementApi<S> {
     store: Arc<S>,
@@ -315,15 +328,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let now = now_ms();
         let mut nodes = self.store.nodes().await.map_err(ApiError::from)?;
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        for v in &nodes {
-            let node = v.node_id.clone();
-            metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "pending")
-                .set(f64::from(v.pending()));
-            metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "unconfirmed")
-                .set(f64::from(v.unconfirmed()));
-            metrics::gauge!("placement_heartbeat_age_seconds", "node" => node)
-                .set(now.saturating_sub(v.last_heartbeat_ms) as f64 / 1000.0);
-        }
+        publish_gauges(&nodes, now);
         Ok(Response::new(pb::NodesResponse {
             nodes: nodes
                 .iter()

@@ -81,6 +81,9 @@ impl PlacementConfig {
     }
 }
 
+/// How often reservation and heartbeat-age gauges are recomputed.
+const GAUGE_REFRESH: Duration = Duration::from_secs(5);
+
 /// Why placement-svc could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -99,6 +102,7 @@ pub struct RunningPlacement {
     addr: SocketAddr,
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    gauges: JoinHandle<()>,
 }
 
 impl RunningPlacement {
@@ -111,6 +115,7 @@ impl RunningPlacement {
     }
 
     pub async fn stop(self) {
+        self.gauges.abort();
         let _ = self.stop.send(());
         match self.server.await {
             Ok(Ok(())) => {}
@@ -163,7 +168,21 @@ async fn serve<S: PlacementStore>(
             addr: config.listen,
             source,
         })?;
-    let api = PlacementApi::new(Arc::new(store), config.rank.unhealthy_after_ms, docs);
+    let store = Arc::new(store);
+    // Gauges stay as fresh as a scrape needs, whether or not anyone calls Nodes.
+    let gauges = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(GAUGE_REFRESH);
+            loop {
+                tick.tick().await;
+                if let Ok(nodes) = store.nodes().await {
+                    crate::api::publish_gauges(&nodes, common::clock::now_ms());
+                }
+            }
+        })
+    };
+    let api = PlacementApi::new(store, config.rank.unhealthy_after_ms, docs);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<PlacementServer<PlacementApi<S>>>().await;
     let (stop, stopped) = oneshot::channel::<()>();
@@ -177,5 +196,10 @@ async fn serve<S: PlacementStore>(
             }),
     );
     tracing::info!(%addr, store = ?config.store, accounting = config.accounting.name(), "placement-svc serving");
-    Ok(RunningPlacement { addr, stop, server })
+    Ok(RunningPlacement {
+        addr,
+        stop,
+        server,
+        gauges,
+    })
 }
