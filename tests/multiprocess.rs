@@ -144,12 +144,22 @@ async fn assert_exact(p: &mut PlacementClient<Channel>, nodes: &mut BTreeMap<Str
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn services_as_processes_keep_accounting_exact_across_two_placers() {
+/// What every multi-process test starts from: a work folder, a fresh PostgreSQL schema, and a
+/// ledger-svc process on it.
+struct Base {
+    tag: String,
+    work: PathBuf,
+    schema: String,
+    pg: sqlx::PgConnection,
+    procs: Processes,
+    ledger_endpoint: String,
+}
+
+async fn base(prefix: &str) -> Base {
     let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
-    let work = std::env::temp_dir().join(format!("multiprocess-{tag}"));
+    let work = std::env::temp_dir().join(format!("multiprocess-{prefix}-{tag}"));
     std::fs::create_dir_all(&work).unwrap();
-    let schema = format!("mp_{tag}");
+    let schema = format!("{prefix}_{tag}");
     let mut pg = sqlx::PgConnection::connect(&postgres_url()).await.unwrap_or_else(|e| {
         panic!(
             "PostgreSQL at {} is not reachable ({e}); run scripts/services",
@@ -161,7 +171,6 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
         .await
         .unwrap();
     let mut procs = Processes(Vec::new());
-
     let ledger = format!("127.0.0.1:{}", free_port());
     procs.spawn(
         "ledger",
@@ -176,6 +185,26 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     );
     let ledger_endpoint = format!("http://{ledger}");
     connect(&ledger_endpoint, &mut procs).await;
+    Base {
+        tag,
+        work,
+        schema,
+        pg,
+        procs,
+        ledger_endpoint,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_as_processes_keep_accounting_exact_across_two_placers() {
+    let Base {
+        tag,
+        work,
+        schema,
+        mut pg,
+        mut procs,
+        ledger_endpoint,
+    } = base("mp").await;
 
     let mut placers = Vec::new();
     for i in 0..2 {
@@ -419,35 +448,14 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
     use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
     use ledger_svc::{LedgerClient, Txn};
 
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
-    let work = std::env::temp_dir().join(format!("multiprocess-balance-{tag}"));
-    std::fs::create_dir_all(&work).unwrap();
-    let schema = format!("mpb_{tag}");
-    let mut pg = sqlx::PgConnection::connect(&postgres_url()).await.unwrap_or_else(|e| {
-        panic!(
-            "PostgreSQL at {} is not reachable ({e}); run scripts/services",
-            postgres_url()
-        )
-    });
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&mut pg)
-        .await
-        .unwrap();
-    let mut procs = Processes(Vec::new());
-    let ledger = format!("127.0.0.1:{}", free_port());
-    procs.spawn(
-        "ledger",
-        "ledger-svc",
-        &[
-            "--listen".into(),
-            ledger.clone(),
-            "--database-url".into(),
-            format!("{}?options[search_path]={schema}", postgres_url()),
-        ],
-        &work,
-    );
-    let ledger_endpoint = format!("http://{ledger}");
-    connect(&ledger_endpoint, &mut procs).await;
+    let Base {
+        tag,
+        work,
+        schema,
+        mut pg,
+        mut procs,
+        ledger_endpoint,
+    } = base("mpb").await;
     let mut nodes = Vec::new();
     for i in 0..2 {
         let (grpc, envd) = (free_port(), free_port());

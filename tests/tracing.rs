@@ -245,17 +245,7 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
     balance.stop().await;
     gateway.stop().await;
     for (id, node) in nodes {
-        for (record, _) in node.host().list().await {
-            node.host()
-                .lifecycle(
-                    &format!("cleanup-{}", record.id),
-                    u64::MAX,
-                    &record.id,
-                    node_svc::sandbox::Move::Kill,
-                )
-                .await
-                .expect("a test sandbox is killed");
-        }
+        node.kill_all().await.expect("every test sandbox is killed");
         node.stop().await;
         node_svc::runtime::cgroup::remove_parents(&id);
     }

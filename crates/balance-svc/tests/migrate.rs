@@ -217,17 +217,7 @@ impl Cluster {
 
     async fn stop(self) {
         for node in self.nodes {
-            for (record, _) in node.host().list().await {
-                node.host()
-                    .lifecycle(
-                        &format!("cleanup-{}", record.id),
-                        u64::MAX,
-                        &record.id,
-                        node_svc::sandbox::Move::Kill,
-                    )
-                    .await
-                    .expect("a test sandbox is killed");
-            }
+            node.kill_all().await.expect("every test sandbox is killed");
             node.stop().await;
         }
         self.placement.stop().await;

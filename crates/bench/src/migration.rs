@@ -135,13 +135,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         total.push(elapsed.as_secs_f64() * 1000.0);
         rate.push(args.mb as f64 / (d.max(1.0) / 1000.0));
     }
-    let last = if args.moves.is_multiple_of(2) { 0 } else { 1 };
-    let _ = nodes[last]
-        .1
-        .host()
-        .lifecycle("bench-cleanup", u64::MAX, id, node_svc::sandbox::Move::Kill)
-        .await;
     for (node_id, node) in nodes {
+        node.kill_all().await?;
         node.stop().await;
         node_svc::runtime::cgroup::remove_parents(&node_id);
     }

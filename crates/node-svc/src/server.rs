@@ -122,6 +122,18 @@ impl RunningNode {
     }
 
     /// Stops serving and heartbeating. Sandboxes keep running: the next start re-adopts them.
+    /// Kills every sandbox of the node (tests and benchmarks clean up with it); the first
+    /// failure is returned.
+    pub async fn kill_all(&self) -> Result<(), crate::host::NodeError> {
+        for (record, _) in self.host.list().await {
+            let operation = format!("kill-all-{}", record.id);
+            self.host
+                .lifecycle(&operation, u64::MAX, &record.id, crate::sandbox::Move::Kill)
+                .await?;
+        }
+        Ok(())
+    }
+
     pub async fn stop(self) {
         if let Some(h) = self.heartbeats {
             h.abort();
