@@ -96,6 +96,12 @@ impl Routes {
         })
     }
 
+    /// Resolves at the next change of the table (the ledger's watch, or a local update).
+    /// Created before looking at what it guards, it misses no change made in between.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
     /// Drops a sandbox's route (it was killed, or its node says it is not there).
     pub async fn forget(&self, id: &str) {
         self.table.write().await.remove(id);

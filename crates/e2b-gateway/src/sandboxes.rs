@@ -149,19 +149,20 @@ impl Sandboxes {
 
     /// The manifest once no move owns the sandbox's lifecycle: a balancer move holds it for
     /// the seconds a migration takes, and a kill, pause or resume waits for it rather than
-    /// racing it (the move's fencing epoch would refuse the race anyway).
+    /// racing it (the move's fencing epoch would refuse the race anyway). It reads again on
+    /// each change the routing table's ledger watch sees, not on a timer.
     pub async fn get_settled(&self, team: &str, id: &str) -> Result<Versioned<SandboxDoc>, Failure> {
         let deadline = tokio::time::Instant::now() + WAIT_FOR_MOVE;
         loop {
+            let changed = self.routes.changed();
             let doc = self.get(team, id).await?;
-            match &doc.value.lifecycle_owner {
-                None => return Ok(doc),
-                Some(owner) if tokio::time::Instant::now() >= deadline => {
-                    return Err(Failure::Conflict(format!(
-                        "sandbox {id} is being moved ({owner}); retry in a few seconds"
-                    )))
-                }
-                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            let Some(owner) = &doc.value.lifecycle_owner else {
+                return Ok(doc);
+            };
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Err(Failure::Conflict(format!(
+                    "sandbox {id} is being moved ({owner}); retry in a few seconds"
+                )));
             }
         }
     }
