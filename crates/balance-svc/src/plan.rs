@@ -210,6 +210,19 @@ pub struct Plan {
     pub spread_after: f64,
 }
 
+impl Plan {
+    /// No moves yet, at the given spread.
+    fn empty(spread: f64) -> Self {
+        Plan {
+            result: ScanResult::NothingToDo,
+            moves: Vec::new(),
+            skips: BTreeMap::new(),
+            spread_before: spread,
+            spread_after: spread,
+        }
+    }
+}
+
 /// The fewest moves that bring the spread under `tuning.target`, greedily: always from the
 /// most pressured node to the least, aiming at what would level the pair, and only moves that fit
 /// the target node and strictly lower the spread.
@@ -218,15 +231,8 @@ pub struct Plan {
 /// else the one that overshoots least.
 pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     let mut nodes: Vec<NodeMemory> = snapshot.nodes.iter().filter(|n| n.ready).cloned().collect();
-    let spread_before = spread(&nodes);
-    let mut plan = Plan {
-        result: ScanResult::NothingToDo,
-        moves: Vec::new(),
-        skips: BTreeMap::new(),
-        spread_before,
-        spread_after: spread_before,
-    };
-    if nodes.len() < 2 || spread_before <= tuning.threshold {
+    let mut plan = Plan::empty(spread(&nodes));
+    if nodes.len() < 2 || plan.spread_before <= tuning.threshold {
         return plan;
     }
     let index: HashMap<String, usize> = nodes.iter().enumerate().map(|(i, n)| (n.node_id.clone(), i)).collect();
@@ -319,14 +325,7 @@ pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
 /// sandboxes are skipped and counted, and tried again on the next scan.
 pub fn plan_drain(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     let mut ready: Vec<NodeMemory> = snapshot.nodes.iter().filter(|n| n.ready).cloned().collect();
-    let spread_before = spread(&ready);
-    let mut plan = Plan {
-        result: ScanResult::NothingToDo,
-        moves: Vec::new(),
-        skips: BTreeMap::new(),
-        spread_before,
-        spread_after: spread_before,
-    };
+    let mut plan = Plan::empty(spread(&ready));
     let draining: Vec<&str> = snapshot
         .nodes
         .iter()
