@@ -7,6 +7,7 @@
 //! compared them would always fail (the brief's lesson 2, cause 2).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,6 +83,10 @@ pub struct Balancer {
     tuning: BalanceTuning,
     known: Arc<RwLock<Known>>,
     awaiting: tokio::sync::Mutex<Awaiting>,
+    /// Whether a plan may be left unfinished: at start and after losing the lease (a crash or
+    /// another executor may have left one), or when one of ours did not finish. Only then are
+    /// the plan documents listed.
+    unfinished_may_exist: std::sync::atomic::AtomicBool,
 }
 
 impl Balancer {
@@ -93,6 +98,7 @@ impl Balancer {
             tuning,
             known: Arc::new(RwLock::new(Known::default())),
             awaiting: tokio::sync::Mutex::new(Awaiting::default()),
+            unfinished_may_exist: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -110,6 +116,7 @@ impl Balancer {
         metrics::gauge!("balance_leader").set(if leader { 1.0 } else { 0.0 });
         self.known.write().await.leader = leader;
         if !leader {
+            self.unfinished_may_exist.store(true, Ordering::SeqCst);
             return Ok(None);
         }
         let control = self
@@ -234,6 +241,9 @@ impl Balancer {
         self.known.write().await.active_plan = Some(plan_id.clone());
         let result = self.mover.execute(plan).await;
         self.known.write().await.active_plan = None;
+        if !result.as_ref().is_ok_and(PlanDoc::is_finished) {
+            self.unfinished_may_exist.store(true, Ordering::SeqCst);
+        }
         let done = result?;
         let outcomes: BTreeMap<&str, usize> = done.moves.iter().fold(BTreeMap::new(), |mut acc, m| {
             *acc.entry(m.step.name()).or_default() += 1;
@@ -248,7 +258,16 @@ impl Balancer {
 
     /// Plans a crash (or a lost lease) left unfinished are resumed before anything new.
     async fn finish_unfinished(&self) -> Result<(), CycleError> {
-        let (plans, _) = self.ledger.list::<PlanDoc>(PLAN_KIND, "").await?;
+        if !self.unfinished_may_exist.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let (plans, _) = match self.ledger.list::<PlanDoc>(PLAN_KIND, "").await {
+            Ok(listed) => listed,
+            Err(err) => {
+                self.unfinished_may_exist.store(true, Ordering::SeqCst);
+                return Err(err.into());
+            }
+        };
         for plan in plans {
             if plan.value.finished_at_unix_ms.is_none() {
                 tracing::info!(plan_id = %plan.value.plan_id, "resuming an unfinished plan");

@@ -188,12 +188,13 @@ impl Mover {
             sandbox_id = %record.sandbox_id, move_id = %record.move_id, from = %record.from_node,
             to = %record.to_node, step = record.step.name(), "move picked up"
         );
-        if let Ok(Some(manifest)) = self.manifest(&record).await {
-            if let Some(created) = &manifest.value.trace_context {
+        let manifest = self.manifest(&record).await;
+        if let Ok(Some(doc)) = &manifest {
+            if let Some(created) = &doc.value.trace_context {
                 common::trace::link(&tracing::Span::current(), created);
             }
         }
-        let picked = self.pick_up(record.clone()).await?;
+        let picked = self.pick_up(record.clone(), manifest).await?;
         if picked != record {
             self.record(shared, index, &picked).await?;
             record = picked;
@@ -302,7 +303,11 @@ impl Mover {
     /// An executor picking up a move under way takes the sandbox's epoch again (an older
     /// executor may still be acting with the old one), or learns from the manifest that the
     /// action after the recorded step already landed before a crash.
-    async fn pick_up(&self, mut record: MoveRecord) -> Result<MoveRecord, MoveError> {
+    async fn pick_up(
+        &self,
+        mut record: MoveRecord,
+        manifest: Result<Option<Versioned<SandboxDoc>>, MoveError>,
+    ) -> Result<MoveRecord, MoveError> {
         let under_way = matches!(
             record.step,
             Step::Owned | Step::SourcePaused | Step::Restored | Step::TargetResumed | Step::RollingBack
@@ -310,7 +315,7 @@ impl Mover {
         if !under_way || record.epoch == 0 {
             return Ok(record);
         }
-        let Some(doc) = self.manifest(&record).await? else {
+        let Some(doc) = manifest? else {
             return self.abandon(record).await;
         };
         if doc.value.lifecycle_owner.as_deref() == Some(record.move_id.as_str()) {
