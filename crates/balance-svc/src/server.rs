@@ -10,7 +10,6 @@ use proto::balance::v1::balance_server::BalanceServer;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Endpoint;
 
 use crate::api::BalanceApi;
@@ -166,7 +165,7 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
             .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(BalanceServer::new(api))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
                 let _ = server_stop.wait_for(|s| *s).await;
             }),
     );

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::LedgerApi;
 use crate::committer::Committer;
@@ -145,7 +144,7 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
             .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(LedgerServer::new(api))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
                 let _ = until_stopped.wait_for(|stop| *stop).await;
             }),
     );

@@ -7,7 +7,6 @@ use std::time::Duration;
 use proto::node::v1::node_server::NodeServer;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::NodeApi;
 use crate::heartbeat::{self, HeartbeatConfig};
@@ -208,7 +207,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                     .clone()
                     .unwrap_or_else(|| format!("http://{envd_addr}")),
             )))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
                 let _ = stopped.await;
             }),
     );

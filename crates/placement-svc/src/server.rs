@@ -8,7 +8,6 @@ use std::time::Duration;
 use proto::placement::v1::placement_server::PlacementServer;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::PlacementApi;
 use crate::core::{Accounting, RankConfig};
@@ -191,7 +190,7 @@ async fn serve<S: PlacementStore>(
             .trace_fn(common::trace::grpc_span)
             .add_service(health_service)
             .add_service(PlacementServer::new(api))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
                 let _ = stopped.await;
             }),
     );
