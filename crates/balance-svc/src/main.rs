@@ -65,6 +65,9 @@ fn parse_halt(s: &str) -> Result<Halt, String> {
     Ok(Halt { step, recorded })
 }
 
+#[global_allocator]
+static ALLOCATOR: common::Allocator = common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("balance-svc");

@@ -43,6 +43,9 @@ enum Scenario {
     Migration(migration::Args),
 }
 
+#[global_allocator]
+static ALLOCATOR: common::Allocator = common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();

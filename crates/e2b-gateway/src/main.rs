@@ -37,6 +37,9 @@ struct Args {
     templates: Option<std::path::PathBuf>,
 }
 
+#[global_allocator]
+static ALLOCATOR: common::Allocator = common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("e2b-gateway");

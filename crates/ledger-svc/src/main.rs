@@ -27,6 +27,9 @@ struct Args {
     retain_revisions: u64,
 }
 
+#[global_allocator]
+static ALLOCATOR: common::Allocator = common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("ledger-svc");

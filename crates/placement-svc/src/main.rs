@@ -63,6 +63,9 @@ fn parse_accounting(s: &str) -> Result<Accounting, String> {
     Accounting::parse(s).ok_or_else(|| format!("{s:?} is not one of stale, optimistic, reconciled"))
 }
 
+#[global_allocator]
+static ALLOCATOR: common::Allocator = common::Allocator;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("placement-svc");
