@@ -16,8 +16,16 @@ const LATENCY_BUCKETS: [f64; 12] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0, 10.0,
 ];
 
+/// How often histogram samples are folded into their buckets.
+const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Installs the process's recorder (once) and returns its handle; `None` if another recorder
 /// was installed first.
+///
+/// The recorder keeps every histogram sample until upkeep folds it into the buckets; a
+/// recorder installed this way gets no upkeep of its own, so a thread runs it every five
+/// seconds. Without it a placer nobody scrapes would keep every Place's duration in memory,
+/// about 7 GB a day at 10,000 placements a second.
 pub fn recorder() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
@@ -25,6 +33,16 @@ pub fn recorder() -> Option<PrometheusHandle> {
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".to_string()), &LATENCY_BUCKETS)
                 .ok()?;
             let handle = builder.install_recorder().ok()?;
+            let upkeep = handle.clone();
+            let spawned = std::thread::Builder::new()
+                .name("metrics-upkeep".to_string())
+                .spawn(move || loop {
+                    std::thread::sleep(UPKEEP_INTERVAL);
+                    upkeep.run_upkeep();
+                });
+            if let Err(err) = spawned {
+                tracing::warn!(%err, "metrics upkeep thread did not start; histograms grow until scraped");
+            }
             Some(handle)
         })
         .clone()
