@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use crate::core::{self, AdminState, NodeView, Resources};
 use crate::node_docs::NodeDocs;
-use crate::store::{Placement, PlacementStore, StoreError};
+use crate::store::{NodeGauge, Placement, PlacementStore, StoreError};
 
 /// Everything a placement call can fail with, and its status.
 #[derive(Debug, thiserror::Error)]
@@ -159,14 +159,14 @@ fn candidates(evaluated: &[core::Evaluation]) -> String {
         .join(" ")
 }
 
-/// Reservation and heartbeat-age gauges from a view of every node.
-pub fn publish_gauges(nodes: &[NodeView], now: u64) {
+/// Reservation and heartbeat-age gauges of every node.
+pub fn publish_gauges(nodes: &[NodeGauge], now: u64) {
     for v in nodes {
         let node = v.node_id.clone();
         metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "pending")
-            .set(f64::from(v.pending()));
+            .set(f64::from(v.pending));
         metrics::gauge!("placement_reservations", "node" => node.clone(), "state" => "unconfirmed")
-            .set(f64::from(v.unconfirmed()));
+            .set(f64::from(v.unconfirmed));
         metrics::gauge!("placement_heartbeat_age_seconds", "node" => node)
             .set(now.saturating_sub(v.last_heartbeat_ms) as f64 / 1000.0);
     }
@@ -328,7 +328,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let now = now_ms();
         let mut nodes = self.store.nodes().await.map_err(ApiError::from)?;
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        publish_gauges(&nodes, now);
+        publish_gauges(&nodes.iter().map(NodeGauge::of).collect::<Vec<_>>(), now);
         Ok(Response::new(pb::NodesResponse {
             nodes: nodes
                 .iter()

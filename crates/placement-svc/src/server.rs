@@ -175,7 +175,7 @@ async fn serve<S: PlacementStore>(
             let mut tick = tokio::time::interval(GAUGE_REFRESH);
             loop {
                 tick.tick().await;
-                if let Ok(nodes) = store.nodes().await {
+                if let Ok(nodes) = store.gauges().await {
                     crate::api::publish_gauges(&nodes, common::clock::now_ms());
                 }
             }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use placement_svc::core::{Accounting, AdminState, Heartbeat, Listed, NodeView, RankConfig, Request, Resources};
 use placement_svc::store::memory::MemoryStore;
 use placement_svc::store::redis::RedisStore;
-use placement_svc::store::{Placement, PlacementStore, StoreError};
+use placement_svc::store::{NodeGauge, Placement, PlacementStore, StoreError};
 
 const GIB: u64 = 1 << 30;
 const ONE: Resources = Resources {
@@ -176,6 +176,8 @@ for_both_stores!(
     unconfirmed_reservation_expires,
     burst_spreads_with_exact_accounting,
     explain_reserves_nothing,
+    labels_and_exclusions_steer_the_choice,
+    gauges_count_reservations_by_phase,
     unknown_node_is_an_error,
 );
 
@@ -323,6 +325,70 @@ async fn explain_reserves_nothing(stores: Stores) {
     assert!(n1.terms.iter().any(|(name, _)| *name == "cpu"));
     let nodes = call!(s, nodes()).unwrap();
     assert!(nodes.iter().all(|n| n.reservations.is_empty()));
+}
+
+async fn labels_and_exclusions_steer_the_choice(stores: Stores) {
+    let s = stores();
+    let labelled = |node: &str, labels: &[(&str, &str)]| {
+        let mut hb = heartbeat(node, 1, &[]);
+        hb.labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        hb
+    };
+    call!(s, heartbeat(&labelled("n1", &[("gpu", "yes"), ("zone", "a")]), 1_000)).unwrap();
+    call!(s, heartbeat(&labelled("n2", &[("gpu", "yes"), ("zone", "b")]), 1_000)).unwrap();
+    call!(s, heartbeat(&labelled("n3", &[]), 1_000)).unwrap();
+    let mut req = request("q");
+    req.selector = BTreeMap::from([
+        ("gpu".to_string(), "yes".to_string()),
+        ("zone".to_string(), "b".to_string()),
+    ]);
+    let e = call!(s, explain(&req, 1_000)).unwrap();
+    assert_eq!(e.chosen.as_deref(), Some("n2"), "{:?}", e.evaluated);
+    // The scores arrive exactly enough to show: an empty node's CPU term is 1 vCPU over
+    // 8 vCPUs times the over-commit.
+    let n2 = e.evaluated.iter().find(|c| c.node_id == "n2").unwrap();
+    let cpu = n2
+        .terms
+        .iter()
+        .find(|(name, _)| *name == "cpu")
+        .map(|(_, v)| *v)
+        .unwrap();
+    let expected = 1.0 / (8.0 * RankConfig::default().overcommit);
+    assert!((cpu - expected).abs() < 1e-9, "cpu term {cpu}, expected {expected}");
+    let n3 = e.evaluated.iter().find(|c| c.node_id == "n3").unwrap();
+    assert!(n3.rejected.as_deref().is_some_and(|r| r.contains("label")), "{n3:?}");
+
+    req.selector = BTreeMap::from([("gpu".to_string(), "yes".to_string())]);
+    req.exclude = ["n2".to_string()].into_iter().collect();
+    for i in 0..5 {
+        req.sandbox_id = format!("s{i}");
+        match call!(stores(), place(&req, 1_000)).unwrap() {
+            Placement::Placed { node_id, .. } => assert_eq!(node_id, "n1"),
+            other => panic!("expected a placement, got {other:?}"),
+        }
+    }
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 5);
+}
+
+async fn gauges_count_reservations_by_phase(stores: Stores) {
+    let s = stores();
+    call!(s, heartbeat(&heartbeat("n1", 1, &[]), 1_000)).unwrap();
+    for id in ["a", "b", "c"] {
+        assert_eq!(placed_on(&stores(), id, 1_000).await, "n1");
+    }
+    call!(stores(), created("n1", "a")).unwrap();
+    let gauges = call!(s, gauges()).unwrap();
+    assert_eq!(
+        gauges,
+        vec![NodeGauge {
+            node_id: "n1".to_string(),
+            pending: 2,
+            unconfirmed: 1,
+            last_heartbeat_ms: 1_000,
+        }]
+    );
+    // The gauges agree with the whole view.
+    assert_eq!(gauges[0], NodeGauge::of(&view(&s, "n1").await));
 }
 
 async fn unknown_node_is_an_error(stores: Stores) {

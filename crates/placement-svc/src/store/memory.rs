@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
-use super::{Explanation, Placement, PlacementStore, StoreError};
+use super::{Explanation, NodeGauge, Placement, PlacementStore, StoreError};
 use crate::core::{
     Accounting, AdminState, Heartbeat, HeartbeatOutcome, NodeView, RankConfig, Ranker, Request, Resources,
 };
@@ -117,6 +117,10 @@ impl PlacementStore for MemoryStore {
 
     async fn nodes(&self) -> Result<Vec<NodeView>, StoreError> {
         Ok(self.lock()?.nodes.clone())
+    }
+
+    async fn gauges(&self) -> Result<Vec<NodeGauge>, StoreError> {
+        Ok(self.lock()?.nodes.iter().map(NodeGauge::of).collect())
     }
 
     async fn set_admin(&self, node_id: &str, admin: AdminState) -> Result<NodeView, StoreError> {

@@ -44,6 +44,29 @@ pub struct Explanation {
     pub chosen: Option<String>,
 }
 
+/// What the placer's gauges show of one node: a few counters, cheap to read for every node
+/// every few seconds (unlike a whole [`NodeView`], which lists every sandbox).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeGauge {
+    pub node_id: String,
+    /// Reservations whose create is in flight.
+    pub pending: u32,
+    /// Reservations created but not yet listed by a heartbeat.
+    pub unconfirmed: u32,
+    pub last_heartbeat_ms: u64,
+}
+
+impl NodeGauge {
+    pub fn of(view: &NodeView) -> Self {
+        Self {
+            node_id: view.node_id.clone(),
+            pending: view.pending(),
+            unconfirmed: view.unconfirmed(),
+            last_heartbeat_ms: view.last_heartbeat_ms,
+        }
+    }
+}
+
 /// The operations placement needs from its state, each atomic.
 pub trait PlacementStore: Send + Sync + 'static {
     /// Chooses a node (Best-of-K) and reserves `req` on it, atomically.
@@ -69,6 +92,8 @@ pub trait PlacementStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<HeartbeatOutcome, StoreError>> + Send;
     /// Every node's view.
     fn nodes(&self) -> impl Future<Output = Result<Vec<NodeView>, StoreError>> + Send;
+    /// Every node's gauges.
+    fn gauges(&self) -> impl Future<Output = Result<Vec<NodeGauge>, StoreError>> + Send;
     /// Marks a node ready or draining; the node's view after the change.
     fn set_admin(&self, node_id: &str, admin: AdminState) -> impl Future<Output = Result<NodeView, StoreError>> + Send;
 }

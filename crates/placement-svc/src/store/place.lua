@@ -4,11 +4,16 @@
 --
 -- KEYS: for each candidate, its node hash then its reservations hash.
 -- ARGV: sandbox_id, vcpus, memory_bytes, now_ms, overcommit, alpha, cpu_weight, memory_weight,
---       max_starting, unhealthy_after_ms, mode, selector (JSON object), exclude (JSON array),
---       k (stop after k feasible), commit (1: reserve on the winner; 0: explain only)
+--       max_starting, unhealthy_after_ms, mode, k (stop after k feasible), commit (1: reserve
+--       on the winner; 0: explain only), n (label pairs the node must carry), then n label
+--       keys and values, then the node ids the request excludes.
 -- Returns: { chosen (1-based candidate, 0 = none), chosen score, chosen address, then per
 --            candidate looked at:
 --            node_id, reason ("" if feasible), score, cpu term, memory term }
+-- Scores and terms come back as integers in units of 1e-12: Redis turns a Lua number into an
+-- integer reply for free, while formatting it as text costs more than the whole decision.
+-- This runs on every Place, so it avoids JSON too: a node's labels are decoded only when the
+-- request selects on labels.
 local sandbox = ARGV[1]
 local req_v = tonumber(ARGV[2])
 local req_m = tonumber(ARGV[3])
@@ -20,11 +25,14 @@ local mw = tonumber(ARGV[8])
 local max_starting = tonumber(ARGV[9])
 local unhealthy_after = tonumber(ARGV[10])
 local mode = ARGV[11]
-local selector = cjson.decode(ARGV[12])
+local k = tonumber(ARGV[12])
+local commit = ARGV[13] == '1'
+local pairs_n = tonumber(ARGV[14])
+local selector = {}
+for j = 1, pairs_n do selector[ARGV[13 + 2 * j]] = ARGV[14 + 2 * j] end
 local exclude = {}
-for _, id in ipairs(cjson.decode(ARGV[13])) do exclude[id] = true end
-local k = tonumber(ARGV[14])
-local commit = ARGV[15] == '1'
+for j = 15 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
+local SCALE = 1e12
 
 local out = {}
 local best, best_score, best_address, feasible = 0, 0, '', 0
@@ -49,7 +57,6 @@ for i = 1, n do
     local bel_m = (tonumber(h[9] or '0') or 0) + (tonumber(h[11] or '0') or 0) - (tonumber(h[13] or '0') or 0)
     local pending = tonumber(h[14] or '0') or 0
     local usage = tonumber(h[15] or '0') or 0
-    local labels = cjson.decode(h[5] or '{}')
     if exclude[id] then
       reason = 'excluded by the request'
     elseif h[2] == 'draining' then
@@ -57,6 +64,7 @@ for i = 1, n do
     elseif seq == 0 or age > unhealthy_after then
       reason = 'unhealthy: last heartbeat ' .. age .. ' ms ago'
     else
+      local labels = pairs_n > 0 and cjson.decode(h[5] or '{}') or {}
       for key, value in pairs(selector) do
         if reason == '' and labels[key] ~= value then reason = 'label ' .. key .. '=' .. value .. ' missing' end
       end
@@ -87,11 +95,12 @@ for i = 1, n do
       end
     end
   end
-  table.insert(out, id)
-  table.insert(out, reason)
-  table.insert(out, tostring(score))
-  table.insert(out, tostring(cpu))
-  table.insert(out, tostring(mem))
+  local o = #out
+  out[o + 1] = id
+  out[o + 2] = reason
+  out[o + 3] = math.floor(score * SCALE + 0.5)
+  out[o + 4] = math.floor(cpu * SCALE + 0.5)
+  out[o + 5] = math.floor(mem * SCALE + 0.5)
   if feasible == k then break end
 end
 
@@ -105,6 +114,6 @@ if commit and best > 0 and mode ~= 'stale' then
     redis.call('HINCRBY', node, 'pending', 1)
   end
 end
-local result = { best, tostring(best_score), best_address }
-for _, v in ipairs(out) do table.insert(result, v) end
+local result = { best, math.floor(best_score * SCALE + 0.5), best_address }
+for j = 1, #out do result[3 + j] = out[j] end
 return result

@@ -12,6 +12,7 @@
 //! - `P:n:ID:listed`: the sandbox ids the last heartbeat listed.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ use rand::SeedableRng;
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script, Value};
 
-use super::{Explanation, Placement, PlacementStore, StoreError};
+use super::{Explanation, NodeGauge, Placement, PlacementStore, StoreError};
 use crate::core::sample::sample_distinct;
 use crate::core::{
     Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig, Request, Reservation,
@@ -29,6 +30,9 @@ use crate::core::{
 
 /// How long the cached list of node ids (what sampling draws from) may be old.
 const NODE_LIST_TTL: Duration = Duration::from_secs(1);
+
+/// Nodes whose gauges are read in one pipeline.
+const GAUGE_BATCH: usize = 250;
 
 impl From<redis::RedisError> for StoreError {
     fn from(err: redis::RedisError) -> Self {
@@ -56,6 +60,8 @@ pub struct RedisStore {
     heartbeat: Script,
     lifecycle: Script,
     node_list: std::sync::RwLock<NodeList>,
+    /// Whether a decision is refreshing `node_list` now.
+    refreshing: AtomicBool,
     rng: Mutex<SmallRng>,
 }
 
@@ -96,6 +102,11 @@ fn int(v: &Value) -> i64 {
     }
 }
 
+/// A score or term as the place script returns it: an integer in units of 1e-12.
+fn scaled(v: &Value) -> f64 {
+    int(v) as f64 / 1e12
+}
+
 fn num<T: std::str::FromStr + Default>(map: &HashMap<String, String>, key: &str) -> T {
     map.get(key).and_then(|s| s.parse().ok()).unwrap_or_default()
 }
@@ -130,6 +141,7 @@ impl RedisStore {
                 ids: Arc::new(Vec::new()),
                 fetched: None,
             }),
+            refreshing: AtomicBool::new(false),
             rng: Mutex::new(SmallRng::seed_from_u64(seed_from_clock())),
         })
     }
@@ -149,15 +161,20 @@ impl RedisStore {
     }
 
     async fn node_ids(&self, fresh: bool) -> Result<Arc<Vec<String>>, StoreError> {
-        // Read-mostly: every decision reads the list, one in a second refreshes it.
+        // Read-mostly: every decision reads the list, one in a second refreshes it. While one
+        // refreshes, the others go on with the list they have (nodes join rarely; a burst of
+        // decisions must not turn into a burst of SMEMBERS).
         if !fresh {
             if let Ok(list) = self.node_list.read() {
-                if list.fetched.is_some_and(|at| at.elapsed() <= NODE_LIST_TTL) {
+                let stale = list.fetched.is_none_or(|at| at.elapsed() > NODE_LIST_TTL);
+                if !list.ids.is_empty() && (!stale || self.refreshing.swap(true, Ordering::AcqRel)) {
                     return Ok(list.ids.clone());
                 }
             }
         }
-        let mut ids: Vec<String> = self.conn.clone().smembers(self.nodes_key()).await?;
+        let fetched = self.conn.clone().smembers::<_, Vec<String>>(self.nodes_key()).await;
+        self.refreshing.store(false, Ordering::Release);
+        let mut ids = fetched?;
         ids.sort();
         let ids = Arc::new(ids);
         if let Ok(mut list) = self.node_list.write() {
@@ -188,9 +205,6 @@ impl RedisStore {
             let [node, res, _, _] = self.node_keys(id);
             invocation.key(node).key(res);
         }
-        let selector = serde_json::to_string(&req.selector).unwrap_or_else(|_| "{}".to_string());
-        let exclude: Vec<&String> = req.exclude.iter().collect();
-        let exclude = serde_json::to_string(&exclude).unwrap_or_else(|_| "[]".to_string());
         invocation
             .arg(&req.sandbox_id)
             .arg(req.resources.vcpus)
@@ -203,13 +217,18 @@ impl RedisStore {
             .arg(self.rank.max_starting)
             .arg(self.rank.unhealthy_after_ms)
             .arg(self.mode.name())
-            .arg(selector)
-            .arg(exclude)
             .arg(k)
-            .arg(if commit { 1 } else { 0 });
+            .arg(if commit { 1 } else { 0 })
+            .arg(req.selector.len());
+        for (key, value) in &req.selector {
+            invocation.arg(key).arg(value);
+        }
+        for id in &req.exclude {
+            invocation.arg(id);
+        }
         let reply: Vec<Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
         let chosen = reply.first().map(int).unwrap_or(0);
-        let score: f64 = reply.get(1).map(text).and_then(|s| s.parse().ok()).unwrap_or(0.0);
+        let score = reply.get(1).map(scaled).unwrap_or(0.0);
         let address = reply.get(2).map(text).unwrap_or_default();
         let scored = reply
             .get(3..)
@@ -219,9 +238,9 @@ impl RedisStore {
             .map(|c| Scored {
                 node_id: text(&c[0]),
                 reason: text(&c[1]),
-                score: text(&c[2]).parse().unwrap_or(0.0),
-                cpu: text(&c[3]).parse().unwrap_or(0.0),
-                memory: text(&c[4]).parse().unwrap_or(0.0),
+                score: scaled(&c[2]),
+                cpu: scaled(&c[3]),
+                memory: scaled(&c[4]),
             })
             .collect();
         let chosen = usize::try_from(chosen)
@@ -459,6 +478,36 @@ impl PlacementStore for RedisStore {
             }
         }
         Ok(views)
+    }
+
+    async fn gauges(&self) -> Result<Vec<NodeGauge>, StoreError> {
+        // Three counters a node, read in a few pipelined batches: this runs every few seconds
+        // beside the decisions, so it must not queue a thousand round trips in front of them.
+        let ids = self.node_ids(true).await?;
+        let mut gauges = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(GAUGE_BATCH) {
+            let mut pipe = redis::pipe();
+            for id in chunk {
+                pipe.cmd("HMGET")
+                    .arg(&self.node_keys(id)[0])
+                    .arg("pending")
+                    .arg("unconfirmed")
+                    .arg("hb_ms");
+            }
+            let rows: Vec<(Option<u32>, Option<u32>, Option<u64>)> = pipe.query_async(&mut self.conn.clone()).await?;
+            gauges.extend(
+                chunk
+                    .iter()
+                    .zip(rows)
+                    .map(|(id, (pending, unconfirmed, hb))| NodeGauge {
+                        node_id: id.clone(),
+                        pending: pending.unwrap_or(0),
+                        unconfirmed: unconfirmed.unwrap_or(0),
+                        last_heartbeat_ms: hb.unwrap_or(0),
+                    }),
+            );
+        }
+        Ok(gauges)
     }
 
     async fn set_admin(&self, node_id: &str, admin: AdminState) -> Result<NodeView, StoreError> {
