@@ -1,10 +1,17 @@
 //! `bench placement-throughput`: placement-svc on Redis with 1,000 nodes, through gRPC.
 //!
-//! - `placements_per_sec`: 64 clients in a closed loop, each Place followed by Created;
-//! - `p50_us`, `p99_us`: Place+Created latency at an offered 2,000 placements a second, open
-//!   loop (each request is sent on its schedule, and its latency counts from that moment, so
-//!   queueing in the client cannot hide);
+//! - `placements_per_sec`: 64 clients in a closed loop, each Place followed by Created, over
+//!   two HTTP/2 connections (one a core: more only adds system calls on this machine);
+//! - `redis_cpu_us_per_placement`, `process_cpu_us_per_placement`: CPU each placement cost
+//!   Redis and this process (placer and clients) in that loop; steadier than the rate on a
+//!   shared machine, and the figures to compare when changing a script or the service;
+//! - `p50_us`, `p99_us`, `p999_us`: Place+Created latency at an offered 2,000 placements a
+//!   second, open loop (each request is sent on its schedule, and its latency counts from that
+//!   moment, so queueing in the client cannot hide);
 //! - `decisions_per_sec`: the pure Best-of-K decision in-process, no I/O.
+//!
+//! The placer runs as it ships: the same allocator, its log subscriber recording the per-call
+//! spans, and the Prometheus recorder (`--bare` leaves the last two out, to see their cost).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,9 +37,16 @@ pub struct Args {
     /// Closed-loop clients.
     #[arg(long, default_value_t = 64)]
     clients: usize,
+    /// HTTP/2 connections the clients share.
+    #[arg(long, default_value_t = 2)]
+    connections: usize,
     /// Offered load of the open-loop phase, placements a second.
     #[arg(long, default_value_t = 2000)]
     rate: u64,
+    /// Run without the shipped telemetry (log subscriber at `RUST_LOG`, Prometheus recorder),
+    /// to see what it costs.
+    #[arg(long)]
+    bare: bool,
     /// Seconds each phase runs.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
@@ -63,6 +77,12 @@ async fn place_and_confirm(c: &mut PlacementClient<Channel>, id: String) -> anyh
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
+    // The service as it ships: spans are recorded for its log subscriber and every metric
+    // lands in the recorder.
+    let _telemetry = (!args.bare).then(|| {
+        common::metrics::recorder();
+        common::telemetry::init("bench")
+    });
     let prefix = format!("bench-{}", uuid::Uuid::new_v4().simple());
     let mut config = PlacementConfig::new("127.0.0.1:0".parse()?);
     config.store = StoreConfig::Redis {
@@ -74,7 +94,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .await
         .with_context(|| format!("placement-svc on Redis at {}", args.redis_url))?;
     let mut channels = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..args.connections.max(1) {
         channels.push(PlacementClient::new(
             Channel::from_shared(placement.endpoint())?.connect().await?,
         ));
@@ -113,17 +133,29 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             Ok::<_, anyhow::Error>(())
         }));
     }
+    let mut info = redis::Client::open(args.redis_url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let (redis_before, own_before) = (redis_cpu_seconds(&mut info).await?, own_cpu_seconds()?);
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await??;
     }
-    let placements_per_sec = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    let placed = done.load(Ordering::Relaxed);
+    let placements_per_sec = placed as f64 / started.elapsed().as_secs_f64();
+    // CPU per placement is steadier than the rate on a shared machine: it does not move when
+    // another tenant takes a core for a while.
+    let per_placement_us = |seconds: f64| (seconds * 1e6 / placed.max(1) as f64).round() as u64;
+    let redis_us = per_placement_us(redis_cpu_seconds(&mut info).await? - redis_before);
+    let own_us = per_placement_us(own_cpu_seconds()? - own_before);
 
     // Open loop at a fixed offered rate. A thread paces the sends (tokio's timer ticks in
-    // whole milliseconds, too coarse for a send every 500 µs); latency counts from each
-    // request's due time, so any queueing shows.
+    // whole milliseconds, too coarse for a send every 500 µs): it sleeps until the next
+    // request is due and sends every request due by then. It never spins: on two cores a
+    // spinning pacer takes the CPU the placer needs. Latency counts from each request's due
+    // time, so a late wake-up and any queueing show in the figure.
     let total = (args.rate as f64 * args.seconds) as u64;
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let (due_tx, mut due_rx) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
@@ -131,12 +163,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         let origin = Instant::now();
         for i in 0..total {
             let due = origin + interval * i as u32;
-            while let Some(left) = due.checked_duration_since(Instant::now()) {
-                if left > Duration::from_micros(200) {
-                    std::thread::sleep(left - Duration::from_micros(100));
-                } else {
-                    std::hint::spin_loop();
-                }
+            if let Some(left) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(left);
             }
             if due_tx.send((i, due)).is_err() {
                 return;
@@ -157,7 +185,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     }
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize].as_micros() as u64;
-    let (p50, p99) = (pct(0.50), pct(0.99));
+    let (p50, p99, p999) = (pct(0.50), pct(0.99), pct(0.999));
     placement.stop().await;
     cleanup(&args.redis_url, &prefix).await;
 
@@ -174,15 +202,44 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             "placements/s (closed loop)",
         )
         .figure("clients", args.clients as u64, "")
+        .figure("redis_cpu_us_per_placement", redis_us, "µs of Redis CPU (INFO cpu)")
+        .figure(
+            "process_cpu_us_per_placement",
+            own_us,
+            "µs of this process's CPU (placer and clients)",
+        )
         .figure("offered_per_sec", args.rate, "placements/s (open loop)")
         .figure("p50_us", p50, "µs")
         .figure("p99_us", p99, "µs")
+        .figure("p999_us", p999, "µs")
         .figure(
             "decisions_per_sec",
             decisions_per_sec.round() as u64,
             "decisions/s (pure, one core)",
         );
     Ok(report)
+}
+
+/// CPU time Redis has used, user and system, as its `INFO cpu` reports it.
+async fn redis_cpu_seconds(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    Ok(info
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(k, _)| *k == "used_cpu_sys" || *k == "used_cpu_user")
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .sum())
+}
+
+/// CPU time this process has used, user and system (`/proc/self/stat`, in clock ticks of
+/// 10 ms: fine over a phase of seconds).
+fn own_cpu_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the command name (which may hold spaces) start at the state, field 3.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i - 3).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    Ok((ticks(14) + ticks(15)) / 100.0)
 }
 
 /// Best-of-3 over `nodes` views, in-process.
