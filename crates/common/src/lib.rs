@@ -17,7 +17,8 @@ pub mod trace;
 
 /// The allocator every sandboxsched binary installs (`#[global_allocator]` in each `main.rs`).
 /// A placement is a few hundred small, short-lived allocations spread over two gRPC calls and
-/// a Redis script; with glibc's allocator `malloc`/`free` took a tenth of the placer's CPU and
-/// mimalloc raised `bench placement-throughput` by about a fifth. The process runtime's
-/// `pre_exec` code allocates nothing, so forking under it is as safe as under glibc.
-pub use mimalloc::MiMalloc as Allocator;
+/// a Redis script; with glibc's allocator `malloc`/`free` took a tenth of the placer's CPU.
+/// jemalloc raised `bench placement-throughput` by about a quarter and kept its tail; mimalloc
+/// raised it as much but tripled the open-loop p99 (multi-millisecond stalls). The process
+/// runtime's `pre_exec` code allocates nothing, so forking under it is as safe as under glibc.
+pub use tikv_jemallocator::Jemalloc as Allocator;
