@@ -7,7 +7,8 @@
 //!   shared machine, and the figures to compare when changing a script or the service;
 //! - `p50_us`, `p99_us`, `p999_us`: Place+Created latency at an offered 2,000 placements a
 //!   second, open loop (each request is sent on its schedule, and its latency counts from that
-//!   moment, so queueing in the client cannot hide);
+//!   moment, so queueing in the client cannot hide); `pacer_late_p99_us` is how late the
+//!   sending thread itself woke, the host's share of those figures;
 //! - `decisions_per_sec`: the pure Best-of-K decision in-process, no I/O.
 //!
 //! The placer runs as it ships: the same allocator, its log subscriber recording the per-call
@@ -159,17 +160,23 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let total = (args.rate as f64 * args.seconds) as u64;
     let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
     let (due_tx, mut due_rx) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
-    std::thread::spawn(move || {
+    let pacer = std::thread::spawn(move || {
+        // How late the pacer itself woke: the host's scheduling jitter, which every request's
+        // latency includes too. Printed beside the percentiles so a reader can tell the two
+        // apart on a shared machine.
+        let mut late = Vec::with_capacity(total as usize);
         let origin = Instant::now();
         for i in 0..total {
             let due = origin + interval * i as u32;
             if let Some(left) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(left);
             }
+            late.push(due.elapsed());
             if due_tx.send((i, due)).is_err() {
-                return;
+                break;
             }
         }
+        late
     });
     let mut tasks = Vec::with_capacity(total as usize);
     while let Some((i, due)) = due_rx.recv().await {
@@ -186,6 +193,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize].as_micros() as u64;
     let (p50, p99, p999) = (pct(0.50), pct(0.99), pct(0.999));
+    let mut late = pacer.join().map_err(|_| anyhow::anyhow!("the pacer thread panicked"))?;
+    late.sort();
+    let pacer_late_p99 = late
+        .get(((late.len() as f64 - 1.0) * 0.99) as usize)
+        .map_or(0, |d| d.as_micros() as u64);
     placement.stop().await;
     cleanup(&args.redis_url, &prefix).await;
 
@@ -212,6 +224,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .figure("p50_us", p50, "µs")
         .figure("p99_us", p99, "µs")
         .figure("p999_us", p999, "µs")
+        .figure(
+            "pacer_late_p99_us",
+            pacer_late_p99,
+            "µs (host jitter: how late the sender woke)",
+        )
         .figure(
             "decisions_per_sec",
             decisions_per_sec.round() as u64,
