@@ -70,9 +70,6 @@ struct UpArgs {
     ledger_database_url: Option<String>,
 }
 
-#[global_allocator]
-static ALLOCATOR: common::Allocator = common::Allocator;
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("sandboxsched");

@@ -15,10 +15,13 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod trace;
 
-/// The allocator every sandboxsched binary installs (`#[global_allocator]` in each `main.rs`).
-/// A placement is a few hundred small, short-lived allocations spread over two gRPC calls and
-/// a Redis script; with glibc's allocator `malloc`/`free` took a tenth of the placer's CPU.
-/// jemalloc raised `bench placement-throughput` by about a quarter and kept its tail; mimalloc
-/// raised it as much but tripled the open-loop p99 (multi-millisecond stalls). The process
-/// runtime's `pre_exec` code allocates nothing, so forking under it is as safe as under glibc.
+/// The allocator the allocation-bound binaries install (`#[global_allocator]` in their
+/// `main.rs`: placement-svc, ledger-svc, balance-svc, e2b-gateway and the bench). A placement
+/// is a few hundred small, short-lived allocations spread over two gRPC calls and a Redis
+/// script; with glibc's allocator `malloc`/`free` took a tenth of the placer's CPU. jemalloc
+/// raised `bench placement-throughput` by about a quarter and kept its tail; mimalloc raised
+/// it as much but tripled the open-loop p99 (multi-millisecond stalls).
+///
+/// node-svc and the launcher (which hosts node-svc) keep the system allocator: their hot path
+/// is fork+exec, which was 0.3-0.9 ms slower a sandbox create under jemalloc.
 pub use tikv_jemallocator::Jemalloc as Allocator;

@@ -59,9 +59,6 @@ struct Args {
     no_cgroups: bool,
 }
 
-#[global_allocator]
-static ALLOCATOR: common::Allocator = common::Allocator;
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("node-svc");
