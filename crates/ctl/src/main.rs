@@ -212,6 +212,7 @@ async fn main() -> anyhow::Result<()> {
                 "reserved_mib",
                 "pending",
                 "used_mib",
+                "cpu_used_vcpus",
                 "heartbeat_age_ms",
             ]);
             for n in nodes {
@@ -232,6 +233,7 @@ async fn main() -> anyhow::Result<()> {
                     mib(res.memory_bytes),
                     json!(n.pending),
                     mib(n.memory_used_bytes),
+                    json!((n.cpu_usage * 100.0).round() / 100.0),
                     json!(n.heartbeat_age_ms),
                 ]);
             }

@@ -46,7 +46,7 @@ pub fn message(host: &Host, config: &HeartbeatConfig, seq: u64, picture: &Pictur
         }),
         memory_used_bytes: picture.memory_used_bytes,
         memory_available_bytes: picture.memory_available_bytes,
-        cpu_usage: 0.0,
+        cpu_usage: picture.cpu_usage,
         sandboxes: picture
             .sandboxes
             .iter()

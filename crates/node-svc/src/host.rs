@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, Mutex};
 
 use crate::runtime::{Features, Runtime, RuntimeError};
 use crate::sandbox::{fence, next_state, Answers, Move, Recall, Refusal, Resources, SandboxRecord, State};
+use crate::usage::CpuRate;
 
 /// Answers kept for operation-ID retries.
 const ANSWERS_KEPT: usize = 10_000;
@@ -102,12 +103,14 @@ pub struct Reported {
 }
 
 /// A consistent picture of the host for one heartbeat.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Picture {
     pub sandboxes: Vec<Reported>,
     pub allocated: Resources,
     pub memory_used_bytes: u64,
     pub memory_available_bytes: u64,
+    /// vCPUs the sandboxes used lately (0 where the runtime does not measure CPU time).
+    pub cpu_usage: f64,
 }
 
 struct Registry {
@@ -121,6 +124,7 @@ pub struct Host {
     runtime: Arc<dyn Runtime>,
     boot_id: String,
     registry: Mutex<Registry>,
+    cpu: std::sync::Mutex<CpuRate>,
 }
 
 fn sandboxes_dir(state_dir: &Path) -> PathBuf {
@@ -171,6 +175,7 @@ impl Host {
                 sandboxes: HashMap::new(),
                 answers: Answers::new(ANSWERS_KEPT),
             }),
+            cpu: std::sync::Mutex::new(CpuRate::default()),
         };
         host.readopt().await?;
         Ok(host)
@@ -499,11 +504,16 @@ impl Host {
                 }
             })
             .collect();
+        let cpu_usage = match (self.runtime.cpu_time_ns(), self.cpu.lock()) {
+            (Some(ns), Ok(mut rate)) => rate.observe(std::time::Instant::now(), ns),
+            _ => 0.0,
+        };
         Picture {
             sandboxes,
             allocated,
             memory_used_bytes: used,
             memory_available_bytes: self.config.capacity.memory_bytes.saturating_sub(used),
+            cpu_usage,
         }
     }
 

@@ -16,3 +16,4 @@ pub mod host;
 pub mod runtime;
 pub mod sandbox;
 pub mod server;
+pub mod usage;

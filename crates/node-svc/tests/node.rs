@@ -413,3 +413,43 @@ async fn heartbeats_list_sandboxes_to_placement() {
     node.cleanup().await;
     placement.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_report_the_cpu_sandboxes_use() {
+    let placement = placement_svc::server::start(placement_svc::server::PlacementConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+    ))
+    .await
+    .unwrap();
+    let node = TestNode::start(None, None, Some(placement.endpoint())).await;
+    let mut p = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
+        .await
+        .unwrap();
+    let node_id = node.node_id.clone();
+    // Waits (bounded) for a heartbeat whose cpu_usage satisfies `ok`; returns the last seen.
+    let mut usage_until = async |what: &str, ok: fn(f64) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let nodes = p
+                .nodes(proto::placement::v1::NodesRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .nodes;
+            let usage = nodes.iter().find(|n| n.node_id == node_id).map_or(0.0, |n| n.cpu_usage);
+            if ok(usage) {
+                return usage;
+            }
+            assert!(Instant::now() < deadline, "cpu_usage never {what}: last {usage}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let mut c = node.client().await;
+    c.create(create("spin", "while :; do :; done")).await.unwrap();
+    // One busy loop: most of a core, on a machine other tests share.
+    usage_until("rose above 0.3 vCPU", |u| u > 0.3).await;
+    c.kill(lifecycle("spin", "kill-spin", 1)).await.unwrap();
+    usage_until("fell below 0.1 vCPU", |u| u < 0.1).await;
+    node.cleanup().await;
+    placement.stop().await;
+}

@@ -143,6 +143,7 @@ fn view_to_pb(view: &NodeView, now_ms: u64, unhealthy_after_ms: u64) -> pb::Node
         unconfirmed: view.unconfirmed(),
         removing: Some(resources_to_pb(removing.vcpus, removing.memory_bytes)),
         believed: Some(resources_to_pb(believed.vcpus, believed.memory_bytes)),
+        cpu_usage: view.cpu_usage,
     }
 }
 

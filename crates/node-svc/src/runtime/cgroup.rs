@@ -1,4 +1,4 @@
-//! cgroup v1 memory and freezer groups for sandboxes (this host has v1 controllers writable
+//! cgroup v1 memory, freezer and cpuacct groups for sandboxes (this host has v1 controllers writable
 //! by root). Each node gets its own parent group, `sandboxsched-<node>`, so several node-svcs on
 //! one host never touch each other's sandboxes.
 //!
@@ -17,7 +17,13 @@ const ROOT: &str = "/sys/fs/cgroup";
 pub struct Cgroups {
     memory: Option<PathBuf>,
     freezer: Option<PathBuf>,
+    /// CPU time, for the heartbeat's `cpu_usage` (the node's parent group counts every
+    /// sandbox in it).
+    cpuacct: Option<PathBuf>,
 }
+
+/// The v1 controllers a sandbox's processes join.
+const CONTROLLERS: [&str; 3] = ["memory", "freezer", "cpuacct"];
 
 impl Cgroups {
     /// Probes the host: creates `sandboxsched-<node>` under each v1 controller it can write.
@@ -41,7 +47,15 @@ impl Cgroups {
         };
         let memory = make("memory");
         let freezer = make("freezer");
-        (Self { memory, freezer }, degraded)
+        let cpuacct = make("cpuacct");
+        (
+            Self {
+                memory,
+                freezer,
+                cpuacct,
+            },
+            degraded,
+        )
     }
 
     /// No cgroups at all (used by tests and where the host has none).
@@ -49,6 +63,7 @@ impl Cgroups {
         Self {
             memory: None,
             freezer: None,
+            cpuacct: None,
         }
     }
 
@@ -68,6 +83,26 @@ impl Cgroups {
         self.freezer.as_ref().map(|p| p.join(sandbox))
     }
 
+    /// The sandbox's group under every controller there is.
+    fn dirs(&self, sandbox: &str) -> impl Iterator<Item = PathBuf> + '_ {
+        let sandbox = sandbox.to_string();
+        [&self.memory, &self.freezer, &self.cpuacct]
+            .into_iter()
+            .flatten()
+            .map(move |parent| parent.join(&sandbox))
+    }
+
+    /// CPU time (ns) every sandbox of this node has used, dead ones included: the parent
+    /// group's `cpuacct.usage`, which only grows.
+    pub fn cpu_time_ns(&self) -> Option<u64> {
+        let parent = self.cpuacct.as_ref()?;
+        fs::read_to_string(parent.join("cpuacct.usage"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// Creates the sandbox's groups (idempotent) and sets its memory limit.
     pub fn create(&self, sandbox: &str, memory_limit: u64) -> std::io::Result<()> {
         if let Some(dir) = self.memory_dir(sandbox) {
@@ -76,7 +111,13 @@ impl Cgroups {
                 fs::write(dir.join("memory.limit_in_bytes"), memory_limit.to_string())?;
             }
         }
-        if let Some(dir) = self.freezer_dir(sandbox) {
+        for dir in [
+            self.freezer_dir(sandbox),
+            self.cpuacct.as_ref().map(|p| p.join(sandbox)),
+        ]
+        .into_iter()
+        .flatten()
+        {
             fs::create_dir_all(&dir)?;
         }
         Ok(())
@@ -84,9 +125,7 @@ impl Cgroups {
 
     /// The `cgroup.procs` files a new process must join, as C strings ready for `pre_exec`.
     pub fn join_paths(&self, sandbox: &str) -> Vec<CString> {
-        [self.memory_dir(sandbox), self.freezer_dir(sandbox)]
-            .into_iter()
-            .flatten()
+        self.dirs(sandbox)
             .filter_map(|d| CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok())
             .collect()
     }
@@ -136,10 +175,7 @@ impl Cgroups {
 
     /// Removes the sandbox's groups (they must be empty).
     pub fn remove(&self, sandbox: &str) {
-        for dir in [self.memory_dir(sandbox), self.freezer_dir(sandbox)]
-            .into_iter()
-            .flatten()
-        {
+        for dir in self.dirs(sandbox) {
             let _ = fs::remove_dir(dir);
         }
     }
@@ -148,7 +184,7 @@ impl Cgroups {
 /// Removes a node's (empty) parent groups, `sandboxsched-<node>`, under every controller: what
 /// tests and benchmarks call once a node and all its sandboxes are gone.
 pub fn remove_parents(node_id: &str) {
-    for controller in ["memory", "freezer"] {
+    for controller in CONTROLLERS {
         let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(format!("sandboxsched-{node_id}")));
     }
 }

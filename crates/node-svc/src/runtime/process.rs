@@ -211,6 +211,10 @@ impl Runtime for ProcessRuntime {
         "process"
     }
 
+    fn cpu_time_ns(&self) -> Option<u64> {
+        self.cgroups.cpu_time_ns()
+    }
+
     fn features(&self) -> Features {
         Features {
             cgroup_memory: self.cgroups.has_memory(),
