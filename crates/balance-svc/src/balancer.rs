@@ -1,12 +1,12 @@
 //! One balance cycle, every interval: hold the lease, finish any plan left unfinished (by a
-//! crash), observe, plan, commit, execute.
+//! crash), observe, sweep for orphaned copies (every `sweep_every`), plan, commit, execute.
 //!
 //! Observation and planning read node documents and manifests; nothing they read is ever in
 //! a compare-and-swap guard. The plan commit creates the plan document and guards nothing
 //! else: node documents are rewritten every few seconds by placement, and a commit that
 //! compared them would always fail (the brief's lesson 2, cause 2).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,10 +14,12 @@ use std::time::Duration;
 use common::clock::now_ms;
 use common::docs::{NodeDoc, SandboxDoc, NODE_KIND, SANDBOX_KIND};
 use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use proto::node::v1 as npb;
 use tokio::sync::RwLock;
 
 use crate::lease::Lease;
 use crate::migrate::{MoveError, Mover};
+use crate::orphan::{self, Copy, Sightings, Why};
 use crate::plan::{self, ScanResult, Status, Tuning};
 use crate::record::{
     ControlDoc, MoveRecord, ObservationDoc, PlanDoc, PlanReason, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
@@ -37,6 +39,10 @@ pub struct BalanceTuning {
     pub reflect_timeout: Duration,
     /// Plans kept in the ledger for history.
     pub history: usize,
+    /// How often the executor looks for orphaned copies (see [`crate::orphan`]).
+    pub sweep_every: Duration,
+    /// How long a copy must stay an orphan before it is killed.
+    pub orphan_grace: Duration,
 }
 
 impl Default for BalanceTuning {
@@ -47,6 +53,8 @@ impl Default for BalanceTuning {
             stale_after: Duration::from_secs(30),
             reflect_timeout: Duration::from_secs(30),
             history: 100,
+            sweep_every: Duration::from_secs(30),
+            orphan_grace: Duration::from_secs(60),
         }
     }
 }
@@ -87,6 +95,14 @@ pub struct Balancer {
     /// another executor may have left one), or when one of ours did not finish. Only then are
     /// the plan documents listed.
     unfinished_may_exist: std::sync::atomic::AtomicBool,
+    sweep: tokio::sync::Mutex<Sweep>,
+}
+
+/// The orphan sweep's memory between cycles.
+#[derive(Default)]
+struct Sweep {
+    sightings: Sightings,
+    next_ms: u64,
 }
 
 impl Balancer {
@@ -99,6 +115,7 @@ impl Balancer {
             known: Arc::new(RwLock::new(Known::default())),
             awaiting: tokio::sync::Mutex::new(Awaiting::default()),
             unfinished_may_exist: std::sync::atomic::AtomicBool::new(true),
+            sweep: tokio::sync::Mutex::new(Sweep::default()),
         }
     }
 
@@ -148,6 +165,9 @@ impl Balancer {
         let draining = snapshot.nodes.iter().any(|n| n.draining);
         let ready = snapshot.nodes.iter().filter(|n| n.ready).count() as u32;
         self.observe(&status, spread, ready).await?;
+        if !control.paused {
+            self.sweep(&nodes, &manifests, now).await;
+        }
         if control.paused || awaiting {
             return Ok(Some(status.label()));
         }
@@ -324,6 +344,91 @@ impl Balancer {
         }
         self.known.write().await.observation = doc;
         Ok(())
+    }
+
+    /// Kills copies that have been orphans for the grace period (see [`crate::orphan`]). Runs
+    /// every `sweep_every` on the executor; a node that does not answer is skipped until the
+    /// next sweep. Nothing here fails the cycle.
+    async fn sweep(&self, nodes: &[NodeDoc], manifests: &[SandboxDoc], now: u64) {
+        let mut sweep = self.sweep.lock().await;
+        if now < sweep.next_ms {
+            return;
+        }
+        sweep.next_ms = now + self.tuning.sweep_every.as_millis() as u64;
+        let fresh =
+            |n: &&NodeDoc| now.saturating_sub(n.reported_at_unix_ms) <= self.tuning.stale_after.as_millis() as u64;
+        let addresses: BTreeMap<&str, &str> = nodes
+            .iter()
+            .filter(fresh)
+            .map(|n| (n.node_id.as_str(), n.address.as_str()))
+            .collect();
+        let mut copies = Vec::new();
+        for (node_id, address) in &addresses {
+            let listed = match self.mover.node_clients().get(address).await {
+                Ok(mut client) => client.list(npb::ListRequest {}).await,
+                Err(err) => Err(tonic::Status::unavailable(err.to_string())),
+            };
+            match listed {
+                Ok(reply) => copies.extend(reply.into_inner().sandboxes.into_iter().map(|s| Copy {
+                    node_id: node_id.to_string(),
+                    paused: s.state == npb::SandboxState::Paused as i32,
+                    sandbox_id: s.sandbox_id,
+                    epoch: s.epoch,
+                })),
+                Err(status) => tracing::debug!(%node_id, %status, "orphan sweep skips a node that does not answer"),
+            }
+        }
+        let by_id: HashMap<&str, &SandboxDoc> = manifests.iter().map(|m| (m.sandbox_id.as_str(), m)).collect();
+        let orphans = orphan::find(&copies, &by_id);
+        metrics::gauge!("balance_orphans").set(orphans.len() as f64);
+        let due = sweep
+            .sightings
+            .update(&orphans, now, self.tuning.orphan_grace.as_millis() as u64);
+        for (copy, why) in due {
+            self.remove_orphan(
+                copy,
+                why,
+                addresses.get(copy.node_id.as_str()).copied().unwrap_or_default(),
+            )
+            .await;
+        }
+    }
+
+    /// Kills one orphan, after reading its manifest once more (a user or a move may have
+    /// claimed it since the sweep listed the manifests).
+    async fn remove_orphan(&self, copy: &Copy, why: Why, address: &str) {
+        let (node_id, sandbox_id) = (copy.node_id.as_str(), copy.sandbox_id.as_str());
+        match self.ledger.get::<SandboxDoc>(SANDBOX_KIND, sandbox_id).await {
+            Ok(current) if orphan::judge(copy, current.as_ref().map(|m| &m.value)).is_some() => {}
+            Ok(_) => return,
+            Err(err) => {
+                tracing::debug!(%sandbox_id, %err, "orphan left for the next sweep: manifest unreadable");
+                return;
+            }
+        }
+        let request = npb::LifecycleRequest {
+            operation_id: format!("orphan/{sandbox_id}/{}", copy.epoch),
+            epoch: copy.epoch,
+            sandbox_id: sandbox_id.to_string(),
+        };
+        let killed = match self.mover.node_clients().get(address).await {
+            Ok(mut client) => client.kill(request).await.map(|_| ()),
+            Err(err) => Err(tonic::Status::unavailable(err.to_string())),
+        };
+        let outcome = match &killed {
+            Ok(()) => "removed",
+            Err(status) if status.code() == tonic::Code::NotFound => "gone",
+            Err(_) => "failed",
+        };
+        metrics::counter!("balance_orphans_total", "outcome" => outcome, "why" => why.name()).increment(1);
+        match killed {
+            Ok(()) => {
+                tracing::warn!(%node_id, %sandbox_id, why = why.name(), epoch = copy.epoch, "orphaned paused copy removed")
+            }
+            Err(status) => {
+                tracing::warn!(%node_id, %sandbox_id, why = why.name(), %status, "orphaned copy not removed; will retry")
+            }
+        }
     }
 
     /// Keeps the newest finished plans, deleting older ones.

@@ -5,6 +5,7 @@
 //! - [`view`]: from ledger documents to the planner's snapshot (pure).
 //! - [`record`]: the plan, lease, observation and control documents, and a move's steps.
 //! - [`migrate`]: executes moves as persisted, fenced, idempotent state machines.
+//! - [`orphan`]: which paused copies nobody points at may be removed, and when (pure).
 //! - [`lease`]: one executor at a time.
 //! - [`balancer`]: the cycle (lease, resume, observe, plan, commit, execute).
 //! - [`api`], [`server`]: the gRPC face and the wiring.
@@ -13,6 +14,7 @@ pub mod api;
 pub mod balancer;
 pub mod lease;
 pub mod migrate;
+pub mod orphan;
 pub mod plan;
 pub mod record;
 pub mod server;

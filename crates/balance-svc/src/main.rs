@@ -45,6 +45,12 @@ struct Args {
     /// The executor lease's time to live.
     #[arg(long, env = "BALANCE_LEASE_TTL_SECS", default_value_t = 15)]
     lease_ttl_secs: u64,
+    /// Seconds between sweeps for orphaned copies (paused copies no manifest points at).
+    #[arg(long, env = "BALANCE_SWEEP_EVERY_SECS", default_value_t = 30)]
+    sweep_every_secs: u64,
+    /// Seconds a copy must stay orphaned before it is killed.
+    #[arg(long, env = "BALANCE_ORPHAN_GRACE_SECS", default_value_t = 60)]
+    orphan_grace_secs: u64,
     /// Fault injection for crash tests: abort the process (no clean-up, lease kept) right after
     /// a move completes this step's action, before its record (`STEP`) or after it
     /// (`STEP:recorded`). Steps: Owned, SourcePaused, Restored, TargetResumed, Switched, Done.
@@ -82,6 +88,8 @@ async fn main() -> anyhow::Result<()> {
     config.tuning.plan.cooldown_ms = args.cooldown_secs * 1000;
     config.concurrency = args.concurrency;
     config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
+    config.tuning.sweep_every = Duration::from_secs(args.sweep_every_secs);
+    config.tuning.orphan_grace = Duration::from_secs(args.orphan_grace_secs);
     config.halt = args.fault_halt;
     let mut running = balance_svc::server::start(config).await?;
     tokio::select! {

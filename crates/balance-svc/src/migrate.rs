@@ -137,6 +137,11 @@ impl Mover {
         }
     }
 
+    /// The node clients moves use (the orphan sweep shares them).
+    pub fn node_clients(&self) -> &NodeClients {
+        &self.nodes
+    }
+
     /// Crash-test hook: stop (as if the process died) at `halt`.
     pub fn with_halt(mut self, halt: Option<Halt>) -> Self {
         self.halt = halt;

@@ -86,7 +86,7 @@ pub fn reflected(m: &MoveRecord, nodes: &[NodeDoc]) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use common::docs::{Capacity, EstimateSource, NodeSandbox};
 
@@ -112,7 +112,8 @@ mod tests {
         }
     }
 
-    fn manifest(id: &str, node: &str, phase: SandboxPhase) -> SandboxDoc {
+    /// A manifest for tests (the orphan tests use it too).
+    pub(crate) fn manifest(id: &str, node: &str, phase: SandboxPhase) -> SandboxDoc {
         SandboxDoc {
             sandbox_id: id.into(),
             team_id: "t".into(),

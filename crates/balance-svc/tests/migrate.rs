@@ -164,14 +164,52 @@ impl Cluster {
             .unwrap();
     }
 
-    async fn balance(&self, halt: Option<Halt>) -> RunningBalance {
+    fn balance_config(&self) -> BalanceConfig {
         let mut config = BalanceConfig::new("127.0.0.1:0".parse().unwrap(), self.ledger.endpoint());
         config.placement_endpoint = Some(self.placement.endpoint());
         config.tuning.interval = Duration::from_millis(100);
         config.lease_ttl = Duration::from_millis(600);
         config.tuning.stale_after = Duration::from_secs(5);
+        config
+    }
+
+    async fn balance(&self, halt: Option<Halt>) -> RunningBalance {
+        let mut config = self.balance_config();
         config.halt = halt;
         balance_svc::server::start(config).await.unwrap()
+    }
+
+    /// A sandbox on node `i` with no manifest (as if its manifest were gone), paused or not.
+    async fn bare_copy(&self, i: usize, id: &str, paused: bool) {
+        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
+        grpc.create(npb::CreateRequest {
+            operation_id: format!("create-{id}-{i}"),
+            epoch: 1,
+            sandbox_id: id.to_string(),
+            template: "base".into(),
+            resources: Some(npb::Resources {
+                vcpus: 1,
+                memory_bytes: 64 << 20,
+            }),
+            start_command: "sleep 600".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        if paused {
+            self.pause(i, id).await;
+        }
+    }
+
+    async fn pause(&self, i: usize, id: &str) {
+        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
+        grpc.pause(npb::LifecycleRequest {
+            operation_id: format!("pause-{id}-{i}"),
+            epoch: 1,
+            sandbox_id: id.to_string(),
+        })
+        .await
+        .unwrap();
     }
 
     async fn finished_plan(&self, plan_id: &str) -> PlanDoc {
@@ -551,5 +589,42 @@ async fn a_drained_node_is_emptied() {
     let drained = nodes.iter().find(|n| n.node_id == cluster.node_id(0)).unwrap();
     assert_eq!(drained.state, proto::placement::v1::NodeState::Draining as i32);
     balance.stop().await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn orphaned_paused_copies_are_removed_and_nothing_else() {
+    let cluster = cluster(&[4096, 4096]).await;
+    // Wanted: running on node 0 (its manifest), and paused on node 1 by its user.
+    cluster.sandbox(0, "kept", "sleep 600").await;
+    cluster.sandbox(1, "napping", "sleep 600").await;
+    cluster.pause(1, "napping").await;
+    // Orphans: a paused copy of "kept" on node 1 (a rollback's leftover), and a paused copy
+    // whose manifest is gone (a kill that never reached the node).
+    cluster.bare_copy(1, "kept", true).await;
+    cluster.bare_copy(1, "killed", true).await;
+    // Running with no manifest: could be a create whose manifest is not written yet.
+    cluster.bare_copy(1, "starting", false).await;
+
+    let mut config = cluster.balance_config();
+    config.tuning.sweep_every = Duration::ZERO;
+    // Several cycles (100 ms apart) see each orphan before it goes.
+    config.tuning.orphan_grace = Duration::from_millis(300);
+    let balance = balance_svc::server::start(config).await.unwrap();
+    let on_node_1 = || async {
+        let listed = cluster.nodes[1].host().list().await;
+        listed.into_iter().map(|(r, _)| r.id).collect::<Vec<_>>()
+    };
+    cluster
+        .until("both orphans are removed from node 1", || async {
+            let ids = on_node_1().await;
+            (!ids.iter().any(|id| id == "kept" || id == "killed")).then_some(())
+        })
+        .await;
+    balance.stop().await;
+    let mut left = on_node_1().await;
+    left.sort();
+    assert_eq!(left, vec!["napping".to_string(), "starting".to_string()]);
+    cluster.assert_runs_once("kept", 0).await;
     cluster.stop().await;
 }
