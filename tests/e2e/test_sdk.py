@@ -8,6 +8,7 @@ from e2b import (
     AuthenticationException,
     CommandExitException,
     NotFoundException,
+    PtySize,
     Sandbox,
     SandboxException,
     SandboxQuery,
@@ -84,3 +85,57 @@ def test_a_sandbox_ends_at_its_timeout(stack):
     while sbx.is_running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert sbx.is_running() is False
+
+
+def test_a_terminal(stack):
+    """sandbox.pty: an interactive login shell on a pseudo-terminal, its size, a resize, and
+    typed input; the output is what a terminal would show."""
+    sbx = Sandbox.create(timeout=60)
+    try:
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        output = iter(term)
+        seen = bytearray()
+
+        def until(marker: bytes):
+            # The shell echoes what is typed, so markers are computed by it ($((…))).
+            deadline = time.monotonic() + 20
+            while marker not in seen:
+                assert time.monotonic() < deadline, f"no {marker!r} in {bytes(seen)!r}"
+                _, _, chunk = next(output)
+                if chunk is not None:
+                    seen.extend(chunk)
+
+        sbx.pty.send_stdin(term.pid, b"stty size; tty; echo pty-$((40+2))\n")
+        until(b"pty-42")
+        assert b"24 80" in seen
+        assert b"/dev/pts/" in seen, "the shell's stdin is a terminal"
+        sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((50+2))\n")
+        until(b"pty-52")
+        assert b"30 100" in seen
+        sbx.pty.send_stdin(term.pid, b"exit 0\n")
+        assert term.wait().exit_code == 0
+    finally:
+        sbx.kill()
+
+
+def test_input_streamed_to_a_command_and_a_terminal(stack):
+    """commands.stream_input / pty.stream_input (process.Process/StreamInput, client
+    streaming), beside send_stdin and close_stdin."""
+    sbx = Sandbox.create(timeout=60)
+    try:
+        cat = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(cat.pid, "one\n")
+        sbx.commands.stream_input(cat.pid, ["two\n", b"three\n"])
+        sbx.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "one\ntwo\nthree\n"
+
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        sbx.pty.stream_input(term.pid, [b"echo streamed-$((6*7))\n", b"exit 3\n"])
+        seen = bytearray()
+        with pytest.raises(CommandExitException) as ended:
+            term.wait(on_pty=seen.extend)
+        assert ended.value.exit_code == 3
+        assert b"streamed-42" in seen
+    finally:
+        sbx.kill()

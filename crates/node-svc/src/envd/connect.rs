@@ -137,6 +137,57 @@ pub fn stream_request<T: DeserializeOwned>(body: &Bytes) -> Result<T, RpcError> 
     unary_request(&Bytes::copy_from_slice(payload))
 }
 
+/// Largest message a client stream may carry (input chunks are small).
+const MAX_STREAMED_MESSAGE: usize = 4 << 20;
+
+/// The enveloped messages of a client-streaming request, read as they arrive (the client may
+/// keep the request open for as long as it has input to send).
+pub struct Envelopes<S> {
+    body: S,
+    buf: Vec<u8>,
+}
+
+impl<S, E> Envelopes<S>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    pub fn new(body: S) -> Self {
+        Self { body, buf: Vec::new() }
+    }
+
+    /// The next message; `None` when the client has finished.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Option<Result<T, RpcError>> {
+        let bad = |why: String| RpcError::new(Code::InvalidArgument, format!("bad Connect envelope: {why}"));
+        loop {
+            if self.buf.len() >= 5 {
+                if self.buf[0] & 0x01 != 0 {
+                    return Some(Err(bad("compressed messages are not accepted".into())));
+                }
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+                if len > MAX_STREAMED_MESSAGE {
+                    return Some(Err(bad(format!("a message of {len} bytes"))));
+                }
+                if self.buf.len() >= 5 + len {
+                    let frame: Vec<u8> = self.buf.drain(..5 + len).collect();
+                    return Some(unary_request(&Bytes::copy_from_slice(&frame[5..])));
+                }
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                Some(Err(err)) => {
+                    return Some(Err(RpcError::new(
+                        Code::Unavailable,
+                        format!("reading the stream: {err}"),
+                    )))
+                }
+                None if self.buf.is_empty() => return None,
+                None => return Some(Err(bad("the stream ended inside a message".into()))),
+            }
+        }
+    }
+}
+
 fn envelope(flags: u8, payload: &[u8]) -> Bytes {
     let mut out = Vec::with_capacity(5 + payload.len());
     out.push(flags);
@@ -208,5 +259,25 @@ mod tests {
         let end = end_frame(Some(&RpcError::new(Code::NotFound, "gone")));
         assert_eq!(end[0], 0x02);
         assert!(std::str::from_utf8(&end[5..]).unwrap().contains("not_found"));
+    }
+
+    #[tokio::test]
+    async fn a_client_stream_is_read_whatever_its_chunks() {
+        let mut wire = envelope(0, br#"{"n":1}"#).to_vec();
+        wire.extend_from_slice(&envelope(0, br#"{"n":2}"#));
+        // Split into 3-byte chunks: headers and messages straddle chunk boundaries.
+        let chunks: Vec<Result<Bytes, std::io::Error>> =
+            wire.chunks(3).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        let mut messages = Envelopes::new(futures::stream::iter(chunks));
+        for n in [1, 2] {
+            let m: serde_json::Value = messages.next().await.unwrap().unwrap();
+            assert_eq!(m["n"], n);
+        }
+        assert!(messages.next::<serde_json::Value>().await.is_none());
+
+        // A stream that ends inside a message is an error, not a silent end.
+        let cut = vec![Ok::<_, std::io::Error>(Bytes::copy_from_slice(&wire[..7]))];
+        let mut messages = Envelopes::new(futures::stream::iter(cut));
+        assert!(messages.next::<serde_json::Value>().await.unwrap().is_err());
     }
 }

@@ -1,8 +1,8 @@
 //! The envd-compatible endpoint: what the E2B SDK calls inside a sandbox, for every sandbox
 //! of this node, told apart by the `E2b-Sandbox-Id` header.
 //!
-//! - `process.Process` over Connect (Start, Connect, List, SendInput, SendSignal, CloseStdin;
-//!   Update answers without effect as there are no PTYs yet; StreamInput is unimplemented);
+//! - `process.Process` over Connect (Start, with pipes or a terminal, Connect, List,
+//!   SendInput, StreamInput, SendSignal, CloseStdin, Update to resize a terminal);
 //! - `filesystem.Filesystem` over Connect (Stat, MakeDir, Move, ListDir, Remove, WatchDir,
 //!   CreateWatcher, GetWatcherEvents, RemoveWatcher);
 //! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`.
@@ -15,6 +15,7 @@ mod files;
 mod filesystem;
 pub mod paths;
 mod process;
+mod pty;
 mod watch;
 pub mod wire;
 
@@ -57,6 +58,7 @@ impl Envd {
             .route("/health", get(health))
             .route("/envs", get(envs))
             .route("/files", get(download).post(upload))
+            .route("/process.Process/StreamInput", post(stream_input))
             .route("/process.Process/{method}", post(process_rpc))
             .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
             .with_state(self)
@@ -140,6 +142,43 @@ async fn upload(State(envd): State<Envd>, Query(q): Query<HashMap<String, String
     }
 }
 
+/// `process.Process/StreamInput` (client streaming): a `start` naming the process, then input
+/// written to it as each message arrives, until the client ends the request.
+async fn stream_input(State(envd): State<Envd>, headers: HeaderMap, body: axum::body::Body) -> Response {
+    let record = match envd.sandbox(&headers).await {
+        Ok(record) => record,
+        Err(err) => return err.into_response(),
+    };
+    let mut messages = connect::Envelopes::new(body.into_data_stream());
+    let fed = async {
+        let process = match messages.next::<wire::StreamInputRequest>().await {
+            Some(Ok(wire::StreamInputRequest::Start { process })) => process,
+            Some(Ok(_)) | None => {
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    "the stream must begin with `start`",
+                ));
+            }
+            Some(Err(err)) => return Err(err),
+        };
+        while let Some(message) = messages.next::<wire::StreamInputRequest>().await {
+            match message? {
+                wire::StreamInputRequest::Data { input } => {
+                    let data = input.stdin.or(input.pty).unwrap_or_default();
+                    envd.commands.send_input(&record.id, &process, &data).await?;
+                }
+                wire::StreamInputRequest::Keepalive {} => {}
+                wire::StreamInputRequest::Start { .. } => {
+                    return Err(RpcError::new(Code::InvalidArgument, "`start` may only come first"));
+                }
+            }
+        }
+        Ok(wire::Empty {})
+    }
+    .await;
+    stream_response(futures::stream::iter([fed]))
+}
+
 async fn process_rpc(
     State(envd): State<Envd>,
     Path(method): Path<String>,
@@ -203,8 +242,16 @@ async fn process_rpc(
             }
             .await,
         ),
-        // No PTYs yet, so there is nothing to resize.
-        "Update" => unary_response(Ok::<_, RpcError>(wire::Empty {})),
+        "Update" => unary_response(
+            async {
+                let req: wire::UpdateRequest = unary_request(&body)?;
+                if let Some(pty) = &req.pty {
+                    commands.resize(id, &req.process, pty).await?;
+                }
+                Ok(wire::Empty {})
+            }
+            .await,
+        ),
         other => RpcError::new(
             Code::Unimplemented,
             format!("process.Process/{other} is not implemented"),

@@ -3,7 +3,8 @@
 //! A command runs in the sandbox's cgroups (so pause freezes it too) and its own process
 //! group, with the sandbox's env vars and its home as the default working directory. Its
 //! output goes to a broadcast channel: the `Start` stream that launched it and any `Connect`
-//! stream that attaches later each follow it from where they joined.
+//! stream that attaches later each follow it from where they joined. With `pty` the command
+//! runs on a pseudo-terminal instead of pipes (see [`super::pty`]).
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -17,8 +18,9 @@ use tokio::sync::{broadcast, Mutex};
 
 use super::connect::{Code, RpcError};
 use super::paths::resolve;
+use super::pty::{PtyMaster, DEFAULT_SIZE};
 use super::wire::{
-    DataEvent, EndEvent, EventResponse, ListResponse, ProcessEvent, ProcessInfo, ProcessSelector, StartRequest,
+    DataEvent, EndEvent, EventResponse, ListResponse, ProcessEvent, ProcessInfo, ProcessSelector, Pty, StartRequest,
 };
 use crate::sandbox::SandboxRecord;
 
@@ -30,6 +32,8 @@ const BACKLOG: usize = 4096;
 struct Running {
     info: ProcessInfo,
     stdin: Mutex<Option<ChildStdin>>,
+    /// The terminal's master side, for a PTY session (input goes there, not to `stdin`).
+    pty: Option<Arc<PtyMaster>>,
     events: broadcast::Sender<ProcessEvent>,
 }
 
@@ -120,6 +124,25 @@ async fn pump<R: tokio::io::AsyncRead + Unpin>(pipe: Option<R>, events: broadcas
     }
 }
 
+/// Copies a terminal's output into events until its last user has gone.
+async fn pump_pty(pty: Arc<PtyMaster>, events: broadcast::Sender<ProcessEvent>) {
+    let mut buf = vec![0u8; 32 * 1024];
+    while let Ok(n) = pty.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let _ = events.send(ProcessEvent::Data(DataEvent::Pty(buf[..n].to_vec())));
+    }
+}
+
+/// A terminal's size from the request, clamped to what a terminal can be.
+fn pty_size(pty: &Pty) -> (u16, u16) {
+    let (cols, rows) = pty.size.as_ref().map_or(DEFAULT_SIZE, |s| {
+        (s.cols.clamp(1, 10_000) as u16, s.rows.clamp(1, 10_000) as u16)
+    });
+    (cols, rows)
+}
+
 impl Commands {
     async fn find(&self, sandbox: &str, selector: &ProcessSelector) -> Result<Arc<Running>, RpcError> {
         let table = self.by_sandbox.lock().await;
@@ -140,12 +163,6 @@ impl Commands {
         runtime: &Arc<dyn crate::runtime::Runtime>,
         req: StartRequest,
     ) -> Result<impl Stream<Item = Result<EventResponse, RpcError>> + Send, RpcError> {
-        if req.pty.is_some() {
-            return Err(RpcError::new(
-                Code::Unimplemented,
-                "PTY sessions are not supported by this runtime yet",
-            ));
-        }
         if req.process.cmd.is_empty() {
             return Err(RpcError::new(Code::InvalidArgument, "process.cmd is empty"));
         }
@@ -162,6 +179,15 @@ impl Commands {
                 ),
             ));
         }
+        let terminal = match &req.pty {
+            Some(pty) => {
+                let (cols, rows) = pty_size(pty);
+                let (master, slave) = super::pty::open(cols, rows)
+                    .map_err(|e| RpcError::new(Code::Internal, format!("cannot open a terminal: {e}")))?;
+                Some((Arc::new(master), slave))
+            }
+            None => None,
+        };
         let mut std_cmd = std::process::Command::new(&req.process.cmd);
         std_cmd
             .args(&req.process.args)
@@ -169,18 +195,46 @@ impl Commands {
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             .env("USER", "user")
             .env("E2B_SANDBOX", "true")
-            .env("E2B_SANDBOX_ID", &record.id)
-            .envs(&record.env)
-            .envs(&req.process.envs);
+            .env("E2B_SANDBOX_ID", &record.id);
+        if terminal.is_some() {
+            std_cmd.env("TERM", "xterm-256color");
+        }
+        std_cmd.envs(&record.env).envs(&req.process.envs);
         runtime
             .enclose(record, home, &cwd, &mut std_cmd)
             .map_err(|e| RpcError::new(Code::Unavailable, e.to_string()))?;
+        if terminal.is_some() {
+            // SAFETY: take_terminal makes only async-signal-safe system calls. It runs after
+            // the runtime's own pre_exec (closures run in the order they were added), so in
+            // the process that execs the command.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut std_cmd, || super::pty::take_terminal());
+            }
+        }
         let mut cmd = tokio::process::Command::from(std_cmd);
-        let wants_stdin = req.stdin.unwrap_or(true);
-        cmd.stdin(if wants_stdin { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().map_err(|e| {
+        match &terminal {
+            Some((_, slave)) => {
+                let stdio = || {
+                    slave
+                        .try_clone()
+                        .map(Stdio::from)
+                        .map_err(|e| RpcError::new(Code::Internal, format!("terminal: {e}")))
+                };
+                cmd.stdin(stdio()?).stdout(stdio()?).stderr(stdio()?);
+            }
+            None => {
+                let wants_stdin = req.stdin.unwrap_or(true);
+                cmd.stdin(if wants_stdin { Stdio::piped() } else { Stdio::null() })
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+            }
+        }
+        let spawned = cmd.spawn();
+        // The command has its copies of the terminal; ours must close, or reading the master
+        // would never see the end.
+        drop(cmd);
+        let pty = terminal.map(|(master, _slave)| master);
+        let mut child = spawned.map_err(|e| {
             RpcError::new(
                 Code::InvalidArgument,
                 format!("cannot start {:?}: {e}", req.process.cmd),
@@ -197,6 +251,7 @@ impl Commands {
                 tag: req.tag.clone(),
             },
             stdin: Mutex::new(child.stdin.take()),
+            pty: pty.clone(),
             events: events.clone(),
         });
         self.by_sandbox
@@ -211,7 +266,12 @@ impl Commands {
         let this = self.clone();
         let sandbox = record.id.clone();
         tokio::spawn(async move {
-            tokio::join!(pump(stdout, events.clone(), true), pump(stderr, events.clone(), false));
+            match pty {
+                Some(pty) => pump_pty(pty, events.clone()).await,
+                None => {
+                    tokio::join!(pump(stdout, events.clone(), true), pump(stderr, events.clone(), false));
+                }
+            }
             let end = match child.wait().await {
                 Ok(status) => status_of(status),
                 Err(err) => EndEvent {
@@ -251,6 +311,12 @@ impl Commands {
 
     pub async fn send_input(&self, sandbox: &str, selector: &ProcessSelector, data: &[u8]) -> Result<(), RpcError> {
         let running = self.find(sandbox, selector).await?;
+        if let Some(pty) = &running.pty {
+            return pty
+                .write_all(data)
+                .await
+                .map_err(|e| RpcError::new(Code::FailedPrecondition, format!("writing to the terminal: {e}")));
+        }
         let mut stdin = running.stdin.lock().await;
         let pipe = stdin
             .as_mut()
@@ -265,8 +331,27 @@ impl Commands {
 
     pub async fn close_stdin(&self, sandbox: &str, selector: &ProcessSelector) -> Result<(), RpcError> {
         let running = self.find(sandbox, selector).await?;
+        if running.pty.is_some() {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                "a terminal has no stdin to close; send Ctrl+D (0x04) instead",
+            ));
+        }
         running.stdin.lock().await.take();
         Ok(())
+    }
+
+    /// Resizes a command's terminal.
+    pub async fn resize(&self, sandbox: &str, selector: &ProcessSelector, pty: &Pty) -> Result<(), RpcError> {
+        let running = self.find(sandbox, selector).await?;
+        let terminal = running
+            .pty
+            .as_ref()
+            .ok_or_else(|| RpcError::new(Code::FailedPrecondition, "the process has no terminal"))?;
+        let (cols, rows) = pty_size(pty);
+        terminal
+            .resize(cols, rows)
+            .map_err(|e| RpcError::new(Code::Internal, format!("resizing the terminal: {e}")))
     }
 
     /// Sends `signal` to the command's whole process group.

@@ -106,6 +106,30 @@ pub struct SendSignalRequest {
     pub signal: serde_json::Value,
 }
 
+/// One message of `process.Process/StreamInput`: first `start` (which process), then input
+/// and keepalives.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub enum StreamInputRequest {
+    Start {
+        #[serde(default)]
+        process: ProcessSelector,
+    },
+    Data {
+        #[serde(default)]
+        input: ProcessInput,
+    },
+    Keepalive {},
+}
+
+/// `process.Process/Update`: a terminal's new size.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct UpdateRequest {
+    pub process: ProcessSelector,
+    pub pty: Option<Pty>,
+}
+
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct SelectorOnly {
@@ -141,6 +165,8 @@ pub enum ProcessEvent {
 pub enum DataEvent {
     Stdout(#[serde(with = "b64")] Vec<u8>),
     Stderr(#[serde(with = "b64")] Vec<u8>),
+    /// A terminal's output (stdout and stderr together, as the terminal shows them).
+    Pty(#[serde(with = "b64")] Vec<u8>),
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
