@@ -130,11 +130,14 @@ def test_input_streamed_to_a_command_and_a_terminal(stack):
         sbx.commands.close_stdin(cat.pid)
         assert cat.wait().stdout == "one\ntwo\nthree\n"
 
-        term = sbx.pty.create(PtySize(rows=24, cols=80))
-        sbx.pty.stream_input(term.pid, [b"echo streamed-$((6*7))\n", b"exit 3\n"])
+        # The job left running keeps the terminal open; the session still ends with the shell.
+        term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=30)
+        sbx.pty.stream_input(term.pid, [b"sleep 300 &\n", b"echo streamed-$((6*7))\n", b"exit 3\n"])
         seen = bytearray()
+        started = time.monotonic()
         with pytest.raises(CommandExitException) as ended:
             term.wait(on_pty=seen.extend)
+        assert time.monotonic() - started < 10
         assert ended.value.exit_code == 3
         assert b"streamed-42" in seen
     finally:

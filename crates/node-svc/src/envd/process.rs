@@ -26,6 +26,8 @@ use crate::sandbox::SandboxRecord;
 
 /// How often an idle stream says it is alive (E2B's SDK expects keepalives on long streams).
 const KEEPALIVE: Duration = Duration::from_secs(30);
+/// How long a terminal's remaining output is read after its command has exited.
+const PTY_DRAIN: Duration = Duration::from_millis(200);
 /// Output chunks buffered for followers; a follower further behind loses the oldest ones.
 const BACKLOG: usize = 4096;
 
@@ -266,13 +268,31 @@ impl Commands {
         let this = self.clone();
         let sandbox = record.id.clone();
         tokio::spawn(async move {
-            match pty {
-                Some(pty) => pump_pty(pty, events.clone()).await,
+            let status = match pty {
+                Some(pty) => {
+                    // A terminal's output ends when its last user closes it, which a job the
+                    // shell left running may never do: once the command itself has exited,
+                    // what is left is read for a moment and the session ends.
+                    let pump = pump_pty(pty, events.clone());
+                    tokio::pin!(pump);
+                    let exited = tokio::select! {
+                        status = child.wait() => Some(status),
+                        () = &mut pump => None,
+                    };
+                    match exited {
+                        Some(status) => {
+                            let _ = tokio::time::timeout(PTY_DRAIN, pump).await;
+                            status
+                        }
+                        None => child.wait().await,
+                    }
+                }
                 None => {
                     tokio::join!(pump(stdout, events.clone(), true), pump(stderr, events.clone(), false));
+                    child.wait().await
                 }
-            }
-            let end = match child.wait().await {
+            };
+            let end = match status {
                 Ok(status) => status_of(status),
                 Err(err) => EndEvent {
                     exit_code: -1,
