@@ -93,12 +93,11 @@ impl Cluster {
         }
     }
 
-    /// A running process sandbox on node `i` with a file in its home, and its manifest.
-    async fn sandbox(&self, i: usize, id: &str, start_command: &str) {
-        let node = &self.nodes[i];
-        let mut grpc = NodeClient::connect(node.endpoint()).await.unwrap();
+    /// Creates a process sandbox of 64 MiB on node `i` (no manifest).
+    async fn create_on(&self, i: usize, id: &str, start_command: &str) {
+        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
         grpc.create(npb::CreateRequest {
-            operation_id: format!("create-{id}"),
+            operation_id: format!("create-{id}-{i}"),
             epoch: 1,
             sandbox_id: id.to_string(),
             template: "base".into(),
@@ -111,6 +110,12 @@ impl Cluster {
         })
         .await
         .unwrap();
+    }
+
+    /// A running process sandbox on node `i` with a file in its home, and its manifest.
+    async fn sandbox(&self, i: usize, id: &str, start_command: &str) {
+        let node = &self.nodes[i];
+        self.create_on(i, id, start_command).await;
         std::fs::write(node.host().home(id).join("notes.txt"), format!("files of {id}")).unwrap();
         let manifest = SandboxDoc {
             sandbox_id: id.to_string(),
@@ -181,21 +186,7 @@ impl Cluster {
 
     /// A sandbox on node `i` with no manifest (as if its manifest were gone), paused or not.
     async fn bare_copy(&self, i: usize, id: &str, paused: bool) {
-        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
-        grpc.create(npb::CreateRequest {
-            operation_id: format!("create-{id}-{i}"),
-            epoch: 1,
-            sandbox_id: id.to_string(),
-            template: "base".into(),
-            resources: Some(npb::Resources {
-                vcpus: 1,
-                memory_bytes: 64 << 20,
-            }),
-            start_command: "sleep 600".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        self.create_on(i, id, "sleep 600").await;
         if paused {
             self.pause(i, id).await;
         }

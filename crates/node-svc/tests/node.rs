@@ -376,19 +376,29 @@ async fn bad_requests_are_refused_in_grpc_terms() {
     node.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn heartbeats_list_sandboxes_to_placement() {
+/// A placement-svc and a node heartbeating to it, with a client of placement.
+async fn reporting_to_placement() -> (
+    placement_svc::server::RunningPlacement,
+    TestNode,
+    proto::placement::v1::placement_client::PlacementClient<tonic::transport::Channel>,
+) {
     let placement = placement_svc::server::start(placement_svc::server::PlacementConfig::new(
         "127.0.0.1:0".parse().unwrap(),
     ))
     .await
     .unwrap();
     let node = TestNode::start(None, None, Some(placement.endpoint())).await;
-    let mut c = node.client().await;
-    c.create(create("listed", "sleep 30")).await.unwrap();
-    let mut p = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
+    let client = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
         .await
         .unwrap();
+    (placement, node, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_list_sandboxes_to_placement() {
+    let (placement, node, mut p) = reporting_to_placement().await;
+    let mut c = node.client().await;
+    c.create(create("listed", "sleep 30")).await.unwrap();
     // Heartbeats come every 50 ms; wait (bounded) for one that lists the sandbox.
     let deadline = Instant::now() + Duration::from_secs(10);
     let view = loop {
@@ -416,15 +426,7 @@ async fn heartbeats_list_sandboxes_to_placement() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_report_the_cpu_sandboxes_use() {
-    let placement = placement_svc::server::start(placement_svc::server::PlacementConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-    ))
-    .await
-    .unwrap();
-    let node = TestNode::start(None, None, Some(placement.endpoint())).await;
-    let mut p = proto::placement::v1::placement_client::PlacementClient::connect(placement.endpoint())
-        .await
-        .unwrap();
+    let (placement, node, mut p) = reporting_to_placement().await;
     let node_id = node.node_id.clone();
     // Waits (bounded) for a heartbeat whose cpu_usage satisfies `ok`; returns the last seen.
     let mut usage_until = async |what: &str, ok: fn(f64) -> bool| {

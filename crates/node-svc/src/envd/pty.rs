@@ -69,43 +69,45 @@ pub unsafe fn take_terminal() -> io::Result<()> {
 }
 
 impl PtyMaster {
+    /// Runs one non-blocking system call on the master (`call` returns what read or write
+    /// returned) once the master is ready for `interest`, retrying while it would block.
+    async fn ready_call(&self, interest: Interest, mut call: impl FnMut(i32) -> isize) -> io::Result<usize> {
+        loop {
+            let mut ready = self.fd.ready(interest).await?;
+            let done = ready.try_io(|fd| match call(fd.as_raw_fd()) {
+                n if n < 0 => Err(io::Error::last_os_error()),
+                n => Ok(n as usize),
+            });
+            if let Ok(result) = done {
+                return result;
+            }
+        }
+    }
+
     /// Reads output; `Ok(0)` once the terminal's last user has gone.
     pub async fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            let mut ready = self.fd.readable().await?;
-            // SAFETY: reads into a buffer we own, of its length.
-            match ready.try_io(|fd| {
-                let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }) {
-                Ok(Err(err)) if err.raw_os_error() == Some(libc::EIO) => return Ok(0),
-                Ok(result) => return result,
-                Err(_would_block) => continue,
-            }
+        // SAFETY: reads into a buffer we own, of its length.
+        let read = self
+            .ready_call(Interest::READABLE, |fd| unsafe {
+                libc::read(fd, buf.as_mut_ptr().cast(), buf.len())
+            })
+            .await;
+        match read {
+            Err(err) if err.raw_os_error() == Some(libc::EIO) => Ok(0),
+            other => other,
         }
     }
 
     /// Writes all of `data` as typed input.
     pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
-            let mut ready = self.fd.writable().await?;
             // SAFETY: writes from a buffer we own, of its length.
-            match ready.try_io(|fd| {
-                let n = unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }) {
-                Ok(Ok(n)) => data = &data[n..],
-                Ok(Err(err)) => return Err(err),
-                Err(_would_block) => continue,
-            }
+            let n = self
+                .ready_call(Interest::WRITABLE, |fd| unsafe {
+                    libc::write(fd, data.as_ptr().cast(), data.len())
+                })
+                .await?;
+            data = &data[n..];
         }
         Ok(())
     }
