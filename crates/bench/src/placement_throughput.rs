@@ -9,6 +9,8 @@
 //!   second, open loop (each request is sent on its schedule, and its latency counts from that
 //!   moment, so queueing in the client cannot hide); `pacer_late_p99_us` is how late the
 //!   sending thread itself woke, the host's share of those figures;
+//! - `nodes_ms`: one `Nodes` call (every node's whole view, what `sandboxsched-ctl nodes`
+//!   shows) once the loops have left reservations on every node;
 //! - `decisions_per_sec`: the pure Best-of-K decision in-process, no I/O.
 //!
 //! The placer runs as it ships: the same allocator, its log subscriber recording the per-call
@@ -198,6 +200,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let pacer_late_p99 = late
         .get(((late.len() as f64 - 1.0) * 0.99) as usize)
         .map_or(0, |d| d.as_micros() as u64);
+    // What an operator's `sandboxsched-ctl nodes` costs: every node's whole view.
+    let listed = Instant::now();
+    let nodes = channels[0].nodes(pb::NodesRequest {}).await?.into_inner().nodes.len();
+    let nodes_ms = listed.elapsed().as_secs_f64() * 1e3;
+    anyhow::ensure!(nodes == args.nodes, "Nodes listed {nodes} of {} nodes", args.nodes);
     placement.stop().await;
     cleanup(&args.redis_url, &prefix).await;
 
@@ -228,6 +235,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             "pacer_late_p99_us",
             pacer_late_p99,
             "µs (host jitter: how late the sender woke)",
+        )
+        .figure(
+            "nodes_ms",
+            (nodes_ms * 10.0).round() / 10.0,
+            "ms for Nodes (every node's view)",
         )
         .figure(
             "decisions_per_sec",

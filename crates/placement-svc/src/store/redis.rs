@@ -31,7 +31,7 @@ use crate::core::{
 /// How long the cached list of node ids (what sampling draws from) may be old.
 const NODE_LIST_TTL: Duration = Duration::from_secs(1);
 
-/// Nodes whose gauges are read in one pipeline.
+/// Nodes whose gauges, or whole views, are read in one pipeline.
 const GAUGE_BATCH: usize = 250;
 
 impl From<redis::RedisError> for StoreError {
@@ -316,72 +316,92 @@ impl RedisStore {
     }
 
     async fn read_node(&self, node_id: &str) -> Result<Option<NodeView>, StoreError> {
-        let [node, res, rm, listed] = self.node_keys(node_id);
-        let mut conn = self.conn.clone();
-        let (fields, reservations, removals, listed): NodeKeys = redis::pipe()
-            .hgetall(node)
-            .hgetall(res)
-            .hgetall(rm)
-            .smembers(listed)
-            .query_async(&mut conn)
-            .await?;
-        if fields.is_empty() {
-            return Ok(None);
-        }
-        let parse = |value: &str| -> Option<(Resources, Vec<String>)> {
-            let mut parts = value.split(',');
-            let vcpus = parts.next()?.parse().ok()?;
-            let memory_bytes = parts.next()?.parse().ok()?;
-            Some((Resources { vcpus, memory_bytes }, parts.map(str::to_string).collect()))
-        };
-        let reservations = reservations
-            .iter()
-            .filter_map(|(id, v)| {
-                let (resources, rest) = parse(v)?;
-                let phase = match rest.first().map(String::as_str) {
-                    Some("u") => Phase::Unconfirmed {
-                        heartbeats_unlisted: rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(0),
-                    },
-                    _ => Phase::Pending,
-                };
-                Some((id.clone(), Reservation { resources, phase }))
-            })
-            .collect();
-        let removals = removals
-            .iter()
-            .filter_map(|(id, v)| Some((id.clone(), parse(v)?.0)))
-            .collect();
-        Ok(Some(NodeView {
-            node_id: node_id.to_string(),
-            address: fields.get("address").cloned().unwrap_or_default(),
-            labels: fields
-                .get("labels")
-                .and_then(|l| serde_json::from_str::<BTreeMap<String, String>>(l).ok())
-                .unwrap_or_default(),
-            capacity: Resources {
-                vcpus: num(&fields, "cap_vcpus"),
-                memory_bytes: num(&fields, "cap_mem"),
-            },
-            admin: if fields.get("admin").map(String::as_str) == Some("draining") {
-                AdminState::Draining
-            } else {
-                AdminState::Ready
-            },
-            boot_id: fields.get("boot").cloned().unwrap_or_default(),
-            seq: num(&fields, "seq"),
-            last_heartbeat_ms: num(&fields, "hb_ms"),
-            reported: Totals {
-                vcpus: num(&fields, "rep_vcpus"),
-                memory_bytes: num(&fields, "rep_mem"),
-            },
-            reported_sandboxes: num(&fields, "rep_sbx"),
-            memory_used_bytes: num(&fields, "mem_used"),
-            cpu_usage: num(&fields, "cpu_usage"),
-            listed,
-            reservations,
-            removals,
-        }))
+        Ok(self.read_nodes(&[node_id.to_string()]).await?.pop())
     }
+
+    /// The views of `ids` (those that exist), read in pipelined batches: one round trip per
+    /// [`GAUGE_BATCH`] nodes rather than one per node.
+    async fn read_nodes(&self, ids: &[String]) -> Result<Vec<NodeView>, StoreError> {
+        let mut views = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(GAUGE_BATCH) {
+            let mut pipe = redis::pipe();
+            for id in chunk {
+                let [node, res, rm, listed] = self.node_keys(id);
+                pipe.hgetall(node).hgetall(res).hgetall(rm).smembers(listed);
+            }
+            let read: Vec<NodeKeys> = {
+                // The reply is flat: four values a node.
+                let values: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
+                values
+                    .chunks(4)
+                    .map(|four| redis::from_redis_value(Value::Array(four.to_vec())))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| StoreError::Internal(format!("unexpected node keys in Redis: {e}")))?
+            };
+            views.extend(chunk.iter().zip(read).filter_map(|(id, keys)| view_from(id, keys)));
+        }
+        Ok(views)
+    }
+}
+
+/// A node's view from its four keys as read; `None` if the node hash is gone.
+fn view_from(node_id: &str, (fields, reservations, removals, listed): NodeKeys) -> Option<NodeView> {
+    if fields.is_empty() {
+        return None;
+    }
+    let parse = |value: &str| -> Option<(Resources, Vec<String>)> {
+        let mut parts = value.split(',');
+        let vcpus = parts.next()?.parse().ok()?;
+        let memory_bytes = parts.next()?.parse().ok()?;
+        Some((Resources { vcpus, memory_bytes }, parts.map(str::to_string).collect()))
+    };
+    let reservations = reservations
+        .iter()
+        .filter_map(|(id, v)| {
+            let (resources, rest) = parse(v)?;
+            let phase = match rest.first().map(String::as_str) {
+                Some("u") => Phase::Unconfirmed {
+                    heartbeats_unlisted: rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(0),
+                },
+                _ => Phase::Pending,
+            };
+            Some((id.clone(), Reservation { resources, phase }))
+        })
+        .collect();
+    let removals = removals
+        .iter()
+        .filter_map(|(id, v)| Some((id.clone(), parse(v)?.0)))
+        .collect();
+    Some(NodeView {
+        node_id: node_id.to_string(),
+        address: fields.get("address").cloned().unwrap_or_default(),
+        labels: fields
+            .get("labels")
+            .and_then(|l| serde_json::from_str::<BTreeMap<String, String>>(l).ok())
+            .unwrap_or_default(),
+        capacity: Resources {
+            vcpus: num(&fields, "cap_vcpus"),
+            memory_bytes: num(&fields, "cap_mem"),
+        },
+        admin: if fields.get("admin").map(String::as_str) == Some("draining") {
+            AdminState::Draining
+        } else {
+            AdminState::Ready
+        },
+        boot_id: fields.get("boot").cloned().unwrap_or_default(),
+        seq: num(&fields, "seq"),
+        last_heartbeat_ms: num(&fields, "hb_ms"),
+        reported: Totals {
+            vcpus: num(&fields, "rep_vcpus"),
+            memory_bytes: num(&fields, "rep_mem"),
+        },
+        reported_sandboxes: num(&fields, "rep_sbx"),
+        memory_used_bytes: num(&fields, "mem_used"),
+        cpu_usage: num(&fields, "cpu_usage"),
+        listed,
+        reservations,
+        removals,
+    })
 }
 
 impl PlacementStore for RedisStore {
@@ -471,13 +491,8 @@ impl PlacementStore for RedisStore {
     }
 
     async fn nodes(&self) -> Result<Vec<NodeView>, StoreError> {
-        let mut views = Vec::new();
-        for id in self.node_ids(true).await?.iter() {
-            if let Some(view) = self.read_node(id).await? {
-                views.push(view);
-            }
-        }
-        Ok(views)
+        let ids = self.node_ids(true).await?;
+        self.read_nodes(&ids).await
     }
 
     async fn gauges(&self) -> Result<Vec<NodeGauge>, StoreError> {
