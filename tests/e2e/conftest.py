@@ -88,7 +88,8 @@ def balanced_stack():
     saved = {k: os.environ.get(k) for k in exports}
     os.environ.update(exports)
     balance = re.search(r"balance-svc\s+grpc (\S+)", log.read_text()).group(1)
-    yield {"exports": exports, "log": log, "ctl": _binary("sandboxsched-ctl"), "balance": balance}
+    ledger = re.search(r"ledger-svc\s+grpc (\S+)", log.read_text()).group(1)
+    yield {"exports": exports, "log": log, "ctl": _binary("sandboxsched-ctl"), "balance": balance, "ledger": ledger}
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -66,12 +66,22 @@ def test_a_skewed_node_is_balanced_within_60_seconds(balanced_stack):
             assert again.commands.run("cat keep.txt").stdout == f"files of {s.sandbox_id}"
             assert again.commands.run("echo still here").stdout == "still here\n"
         # The operator's view of the same, through sandboxsched-ctl (JSON for scripts).
-        ctl = [str(balanced_stack["ctl"]), "--json", "--balance", balanced_stack["balance"]]
+        ctl = [str(balanced_stack["ctl"]), "--json", "--balance", balanced_stack["balance"],
+               "--ledger", balanced_stack["ledger"]]
         status = json.loads(subprocess.run(ctl + ["status"], capture_output=True, text=True, check=True).stdout)
         assert status["counts"].get("PendingBalance/PlanningRequired", 0) >= 1, status
         rows = json.loads(subprocess.run(ctl + ["history"], capture_output=True, text=True, check=True).stdout)
         done = {r["sandbox"] for r in rows if r["step"] == "Done"}
         assert {s.sandbox_id for s in moved} <= done, rows
+        # A moved sandbox's own history, from the ledger's change log: taken by the move,
+        # switched to its new node, released.
+        story = json.loads(
+            subprocess.run(ctl + ["sandbox", moved[0].sandbox_id], capture_output=True, text=True, check=True).stdout)
+        said = [c for change in story["history"] for c in change["changes"]]
+        assert said[0].startswith("created: "), said
+        assert any(c.startswith("owned by ") for c in said), said
+        assert f"moved {hot} -> {story['manifest']['node_id']}" in said, said
+        assert any(c.startswith("released by ") for c in said), said
         print(f"balanced in {elapsed:.1f} s, {len(moved)} sandbox(es) moved off {hot}")
     finally:
         for s in sandboxes:

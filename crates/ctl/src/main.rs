@@ -3,6 +3,7 @@
 //! Tables for people; `--json` prints one JSON value for scripts. Endpoints default to the
 //! local stack's ports and have environment twins.
 
+mod history;
 mod table;
 
 use std::time::Duration;
@@ -443,6 +444,7 @@ async fn sandbox_story(ledger: &str, balance: &str, json: bool, sandbox_id: &str
         .with_context(|| format!("reading sandbox {sandbox_id}"))?
         .with_context(|| format!("no sandbox {sandbox_id}"))?;
     let m = &manifest.value;
+    let changes = history::changes(&client, &manifest).await;
     let moves: Vec<bpb::MoveView> = match channel(balance, "balance-svc").await {
         Ok(ch) => BalanceClient::new(ch)
             .history(bpb::HistoryRequest { limit: 1000 })
@@ -462,9 +464,16 @@ async fn sandbox_story(ledger: &str, balance: &str, json: bool, sandbox_id: &str
             .iter()
             .map(|mv| json!({"move": mv.move_id, "from": mv.from_node, "to": mv.to_node, "step": mv.step, "downtime_ms": mv.downtime_ms}))
             .collect();
+        let history = match &changes {
+            Ok(changes) => json!(changes
+                .iter()
+                .map(|c| json!({"revision": c.revision, "version": c.version, "changes": c.what}))
+                .collect::<Vec<_>>()),
+            Err(err) => json!({"error": err.to_string()}),
+        };
         println!(
             "{}",
-            json!({"manifest": serde_json::to_value(m)?, "version": manifest.version, "moves": moves})
+            json!({"manifest": serde_json::to_value(m)?, "version": manifest.version, "moves": moves, "history": history})
         );
         return Ok(());
     }
@@ -479,6 +488,14 @@ async fn sandbox_story(ledger: &str, balance: &str, json: bool, sandbox_id: &str
         m.memory_bytes >> 20,
         m.memory_source
     );
+    match &changes {
+        Ok(changes) => {
+            for c in changes {
+                println!("rev {:<8} v{:<3} {}", c.revision, c.version, c.what.join("; "));
+            }
+        }
+        Err(err) => println!("history   not available: {err}"),
+    }
     for mv in &moves {
         println!(
             "moved     {} -> {} ({}, {} ms down) by {}",
