@@ -542,20 +542,13 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             vcpus: 1,
             memory_bytes: 64 * MIB,
             memory_source: EstimateSource::Request,
-            env_vars: Default::default(),
-            metadata: Default::default(),
             phase: SandboxPhase::Running,
             node_id: nodes[from].0.clone(),
             node_address: nodes[from].1.clone(),
             envd_address: nodes[from].2.clone(),
             epoch: 1,
-            envd_access_token: None,
-            started_at_unix_ms: 0,
             end_at_unix_ms: u64::MAX / 2,
-            auto_pause: false,
-            lifecycle_owner: None,
-            last_moved_unix_ms: None,
-            trace_context: None,
+            ..SandboxDoc::default()
         };
         let plan_id = format!("0000000000000-mp{n}");
         let plan = PlanDoc {

@@ -88,7 +88,7 @@ pub fn reflected(m: &MoveRecord, nodes: &[NodeDoc]) -> bool {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use common::docs::{Capacity, EstimateSource, NodeSandbox};
+    use common::docs::{Capacity, NodeSandbox};
 
     fn node(id: &str, state: &str, available: u64, listed: &[(&str, u64)], at: u64) -> NodeDoc {
         NodeDoc {
@@ -120,21 +120,10 @@ pub(crate) mod tests {
             template: "base".into(),
             vcpus: 1,
             memory_bytes: 512,
-            memory_source: EstimateSource::Default,
-            env_vars: Default::default(),
-            metadata: Default::default(),
             phase,
             node_id: node.into(),
-            node_address: String::new(),
-            envd_address: String::new(),
             epoch: 1,
-            envd_access_token: None,
-            started_at_unix_ms: 0,
-            end_at_unix_ms: 0,
-            auto_pause: false,
-            lifecycle_owner: None,
-            last_moved_unix_ms: None,
-            trace_context: None,
+            ..SandboxDoc::default()
         }
     }
 

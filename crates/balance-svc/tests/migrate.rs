@@ -124,20 +124,13 @@ impl Cluster {
             vcpus: 1,
             memory_bytes: 64 << 20,
             memory_source: EstimateSource::Request,
-            env_vars: Default::default(),
-            metadata: Default::default(),
             phase: SandboxPhase::Running,
             node_id: self.node_id(i),
             node_address: node.endpoint(),
             envd_address: node.envd_endpoint(),
             epoch: 1,
-            envd_access_token: None,
-            started_at_unix_ms: 0,
             end_at_unix_ms: u64::MAX / 2,
-            auto_pause: false,
-            lifecycle_owner: None,
-            last_moved_unix_ms: None,
-            trace_context: None,
+            ..SandboxDoc::default()
         };
         self.client
             .compare(Txn::new().create(SANDBOX_KIND, id, &manifest).unwrap())

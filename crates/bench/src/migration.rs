@@ -75,20 +75,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         vcpus: 1,
         memory_bytes: 256 << 20,
         memory_source: EstimateSource::Request,
-        env_vars: Default::default(),
-        metadata: Default::default(),
         phase: SandboxPhase::Running,
         node_id: nodes[0].0.clone(),
         node_address: nodes[0].1.endpoint(),
         envd_address: nodes[0].1.envd_endpoint(),
         epoch: 1,
-        envd_access_token: None,
-        started_at_unix_ms: 0,
         end_at_unix_ms: u64::MAX / 2,
-        auto_pause: false,
-        lifecycle_owner: None,
-        last_moved_unix_ms: None,
-        trace_context: None,
+        ..SandboxDoc::default()
     };
     client.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
 

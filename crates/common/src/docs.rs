@@ -48,20 +48,22 @@ pub const SANDBOX_KIND: &str = "sandbox";
 
 /// Where a sandbox's memory estimate came from. Every manifest has one, so the balancer never
 /// meets an `UnknownMemoryEstimate` (the brief's lesson 2, cause 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EstimateSource {
     Request,
     Template,
+    #[default]
     Default,
     Measured,
 }
 
 /// Lifecycle of a sandbox as the gateway drives it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SandboxPhase {
     /// Written before placement; not yet running anywhere.
+    #[default]
     Creating,
     Running,
     /// Frozen in place, processes and memory kept (`memory: true`).
@@ -71,8 +73,9 @@ pub enum SandboxPhase {
 }
 
 /// A sandbox's manifest: `sandbox/<sandbox_id>`. It describes itself: resources with their
-/// source, where it runs, when it ends.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// source, where it runs, when it ends. (`Default` is for fixtures; the gateway names every
+/// field, so a new one cannot be forgotten there.)
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SandboxDoc {
     pub sandbox_id: String,
     pub team_id: String,

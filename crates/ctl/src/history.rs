@@ -92,15 +92,15 @@ mod tests {
     use common::docs::SandboxPhase;
 
     fn doc(phase: SandboxPhase, node: &str, epoch: u64, owner: Option<&str>) -> SandboxDoc {
-        serde_json::from_value(serde_json::json!({
-            "sandbox_id": "s", "team_id": "t", "template": "base", "vcpus": 1, "memory_bytes": 1,
-            "memory_source": "request", "env_vars": {}, "metadata": {}, "phase": phase,
-            "node_id": node, "node_address": "", "envd_address": "", "epoch": epoch,
-            "envd_access_token": null, "started_at_unix_ms": 0, "end_at_unix_ms": 10,
-            "auto_pause": false, "lifecycle_owner": owner, "last_moved_unix_ms": null,
-            "trace_context": null
-        }))
-        .unwrap()
+        SandboxDoc {
+            sandbox_id: "s".into(),
+            phase,
+            node_id: node.into(),
+            epoch,
+            end_at_unix_ms: 10,
+            lifecycle_owner: owner.map(str::to_string),
+            ..SandboxDoc::default()
+        }
     }
 
     #[test]
