@@ -147,30 +147,29 @@ fn plan_rows(plans: &[bpb::PlanView]) -> Table {
         "error",
     ]);
     for p in plans {
+        let plan = [
+            json!(p.plan_id),
+            json!(p.state),
+            json!(p.reason),
+            json!(p.spread_before),
+            json!(p.spread_expected),
+        ];
         if p.moves.is_empty() {
-            t.row(vec![
-                json!(p.plan_id),
-                json!(p.state),
-                json!(p.reason),
-                json!(p.spread_before),
-                json!(p.spread_expected),
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::Null,
-            ]);
+            // A plan without moves still gets its row, its move columns empty.
+            t.row(
+                plan.iter()
+                    .cloned()
+                    .chain(std::iter::repeat_n(Value::Null, 8))
+                    .collect(),
+            );
         }
         for m in &p.moves {
-            t.row(vec![
-                json!(p.plan_id),
-                json!(p.state),
-                json!(p.reason),
-                json!(p.spread_before),
-                json!(p.spread_expected),
+            let error = if m.error.is_empty() {
+                Value::Null
+            } else {
+                json!(m.error)
+            };
+            let moved = [
                 json!(m.move_id),
                 json!(m.sandbox_id),
                 json!(m.from_node),
@@ -178,12 +177,9 @@ fn plan_rows(plans: &[bpb::PlanView]) -> Table {
                 mib(m.memory_bytes),
                 json!(m.step),
                 json!(m.downtime_ms),
-                if m.error.is_empty() {
-                    Value::Null
-                } else {
-                    json!(m.error)
-                },
-            ]);
+                error,
+            ];
+            t.row(plan.iter().cloned().chain(moved).collect());
         }
     }
     t
