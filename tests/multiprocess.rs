@@ -117,6 +117,19 @@ where
     }
 }
 
+/// A node Create of one vCPU and `memory_bytes` at epoch 1.
+fn create_request(id: &str, memory_bytes: u64, start_command: &str) -> node_pb::CreateRequest {
+    node_pb::CreateRequest {
+        operation_id: format!("create-{id}"),
+        epoch: 1,
+        sandbox_id: id.to_string(),
+        template: "base".into(),
+        resources: Some(node_pb::Resources { vcpus: 1, memory_bytes }),
+        start_command: start_command.into(),
+        ..Default::default()
+    }
+}
+
 async fn views(p: &mut PlacementClient<Channel>) -> Vec<pl::NodeView> {
     p.nodes(pl::NodesRequest {}).await.expect("nodes").into_inner().nodes
 }
@@ -297,20 +310,9 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
                 .expect("place")
                 .into_inner();
             let node = node_clients.get_mut(&placed.node_id).expect("placed on a known node");
-            node.create(node_pb::CreateRequest {
-                operation_id: format!("create-{id}"),
-                epoch: 1,
-                sandbox_id: id.clone(),
-                template: "base".into(),
-                resources: Some(node_pb::Resources {
-                    vcpus: 1,
-                    memory_bytes: 128 * MIB,
-                }),
-                start_command: "sleep 120".into(),
-                ..Default::default()
-            })
-            .await
-            .expect("create on the node");
+            node.create(create_request(&id, 128 * MIB, "sleep 120"))
+                .await
+                .expect("create on the node");
             placer
                 .created(pl::SandboxRef {
                     sandbox_id: id.clone(),
@@ -518,18 +520,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
         let id = format!("mpb{n}");
         nodes[from]
             .3
-            .create(node_pb::CreateRequest {
-                operation_id: format!("create-{id}"),
-                epoch: 1,
-                sandbox_id: id.clone(),
-                template: "base".into(),
-                resources: Some(node_pb::Resources {
-                    vcpus: 1,
-                    memory_bytes: 64 * MIB,
-                }),
-                start_command: "sleep 600".into(),
-                ..Default::default()
-            })
+            .create(create_request(&id, 64 * MIB, "sleep 600"))
             .await
             .unwrap();
         let node_ids: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
