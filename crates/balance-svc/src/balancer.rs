@@ -355,11 +355,10 @@ impl Balancer {
             return;
         }
         sweep.next_ms = now + self.tuning.sweep_every.as_millis() as u64;
-        let fresh =
-            |n: &&NodeDoc| now.saturating_sub(n.reported_at_unix_ms) <= self.tuning.stale_after.as_millis() as u64;
+        let stale_after = self.tuning.stale_after.as_millis() as u64;
         let addresses: BTreeMap<&str, &str> = nodes
             .iter()
-            .filter(fresh)
+            .filter(|n| view::reported_lately(n, now, stale_after))
             .map(|n| (n.node_id.as_str(), n.address.as_str()))
             .collect();
         let mut copies = Vec::new();

@@ -8,6 +8,11 @@ use common::docs::{NodeDoc, SandboxDoc, SandboxPhase};
 use crate::plan::{Candidate, NodeMemory, Snapshot};
 use crate::record::{ControlDoc, MoveRecord, Step};
 
+/// Whether `node` reported within `stale_after_ms` of `now_ms`.
+pub fn reported_lately(node: &NodeDoc, now_ms: u64, stale_after_ms: u64) -> bool {
+    now_ms.saturating_sub(node.reported_at_unix_ms) < stale_after_ms
+}
+
 /// Builds the planner's input. A node is ready when its document says so, the operator has
 /// not asked to drain it, and it reported within `stale_after_ms`; a sandbox's memory is what
 /// its node measured in the latest heartbeat when that is known (> 0), else its manifest's
@@ -31,7 +36,7 @@ pub fn snapshot(
         .iter()
         .map(|n| {
             let draining = n.state == "draining" || control.draining.contains(&n.node_id);
-            let fresh = now_ms.saturating_sub(n.reported_at_unix_ms) < stale_after_ms;
+            let fresh = reported_lately(n, now_ms, stale_after_ms);
             NodeMemory {
                 node_id: n.node_id.clone(),
                 ready: !draining && fresh && n.state == "ready",
