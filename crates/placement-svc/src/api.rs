@@ -329,7 +329,6 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         let now = now_ms();
         let mut nodes = self.store.nodes().await.map_err(ApiError::from)?;
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        publish_gauges(&nodes.iter().map(NodeGauge::of).collect::<Vec<_>>(), now);
         Ok(Response::new(pb::NodesResponse {
             nodes: nodes
                 .iter()
