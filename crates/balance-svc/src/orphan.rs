@@ -88,11 +88,7 @@ impl Sightings {
         due
     }
 
-    /// Orphans being watched.
-    pub fn len(&self) -> usize {
-        self.first_seen_ms.len()
-    }
-
+    /// Whether no orphan is being watched.
     pub fn is_empty(&self) -> bool {
         self.first_seen_ms.is_empty()
     }

@@ -32,7 +32,7 @@ use crate::core::{
 const NODE_LIST_TTL: Duration = Duration::from_secs(1);
 
 /// Nodes whose gauges, or whole views, are read in one pipeline.
-const GAUGE_BATCH: usize = 250;
+const NODE_BATCH: usize = 250;
 
 impl From<redis::RedisError> for StoreError {
     fn from(err: redis::RedisError) -> Self {
@@ -320,10 +320,10 @@ impl RedisStore {
     }
 
     /// The views of `ids` (those that exist), read in pipelined batches: one round trip per
-    /// [`GAUGE_BATCH`] nodes rather than one per node.
+    /// [`NODE_BATCH`] nodes rather than one per node.
     async fn read_nodes(&self, ids: &[String]) -> Result<Vec<NodeView>, StoreError> {
         let mut views = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(GAUGE_BATCH) {
+        for chunk in ids.chunks(NODE_BATCH) {
             let mut pipe = redis::pipe();
             for id in chunk {
                 let [node, res, rm, listed] = self.node_keys(id);
@@ -500,7 +500,7 @@ impl PlacementStore for RedisStore {
         // beside the decisions, so it must not queue a thousand round trips in front of them.
         let ids = self.node_ids(true).await?;
         let mut gauges = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(GAUGE_BATCH) {
+        for chunk in ids.chunks(NODE_BATCH) {
             let mut pipe = redis::pipe();
             for id in chunk {
                 pipe.cmd("HMGET")
