@@ -5,7 +5,9 @@
 //! where each listens, and stops them cleanly on Ctrl-C. Each service is also its own binary
 //! for multi-process deployments.
 
+use std::io::Write;
 use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -68,6 +70,10 @@ struct UpArgs {
     /// (for example postgres://postgres@127.0.0.1:5432/sandboxsched).
     #[arg(long, env = "SANDBOXSCHED_LEDGER_DATABASE_URL")]
     ledger_database_url: Option<String>,
+    /// More API keys as KEY=TEAM, comma-separated (the generated key belongs to team
+    /// `default`); teams never see each other's sandboxes.
+    #[arg(long, env = "SANDBOXSCHED_API_KEYS", value_delimiter = ',')]
+    api_keys: Vec<String>,
 }
 
 #[tokio::main]
@@ -143,6 +149,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .context("starting balance-svc")?;
 
     let api_key = api_key(&args.data_dir)?;
+    let mut keys: std::collections::HashMap<String, String> = [(api_key.clone(), "default".to_string())].into();
+    for pair in &args.api_keys {
+        let (key, team) = pair
+            .split_once('=')
+            .filter(|(k, t)| !k.is_empty() && !t.is_empty())
+            .with_context(|| format!("API key {pair:?} must be KEY=TEAM"))?;
+        keys.insert(key.to_string(), team.to_string());
+    }
     let mut templates = e2b_gateway::intent::builtin_templates();
     let templates_file = args.data_dir.join("templates.json");
     if templates_file.is_file() {
@@ -154,10 +168,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         listen: args.gateway_listen,
         ledger: ledger.endpoint(),
         placement: placement.endpoint(),
-        keys: [(api_key.clone(), "default".to_string())].into(),
+        keys,
         templates,
         reap_interval: std::time::Duration::from_secs(1),
         hibernate_dir: args.data_dir.join("hibernated"),
+        domain: sandbox_domain(args.gateway_listen),
     })
     .await
     .context("starting e2b-gateway")?;
@@ -228,8 +243,22 @@ fn api_key(data_dir: &std::path::Path) -> anyhow::Result<String> {
         }
     }
     let key = format!("e2b_{}", uuid::Uuid::new_v4().simple());
-    std::fs::write(&path, &key).with_context(|| format!("writing {}", path.display()))?;
+    // Readable by its owner only: it is the local stack's one credential.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .and_then(|mut file| file.write_all(key.as_bytes()))
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(key)
+}
+
+/// Where the local stack's sandbox hosts live: `{port}-{id}.localhost:PORT` reaches the
+/// gateway wherever `*.localhost` resolves to loopback (browsers, curl). Port 0 stands for
+/// the port the gateway ends up bound to.
+fn sandbox_domain(gateway: SocketAddr) -> String {
+    format!("localhost:{}", gateway.port())
 }
 
 /// Hides a password in a database URL before printing it.

@@ -139,6 +139,7 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
         templates: e2b_gateway::intent::builtin_templates(),
         reap_interval: Duration::from_secs(1),
         hibernate_dir: dir.join("hibernated"),
+        domain: String::new(),
     })
     .await
     .unwrap();

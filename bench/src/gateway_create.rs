@@ -73,6 +73,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         templates: e2b_gateway::intent::builtin_templates(),
         reap_interval: Duration::from_secs(5),
         hibernate_dir: dir.join("hibernated"),
+        domain: String::new(),
     })
     .await?;
     let url = gateway.url();

@@ -81,6 +81,9 @@ pub struct Gateway {
     /// API key → team.
     pub keys: Arc<HashMap<String, String>>,
     pub templates: Arc<BTreeMap<String, Template>>,
+    /// The domain under which sandboxes' ports are reachable (`domain` in answers; empty:
+    /// none, answered as null).
+    pub domain: Arc<str>,
 }
 
 impl Gateway {
@@ -108,11 +111,20 @@ fn json_body<T: for<'de> Deserialize<'de>>(body: &Bytes, required: bool) -> Resu
 }
 
 fn rfc3339(ms: u64) -> String {
-    node_svc::envd::paths::rfc3339((ms / 1000) as i64, ((ms % 1000) * 1_000_000) as u32)
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
 }
 
-fn sandbox_json(d: &SandboxDoc) -> Value {
+fn domain_json(domain: &str) -> Value {
+    if domain.is_empty() {
+        Value::Null
+    } else {
+        json!(domain)
+    }
+}
+
+fn sandbox_json(d: &SandboxDoc, domain: &str) -> Value {
     let mut v = json!({
+        "domain": domain_json(domain),
         "templateID": d.template,
         "sandboxID": d.sandbox_id,
         "clientID": d.node_id,
@@ -131,8 +143,9 @@ fn state_name(phase: SandboxPhase) -> &'static str {
     }
 }
 
-fn detail_json(d: &SandboxDoc) -> Value {
+fn detail_json(d: &SandboxDoc, domain: &str) -> Value {
     let mut v = json!({
+        "domain": domain_json(domain),
         "templateID": d.template,
         "sandboxID": d.sandbox_id,
         "clientID": d.node_id,
@@ -184,7 +197,7 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
     let req: NewSandbox = json_body(&body, true)?;
     let intent = intent::normalise(req, &g.templates)?;
     let doc = g.sandboxes.create(&team, intent).await?;
-    Ok((StatusCode::CREATED, Json(sandbox_json(&doc))).into_response())
+    Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
 }
 
 pub async fn get(
@@ -194,7 +207,7 @@ pub async fn get(
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
     let doc = g.sandboxes.get(&team, &id).await?;
-    Ok(Json(detail_json(&doc.value)))
+    Ok(Json(detail_json(&doc.value, &g.domain)))
 }
 
 pub async fn kill(
@@ -251,7 +264,7 @@ pub async fn resume(
             format!("sandbox {id} is already running"),
         ));
     }
-    Ok((StatusCode::CREATED, Json(sandbox_json(&doc))).into_response())
+    Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
 }
 
 pub async fn connect(
@@ -263,7 +276,7 @@ pub async fn connect(
     let (team, secs) = team_and_timeout(&g, &headers, &body, true)?;
     let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sandbox_json(&doc))).into_response())
+    Ok((status, Json(sandbox_json(&doc, &g.domain))).into_response())
 }
 
 pub async fn set_timeout(
@@ -387,7 +400,7 @@ pub async fn list(
     docs.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
     let next = (docs.len() > limit).then(|| docs[limit - 1].sandbox_id.clone());
     docs.truncate(limit);
-    let body: Vec<Value> = docs.iter().map(detail_json).collect();
+    let body: Vec<Value> = docs.iter().map(|d| detail_json(d, &g.domain)).collect();
     let mut response = Json(body).into_response();
     if let Some(next) = next {
         if let Ok(v) = HeaderValue::from_str(&next) {

@@ -29,7 +29,8 @@ pub struct Template {
 }
 
 /// `NewSandbox`, as E2B's API defines it (the fields this gateway acts on; others are
-/// accepted and ignored).
+/// accepted and ignored, `secure` among them: every sandbox's envd is secured by an access
+/// token, whatever the request says).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NewSandbox {
@@ -37,7 +38,6 @@ pub struct NewSandbox {
     pub template_id: String,
     pub timeout: Option<i64>,
     pub auto_pause: Option<bool>,
-    pub secure: Option<bool>,
     pub metadata: Option<BTreeMap<String, String>>,
     pub env_vars: Option<BTreeMap<String, String>>,
     /// Not in E2B's schema: resources for templates that do not fix them.
@@ -64,7 +64,6 @@ pub struct CreateIntent {
     pub memory_source: EstimateSource,
     pub timeout_secs: u64,
     pub auto_pause: bool,
-    pub secure: bool,
     pub env_vars: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
 }
@@ -140,7 +139,6 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         memory_source,
         timeout_secs,
         auto_pause: req.auto_pause.unwrap_or(false),
-        secure: req.secure.unwrap_or(false),
         env_vars,
         metadata,
     })

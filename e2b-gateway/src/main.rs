@@ -32,6 +32,11 @@ struct Args {
     /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
     #[arg(long, env = "GATEWAY_HIBERNATE_DIR", default_value = "data/hibernated")]
     hibernate_dir: std::path::PathBuf,
+    /// Sandboxes' ports are reachable as `{port}-{sandboxID}.{domain}` (what the SDK's
+    /// `get_host` returns; point a wildcard DNS name at the gateway). Empty: only through the
+    /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
+    #[arg(long, env = "GATEWAY_DOMAIN", default_value = "")]
+    domain: String,
     /// A JSON file of extra templates: [{"name": "...", "vcpus": 2, "memory_mb": 1024}].
     #[arg(long, env = "GATEWAY_TEMPLATES")]
     templates: Option<std::path::PathBuf>,
@@ -66,6 +71,7 @@ async fn main() -> anyhow::Result<()> {
         templates,
         reap_interval: Duration::from_secs(1),
         hibernate_dir: args.hibernate_dir,
+        domain: args.domain,
     })
     .await?;
     common::shutdown::signal().await;

@@ -5,16 +5,24 @@
 //! Where each sandbox runs comes from a routing table kept fresh by a ledger watch on the
 //! sandbox manifests (no ledger read per request). A miss (a sandbox created a moment ago,
 //! before the watch delivered it) is read from the ledger once and remembered.
+//!
+//! A request addresses a sandbox by the `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`) headers or
+//! by a host name `{port}-{sandboxID}.{domain}`. Nothing passes without the sandbox's access
+//! token (or, for `/files`, a URL signed with it): knowing a sandbox's ID is not enough, and
+//! API keys play no part here, so another team's key opens nothing either. The node checks
+//! the same again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderName, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use envd_wire::access::{self, Presented};
+use envd_wire::{headers, ENVD_PORT};
 use futures::{StreamExt, TryStreamExt};
 use ledger_svc::{LedgerClient, WatchEvent};
 use serde_json::json;
@@ -34,6 +42,7 @@ struct Route {
     running: bool,
     /// Another operation (a move) owns the sandbox: hold its requests.
     moving: bool,
+    access_token: Option<Arc<str>>,
 }
 
 fn route_of(doc: &SandboxDoc) -> Option<Route> {
@@ -41,7 +50,47 @@ fn route_of(doc: &SandboxDoc) -> Option<Route> {
         envd: doc.envd_address.clone(),
         running: doc.phase == SandboxPhase::Running,
         moving: doc.lifecycle_owner.is_some(),
+        access_token: doc.envd_access_token.as_deref().map(Arc::from),
     })
+}
+
+/// The sandbox and port a request is for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub sandbox_id: String,
+    pub port: u16,
+}
+
+/// Why a request's target cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadTarget(pub String);
+
+/// The target a request names: the `E2b-Sandbox-Id` header (with `E2b-Sandbox-Port`, envd's
+/// port when absent), else a `Host` of the form `{port}-{sandboxID}.{domain}`. `None`: the
+/// request is for the REST API.
+pub fn target_of(headers: &HeaderMap, domain: &str) -> Option<Result<Target, BadTarget>> {
+    if let Some(id) = headers.get(headers::SANDBOX_ID) {
+        let Some(id) = id.to_str().ok().filter(|id| !id.is_empty()) else {
+            return Some(Err(BadTarget("the E2b-Sandbox-Id header is not a sandbox ID".into())));
+        };
+        let port = match headers.get(headers::SANDBOX_PORT) {
+            None => ENVD_PORT,
+            Some(v) => match v.to_str().ok().and_then(|p| p.parse::<u16>().ok()).filter(|p| *p != 0) {
+                Some(port) => port,
+                None => return Some(Err(BadTarget("the E2b-Sandbox-Port header is not a port".into()))),
+            },
+        };
+        return Some(Ok(Target {
+            sandbox_id: id.to_string(),
+            port,
+        }));
+    }
+    let host = headers.get(axum::http::header::HOST)?.to_str().ok()?;
+    let (port, id) = envd_wire::host::parse(host, domain)?;
+    Some(Ok(Target {
+        sandbox_id: id.to_string(),
+        port,
+    }))
 }
 
 /// How long a request may wait for a moving sandbox to resume somewhere.
@@ -178,21 +227,42 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
-/// Forwards an envd request to the node that runs the sandbox, streaming both ways.
-pub async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
-    let Some(id) = request
-        .headers()
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-    else {
-        return crate::api::not_found().await.into_response();
-    };
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Forwards a request for a sandbox to the node that runs it, streaming both ways, once the
+/// request has shown the sandbox's access token.
+pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Request) -> Response {
+    let id = target.sandbox_id;
     let Some(route) = proxy.routes.settled(&proxy.ledger, &id, HOLD_DURING_MOVE).await else {
         // What E2B's edge answers for a sandbox that does not exist (any more); the SDK maps
         // 502 to "sandbox timed out or not found".
         return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");
     };
+    let presented = Presented {
+        path: request.uri().path(),
+        method: request.method().as_str(),
+        query: request.uri().query(),
+        token: request.headers().get(headers::ACCESS_TOKEN).map(HeaderValue::as_bytes),
+    };
+    if let Err(denied) = access::authorize(route.access_token.as_deref(), &presented, unix_now()) {
+        metrics::counter!("gateway_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
+        tracing::info!(sandbox_id = %id, why = ?denied, "envd request refused");
+        return sandbox_error(StatusCode::UNAUTHORIZED, &id, denied.message());
+    }
+    if target.port != ENVD_PORT {
+        return sandbox_error(
+            StatusCode::NOT_IMPLEMENTED,
+            &id,
+            &format!(
+                "port {} of a sandbox is not served by this gateway yet: only envd (port {ENVD_PORT}) is",
+                target.port
+            ),
+        );
+    }
     if !route.running {
         return sandbox_error(
             StatusCode::BAD_GATEWAY,
@@ -208,13 +278,15 @@ pub async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
         .request(parts.method.clone(), &url)
         .body(reqwest::Body::wrap_stream(body.into_data_stream()));
     for (name, value) in &parts.headers {
-        if name == "host" || HOP_BY_HOP.contains(&name.as_str()) {
+        if name == "host" || name == headers::SANDBOX_ID || HOP_BY_HOP.contains(&name.as_str()) {
             continue;
         }
         outbound = outbound.header(name, value);
     }
+    // The node tells sandboxes apart by this header, whichever way the request named its own.
+    outbound = outbound.header(headers::SANDBOX_ID, &id);
     match outbound.send().await {
-        Ok(answer) if answer.headers().contains_key(node_svc::envd::MISSING_HEADER) => {
+        Ok(answer) if answer.headers().contains_key(headers::MISSING) => {
             // The node no longer has it (killed, or moved away a moment ago).
             proxy.routes.forget(&id).await;
             sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found")

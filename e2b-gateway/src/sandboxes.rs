@@ -210,7 +210,8 @@ impl Sandboxes {
             node_address: String::new(),
             envd_address: String::new(),
             epoch: 1,
-            envd_access_token: intent.secure.then(|| random_id(32)),
+            // Always: envd answers only requests that carry it (or a URL signed with it).
+            envd_access_token: Some(envd_wire::access::new_token()),
             started_at_unix_ms: now,
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,

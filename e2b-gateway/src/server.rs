@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use tokio::sync::oneshot;
@@ -32,6 +32,9 @@ pub struct GatewayConfig {
     pub reap_interval: Duration,
     /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
     pub hibernate_dir: std::path::PathBuf,
+    /// Sandboxes' ports are addressed as `{port}-{sandboxID}.{domain}` (the SDK's `get_host`);
+    /// empty: only by headers. A domain ending in `:0` gets the port the gateway is bound to.
+    pub domain: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,20 +74,27 @@ impl RunningGateway {
 struct Dispatch {
     api: Router,
     proxy: Proxy,
+    domain: Arc<str>,
 }
 
-/// Envd traffic (it carries `E2b-Sandbox-Id`) goes to the proxy; everything else is the API.
+/// Traffic for a sandbox (it carries `E2b-Sandbox-Id`, or its host names a sandbox's port)
+/// goes to the proxy; everything else is the API.
 async fn dispatch(State(d): State<Dispatch>, request: Request) -> Response {
     let started = std::time::Instant::now();
     let method = request.method().to_string();
-    let (kind, response) = if request.headers().contains_key("e2b-sandbox-id") {
-        ("envd", proxy::forward(State(d.proxy), request).await)
-    } else {
-        let response = match d.api.oneshot(request).await {
-            Ok(response) => response,
-            Err(never) => match never {},
-        };
-        ("api", response)
+    let (kind, response) = match proxy::target_of(request.headers(), &d.domain) {
+        Some(Ok(target)) => ("envd", proxy::forward(State(d.proxy), target, request).await),
+        Some(Err(bad)) => (
+            "envd",
+            api::ApiError::new(axum::http::StatusCode::BAD_REQUEST, bad.0).into_response(),
+        ),
+        None => {
+            let response = match d.api.oneshot(request).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            };
+            ("api", response)
+        }
     };
     let status = response.status().as_u16().to_string();
     metrics::counter!("gateway_http_requests_total", "kind" => kind, "method" => method.clone(), "status" => status)
@@ -98,6 +108,16 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     if config.keys.is_empty() {
         return Err(StartError::Config("at least one API key is needed".into()));
     }
+    let (listener, addr) = common::net::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let domain: Arc<str> = match config.domain.strip_suffix(":0") {
+        Some(host) => format!("{host}:{}", addr.port()).into(),
+        None => config.domain.as_str().into(),
+    };
     let ledger =
         ledger_svc::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
     let sandboxes = Sandboxes::new(ledger.clone(), &config.placement, config.hibernate_dir.clone())
@@ -106,6 +126,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),
         templates: Arc::new(config.templates.clone()),
+        domain: domain.clone(),
     };
     let api_router = Router::new()
         .route("/health", get(api::health))
@@ -139,13 +160,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             ledger: ledger.clone(),
             http,
         },
+        domain,
     });
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
     let mut background = vec![routes.follow(ledger)];
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;

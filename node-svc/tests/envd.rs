@@ -30,8 +30,17 @@ async fn env() -> Env {
     }
 }
 
+/// The access token the tests give each sandbox.
+fn token_of(sandbox: &str) -> String {
+    format!("token-of-{sandbox}")
+}
+
 impl Env {
-    async fn create(&self, sandbox: &str, token: &str) {
+    async fn create(&self, sandbox: &str) {
+        self.create_with_token(sandbox, &token_of(sandbox)).await;
+    }
+
+    async fn create_with_token(&self, sandbox: &str, token: &str) {
         let mut c = NodeClient::connect(self.node.endpoint()).await.unwrap();
         c.create(pb::CreateRequest {
             operation_id: format!("c-{sandbox}"),
@@ -54,12 +63,18 @@ impl Env {
         format!("{}{path}", self.node.envd_endpoint())
     }
 
+    /// A request for `sandbox` carrying its access token, as the SDK sends them.
+    fn call(&self, method: reqwest::Method, path: &str, sandbox: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, self.url(path))
+            .header("E2b-Sandbox-Id", sandbox)
+            .header("X-Access-Token", token_of(sandbox))
+    }
+
     /// A unary Connect call: (HTTP status, JSON body).
     async fn unary(&self, sandbox: &str, method: &str, body: Value) -> (u16, Value) {
         let r = self
-            .http
-            .post(self.url(&format!("/{method}")))
-            .header("E2b-Sandbox-Id", sandbox)
+            .call(reqwest::Method::POST, &format!("/{method}"), sandbox)
             .header("Content-Type", "application/json")
             .header("Connect-Protocol-Version", "1")
             .body(body.to_string())
@@ -77,9 +92,7 @@ impl Env {
         framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
         framed.extend_from_slice(&payload);
         let r = self
-            .http
-            .post(self.url(&format!("/{method}")))
-            .header("E2b-Sandbox-Id", sandbox)
+            .call(reqwest::Method::POST, &format!("/{method}"), sandbox)
             .header("Content-Type", "application/connect+json")
             .header("Connect-Protocol-Version", "1")
             .body(framed)
@@ -143,7 +156,7 @@ fn output(messages: &[Value], stream: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_run_with_output_env_cwd_and_exit_codes() {
     let e = env().await;
-    e.create("cmd", "").await;
+    e.create("cmd").await;
     let start = json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo $GREETING $EXTRA; pwd; echo oops >&2; exit 3"], "envs": {"EXTRA": "world"}}, "stdin": false});
     let (messages, end) = e.stream("cmd", "process.Process/Start", start).await;
     assert!(messages[0]["event"]["start"]["pid"].as_u64().unwrap() > 0);
@@ -210,7 +223,7 @@ async fn a_sandbox_has_one_pid_namespace_for_all_its_commands() {
         degraded.iter().all(|d| !d.contains("PID namespace")),
         "this host (root, cgroup v1) permits PID namespaces, yet: {degraded:?}"
     );
-    e.create("pids", "").await;
+    e.create("pids").await;
     let start = |script: &str| json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": false});
     let (messages, _) = e
         .stream(
@@ -244,7 +257,7 @@ async fn a_sandbox_has_one_pid_namespace_for_all_its_commands() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_commands_are_listed_fed_and_killed() {
     let e = env().await;
-    e.create("bg", "").await;
+    e.create("bg").await;
     let env = std::sync::Arc::new(e);
     let e2 = env.clone();
     let cat = tokio::spawn(async move {
@@ -328,7 +341,7 @@ async fn background_commands_are_listed_fed_and_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn files_and_filesystem_calls() {
     let e = env().await;
-    e.create("fs", "").await;
+    e.create("fs").await;
     let (status, made) = e
         .unary("fs", "filesystem.Filesystem/MakeDir", json!({"path": "docs"}))
         .await;
@@ -345,9 +358,7 @@ async fn files_and_filesystem_calls() {
         reqwest::multipart::Part::bytes(b"hello file".to_vec()).file_name("docs/a.txt"),
     );
     let r = e
-        .http
-        .post(e.url("/files?path=docs/a.txt"))
-        .header("E2b-Sandbox-Id", "fs")
+        .call(reqwest::Method::POST, "/files?path=docs/a.txt", "fs")
         .multipart(form)
         .send()
         .await
@@ -359,9 +370,7 @@ async fn files_and_filesystem_calls() {
         json!([{"path": "/home/user/docs/a.txt", "name": "a.txt", "type": "file"}])
     );
     let r = e
-        .http
-        .post(e.url("/files?path=/home/user/raw.bin"))
-        .header("E2b-Sandbox-Id", "fs")
+        .call(reqwest::Method::POST, "/files?path=/home/user/raw.bin", "fs")
         .header("Content-Type", "application/octet-stream")
         .body(vec![1u8, 2, 3])
         .send()
@@ -370,17 +379,13 @@ async fn files_and_filesystem_calls() {
     assert_eq!(r.status().as_u16(), 200);
 
     let got = e
-        .http
-        .get(e.url("/files?path=docs/a.txt"))
-        .header("E2b-Sandbox-Id", "fs")
+        .call(reqwest::Method::GET, "/files?path=docs/a.txt", "fs")
         .send()
         .await
         .unwrap();
     assert_eq!(got.bytes().await.unwrap().as_ref(), b"hello file");
     let missing = e
-        .http
-        .get(e.url("/files?path=nope.txt"))
-        .header("E2b-Sandbox-Id", "fs")
+        .call(reqwest::Method::GET, "/files?path=nope.txt", "fs")
         .send()
         .await
         .unwrap();
@@ -437,37 +442,121 @@ async fn files_and_filesystem_calls() {
     e.cleanup().await;
 }
 
+/// Every way in without the sandbox's own token, tried from the attacker's side against
+/// every kind of route: nothing passes but `/health`, and a signed file URL opens only its
+/// own file, for its own operation, until it expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sandbox_selection_tokens_and_state_are_enforced() {
+async fn envd_answers_only_the_sandboxs_token() {
     let e = env().await;
-    e.create("open", "").await;
-    e.create("locked", "s3cret").await;
+    e.create("victim").await;
+    e.create("attacker").await;
+    e.create_with_token("tokenless", "").await;
+    let routes: [(reqwest::Method, &str, &str); 6] = [
+        (reqwest::Method::POST, "/process.Process/List", "{}"),
+        (reqwest::Method::POST, "/process.Process/Start", ""),
+        (reqwest::Method::POST, "/process.Process/StreamInput", ""),
+        (reqwest::Method::POST, "/filesystem.Filesystem/ListDir", "{}"),
+        (reqwest::Method::GET, "/files?path=/etc/hostname", ""),
+        (reqwest::Method::GET, "/envs", ""),
+    ];
+    let victim = token_of("victim");
+    let attacker = token_of("attacker");
+    let cases: [(&str, Option<&str>); 5] = [
+        ("victim", None),
+        ("victim", Some("")),
+        ("victim", Some(&attacker)),
+        ("victim", Some(&victim[..victim.len() - 1])),
+        ("tokenless", Some("")),
+    ];
+    for (method, path, body) in &routes {
+        for (sandbox, token) in &cases {
+            let mut request = e
+                .http
+                .request(method.clone(), e.url(path))
+                .header("E2b-Sandbox-Id", *sandbox)
+                .header("Content-Type", "application/json")
+                .body(body.to_string());
+            if let Some(token) = token {
+                request = request.header("X-Access-Token", *token);
+            }
+            let r = request.send().await.unwrap();
+            assert_eq!(r.status().as_u16(), 401, "{method} {path} for {sandbox} with {token:?}");
+            let text = r.text().await.unwrap();
+            assert!(text.contains("unauthenticated") || text.contains("401"), "{text}");
+        }
+    }
+    let health = e
+        .http
+        .get(e.url("/health"))
+        .header("E2b-Sandbox-Id", "victim")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 204);
+
+    // Signed URLs, as the SDK's download_url and upload_url make them.
+    let signed = |path: &str, op, expiration: Option<u64>| {
+        let sig = envd_wire::access::file_signature(path, op, "", &victim, expiration);
+        let mut q = format!("/files?path={path}&signature={}", sig.replace('+', "%2B"));
+        if let Some(at) = expiration {
+            q.push_str(&format!("&signature_expiration={at}"));
+        }
+        q
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    use envd_wire::access::FileOperation::{Read, Write};
+    let bare =
+        |method: reqwest::Method, url: String| e.http.request(method, e.url(&url)).header("E2b-Sandbox-Id", "victim");
+    let form = || reqwest::multipart::Form::new().part("file", reqwest::multipart::Part::bytes(b"signed".to_vec()));
+    let r = bare(reqwest::Method::POST, signed("note.txt", Write, Some(now + 60)))
+        .multipart(form())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    let r = bare(reqwest::Method::GET, signed("note.txt", Read, None))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.text().await.unwrap(), "signed");
+    for (method, url) in [
+        // A read signature does not write, nor open another file, nor outlive its expiration.
+        (reqwest::Method::POST, signed("note.txt", Read, None)),
+        (
+            reqwest::Method::GET,
+            signed("note.txt", Read, None).replace("note.txt", "other.txt"),
+        ),
+        (reqwest::Method::GET, signed("note.txt", Read, Some(now - 1))),
+        (
+            reqwest::Method::GET,
+            signed("note.txt", Read, Some(now - 1)).replace(&format!("={}", now - 1), &format!("={}", now + 600)),
+        ),
+    ] {
+        let r = bare(method.clone(), url.clone())
+            .multipart(form())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{method} {url}");
+    }
+    e.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_selection_and_state_are_enforced() {
+    let e = env().await;
+    e.create("open").await;
     let health = e.http.get(e.url("/health")).send().await.unwrap();
     assert_eq!(health.status().as_u16(), 204);
     let (status, body) = e.unary("", "process.Process/List", json!({})).await;
     assert_eq!((status, body["code"].as_str()), (400, Some("invalid_argument")));
     let (status, body) = e.unary("ghost", "process.Process/List", json!({})).await;
     assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
-    let (status, body) = e.unary("locked", "process.Process/List", json!({})).await;
-    assert_eq!((status, body["code"].as_str()), (401, Some("unauthenticated")));
-    let ok = e
-        .http
-        .post(e.url("/process.Process/List"))
-        .header("E2b-Sandbox-Id", "locked")
-        .header("X-Access-Token", "s3cret")
-        .header("Content-Type", "application/json")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(ok.status().as_u16(), 200);
-    let envs = e
-        .http
-        .get(e.url("/envs"))
-        .header("E2b-Sandbox-Id", "open")
-        .send()
-        .await
-        .unwrap();
+    let envs = e.call(reqwest::Method::GET, "/envs", "open").send().await.unwrap();
     assert_eq!(envs.json::<Value>().await.unwrap()["GREETING"], "hello");
     let (status, body) = e.unary("open", "process.Process/Nope", json!({})).await;
     assert_eq!((status, body["code"].as_str()), (501, Some("unimplemented")));

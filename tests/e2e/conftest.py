@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+OTHER_TEAM_KEY = "e2b_other_team_key"
 
 
 def _binary(name: str = "sandboxsched") -> Path:
@@ -37,6 +38,8 @@ def _start(nodes: int, log_level: str, **extra):
         SANDBOXSCHED_NODE_BASE_PORT="0",
         SANDBOXSCHED_METRICS_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_NODES=str(nodes),
+        # A second team, for the tests that attack one team's sandbox from another.
+        SANDBOXSCHED_API_KEYS=f"{OTHER_TEAM_KEY}=other-team",
         RUST_LOG=log_level,
         **extra,
     )

@@ -3,7 +3,9 @@ E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY set."""
 
 import time
 
+import httpx
 import pytest
+from conftest import OTHER_TEAM_KEY
 from e2b import (
     AuthenticationException,
     CommandExitException,
@@ -142,3 +144,59 @@ def test_input_streamed_to_a_command_and_a_terminal(stack):
         assert b"streamed-42" in seen
     finally:
         sbx.kill()
+
+
+def test_envd_answers_only_the_sandboxs_access_token(stack):
+    """From the attacker's side: knowing a sandbox's ID, holding another team's API key, the
+    owner's API key, or another sandbox's token opens none of its envd routes; the SDK's signed
+    file URLs work with no headers at all, addressed by the sandbox's host name."""
+    sbx = Sandbox.create(timeout=120)
+    theirs = Sandbox.create(timeout=120, api_key=OTHER_TEAM_KEY)
+    try:
+        token = sbx._envd_access_token
+        assert token and token != theirs._envd_access_token
+        url = stack["E2B_SANDBOX_URL"]
+        sbx.files.write("/home/user/secret.txt", "mine")
+        for credentials in (
+            {},
+            {"X-Access-Token": ""},
+            {"X-Access-Token": "0" * len(token)},
+            {"X-Access-Token": theirs._envd_access_token},
+            {"X-API-Key": OTHER_TEAM_KEY},
+            {"X-API-Key": stack["E2B_API_KEY"]},
+        ):
+            headers = {"E2b-Sandbox-Id": sbx.sandbox_id, **credentials}
+            for method, path, body in (
+                ("POST", "/process.Process/List", "{}"),
+                ("POST", "/filesystem.Filesystem/ListDir", '{"path": "/home/user"}'),
+                ("GET", "/files?path=/home/user/secret.txt", None),
+                ("POST", "/files?path=/home/user/planted.txt", "x"),
+                ("GET", "/envs", None),
+            ):
+                r = httpx.request(
+                    method, url + path, headers={"Content-Type": "application/json", **headers}, content=body
+                )
+                assert r.status_code == 401, (credentials, path, r.status_code, r.text)
+        assert not sbx.files.exists("/home/user/planted.txt")
+        # Another team cannot reach it through the API either.
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sbx.sandbox_id, api_key=OTHER_TEAM_KEY)
+
+        # Signed URLs (download_url / upload_url) carry no headers: the host names the sandbox.
+        assert sbx.get_host(8080) == f"8080-{sbx.sandbox_id}.{sbx.sandbox_domain}"
+        host = {"Host": sbx.get_host(49983)}
+        link = sbx.download_url("/home/user/secret.txt", use_signature_expiration=60)
+        assert "signature=" in link
+        assert httpx.get(link, headers=host).text == "mine"
+        assert httpx.get(link.replace("secret.txt", "other.txt"), headers=host).status_code == 401
+        upload = sbx.upload_url("/home/user/uploaded.txt")
+        r = httpx.post(upload, headers=host, files={"file": ("uploaded.txt", b"through a link")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/uploaded.txt") == "through a link"
+        # A read link does not write.
+        r = httpx.post(link, headers=host, files={"file": ("secret.txt", b"overwritten")})
+        assert r.status_code == 401
+        assert sbx.files.read("/home/user/secret.txt") == "mine"
+    finally:
+        sbx.kill()
+        theirs.kill()

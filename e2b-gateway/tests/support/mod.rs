@@ -8,6 +8,9 @@ use std::time::Duration;
 use e2b_gateway::server::{GatewayConfig, RunningGateway};
 use serde_json::Value;
 
+/// The domain the test gateways serve sandbox hosts under (`{port}-{id}.sandbox.test`).
+pub const DOMAIN: &str = "sandbox.test";
+
 pub struct Stack {
     pub ledger: ledger_svc::RunningLedger,
     pub placement: Option<placement_svc::server::RunningPlacement>,
@@ -50,6 +53,7 @@ pub async fn stack(node_memory_mb: u64) -> Stack {
         templates: e2b_gateway::intent::builtin_templates(),
         reap_interval: Duration::from_millis(100),
         hibernate_dir: dir.join("hibernated"),
+        domain: DOMAIN.to_string(),
     };
     let gateway = e2b_gateway::server::start(config.clone()).await.unwrap();
     // Wait (bounded) until the node has registered with placement.

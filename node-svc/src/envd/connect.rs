@@ -95,7 +95,7 @@ impl IntoResponse for RpcError {
         if self.missing {
             response
                 .headers_mut()
-                .insert(super::MISSING_HEADER, HeaderValue::from_static("1"));
+                .insert(envd_wire::headers::MISSING, HeaderValue::from_static("1"));
         }
         response
     }

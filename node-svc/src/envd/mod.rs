@@ -7,8 +7,10 @@
 //!   CreateWatcher, GetWatcherEvents, RemoveWatcher);
 //! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`.
 //!
-//! When a sandbox was created with an access token, every call for it must carry it in
-//! `X-Access-Token`. Served over HTTP/1.1 and h2c on one port.
+//! Every call but `/health` must show the sandbox's access token (`X-Access-Token`, or a
+//! `/files` URL signed with it), checked by one layer in front of every route so no route
+//! can forget it; a sandbox created without a token answers nobody. Served over HTTP/1.1 and
+//! h2c on one port.
 
 pub mod connect;
 mod files;
@@ -28,6 +30,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use envd_wire::access;
 use futures::StreamExt;
 
 use crate::host::Host;
@@ -61,40 +64,76 @@ impl Envd {
             .route("/process.Process/StreamInput", post(stream_input))
             .route("/process.Process/{method}", post(process_rpc))
             .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+            .layer(axum::middleware::from_fn_with_state(self.clone(), authorized))
             .with_state(self)
     }
 
-    /// The running sandbox a request is for, after checking its access token.
+    /// The running sandbox a request is for (its access token was checked by [`authorized`]).
     async fn sandbox(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
-        let id = headers
-            .get("e2b-sandbox-id")
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| RpcError::new(Code::InvalidArgument, "the E2b-Sandbox-Id header is required"))?;
-        let record = self.host.get(id).await.ok_or_else(|| RpcError::missing(id))?;
-        if let Some(token) = &record.access_token {
-            let given = headers.get("x-access-token").and_then(|v| v.to_str().ok());
-            if given != Some(token.as_str()) {
-                return Err(RpcError::new(Code::Unauthenticated, "missing or wrong X-Access-Token"));
-            }
-        }
+        let record = self.record(headers).await?;
         if record.state != SandboxState::Running {
             return Err(RpcError::new(
                 Code::Unavailable,
-                format!("sandbox {id} is {:?}; resume it first", record.state),
+                format!("sandbox {} is {:?}; resume it first", record.id, record.state),
             ));
         }
         Ok(record)
     }
+
+    /// The sandbox named by `E2b-Sandbox-Id`, whatever its state.
+    async fn record(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
+        let id = headers
+            .get(envd_wire::headers::SANDBOX_ID)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| RpcError::new(Code::InvalidArgument, "the E2b-Sandbox-Id header is required"))?;
+        self.host.get(id).await.ok_or_else(|| RpcError::missing(id))
+    }
 }
 
-/// Marks answers about a sandbox this node does not have, so a proxy in front can tell "not
-/// here" from any other 404.
-pub const MISSING_HEADER: &str = "x-e2b-sandbox-missing";
+/// Lets a request through only with the sandbox's access token (or a `/files` URL signed
+/// with it); `/health` passes as it is. Refusals are shaped as the route's protocol shapes
+/// errors: Connect's JSON for RPCs, `{code, message}` for the REST routes.
+async fn authorized(State(envd): State<Envd>, request: Request, next: axum::middleware::Next) -> Response {
+    let path = request.uri().path();
+    if path == access::HEALTH_PATH {
+        return next.run(request).await;
+    }
+    let rpc = path.starts_with("/process.") || path.starts_with("/filesystem.");
+    let refuse = |err: RpcError| {
+        if rpc {
+            err.into_response()
+        } else {
+            files::rest_from_rpc(err)
+        }
+    };
+    let record = match envd.record(request.headers()).await {
+        Ok(record) => record,
+        Err(err) => return refuse(err),
+    };
+    let presented = access::Presented {
+        path,
+        method: request.method().as_str(),
+        query: request.uri().query(),
+        token: request
+            .headers()
+            .get(envd_wire::headers::ACCESS_TOKEN)
+            .map(axum::http::HeaderValue::as_bytes),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if let Err(denied) = access::authorize(record.access_token.as_deref(), &presented, now) {
+        metrics::counter!("node_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
+        tracing::info!(sandbox_id = %record.id, why = ?denied, "envd request refused");
+        return refuse(RpcError::new(Code::Unauthenticated, denied.message()));
+    }
+    next.run(request).await
+}
 
 /// Healthy; with `E2b-Sandbox-Id`, only if that sandbox runs here.
 async fn health(State(envd): State<Envd>, headers: HeaderMap) -> Response {
-    if !headers.contains_key("e2b-sandbox-id") {
+    if !headers.contains_key(envd_wire::headers::SANDBOX_ID) {
         return StatusCode::NO_CONTENT.into_response();
     }
     match envd.sandbox(&headers).await {

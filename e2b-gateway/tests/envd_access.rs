@@ -1,0 +1,211 @@
+//! The envd proxy from an attacker's side: a sandbox's ID, another team's API key or another
+//! sandbox's token open nothing; only the sandbox's own access token (or a file URL signed
+//! with it) does, whether the sandbox is named by headers or by its host name. The node
+//! behind the gateway refuses the same requests on its own.
+
+mod support;
+
+use envd_wire::access::{file_signature, FileOperation};
+use serde_json::Value;
+use support::{stack, DOMAIN};
+
+struct Created {
+    id: String,
+    token: String,
+}
+
+async fn create(s: &support::Stack, key: &str, body: &str) -> Created {
+    let (status, created) = s.call("POST", "/sandboxes", Some(key), Some(body)).await;
+    assert_eq!(status, 201, "{created:?}");
+    assert_eq!(created["domain"], DOMAIN);
+    Created {
+        id: created["sandboxID"].as_str().unwrap().to_string(),
+        token: created["envdAccessToken"]
+            .as_str()
+            .expect("every sandbox gets an envdAccessToken")
+            .to_string(),
+    }
+}
+
+/// A Connect call to `process.Process/List` through the gateway; `how` adds the addressing
+/// and credentials under test.
+async fn list_processes(
+    s: &support::Stack,
+    how: impl FnOnce(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
+) -> (u16, Value) {
+    let request = reqwest::Client::new()
+        .post(format!("{}/process.Process/List", s.url()))
+        .header("Content-Type", "application/json")
+        .body("{}");
+    let r = how(request).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_through_the_gateway_needs_the_sandboxs_own_token() {
+    let s = stack(4096).await;
+    // `secure: false` is what older SDKs could send: the token is issued all the same.
+    let a = create(&s, "key-a", r#"{"templateID":"base","secure":false}"#).await;
+    let b = create(&s, "key-b", r#"{"templateID":"base"}"#).await;
+    assert_ne!(a.token, b.token);
+    let (_, detail) = s
+        .call("GET", &format!("/sandboxes/{}", a.id), Some("key-a"), None)
+        .await;
+    assert_eq!(detail["envdAccessToken"], a.token.as_str());
+
+    let attempts: Vec<(&str, Vec<(&str, String)>)> = vec![
+        ("no token", vec![]),
+        ("empty token", vec![("X-Access-Token", String::new())]),
+        ("wrong token", vec![("X-Access-Token", "0".repeat(a.token.len()))]),
+        (
+            "another team's sandbox token",
+            vec![("X-Access-Token", b.token.clone())],
+        ),
+        ("the owner's API key", vec![("X-API-Key", "key-a".into())]),
+        ("another team's API key", vec![("X-API-Key", "key-b".into())]),
+        (
+            "a token prefix",
+            vec![("X-Access-Token", a.token[..a.token.len() - 1].to_string())],
+        ),
+    ];
+    for (what, headers) in &attempts {
+        let answer = list_processes(&s, |mut r| {
+            r = r.header("E2b-Sandbox-Id", &a.id);
+            for (name, value) in headers {
+                r = r.header(*name, value);
+            }
+            r
+        })
+        .await;
+        support::assert_e2b_error(&answer, 401);
+        assert!(
+            answer.1["message"].as_str().unwrap().contains("Access-Token")
+                || answer.1["message"].as_str().unwrap().contains("token"),
+            "{what}: {answer:?}"
+        );
+        // The same by host name.
+        let answer = list_processes(&s, |mut r| {
+            r = r.header("Host", format!("49983-{}.{DOMAIN}", a.id));
+            for (name, value) in headers {
+                r = r.header(*name, value);
+            }
+            r
+        })
+        .await;
+        support::assert_e2b_error(&answer, 401);
+    }
+    // Files and every other route are closed alike.
+    for path in ["/files?path=/etc/passwd", "/envs", "/filesystem.Filesystem/ListDir"] {
+        let r = reqwest::Client::new()
+            .get(format!("{}{path}", s.url()))
+            .header("E2b-Sandbox-Id", &a.id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{path}");
+    }
+
+    // The right token opens it, by headers and by host name.
+    let (status, _) = list_processes(&s, |r| {
+        r.header("E2b-Sandbox-Id", &a.id).header("X-Access-Token", &a.token)
+    })
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = list_processes(&s, |r| {
+        r.header("Host", format!("49983-{}.{DOMAIN}", a.id))
+            .header("X-Access-Token", &a.token)
+    })
+    .await;
+    assert_eq!(status, 200);
+    // /health needs nothing (the SDK's is_running).
+    let health = reqwest::Client::new()
+        .get(format!("{}/health", s.url()))
+        .header("E2b-Sandbox-Id", &a.id)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 204);
+
+    // The node refuses on its own what reaches it without the token.
+    let direct = reqwest::Client::new()
+        .post(format!("{}/process.Process/List", s.node.envd_endpoint()))
+        .header("E2b-Sandbox-Id", &a.id)
+        .header("Content-Type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(direct.status().as_u16(), 401);
+
+    // A port other than envd's is not served yet, and says so; a malformed port is refused.
+    let (status, body) = list_processes(&s, |r| {
+        r.header("E2b-Sandbox-Id", &a.id)
+            .header("E2b-Sandbox-Port", "8000")
+            .header("X-Access-Token", &a.token)
+    })
+    .await;
+    assert_eq!(status, 501, "{body:?}");
+    let answer = list_processes(&s, |r| {
+        r.header("E2b-Sandbox-Id", &a.id).header("E2b-Sandbox-Port", "http")
+    })
+    .await;
+    support::assert_e2b_error(&answer, 400);
+    s.stop().await;
+}
+
+/// `download_url`/`upload_url`: a URL with no headers at all, addressed by host name, signed
+/// with the token; it opens its own file for its own operation and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_file_urls_work_without_headers() {
+    let s = stack(4096).await;
+    let a = create(&s, "key-a", r#"{"templateID":"base"}"#).await;
+    let host = format!("49983-{}.{DOMAIN}", a.id);
+    let url = |path: &str, op, expiration: Option<u64>| {
+        let sig = file_signature(path, op, "", &a.token, expiration);
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        q.append_pair("path", path).append_pair("signature", &sig);
+        if let Some(at) = expiration {
+            q.append_pair("signature_expiration", &at.to_string());
+        }
+        format!("{}/files?{}", s.url(), q.finish())
+    };
+    let http = reqwest::Client::new();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let upload = http
+        .post(url("shared.txt", FileOperation::Write, Some(now + 60)))
+        .header("Host", &host)
+        .multipart(
+            reqwest::multipart::Form::new().part("file", reqwest::multipart::Part::bytes(b"via a link".to_vec())),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upload.status().as_u16(), 200, "{}", upload.text().await.unwrap());
+    let download = http
+        .get(url("shared.txt", FileOperation::Read, None))
+        .header("Host", &host)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(download.status().as_u16(), 200);
+    assert_eq!(download.text().await.unwrap(), "via a link");
+    for (method, link) in [
+        (reqwest::Method::POST, url("shared.txt", FileOperation::Read, None)),
+        (
+            reqwest::Method::GET,
+            url("other.txt", FileOperation::Read, None).replace("other.txt", "shared.txt"),
+        ),
+        (
+            reqwest::Method::GET,
+            url("shared.txt", FileOperation::Read, Some(now - 1)),
+        ),
+    ] {
+        let r = http.request(method, &link).header("Host", &host).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{link}");
+    }
+    s.stop().await;
+}

@@ -1,0 +1,18 @@
+//! Header names of envd traffic (lower case, as HTTP/2 carries them).
+
+/// The sandbox a request is for; the SDK sends it on every envd call when `E2B_SANDBOX_URL`
+/// points at one proxy for all sandboxes.
+pub const SANDBOX_ID: &str = "e2b-sandbox-id";
+
+/// The sandbox's port the request is for (envd's is [`crate::ENVD_PORT`]).
+pub const SANDBOX_PORT: &str = "e2b-sandbox-port";
+
+/// The sandbox's envd access token, issued at create.
+pub const ACCESS_TOKEN: &str = "x-access-token";
+
+/// The sandbox's traffic token, required on its ports when public traffic is not allowed.
+pub const TRAFFIC_ACCESS_TOKEN: &str = "e2b-traffic-access-token";
+
+/// Set by a node on answers about a sandbox it does not have, so a proxy in front can tell
+/// "not here" (the sandbox moved or ended) from any other 404.
+pub const MISSING: &str = "x-e2b-sandbox-missing";
