@@ -390,7 +390,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     }
 
     // The placers published the node documents to the ledger on PostgreSQL.
-    let ledger_client = ledger_svc::LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
+    let ledger_client = ledger_client::LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
     let docs = eventually("three node documents", || {
         let (l, tag) = (ledger_client.clone(), tag.clone());
         async move {
@@ -448,7 +448,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
 async fn a_move_survives_balance_svc_dying_after_every_step() {
     use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
     use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
-    use ledger_svc::{LedgerClient, Txn};
+    use ledger_client::{LedgerClient, Txn};
 
     let Base {
         tag,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, PLAN_KIND};
 use common::docs::{SandboxDoc, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, Txn};
+use ledger_client::{LedgerClient, Txn};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::trace::v1::Span;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use common::trace::TracedChannel;
-use ledger_svc::{LedgerClient, LedgerError, Txn};
+use ledger_client::{LedgerClient, LedgerError, Txn};
 use proto::balance::v1 as pb;
 use proto::balance::v1::balance_server::Balance;
 use proto::placement::v1 as pl;

@@ -4,7 +4,7 @@
 //! Observation and planning read node documents and manifests; nothing they read is ever in
 //! a compare-and-swap guard. The plan commit creates the plan document and guards nothing
 //! else: node documents are rewritten every few seconds by placement, and a commit that
-//! compared them would always fail (the brief's lesson 2, cause 2).
+//! compared them would always fail and no plan would ever start.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::clock::now_ms;
 use common::docs::{NodeDoc, SandboxDoc, NODE_KIND, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as npb;
 use tokio::sync::RwLock;
 
@@ -31,7 +31,7 @@ use crate::view;
 #[derive(Clone, Debug)]
 pub struct BalanceTuning {
     pub plan: Tuning,
-    /// Between cycles (5 s, as the seed's node reports).
+    /// Between cycles (5 s by default, the rate at which node documents change).
     pub interval: Duration,
     /// A node whose document is older than this is not ready.
     pub stale_after: Duration,
@@ -247,7 +247,7 @@ impl Balancer {
         metrics::counter!("balance_plan_commits_total", "outcome" => outcome).increment(1);
         let committed = result?;
         Ok(Versioned {
-            key: ledger_svc::DocKey::new(PLAN_KIND, &doc.plan_id),
+            key: ledger_client::DocKey::new(PLAN_KIND, &doc.plan_id),
             version: committed.versions.first().copied().unwrap_or(1),
             create_revision: committed.revision,
             mod_revision: committed.revision,

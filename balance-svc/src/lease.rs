@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use common::clock::now_ms;
-use ledger_svc::{LedgerClient, LedgerError, Txn};
+use ledger_client::{LedgerClient, LedgerError, Txn};
 
 use crate::record::{may_take, LeaseDoc, LEASE_ID, LEASE_KIND};
 

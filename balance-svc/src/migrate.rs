@@ -20,7 +20,7 @@ use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use common::trace::TracedChannel;
 use futures::StreamExt;
-use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
@@ -118,7 +118,7 @@ pub struct Mover {
     ledger: LedgerClient,
     nodes: NodeClients,
     placement: Option<PlacementClient<TracedChannel>>,
-    /// Moves at once (the seed ran one).
+    /// Moves at once.
     concurrency: usize,
     halt: Option<Halt>,
     /// Attempts of a step that fails transiently before it counts as failed.

@@ -2,7 +2,7 @@
 //! fewest moves that make it even. No I/O: a plan is a function of one snapshot, so it is
 //! unit-tested, benchmarked and compared to an honest lower bound.
 //!
-//! Vocabulary kept from the system in the brief (operators grep for it): observation statuses
+//! The vocabulary is the one operators of such balancers grep for: observation statuses
 //! `Satisfied/SpreadWithinThreshold`, `PendingBalance/PlanningRequired`,
 //! `PendingBalance/AwaitingOperationObservation`; skip reasons `UnknownMemoryEstimate`,
 //! `LifecycleOwned`, `Cooldown`, `NoFit`, `NotMovable`; scan results `PlanFound`,
@@ -57,7 +57,7 @@ pub struct Snapshot {
 /// Thresholds and limits.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tuning {
-    /// Act when the spread exceeds this (0.1, as the seed).
+    /// Act when the spread exceeds this (0.1 by default).
     pub threshold: f64,
     /// Plan down to this (below the threshold, so balancing does not flap).
     pub target: f64,
@@ -89,7 +89,7 @@ pub fn spread(nodes: &[NodeMemory]) -> f64 {
     max - min
 }
 
-/// An observation's status and reason, in the seed's words.
+/// An observation's status and reason, in the words operators grep for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Status {
     /// `Satisfied/SpreadWithinThreshold`.
@@ -479,7 +479,7 @@ mod tests {
 
     #[test]
     fn the_seeds_cluster_is_observed_and_planned() {
-        // 34% used vs 13% used (the seed's master and its peer): spread 0.21.
+        // 34% used vs 13% used: spread 0.21.
         let snap = Snapshot {
             nodes: vec![node("master", 100, 66), node("peer", 100, 87)],
             sandboxes: (0..12).map(|i| sandbox(&format!("s{i}"), "master", 2)).collect(),

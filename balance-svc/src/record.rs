@@ -7,7 +7,8 @@
 //! document is written only by the lease holder, by compare-and-swap on that one document: a
 //! conflict there means the lease was lost, and the loser stops.
 //!
-//! The order of steps keeps the brief's invariant (a sandbox runs in exactly one place):
+//! The order of steps keeps the invariant that a sandbox runs in exactly one place (a paused
+//! copy may wait on the source until the target has resumed; never two running, never none):
 //!
 //! ```text
 //! Planned -> Owned -> SourcePaused -> Restored -> TargetResumed -> Switched -> Done

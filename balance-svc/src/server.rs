@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ledger_svc::LedgerClient;
+use ledger_client::LedgerClient;
 use proto::balance::v1::balance_server::BalanceServer;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::watch;
@@ -25,7 +25,7 @@ pub struct BalanceConfig {
     /// placement-svc, told about drains and moved sandboxes (optional).
     pub placement_endpoint: Option<String>,
     pub tuning: BalanceTuning,
-    /// Moves at once (1, as the seed).
+    /// Moves at once.
     pub concurrency: usize,
     pub lease_ttl: Duration,
     /// This replica's name in the lease (default: a fresh UUID).
@@ -82,7 +82,7 @@ pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
-    Ledger(#[from] ledger_svc::LedgerError),
+    Ledger(#[from] ledger_client::LedgerError),
     #[error("bad placement endpoint: {0}")]
     Placement(String),
 }

@@ -16,7 +16,7 @@ pub fn reported_lately(node: &NodeDoc, now_ms: u64, stale_after_ms: u64) -> bool
 /// Builds the planner's input. A node is ready when its document says so, the operator has
 /// not asked to drain it, and it reported within `stale_after_ms`; a sandbox's memory is what
 /// its node measured in the latest heartbeat when that is known (> 0), else its manifest's
-/// estimate, which every manifest carries (the brief's lesson 2, cause 1).
+/// estimate, which every manifest carries (without one the planner could not tell what a move frees).
 pub fn snapshot(
     nodes: &[NodeDoc],
     manifests: &[SandboxDoc],

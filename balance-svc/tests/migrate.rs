@@ -3,7 +3,7 @@
 //!
 //! The crash tests kill the executor (its loop ends at an injected halt and never releases
 //! its lease, as a dead process would) after each step of a move in turn, before and after
-//! the plan document records the step, then start a fresh balance-svc and check the brief's
+//! the plan document records the step, then start a fresh balance-svc and check the
 //! invariant: the sandbox runs in exactly one place, with its files, and the plan finishes.
 
 use std::time::Duration;
@@ -12,7 +12,7 @@ use balance_svc::migrate::Halt;
 use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
 use balance_svc::server::{BalanceConfig, RunningBalance};
 use common::docs::{EstimateSource, NodeDoc, SandboxDoc, SandboxPhase, NODE_KIND, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, Txn};
+use ledger_client::{LedgerClient, Txn};
 use node_svc::server::RunningNode;
 use proto::balance::v1 as bpb;
 use proto::balance::v1::balance_client::BalanceClient;
@@ -204,7 +204,7 @@ impl Cluster {
         .await
     }
 
-    /// The brief's invariant: running on exactly one node (the one the manifest names, with
+    /// The invariant: running on exactly one node (the one the manifest names, with
     /// its start command's process alive), unowned, with its files.
     async fn assert_runs_once(&self, id: &str, on: usize) {
         let manifest = self

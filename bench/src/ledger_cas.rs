@@ -1,19 +1,20 @@
 //! `bench ledger-cas`: compare-and-swap throughput of a real ledger-svc over gRPC, and the
-//! seed's plan-commit scenario.
+//! plan-commit scenario under node-document churn.
 //!
 //! - distinct: 32 writers, each updating its own document at the version it last wrote;
 //! - hot: 32 writers on one document, each reading it and writing back at that version (most
 //!   attempts conflict; successful swaps per second is the figure);
 //! - churn: a reporter rewrites two node documents every 10 ms while a planner reads a
-//!   snapshot, plans for 20 ms and commits a plan: once guarding only the plan document (our
-//!   fix), once also guarding the node documents it read (the seed's shape).
+//!   snapshot, plans for 20 ms and commits a plan: once guarding only the plan document (the
+//!   rule), once also guarding the node documents it read (the shape that never lands).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use ledger_svc::{LedgerClient, LedgerConfig, LedgerError, Txn};
+use ledger_client::{LedgerClient, LedgerError, Txn};
+use ledger_svc::LedgerConfig;
 use serde_json::json;
 use sqlx::Connection;
 
@@ -217,7 +218,7 @@ async fn hot_writers(clients: &[LedgerClient], writers: usize, duration: Duratio
     ))
 }
 
-/// The seed's scenario; returns the fraction of plan commits that succeeded.
+/// Plan commits while node documents churn; returns the fraction of plan commits that succeeded.
 async fn plan_commits_under_churn(c: &LedgerClient, plans: u32, seed_shape: bool) -> anyhow::Result<f64> {
     let tag = if seed_shape { "seed" } else { "fixed" };
     let nodes = [format!("{tag}-n1"), format!("{tag}-n2")];

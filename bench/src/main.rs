@@ -1,4 +1,4 @@
-//! `bench`: the benchmarks the issues name, one subcommand each.
+//! `bench`: the project's benchmarks, one subcommand each.
 //!
 //! Every scenario prints a readable table; with `--json` the output ends with one line holding
 //! one JSON object with the figures. Ratios measured within one run are what to compare: this

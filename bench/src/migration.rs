@@ -8,7 +8,7 @@ use anyhow::Context;
 use balance_svc::migrate::Mover;
 use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
 use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, Txn};
+use ledger_client::{LedgerClient, Txn};
 use node_svc::server::{NodeConfig, RunningNode};
 use proto::node::v1 as pb;
 use proto::node::v1::node_client::NodeClient;

@@ -47,7 +47,7 @@ pub struct NodeDoc {
 pub const SANDBOX_KIND: &str = "sandbox";
 
 /// Where a sandbox's memory estimate came from. Every manifest has one, so the balancer never
-/// meets an `UnknownMemoryEstimate` (the brief's lesson 2, cause 1).
+/// meets an `UnknownMemoryEstimate` (a manifest without one could never be moved).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EstimateSource {

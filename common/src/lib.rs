@@ -2,8 +2,8 @@
 //!
 //! Kept deliberately small: a constant that two services must agree on lives here, defined
 //! once, so the gateway, the placer, the node and the balancer can never disagree about it
-//! (disagreeing about the default memory estimate is exactly how the system in the brief's
-//! lesson 2 ended up unable to move anything).
+//! (if placement and the node assumed a default memory estimate that the balancer never saw,
+//! the balancer would skip every sandbox and move nothing).
 
 pub mod clock;
 pub mod config;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use common::docs::{SandboxDoc, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, LedgerError, Versioned, WatchEvent};
+use ledger_client::{LedgerClient, LedgerError, Versioned, WatchEvent};
 use tokio_stream::StreamExt;
 
 /// One version of the manifest and what changed to make it.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use common::docs::{SandboxDoc, SANDBOX_KIND};
-use ledger_svc::LedgerClient;
+use ledger_client::LedgerClient;
 use proto::balance::v1 as bpb;
 use proto::balance::v1::balance_client::BalanceClient;
 use proto::placement::v1 as ppb;

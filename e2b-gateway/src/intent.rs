@@ -1,8 +1,8 @@
 //! The pure core of the gateway: turning an E2B create request into a complete intent before
 //! anything is placed. The template decides resources when it states them, else the request,
 //! else the shared defaults; the source of the memory estimate is recorded, so the manifest
-//! describes itself (the brief's lesson 2: a manifest without a memory estimate is a sandbox
-//! the balancer can never move).
+//! describes itself (a manifest without a memory estimate is a sandbox the balancer can never
+//! move: it would skip it as `UnknownMemoryEstimate`).
 
 use std::collections::BTreeMap;
 

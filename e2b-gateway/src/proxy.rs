@@ -24,7 +24,7 @@ use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use envd_wire::access::{self, Presented};
 use envd_wire::{headers, ENVD_PORT};
 use futures::{StreamExt, TryStreamExt};
-use ledger_svc::{LedgerClient, WatchEvent};
+use ledger_client::{LedgerClient, WatchEvent};
 use serde_json::json;
 use tokio::sync::RwLock;
 

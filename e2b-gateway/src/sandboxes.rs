@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use common::trace::TracedChannel;
-use ledger_svc::{LedgerClient, LedgerError, Txn, Versioned};
+use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
@@ -246,7 +246,7 @@ impl Sandboxes {
         doc.phase = SandboxPhase::Running;
         let saved = self
             .save(&Versioned {
-                key: ledger_svc::DocKey::new(SANDBOX_KIND, &sandbox_id),
+                key: ledger_client::DocKey::new(SANDBOX_KIND, &sandbox_id),
                 version,
                 create_revision: 0,
                 mod_revision: 0,

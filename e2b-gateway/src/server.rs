@@ -119,7 +119,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         None => config.domain.as_str().into(),
     };
     let ledger =
-        ledger_svc::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
+        ledger_client::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
     let sandboxes = Sandboxes::new(ledger.clone(), &config.placement, config.hibernate_dir.clone())
         .map_err(|e| StartError::Config(e.to_string()))?;
     let gateway = Gateway {

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
-use ledger_svc::{LedgerClient, Txn};
+use ledger_client::{LedgerClient, Txn};
 use support::{assert_e2b_error, stack};
 
 async fn create(s: &support::Stack, body: &str) -> String {

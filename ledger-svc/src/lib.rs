@@ -6,7 +6,7 @@
 //! `Watch` replays the change log from any revision, so a reader that reconnects with its last
 //! revision misses nothing.
 //!
-//! The rule that makes this ledger useful for a balancer (the brief's lesson 2): **compare only
+//! The rule that makes this ledger useful for a balancer: **compare only
 //! what you write**. A plan commit that also guards node documents which node agents rewrite
 //! every few seconds can never succeed; conflicts therefore name every mismatching document
 //! and its current version, so a caller sees at once which guard was the wrong one.
@@ -14,16 +14,15 @@
 //! Layout: [`model`] is the pure core (validation, batch planning); [`store`] the sqlx
 //! adapter (SQLite or PostgreSQL); `committer` batches writes into group commits; `head`
 //! tracks the head revision and database health; [`api`] is the gRPC service; [`server`]
-//! wires them; [`client`] is the library other services use.
+//! wires them. Services talk to it through the `ledger-client` crate, which links none of
+//! this.
 
 pub mod api;
-pub mod client;
 mod committer;
 mod head;
 pub mod model;
 pub mod server;
 pub mod store;
 
-pub use client::{LedgerClient, LedgerError, Txn, Versioned, WatchEvent, WatchUpdate};
 pub use model::{Conflict, DocKey, Document};
 pub use server::{start, LedgerConfig, RunningLedger, StartError};

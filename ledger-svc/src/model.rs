@@ -9,8 +9,9 @@
 //! without SQL.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt;
 use std::sync::Arc;
+
+pub use ledger_client::{Conflict, DocKey, Document};
 
 /// Largest payload a document may carry.
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
@@ -18,40 +19,6 @@ pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 pub const MAX_KEY_BYTES: usize = 512;
 /// Most entries one compare may name.
 pub const MAX_ENTRIES: usize = 128;
-
-/// A document's address.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DocKey {
-    pub kind: String,
-    pub id: String,
-}
-
-impl DocKey {
-    pub fn new(kind: impl Into<String>, id: impl Into<String>) -> Self {
-        Self {
-            kind: kind.into(),
-            id: id.into(),
-        }
-    }
-}
-
-impl fmt::Display for DocKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.kind, self.id)
-    }
-}
-
-/// A document as it is stored and served.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Document {
-    pub key: DocKey,
-    /// 1 when created, +1 on every write.
-    pub version: u64,
-    pub create_revision: u64,
-    pub mod_revision: u64,
-    /// JSON text.
-    pub payload: String,
-}
 
 /// What one compare entry does to its document once every expected version matched.
 #[derive(Clone, Debug)]
@@ -166,15 +133,6 @@ pub fn prefix_upper_bound(prefix: &str) -> Option<String> {
 pub struct Current {
     pub version: u64,
     pub create_revision: u64,
-}
-
-/// A document whose version did not match what a compare expected.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Conflict {
-    pub key: DocKey,
-    pub expected_version: u64,
-    /// 0 when the document does not exist.
-    pub current_version: u64,
 }
 
 /// The answer to one compare.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use ledger_svc::{LedgerClient, LedgerError, Txn, WatchEvent};
+use ledger_client::{LedgerClient, LedgerError, Txn, WatchEvent};
 use serde_json::{json, Value};
 use support::{client, Backend, TestDb};
 
@@ -40,7 +40,7 @@ for_both_backends!(
     compacted_revisions_are_out_of_range,
 );
 
-fn expect_conflict(result: Result<ledger_svc::client::Committed, LedgerError>) -> Vec<ledger_svc::Conflict> {
+fn expect_conflict(result: Result<ledger_client::Committed, LedgerError>) -> Vec<ledger_client::Conflict> {
     match result {
         Err(LedgerError::Conflict { conflicts, .. }) => conflicts,
         other => panic!("expected a conflict, got {other:?}"),
@@ -170,7 +170,7 @@ async fn conflict_names_every_mismatch(backend: Backend) {
         .await
         .unwrap();
 
-    // The seed's shape: the plan plus the node documents it read, at the versions it read.
+    // The failing shape: the plan plus the node documents it read, at the versions it read.
     let txn = Txn::new()
         .update("plan", "p", 1, &json!({"moves": 1}))
         .unwrap()
@@ -346,7 +346,7 @@ async fn seed_regression_plan_commit_under_node_churn(backend: Backend) {
     let writes = reporter.await.unwrap();
     assert!(writes > 0);
     assert_eq!(plan_only_ok, PLANS, "every plan-only commit lands");
-    assert_eq!(seed_shape_ok, 0, "the seed's shape cannot land under churn");
+    assert_eq!(seed_shape_ok, 0, "guarding read node documents cannot land under churn");
 
     ledger.stop().await;
     db.cleanup().await;

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use ledger_svc::{LedgerError, Txn};
+use ledger_client::{LedgerError, Txn};
 use serde_json::json;
 use support::{client, Backend, CuttableProxy, TestDb};
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -1,6 +1,6 @@
 //! Heartbeats to placement-svc: every interval, one consistent picture of the host, with
 //! every sandbox listed by ID (what lets placement release a reservation exactly when the node
-//! reports the sandbox, the brief's lesson 1).
+//! reports the sandbox, so creates and heartbeats can interleave in any order).
 
 use common::clock::now_ms;
 use std::collections::HashMap;

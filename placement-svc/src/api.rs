@@ -59,7 +59,7 @@ fn resources_to_pb(vcpus: i64, memory_bytes: i64) -> pb::Resources {
 
 fn request_from_pb(req: pb::PlaceRequest) -> Result<core::Request, ApiError> {
     if req.sandbox_id.is_empty() {
-        // The brief's review lesson: an empty synthetic ID made every reservation collide.
+        // An empty ID would make every such reservation collide and flatter the accounting.
         return Err(invalid("sandbox_id must not be empty: reservations are keyed by it"));
     }
     let resources = resources_from_pb(req.resources);

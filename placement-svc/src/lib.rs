@@ -2,7 +2,7 @@
 //!
 //! The decision is Best-of-K over the placer's view of each node; the view is the point. E2B's
 //! placer saw only periodic heartbeats, so under a burst every request saw the same stale
-//! numbers and piled onto the node that looked emptiest (the brief's lesson 1). Here every
+//! numbers and piled onto the node that looked emptiest at the last heartbeat. Here every
 //! placement is a reservation keyed by sandbox ID, released only when a heartbeat *lists that
 //! ID*, so the view is exact at the ID level however heartbeats and creates interleave.
 //!

@@ -4,14 +4,15 @@
 //! fresh, but at most once per interval per node (heartbeats come every 2 s; a ledger write
 //! per heartbeat per node would be the ledger's largest load for no reader's benefit). Each
 //! write compares-and-swaps that one document and nothing else: several placement replicas
-//! may write it, and no other writer's document is ever in its guard (the brief's lesson 2).
+//! may write it, and no other writer's document is ever in its guard (a guard on documents
+//! that others rewrite on their own schedule would fail every time).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::docs::{Capacity, NodeDoc, NodeSandbox, NODE_KIND};
-use ledger_svc::{LedgerClient, LedgerError, Txn};
+use ledger_client::{LedgerClient, LedgerError, Txn};
 
 use crate::core::Heartbeat;
 
@@ -114,7 +115,7 @@ impl NodeDocs {
                 &doc.node_id,
                 version,
                 serde_json::to_string(doc).map_err(|e| LedgerError::Encode {
-                    key: ledger_svc::DocKey::new(NODE_KIND, &doc.node_id),
+                    key: ledger_client::DocKey::new(NODE_KIND, &doc.node_id),
                     reason: e.to_string(),
                 })?,
             );

@@ -93,7 +93,7 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
-    Ledger(#[from] ledger_svc::LedgerError),
+    Ledger(#[from] ledger_client::LedgerError),
 }
 
 /// A placement-svc that is serving.
@@ -129,7 +129,7 @@ pub async fn start(config: PlacementConfig) -> Result<RunningPlacement, StartErr
     config.validate().map_err(StartError::Config)?;
     let docs = match &config.ledger_endpoint {
         Some(endpoint) => Some(NodeDocs::new(
-            ledger_svc::LedgerClient::connect_lazy(endpoint)?,
+            ledger_client::LedgerClient::connect_lazy(endpoint)?,
             config.node_doc_interval,
         )),
         None => None,

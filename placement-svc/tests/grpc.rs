@@ -65,7 +65,7 @@ async fn place_confirm_and_publish_node_documents() {
     ))
     .await
     .unwrap();
-    let ledger_client = ledger_svc::LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
+    let ledger_client = ledger_client::LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
     let mut node_docs = ledger_client.watch(common::docs::NODE_KIND, "", 0);
 
     let mut config = PlacementConfig::new("127.0.0.1:0".parse().unwrap());
@@ -106,7 +106,7 @@ async fn place_confirm_and_publish_node_documents() {
         loop {
             let update = node_docs.next().await.unwrap().unwrap();
             for event in update.events {
-                if let ledger_svc::WatchEvent::Put(doc) = event {
+                if let ledger_client::WatchEvent::Put(doc) = event {
                     let parsed: common::docs::NodeDoc = serde_json::from_str(&doc.payload).unwrap();
                     if parsed.seq == 2 {
                         return parsed;

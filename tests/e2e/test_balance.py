@@ -1,4 +1,4 @@
-"""The seed's open verification gap, closed: three nodes, sandboxes created through the SDK,
+"""The balancer verified end to end: three nodes, sandboxes created through the SDK,
 one node's memory really skewed by processes inside its sandboxes, and balance-svc moving
 sandboxes until the spread is back under the threshold (Satisfied) within 60 s. Each moved
 sandbox still answers `commands.run` through the gateway and still has its files."""

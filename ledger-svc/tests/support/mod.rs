@@ -11,7 +11,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ledger_svc::{LedgerClient, LedgerConfig, RunningLedger};
+use ledger_client::LedgerClient;
+use ledger_svc::{LedgerConfig, RunningLedger};
 use sqlx::Connection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;

@@ -458,7 +458,7 @@ mod tests {
         v.reserve(o, "a", ONE);
         v.created(o, "a");
         assert_eq!(v.believed().vcpus, 1);
-        // The undercount the brief describes.
+        // The undercount: a heartbeat measured before the create erases the optimistic add.
         v.apply_heartbeat(o, &hb(2, &[]), 10, 3);
         assert_eq!(v.believed().vcpus, 0);
     }

@@ -2,8 +2,8 @@
 //! survives disconnects.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), ledger_svc::LedgerError> {
-//! use ledger_svc::{LedgerClient, Txn};
+//! # async fn demo() -> Result<(), ledger_client::LedgerError> {
+//! use ledger_client::{LedgerClient, Txn};
 //! let ledger = LedgerClient::connect_lazy("http://127.0.0.1:7001")?;
 //! // Create a document only if it does not exist yet.
 //! ledger.compare(Txn::new().create("plan", "p-1", &serde_json::json!({"moves": []}))?).await?;
@@ -25,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
-use crate::model::{Conflict, DocKey, Document};
+use crate::document::{Conflict, DocKey, Document};
 
 /// What a ledger call can fail with.
 #[derive(Debug, thiserror::Error)]
