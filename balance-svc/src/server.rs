@@ -8,6 +8,7 @@ use std::time::Duration;
 use ledger_client::LedgerClient;
 use proto::balance::v1::balance_server::BalanceServer;
 use proto::placement::v1::placement_client::PlacementClient;
+use common::serve::{BindError, Grpc, Listener, Serving};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Endpoint;
@@ -79,8 +80,8 @@ impl BalanceConfig {
 pub enum StartError {
     #[error("invalid configuration: {0}")]
     Config(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Ledger(#[from] ledger_client::LedgerError),
     #[error("bad placement endpoint: {0}")]
@@ -90,8 +91,7 @@ pub enum StartError {
 /// A balance-svc that is serving and balancing.
 pub struct RunningBalance {
     addr: SocketAddr,
-    stop: watch::Sender<bool>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    serving: Serving,
     /// `None` once awaited by [`RunningBalance::loop_done`].
     looping: Option<JoinHandle<()>>,
 }
@@ -117,13 +117,13 @@ impl RunningBalance {
         }
     }
 
+    /// Stops serving and ends the balance loop after its current cycle (which releases the
+    /// lease, so another executor can take over at once).
     pub async fn stop(mut self) {
-        let _ = self.stop.send(true);
-        self.loop_done().await;
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) => tracing::warn!(%err, "balance server ended with an error"),
-            Err(err) => tracing::warn!(%err, "balance server task failed"),
+        let looping = self.looping.take();
+        self.serving.stop().await;
+        if let Some(looping) = looping {
+            let _ = looping.await;
         }
     }
 }
@@ -150,31 +150,15 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));
     let api = BalanceApi::new(ledger, placement, balancer.known());
 
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<BalanceServer<BalanceApi>>().await;
-    let (stop, stopped) = watch::channel(false);
-    let mut server_stop = stopped.clone();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .trace_fn(common::trace::grpc_span)
-            .add_service(health_service)
-            .add_service(BalanceServer::new(api))
-            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
-                let _ = server_stop.wait_for(|s| *s).await;
-            }),
-    );
-    let looping = tokio::spawn(balance_loop(balancer, config.tuning.interval, stopped));
+    let listener = Listener::bind(config.listen).await?;
+    let addr = listener.addr();
+    let mut serving = Serving::new();
+    serving.grpc("balance-svc", listener, Grpc::new().service(BalanceServer::new(api)).await);
+    let looping = tokio::spawn(balance_loop(balancer, config.tuning.interval, serving.stopping()));
     tracing::info!(%addr, "balance-svc serving");
     Ok(RunningBalance {
         addr,
-        stop,
-        server,
+        serving,
         looping: Some(looping),
     })
 }

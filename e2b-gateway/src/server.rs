@@ -10,8 +10,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use common::serve::{BindError, Listener, OnStop, Serving};
 use tower::ServiceExt;
 
 use crate::api::{self, Gateway};
@@ -41,15 +40,13 @@ pub struct GatewayConfig {
 pub enum StartError {
     #[error("invalid configuration: {0}")]
     Config(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 pub struct RunningGateway {
     addr: SocketAddr,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<std::io::Result<()>>,
-    background: Vec<JoinHandle<()>>,
+    serving: Serving,
 }
 
 impl RunningGateway {
@@ -62,11 +59,7 @@ impl RunningGateway {
     }
 
     pub async fn stop(self) {
-        for task in &self.background {
-            task.abort();
-        }
-        let _ = self.stop.send(());
-        let _ = self.server.await;
+        self.serving.stop().await;
     }
 }
 
@@ -108,12 +101,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     if config.keys.is_empty() {
         return Err(StartError::Config("at least one API key is needed".into()));
     }
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+    let listener = Listener::bind(config.listen).await?;
+    let addr = listener.addr();
     let domain: Arc<str> = match config.domain.strip_suffix(":0") {
         Some(host) => format!("{host}:{}", addr.port()).into(),
         None => config.domain.as_str().into(),
@@ -162,10 +151,11 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         },
         domain,
     });
-    let mut background = vec![routes.follow(ledger)];
+    let mut serving = Serving::new();
+    serving.background(routes.follow(ledger));
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;
-    background.push(tokio::spawn(async move {
+    serving.background(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -177,21 +167,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             }
         }
     }));
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    serving.http("e2b-gateway", listener, app, OnStop::Drain);
     tracing::info!(%addr, "e2b-gateway serving");
-    Ok(RunningGateway {
-        addr,
-        stop,
-        server,
-        background,
-    })
+    Ok(RunningGateway { addr, serving })
 }
 
 /// Each REST call is a span named by its route, continuing the caller's `traceparent` (or

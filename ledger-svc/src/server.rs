@@ -4,8 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use common::serve::{BindError, Grpc, Listener, Serving};
 
 use crate::api::LedgerApi;
 use crate::committer::Committer;
@@ -43,8 +42,8 @@ impl LedgerConfig {
 /// Why a ledger could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -52,9 +51,7 @@ pub enum StartError {
 /// A ledger that is serving.
 pub struct RunningLedger {
     addr: SocketAddr,
-    stop: watch::Sender<bool>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
-    background: Vec<JoinHandle<()>>,
+    serving: Serving,
     store: Store,
     tracker: HeadTracker,
 }
@@ -78,15 +75,7 @@ impl RunningLedger {
 
     /// Stops serving: ends watch streams, lets in-flight calls finish, closes the database.
     pub async fn stop(self) {
-        let _ = self.stop.send(true);
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) => tracing::warn!(%err, "ledger server ended with an error"),
-            Err(err) => tracing::warn!(%err, "ledger server task failed"),
-        }
-        for task in self.background {
-            task.abort();
-        }
+        self.serving.stop().await;
         self.store.close().await;
     }
 }
@@ -107,25 +96,22 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
             Err(err) => return Err(err.into()),
         }
     };
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+    let listener = Listener::bind(config.listen).await?;
+    let addr = listener.addr();
+    let mut serving = Serving::new();
 
     let tracker = HeadTracker::new(head);
     let (committer, committer_task) = Committer::spawn(store.clone(), tracker.sender());
-    let mut background = vec![
-        committer_task,
-        tracker.spawn_poller(store.clone(), config.poll_interval),
-        tracker.spawn_compactor(store.clone(), config.retain_revisions, config.compact_interval),
-    ];
+    serving.background(committer_task);
+    serving.background(tracker.spawn_poller(store.clone(), config.poll_interval));
+    serving.background(tracker.spawn_compactor(store.clone(), config.retain_revisions, config.compact_interval));
 
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<LedgerServer<LedgerApi>>().await;
+    // Watch streams end when the ledger is told to stop, so stopping does not wait on them.
+    let api = LedgerApi::new(store.clone(), committer, tracker.clone(), serving.stopping());
+    let grpc = Grpc::new().service(LedgerServer::new(api)).await;
+    let health_reporter = grpc.health();
     let mut health = tracker.health();
-    background.push(tokio::spawn(async move {
+    serving.background(tokio::spawn(async move {
         while health.changed().await.is_ok() {
             let up = *health.borrow_and_update();
             if up {
@@ -135,25 +121,11 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
             }
         }
     }));
-
-    let (stop, stopped) = watch::channel(false);
-    let api = LedgerApi::new(store.clone(), committer, tracker.clone(), stopped.clone());
-    let mut until_stopped = stopped;
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .trace_fn(common::trace::grpc_span)
-            .add_service(health_service)
-            .add_service(LedgerServer::new(api))
-            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
-                let _ = until_stopped.wait_for(|stop| *stop).await;
-            }),
-    );
+    serving.grpc("ledger-svc", listener, grpc);
     tracing::info!(%addr, backend = ?store.backend(), revision = head.revision, "ledger-svc serving");
     Ok(RunningLedger {
         addr,
-        stop,
-        server,
-        background,
+        serving,
         store,
         tracker,
     })

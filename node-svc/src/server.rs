@@ -4,9 +4,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::serve::{BindError, Grpc, Listener, OnStop, Serving};
 use proto::node::v1::node_server::NodeServer;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use crate::api::NodeApi;
 use crate::heartbeat::{self, HeartbeatConfig};
@@ -85,8 +84,8 @@ pub fn host_capacity() -> Resources {
 pub enum StartError {
     #[error("invalid configuration: {0}")]
     Config(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Host(#[from] NodeError),
 }
@@ -95,11 +94,8 @@ pub enum StartError {
 pub struct RunningNode {
     addr: SocketAddr,
     envd_addr: SocketAddr,
-    envd: JoinHandle<std::io::Result<()>>,
     host: Arc<Host>,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
-    heartbeats: Option<JoinHandle<()>>,
+    serving: Serving,
 }
 
 impl RunningNode {
@@ -134,16 +130,7 @@ impl RunningNode {
     }
 
     pub async fn stop(self) {
-        if let Some(h) = self.heartbeats {
-            h.abort();
-        }
-        let _ = self.stop.send(());
-        self.envd.abort();
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) => tracing::warn!(%err, "node server ended with an error"),
-            Err(err) => tracing::warn!(%err, "node server task failed"),
-        }
+        self.serving.stop().await;
     }
 }
 
@@ -159,23 +146,17 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         RuntimeKind::Sim { used_share } => Arc::new(SimRuntime { used_share }),
     };
     let host = Arc::new(Host::open(config.host.clone(), runtime).await?);
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    let (envd_listener, envd_addr) =
-        common::net::bind(config.envd_listen)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: config.envd_listen,
-                source,
-            })?;
+    let listener = Listener::bind(config.listen).await?;
+    let addr = listener.addr();
+    let envd_listener = Listener::bind(config.envd_listen).await?;
+    let envd_addr = envd_listener.addr();
+    let mut serving = Serving::new();
+    // envd requests are commands and watches that may stream for as long as the client
+    // likes: stopping the node drops them rather than waiting.
     let envd_router = crate::envd::Envd::new(host.clone()).router();
-    let envd = tokio::spawn(async move { axum::serve(envd_listener, envd_router).await });
-    let heartbeats = match &config.placement {
-        Some(placement) => Some(
+    serving.http("envd", envd_listener, envd_router, OnStop::Abort);
+    if let Some(placement) = &config.placement {
+        serving.background(
             heartbeat::spawn(
                 host.clone(),
                 HeartbeatConfig {
@@ -186,39 +167,27 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                 },
             )
             .map_err(|e| StartError::Config(format!("placement endpoint {placement:?}: {e}")))?,
-        ),
-        None => None,
-    };
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<NodeServer<NodeApi>>().await;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .trace_fn(common::trace::grpc_span)
-            // Restores stream archives of hundreds of MB: HTTP/2's default 64 KiB windows
-            // would stall the sender on every window update (about 55 MB/s here).
-            .initial_stream_window_size(Some(STREAM_WINDOW))
-            .initial_connection_window_size(Some(STREAM_WINDOW * 2))
-            .add_service(health_service)
-            .add_service(NodeServer::new(NodeApi::new(
-                host.clone(),
-                config
-                    .advertise_envd
-                    .clone()
-                    .unwrap_or_else(|| format!("http://{envd_addr}")),
-            )))
-            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
-                let _ = stopped.await;
-            }),
+        );
+    }
+    let api = NodeApi::new(
+        host.clone(),
+        config
+            .advertise_envd
+            .clone()
+            .unwrap_or_else(|| format!("http://{envd_addr}")),
     );
+    // Restores stream archives of hundreds of MB: HTTP/2's default 64 KiB windows would
+    // stall the sender on every window update (about 55 MB/s here).
+    let grpc = Grpc::new()
+        .stream_window(STREAM_WINDOW)
+        .service(NodeServer::new(api))
+        .await;
+    serving.grpc("node-svc", listener, grpc);
     tracing::info!(%addr, %envd_addr, node_id = %config.host.node_id, runtime = host.runtime_kind(), "node-svc serving");
     Ok(RunningNode {
         addr,
         envd_addr,
-        envd,
         host,
-        stop,
-        server,
-        heartbeats,
+        serving,
     })
 }

@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::placement::v1::placement_server::PlacementServer;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use common::serve::{BindError, Grpc, Listener, Serving};
 
 use crate::api::PlacementApi;
 use crate::core::{Accounting, RankConfig};
@@ -88,8 +87,8 @@ const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 pub enum StartError {
     #[error("invalid configuration: {0}")]
     Config(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -99,9 +98,7 @@ pub enum StartError {
 /// A placement-svc that is serving.
 pub struct RunningPlacement {
     addr: SocketAddr,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
-    gauges: JoinHandle<()>,
+    serving: Serving,
 }
 
 impl RunningPlacement {
@@ -114,13 +111,7 @@ impl RunningPlacement {
     }
 
     pub async fn stop(self) {
-        self.gauges.abort();
-        let _ = self.stop.send(());
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) => tracing::warn!(%err, "placement server ended with an error"),
-            Err(err) => tracing::warn!(%err, "placement server task failed"),
-        }
+        self.serving.stop().await;
     }
 }
 
@@ -161,44 +152,23 @@ async fn serve<S: PlacementStore>(
     store: S,
     docs: Option<NodeDocs>,
 ) -> Result<RunningPlacement, StartError> {
-    let (listener, addr) = common::net::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+    let listener = Listener::bind(config.listen).await?;
+    let addr = listener.addr();
+    let mut serving = Serving::new();
     let store = Arc::new(store);
     // Gauges stay as fresh as a scrape needs, whether or not anyone calls Nodes.
-    let gauges = {
-        let store = store.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(GAUGE_REFRESH);
-            loop {
-                tick.tick().await;
-                if let Ok(nodes) = store.gauges().await {
-                    crate::api::publish_gauges(&nodes, common::clock::now_ms());
-                }
+    let gauges = store.clone();
+    serving.background(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(GAUGE_REFRESH);
+        loop {
+            tick.tick().await;
+            if let Ok(nodes) = gauges.gauges().await {
+                crate::api::publish_gauges(&nodes, common::clock::now_ms());
             }
-        })
-    };
+        }
+    }));
     let api = PlacementApi::new(store, config.rank.unhealthy_after_ms, docs);
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<PlacementServer<PlacementApi<S>>>().await;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .trace_fn(common::trace::grpc_span)
-            .add_service(health_service)
-            .add_service(PlacementServer::new(api))
-            .serve_with_incoming_shutdown(common::net::grpc_incoming(listener), async move {
-                let _ = stopped.await;
-            }),
-    );
+    serving.grpc("placement-svc", listener, Grpc::new().service(PlacementServer::new(api)).await);
     tracing::info!(%addr, store = ?config.store, accounting = config.accounting.name(), "placement-svc serving");
-    Ok(RunningPlacement {
-        addr,
-        stop,
-        server,
-        gauges,
-    })
+    Ok(RunningPlacement { addr, serving })
 }
