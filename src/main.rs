@@ -95,59 +95,6 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen)
         .await
         .context("starting the metrics endpoint")?;
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(args.ledger_listen, &database_url))
-        .await
-        .context("starting ledger-svc")?;
-    let mut placement_config = placement_svc::server::PlacementConfig::new(args.placement_listen);
-    placement_config.ledger_endpoint = Some(ledger.endpoint());
-    if let Some(url) = &args.placement_redis_url {
-        placement_config.store = placement_svc::server::StoreConfig::Redis {
-            url: url.clone(),
-            prefix: "sandboxsched".to_string(),
-        };
-    }
-    let placement = placement_svc::server::start(placement_config)
-        .await
-        .context("starting placement-svc")?;
-
-    let host = node_svc::server::host_capacity();
-    let share = u64::from(args.nodes);
-    let mut nodes = Vec::new();
-    for i in 1..=args.nodes {
-        // Port 0 picks free ports (for tests that run beside anything else).
-        let port = |offset: u16| {
-            if args.node_base_port == 0 {
-                0
-            } else {
-                args.node_base_port + offset + i - 1
-            }
-        };
-        let listen = SocketAddr::new(args.placement_listen.ip(), port(0));
-        let id = format!("node-{i}");
-        let mut config = node_svc::server::NodeConfig::new(listen, &id, args.data_dir.join(&id));
-        config.envd_listen = SocketAddr::new(listen.ip(), port(100));
-        config.host.capacity = node_svc::sandbox::Resources {
-            vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
-            memory_bytes: args.node_memory_mb.map_or(host.memory_bytes / share, |mb| mb << 20),
-        };
-        config.placement = Some(placement.endpoint());
-        let templates = args.data_dir.join("templates");
-        config.host.templates_dir = templates.is_dir().then_some(templates);
-        nodes.push(
-            node_svc::server::start(config)
-                .await
-                .with_context(|| format!("starting node-svc {id}"))?,
-        );
-    }
-
-    let mut balance_config = balance_svc::server::BalanceConfig::new(args.balance_listen, ledger.endpoint());
-    balance_config.placement_endpoint = Some(placement.endpoint());
-    balance_config.tuning.interval = std::time::Duration::from_millis(args.balance_interval_ms.max(1));
-    balance_config.lease_ttl = balance_config.lease_ttl.max(balance_config.tuning.interval * 3);
-    let balance = balance_svc::server::start(balance_config)
-        .await
-        .context("starting balance-svc")?;
-
     let api_key = api_key(&args.data_dir)?;
     let mut keys: std::collections::HashMap<String, String> = [(api_key.clone(), "default".to_string())].into();
     for pair in &args.api_keys {
@@ -164,18 +111,78 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             .with_context(|| format!("reading {}", templates_file.display()))?;
         templates.extend(extra.into_iter().map(|t| (t.name.clone(), t)));
     }
-    let gateway = e2b_gateway::server::start(e2b_gateway::server::GatewayConfig {
-        listen: args.gateway_listen,
-        ledger: ledger.endpoint(),
-        placement: placement.endpoint(),
-        keys,
-        templates,
-        reap_interval: std::time::Duration::from_secs(1),
-        hibernate_dir: args.data_dir.join("hibernated"),
-        domain: sandbox_domain(args.gateway_listen),
-    })
-    .await
-    .context("starting e2b-gateway")?;
+
+    let (ledger_listen, ledger_url) = (args.ledger_listen, database_url.clone());
+    let (placement_listen, redis_url) = (args.placement_listen, args.placement_redis_url.clone());
+    let mut builder = stack::Stack::builder()
+        .dir(&args.data_dir)
+        .no_wait()
+        .heartbeat(std::time::Duration::from_secs(2))
+        .ledger(move |c| {
+            c.listen = ledger_listen;
+            c.database_url = ledger_url;
+        })
+        .placement(move |c| {
+            c.listen = placement_listen;
+            c.node_doc_interval = std::time::Duration::from_secs(5);
+            if let Some(url) = redis_url {
+                c.store = placement_svc::server::StoreConfig::Redis {
+                    url,
+                    prefix: "sandboxsched".to_string(),
+                };
+            }
+        });
+    let host = node_svc::server::host_capacity();
+    let share = u64::from(args.nodes);
+    let templates_dir = args.data_dir.join("templates");
+    for i in 1..=args.nodes {
+        // Port 0 picks free ports (for tests that run beside anything else).
+        let port = |offset: u16| {
+            if args.node_base_port == 0 {
+                0
+            } else {
+                args.node_base_port + offset + i - 1
+            }
+        };
+        let listen = SocketAddr::new(args.placement_listen.ip(), port(0));
+        let envd_listen = SocketAddr::new(listen.ip(), port(100));
+        let capacity = node_svc::sandbox::Resources {
+            vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
+            memory_bytes: args.node_memory_mb.map_or(host.memory_bytes / share, |mb| mb << 20),
+        };
+        let templates_dir = templates_dir.is_dir().then(|| templates_dir.clone());
+        builder = builder.named_node(format!("node-{i}"), move |c| {
+            c.listen = listen;
+            c.envd_listen = envd_listen;
+            c.host.capacity = capacity;
+            c.host.templates_dir = templates_dir;
+        });
+    }
+    let (balance_listen, balance_interval) = (
+        args.balance_listen,
+        std::time::Duration::from_millis(args.balance_interval_ms.max(1)),
+    );
+    let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
+    let stack = builder
+        .balance(move |c| {
+            c.listen = balance_listen;
+            c.tuning.interval = balance_interval;
+            c.lease_ttl = c.lease_ttl.max(balance_interval * 3);
+        })
+        .gateway(move |c| {
+            c.listen = gateway_listen;
+            c.keys = keys;
+            c.templates = templates;
+            c.hibernate_dir = hibernate_dir;
+            c.domain = sandbox_domain(gateway_listen);
+        })
+        .start()
+        .await?;
+    let (Some(placement), Some(balance), Some(gateway)) = (&stack.placement, &stack.balance, &stack.gateway) else {
+        anyhow::bail!("the stack started without placement, balance or the gateway");
+    };
+    let ledger = &stack.ledger;
+    let nodes: Vec<&node_svc::server::RunningNode> = stack.nodes.iter().map(|n| &n.running).collect();
 
     println!();
     println!("sandboxsched is up (data in {})", args.data_dir.display());
@@ -221,16 +228,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     println!("Press Ctrl-C to stop.");
 
     common::shutdown::signal().await;
-    // Balance first: a move in flight finishes its current step; a restart resumes the rest.
-    balance.stop().await;
-    gateway.stop().await;
-    // Sandboxes keep running; the next `up` re-adopts them.
-    for node in nodes {
-        node.stop().await;
-    }
-    placement.stop().await;
-    ledger.stop().await;
-    println!("sandboxsched stopped");
+    // A move in flight finishes its current step (a restart resumes the rest); sandboxes keep
+    // running and the next `up` re-adopts them.
+    drop(nodes);
+    stack.stop().await;
     Ok(())
 }
 
@@ -246,7 +247,8 @@ fn api_key(data_dir: &std::path::Path) -> anyhow::Result<String> {
     // Readable by its owner only: it is the local stack's one credential.
     std::fs::OpenOptions::new()
         .write(true)
-        .create_new(true)
+        .create(true)
+        .truncate(true)
         .mode(0o600)
         .open(&path)
         .and_then(|mut file| file.write_all(key.as_bytes()))

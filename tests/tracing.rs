@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, PLAN_KIND};
 use common::docs::{SandboxDoc, SANDBOX_KIND};
-use ledger_client::{LedgerClient, Txn};
+use ledger_client::Txn;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::trace::v1::Span;
@@ -111,39 +111,16 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
     let telemetry = common::telemetry::init("sandboxsched-test");
     assert!(telemetry.exporting(), "the OTLP exporter was not installed");
 
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
-    let dir = std::env::temp_dir().join(format!("tracing-test-{tag}"));
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        format!("sqlite://{}", dir.join("ledger.db").display()),
-    ))
-    .await
-    .unwrap();
-    let mut pconfig = placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse().unwrap());
-    pconfig.ledger_endpoint = Some(ledger.endpoint());
-    pconfig.node_doc_interval = Duration::ZERO;
-    let placement = placement_svc::server::start(pconfig).await.unwrap();
-    let mut nodes = Vec::new();
-    for i in 0..2 {
-        let id = format!("t{tag}-{i}");
-        let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, dir.join(&id));
-        config.placement = Some(placement.endpoint());
-        config.heartbeat_interval = Duration::from_millis(100);
-        nodes.push((id, node_svc::server::start(config).await.unwrap()));
-    }
-    let gateway = e2b_gateway::server::start(e2b_gateway::server::GatewayConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ledger: ledger.endpoint(),
-        placement: placement.endpoint(),
-        keys: [("key".to_string(), "team".to_string())].into(),
-        templates: e2b_gateway::intent::builtin_templates(),
-        reap_interval: Duration::from_secs(1),
-        hibernate_dir: dir.join("hibernated"),
-        domain: String::new(),
-    })
-    .await
-    .unwrap();
-    let client = LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
+    let stack = stack::Stack::builder()
+        .nodes(2)
+        .gateway(|_| {})
+        .start()
+        .await
+        .expect("the test stack starts");
+    let nodes: Vec<(String, &node_svc::server::RunningNode)> =
+        stack.nodes.iter().map(|n| (n.id.clone(), &n.running)).collect();
+    let gateway = stack.gateway.as_ref().expect("a gateway");
+    let client = stack.ledger_client.clone();
     until("both nodes heard of", || async {
         let (docs, _) = client
             .list::<common::docs::NodeDoc>(common::docs::NODE_KIND, "")
@@ -225,7 +202,7 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
         .compare(Txn::new().create(PLAN_KIND, &plan.plan_id, &plan).unwrap())
         .await
         .unwrap();
-    let mut bconfig = balance_svc::server::BalanceConfig::new("127.0.0.1:0".parse().unwrap(), ledger.endpoint());
+    let mut bconfig = balance_svc::server::BalanceConfig::new("127.0.0.1:0".parse().unwrap(), stack.ledger_endpoint());
     bconfig.tuning.interval = Duration::from_millis(100);
     bconfig.lease_ttl = Duration::from_secs(2);
     let balance = balance_svc::server::start(bconfig).await.unwrap();
@@ -244,14 +221,7 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
     assert!(names.iter().any(|n| n.contains("balance.pause")), "{names:?}");
 
     balance.stop().await;
-    gateway.stop().await;
-    for (id, node) in nodes {
-        node.kill_all().await.expect("every test sandbox is killed");
-        node.stop().await;
-        node_svc::runtime::cgroup::remove_parents(&id);
-    }
-    placement.stop().await;
-    ledger.stop().await;
+    drop(nodes);
+    stack.shut_down().await;
     telemetry.shutdown().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }

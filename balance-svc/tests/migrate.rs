@@ -20,52 +20,24 @@ use proto::node::v1 as npb;
 use proto::node::v1::node_client::NodeClient;
 
 struct Cluster {
-    ledger: ledger_svc::RunningLedger,
-    placement: placement_svc::server::RunningPlacement,
-    nodes: Vec<RunningNode>,
+    stack: stack::Stack,
     client: LedgerClient,
-    dir: std::path::PathBuf,
-    tag: String,
 }
 
 async fn cluster(node_memory_mb: &[u64]) -> Cluster {
     common::telemetry::init("balance-test");
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
-    let dir = std::env::temp_dir().join(format!("balance-test-{tag}"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        format!("sqlite://{}", dir.join("ledger.db").display()),
-    ))
-    .await
-    .unwrap();
-    let mut pconfig = placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse().unwrap());
-    pconfig.ledger_endpoint = Some(ledger.endpoint());
-    pconfig.node_doc_interval = Duration::ZERO;
-    let placement = placement_svc::server::start(pconfig).await.unwrap();
-    let mut nodes = Vec::new();
-    for (i, mb) in node_memory_mb.iter().enumerate() {
-        let id = format!("b{tag}-{i}");
-        let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, dir.join(&id));
-        config.placement = Some(placement.endpoint());
-        config.heartbeat_interval = Duration::from_millis(100);
-        config.host.capacity.memory_bytes = mb << 20;
-        nodes.push(node_svc::server::start(config).await.unwrap());
+    let mut builder = stack::Stack::builder();
+    for mb in node_memory_mb.to_vec() {
+        builder = builder.node(move |c| c.host.capacity.memory_bytes = mb << 20);
     }
-    let client = LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
-    let cluster = Cluster {
-        ledger,
-        placement,
-        nodes,
-        client,
-        dir,
-        tag,
-    };
+    let stack = builder.start().await.expect("the test stack starts");
+    let client = stack.ledger_client.clone();
+    let cluster = Cluster { stack, client };
     // Every node has a document (placement wrote it from a heartbeat).
     cluster
         .until("every node has a document", || async {
             let (docs, _) = cluster.client.list::<NodeDoc>(NODE_KIND, "").await.ok()?;
-            (docs.len() == cluster.nodes.len()).then_some(())
+            (docs.len() == cluster.stack.nodes.len()).then_some(())
         })
         .await;
     cluster
@@ -73,7 +45,11 @@ async fn cluster(node_memory_mb: &[u64]) -> Cluster {
 
 impl Cluster {
     fn node_id(&self, i: usize) -> String {
-        format!("b{}-{i}", self.tag)
+        self.stack.nodes[i].id.clone()
+    }
+
+    fn node(&self, i: usize) -> &RunningNode {
+        &self.stack.nodes[i].running
     }
 
     /// Polls `check` until it answers (the state it waits for is in other processes' hands),
@@ -95,7 +71,7 @@ impl Cluster {
 
     /// Creates a process sandbox of 64 MiB on node `i` (no manifest).
     async fn create_on(&self, i: usize, id: &str, start_command: &str) {
-        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
+        let mut grpc = NodeClient::connect(self.node(i).endpoint()).await.unwrap();
         grpc.create(npb::CreateRequest {
             operation_id: format!("create-{id}-{i}"),
             epoch: 1,
@@ -114,7 +90,7 @@ impl Cluster {
 
     /// A running process sandbox on node `i` with a file in its home, and its manifest.
     async fn sandbox(&self, i: usize, id: &str, start_command: &str) {
-        let node = &self.nodes[i];
+        let node = self.node(i);
         self.create_on(i, id, start_command).await;
         std::fs::write(node.host().home(id).join("notes.txt"), format!("files of {id}")).unwrap();
         let manifest = SandboxDoc {
@@ -151,8 +127,8 @@ impl Cluster {
             moves: vec![MoveRecord::planned(
                 format!("{plan_id}.0"),
                 sandbox,
-                (&self.node_id(from), &self.nodes[from].endpoint()),
-                (&self.node_id(to), &self.nodes[to].endpoint()),
+                (&self.node_id(from), &self.node(from).endpoint()),
+                (&self.node_id(to), &self.node(to).endpoint()),
                 64 << 20,
             )],
         };
@@ -163,8 +139,8 @@ impl Cluster {
     }
 
     fn balance_config(&self) -> BalanceConfig {
-        let mut config = BalanceConfig::new("127.0.0.1:0".parse().unwrap(), self.ledger.endpoint());
-        config.placement_endpoint = Some(self.placement.endpoint());
+        let mut config = BalanceConfig::new("127.0.0.1:0".parse().unwrap(), self.stack.ledger_endpoint());
+        config.placement_endpoint = Some(self.stack.placement_endpoint());
         config.tuning.interval = Duration::from_millis(100);
         config.lease_ttl = Duration::from_millis(600);
         config.tuning.stale_after = Duration::from_secs(5);
@@ -186,7 +162,7 @@ impl Cluster {
     }
 
     async fn pause(&self, i: usize, id: &str) {
-        let mut grpc = NodeClient::connect(self.nodes[i].endpoint()).await.unwrap();
+        let mut grpc = NodeClient::connect(self.node(i).endpoint()).await.unwrap();
         grpc.pause(npb::LifecycleRequest {
             operation_id: format!("pause-{id}-{i}"),
             epoch: 1,
@@ -215,10 +191,10 @@ impl Cluster {
             .unwrap()
             .value;
         assert_eq!(manifest.node_id, self.node_id(on), "{manifest:?}");
-        assert_eq!(manifest.node_address, self.nodes[on].endpoint());
-        assert_eq!(manifest.envd_address, self.nodes[on].envd_endpoint());
+        assert_eq!(manifest.node_address, self.node(on).endpoint());
+        assert_eq!(manifest.envd_address, self.node(on).envd_endpoint());
         assert_eq!(manifest.lifecycle_owner, None);
-        for (i, node) in self.nodes.iter().enumerate() {
+        for (i, node) in self.stack.nodes.iter().map(|n| &n.running).enumerate() {
             let record = node.host().get(id).await;
             if i == on {
                 let record = record.unwrap_or_else(|| panic!("{id} is not on node {i}"));
@@ -238,16 +214,10 @@ impl Cluster {
     }
 
     async fn stop(self) {
-        for node in self.nodes {
-            node.kill_all().await.expect("every test sandbox is killed");
-            node.stop().await;
+        for node in &self.stack.nodes {
+            node.running.kill_all().await.expect("every test sandbox is killed");
         }
-        self.placement.stop().await;
-        self.ledger.stop().await;
-        let _ = std::fs::remove_dir_all(&self.dir);
-        for i in 0..4 {
-            node_svc::runtime::cgroup::remove_parents(&format!("b{}-{i}", self.tag));
-        }
+        self.stack.shut_down().await;
     }
 }
 
@@ -364,7 +334,7 @@ async fn an_older_executor_is_fenced_out_by_the_epoch() {
     cluster.finished_plan(plan_id).await;
     second.stop().await;
     // The hung executor wakes up and tries its next action with its epoch: refused.
-    let mut source = NodeClient::connect(cluster.nodes[1].endpoint()).await.unwrap();
+    let mut source = NodeClient::connect(cluster.node(1).endpoint()).await.unwrap();
     let refused = source
         .pause(npb::LifecycleRequest {
             operation_id: "late".into(),
@@ -561,7 +531,7 @@ async fn a_drained_node_is_emptied() {
         cluster.assert_runs_once(id, 1).await;
     }
     // Placement no longer offers the node.
-    let mut placement = proto::placement::v1::placement_client::PlacementClient::connect(cluster.placement.endpoint())
+    let mut placement = proto::placement::v1::placement_client::PlacementClient::connect(cluster.stack.placement_endpoint())
         .await
         .unwrap();
     let nodes = placement
@@ -596,7 +566,7 @@ async fn orphaned_paused_copies_are_removed_and_nothing_else() {
     config.tuning.orphan_grace = Duration::from_millis(300);
     let balance = balance_svc::server::start(config).await.unwrap();
     let on_node_1 = || async {
-        let listed = cluster.nodes[1].host().list().await;
+        let listed = cluster.node(1).host().list().await;
         listed.into_iter().map(|(r, _)| r.id).collect::<Vec<_>>()
     };
     cluster

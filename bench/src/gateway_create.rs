@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use e2b_gateway::server::GatewayConfig;
 
 use crate::report::Report;
 
@@ -47,35 +46,23 @@ async fn create_and_kill(http: &reqwest::Client, url: &str) -> anyhow::Result<Du
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
-    let dir = std::env::temp_dir().join(format!("bench-gateway-{tag}"));
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse()?,
-        format!("sqlite://{}", dir.join("ledger.db").display()),
-    ))
-    .await?;
-    let placement =
-        placement_svc::server::start(placement_svc::server::PlacementConfig::new("127.0.0.1:0".parse()?)).await?;
-    let node_id = format!("bench-gw-{tag}");
-    let mut config = node_svc::server::NodeConfig::new("127.0.0.1:0".parse()?, &node_id, dir.join("node"));
-    config.placement = Some(placement.endpoint());
-    config.heartbeat_interval = Duration::from_millis(200);
-    config.host.capacity = node_svc::sandbox::Resources {
-        vcpus: 256,
-        memory_bytes: 512 << 30,
-    };
-    let node = node_svc::server::start(config).await?;
-    let gateway = e2b_gateway::server::start(GatewayConfig {
-        listen: "127.0.0.1:0".parse()?,
-        ledger: ledger.endpoint(),
-        placement: placement.endpoint(),
-        keys: [("bench".to_string(), "bench".to_string())].into(),
-        templates: e2b_gateway::intent::builtin_templates(),
-        reap_interval: Duration::from_secs(5),
-        hibernate_dir: dir.join("hibernated"),
-        domain: String::new(),
-    })
-    .await?;
+    let stack = stack::Stack::builder()
+        // Placement publishes no node documents here: the figure is the create path's alone.
+        .placement(|c| c.ledger_endpoint = None)
+        .heartbeat(Duration::from_millis(200))
+        .node(|c| {
+            c.host.capacity = node_svc::sandbox::Resources {
+                vcpus: 256,
+                memory_bytes: 512 << 30,
+            }
+        })
+        .gateway(|c| {
+            c.keys = [("bench".to_string(), "bench".to_string())].into();
+            c.reap_interval = Duration::from_secs(5);
+        })
+        .start()
+        .await?;
+    let gateway = stack.gateway.as_ref().context("the stack has a gateway")?;
     let url = gateway.url();
     let http = reqwest::Client::new();
     // Until the node's first heartbeat lands, nothing can be placed.
@@ -117,12 +104,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     }
     let per_sec = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
 
-    gateway.stop().await;
-    node.stop().await;
-    placement.stop().await;
-    ledger.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
-    node_svc::runtime::cgroup::remove_parents(&node_id);
+    stack.shut_down().await;
 
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(

@@ -8,8 +8,8 @@ use anyhow::Context;
 use balance_svc::migrate::Mover;
 use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
 use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
-use ledger_client::{LedgerClient, Txn};
-use node_svc::server::{NodeConfig, RunningNode};
+use ledger_client::Txn;
+use node_svc::server::RunningNode;
 use proto::node::v1 as pb;
 use proto::node::v1::node_client::NodeClient;
 
@@ -31,21 +31,14 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
-    let dir = std::env::temp_dir().join(format!("bench-migration-{tag}"));
-    std::fs::create_dir_all(&dir)?;
-    let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new(
-        "127.0.0.1:0".parse()?,
-        format!("sqlite://{}", dir.join("ledger.db").display()),
-    ))
-    .await?;
-    let client = LedgerClient::connect_lazy(&ledger.endpoint())?;
-    let mut nodes: Vec<(String, RunningNode)> = Vec::new();
-    for i in 0..2 {
-        let id = format!("mig{tag}-{i}");
-        let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse()?, &id, dir.join(&id))).await?;
-        nodes.push((id, node));
-    }
+    // Two nodes that report to nobody: the mover is driven directly, with no planner.
+    let stack = stack::Stack::builder()
+        .node(|c| c.placement = None)
+        .node(|c| c.placement = None)
+        .start()
+        .await?;
+    let client = stack.ledger_client.clone();
+    let nodes: Vec<(String, &RunningNode)> = stack.nodes.iter().map(|n| (n.id.clone(), &n.running)).collect();
     let id = "moving";
     let mut a = NodeClient::connect(nodes[0].1.endpoint()).await?;
     a.create(pb::CreateRequest {
@@ -128,13 +121,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         total.push(elapsed.as_secs_f64() * 1000.0);
         rate.push(args.mb as f64 / (d.max(1.0) / 1000.0));
     }
-    for (node_id, node) in nodes {
-        node.kill_all().await?;
-        node.stop().await;
-        node_svc::runtime::cgroup::remove_parents(&node_id);
-    }
-    ledger.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(nodes);
+    stack.shut_down().await;
 
     let mut report = Report::new(format!(
         "migration: one process sandbox with {} MB of files, {} moves between two node-svcs (medians)",

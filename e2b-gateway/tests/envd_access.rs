@@ -129,7 +129,7 @@ async fn envd_through_the_gateway_needs_the_sandboxs_own_token() {
 
     // The node refuses on its own what reaches it without the token.
     let direct = reqwest::Client::new()
-        .post(format!("{}/process.Process/List", s.node.envd_endpoint()))
+        .post(format!("{}/process.Process/List", s.node().envd_endpoint()))
         .header("E2b-Sandbox-Id", &a.id)
         .header("Content-Type", "application/json")
         .body("{}")

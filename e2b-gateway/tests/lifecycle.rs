@@ -20,7 +20,7 @@ async fn create(s: &support::Stack, body: &str) -> String {
 async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
-    std::fs::write(s.node.host().home(&id).join("keep.txt"), "still here").unwrap();
+    std::fs::write(s.node().host().home(&id).join("keep.txt"), "still here").unwrap();
 
     let (status, _) = s
         .call(
@@ -34,7 +34,7 @@ async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
     let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     assert_eq!(detail["state"], "paused");
     assert!(
-        s.node.host().get(&id).await.is_none(),
+        s.node().host().get(&id).await.is_none(),
         "the node still holds a hibernated sandbox"
     );
     // Its files wait off the node; its envd traffic gets the SDK's "not running" answer.
@@ -56,7 +56,7 @@ async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
         .await;
     assert_eq!(status, 201);
     assert_eq!(
-        std::fs::read_to_string(s.node.host().home(&id).join("keep.txt")).unwrap(),
+        std::fs::read_to_string(s.node().host().home(&id).join("keep.txt")).unwrap(),
         "still here"
     );
     let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
@@ -89,7 +89,7 @@ async fn the_reaper_survives_a_gateway_restart() {
     if let Some(g) = s.gateway.take() {
         g.stop().await;
     }
-    let restarted = e2b_gateway::server::start(s.config.clone()).await.unwrap();
+    let restarted = e2b_gateway::server::start(s.config()).await.unwrap();
     s.gateway = Some(restarted);
     let mut gone = false;
     for _ in 0..100 {
@@ -100,7 +100,7 @@ async fn the_reaper_survives_a_gateway_restart() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(gone, "the sandbox outlived its timeout across a gateway restart");
-    assert!(s.node.host().get(&id).await.is_none(), "its process survived");
+    assert!(s.node().host().get(&id).await.is_none(), "its process survived");
     s.stop().await;
 }
 

@@ -1,0 +1,33 @@
+//! The PostgreSQL and Redis that tests and benchmarks use, from one place: where they are
+//! (`SANDBOXSCHED_TEST_POSTGRES_URL`, `SANDBOXSCHED_TEST_REDIS_URL`, else the loopback
+//! defaults `scripts/services` starts), and the message a test fails with when one is missing.
+//! No test skips itself: a missing service is a failure that says what to start.
+
+/// PostgreSQL: `postgres://postgres@127.0.0.1:5432/test` unless told otherwise.
+pub fn postgres_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// Redis: `redis://127.0.0.1:6379` unless told otherwise.
+pub fn redis_url() -> String {
+    std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Fails the calling test: PostgreSQL is not reachable.
+pub fn postgres_missing(err: impl std::fmt::Display) -> ! {
+    panic!(
+        "PostgreSQL is not reachable at {}: {err}\nStart it (scripts/services does: trust auth on \
+         127.0.0.1:5432 with a database `test`), or point SANDBOXSCHED_TEST_POSTGRES_URL at one.",
+        postgres_url()
+    )
+}
+
+/// Fails the calling test: Redis is not reachable.
+pub fn redis_missing(err: impl std::fmt::Display) -> ! {
+    panic!(
+        "Redis is not reachable at {}: {err}\nStart it with `redis-server --daemonize yes --bind 127.0.0.1 \
+         --port 6379 --save '' --appendonly no` (or run scripts/services, which does), or point \
+         SANDBOXSCHED_TEST_REDIS_URL at one.",
+        redis_url()
+    )
+}
