@@ -21,13 +21,7 @@ use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 
-fn postgres_url() -> String {
-    std::env::var("SANDBOXSCHED_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use stack::services::{postgres_url, redis_url};
 
 /// A service binary next to this test's executable's build directory.
 fn binary(name: &str) -> PathBuf {
@@ -173,12 +167,9 @@ async fn base(prefix: &str) -> Base {
     let work = std::env::temp_dir().join(format!("multiprocess-{prefix}-{tag}"));
     std::fs::create_dir_all(&work).unwrap();
     let schema = format!("{prefix}_{tag}");
-    let mut pg = sqlx::PgConnection::connect(&postgres_url()).await.unwrap_or_else(|e| {
-        panic!(
-            "PostgreSQL at {} is not reachable ({e}); run scripts/services",
-            postgres_url()
-        )
-    });
+    let mut pg = sqlx::PgConnection::connect(&postgres_url())
+        .await
+        .unwrap_or_else(|e| stack::services::postgres_missing(e));
     sqlx::query(&format!("CREATE SCHEMA {schema}"))
         .execute(&mut pg)
         .await

@@ -168,7 +168,7 @@ async fn place_confirm_and_publish_node_documents() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_on_redis_keep_one_exact_account() {
     let prefix = format!("grpc-{}", uuid::Uuid::new_v4().simple());
-    let url = std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = stack::services::redis_url();
     let mut replicas = Vec::new();
     for _ in 0..2 {
         let mut config = PlacementConfig::new("127.0.0.1:0".parse().unwrap());
@@ -176,9 +176,11 @@ async fn two_replicas_on_redis_keep_one_exact_account() {
             url: url.clone(),
             prefix: prefix.clone(),
         };
-        replicas.push(placement_svc::server::start(config).await.unwrap_or_else(|err| {
-            panic!("placement on Redis at {url} did not start ({err}); start Redis (scripts/services)")
-        }));
+        replicas.push(
+            placement_svc::server::start(config).await.unwrap_or_else(|err| {
+                stack::services::redis_missing(format!("placement on Redis did not start: {err}"))
+            }),
+        );
     }
     let mut a = client(replicas[0].endpoint()).await;
     let b = client(replicas[1].endpoint()).await;

@@ -9,6 +9,7 @@ use placement_svc::core::{Accounting, AdminState, Heartbeat, Listed, NodeView, R
 use placement_svc::store::memory::MemoryStore;
 use placement_svc::store::redis::RedisStore;
 use placement_svc::store::{NodeGauge, Placement, PlacementStore, StoreError};
+use stack::services::redis_url;
 
 const GIB: u64 = 1 << 30;
 const ONE: Resources = Resources {
@@ -16,20 +17,10 @@ const ONE: Resources = Resources {
     memory_bytes: GIB,
 };
 
-fn redis_url() -> String {
-    std::env::var("SANDBOXSCHED_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
-}
-
 async fn redis_store(prefix: &str, mode: Accounting) -> RedisStore {
     RedisStore::connect(&redis_url(), prefix, mode, &RankConfig::default(), 3)
         .await
-        .unwrap_or_else(|err| {
-            panic!(
-                "Redis is not reachable at {}: {err}\nStart it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no` \
-                 (or run scripts/test-all, which does), or point SANDBOXSCHED_TEST_REDIS_URL at one.",
-                redis_url()
-            )
-        })
+        .unwrap_or_else(|err| stack::services::redis_missing(err))
 }
 
 async fn cleanup(prefix: &str) {

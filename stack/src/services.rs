@@ -16,8 +16,9 @@ pub fn redis_url() -> String {
 /// Fails the calling test: PostgreSQL is not reachable.
 pub fn postgres_missing(err: impl std::fmt::Display) -> ! {
     panic!(
-        "PostgreSQL is not reachable at {}: {err}\nStart it (scripts/services does: trust auth on \
-         127.0.0.1:5432 with a database `test`), or point SANDBOXSCHED_TEST_POSTGRES_URL at one.",
+        "PostgreSQL is not reachable at {}: {err}\nStart it with `pg_ctlcluster --skip-systemctl-redirect \
+         $(ls /etc/postgresql) main start` (scripts/services does, and makes the database `test` with trust \
+         auth), or point SANDBOXSCHED_TEST_POSTGRES_URL at one.",
         postgres_url()
     )
 }

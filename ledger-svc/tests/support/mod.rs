@@ -25,8 +25,7 @@ pub enum Backend {
 }
 
 pub fn postgres_base_url() -> String {
-    std::env::var("SANDBOXSCHED_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
+    stack::services::postgres_url()
 }
 
 /// A database of one's own for one test.
@@ -55,13 +54,9 @@ impl TestDb {
             Backend::Postgres => {
                 let base = postgres_base_url();
                 let schema = format!("t_{tag}");
-                let mut conn = sqlx::PgConnection::connect(&base).await.unwrap_or_else(|err| {
-                    panic!(
-                        "PostgreSQL is not reachable at {base}: {err}\n\
-                         Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
-                         (or run scripts/test-all, which does), or point SANDBOXSCHED_TEST_POSTGRES_URL at one."
-                    )
-                });
+                let mut conn = sqlx::PgConnection::connect(&base)
+                    .await
+                    .unwrap_or_else(|err| stack::services::postgres_missing(err));
                 sqlx::query(&format!("CREATE SCHEMA {schema}"))
                     .execute(&mut conn)
                     .await
