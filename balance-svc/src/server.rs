@@ -5,10 +5,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::serve::{BindError, Grpc, Listener, Serving};
 use ledger_client::LedgerClient;
 use proto::balance::v1::balance_server::BalanceServer;
 use proto::placement::v1::placement_client::PlacementClient;
-use common::serve::{BindError, Grpc, Listener, Serving};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Endpoint;
@@ -153,7 +153,11 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     let listener = Listener::bind(config.listen).await?;
     let addr = listener.addr();
     let mut serving = Serving::new();
-    serving.grpc("balance-svc", listener, Grpc::new().service(BalanceServer::new(api)).await);
+    serving.grpc(
+        "balance-svc",
+        listener,
+        Grpc::new().service(BalanceServer::new(api)).await,
+    );
     let looping = tokio::spawn(balance_loop(balancer, config.tuning.interval, serving.stopping()));
     tracing::info!(%addr, "balance-svc serving");
     Ok(RunningBalance {

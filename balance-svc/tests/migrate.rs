@@ -27,7 +27,7 @@ struct Cluster {
 async fn cluster(node_memory_mb: &[u64]) -> Cluster {
     common::telemetry::init("balance-test");
     let mut builder = stack::Stack::builder();
-    for mb in node_memory_mb.to_vec() {
+    for &mb in node_memory_mb {
         builder = builder.node(move |c| c.host.capacity.memory_bytes = mb << 20);
     }
     let stack = builder.start().await.expect("the test stack starts");
@@ -531,9 +531,10 @@ async fn a_drained_node_is_emptied() {
         cluster.assert_runs_once(id, 1).await;
     }
     // Placement no longer offers the node.
-    let mut placement = proto::placement::v1::placement_client::PlacementClient::connect(cluster.stack.placement_endpoint())
-        .await
-        .unwrap();
+    let mut placement =
+        proto::placement::v1::placement_client::PlacementClient::connect(cluster.stack.placement_endpoint())
+            .await
+            .unwrap();
     let nodes = placement
         .nodes(proto::placement::v1::NodesRequest {})
         .await

@@ -1,0 +1,41 @@
+//! gRPC clients of node-svcs, one per address, connected lazily and reused by every move and
+//! the orphan sweep.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::trace::TracedChannel;
+use proto::node::v1::node_client::NodeClient;
+use tokio::sync::Mutex;
+use tonic::transport::Endpoint;
+
+use super::MoveError;
+
+/// Snapshots arrive as a stream of hundreds of MB: a large HTTP/2 window keeps the sender
+/// from stalling on window updates (node-svc's server uses the same).
+const STREAM_WINDOW: u32 = 8 << 20;
+
+/// gRPC clients per node address, connected lazily and reused.
+#[derive(Clone, Default)]
+pub struct NodeClients {
+    clients: Arc<Mutex<HashMap<String, NodeClient<TracedChannel>>>>,
+}
+
+impl NodeClients {
+    pub async fn get(&self, address: &str) -> Result<NodeClient<TracedChannel>, MoveError> {
+        let mut clients = self.clients.lock().await;
+        if let Some(client) = clients.get(address) {
+            return Ok(client.clone());
+        }
+        let channel = Endpoint::from_shared(address.to_string())
+            .map_err(|e| MoveError::Failed(format!("bad node address {address:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .initial_stream_window_size(Some(STREAM_WINDOW))
+            .initial_connection_window_size(Some(STREAM_WINDOW * 2))
+            .connect_lazy();
+        let client = NodeClient::new(common::trace::traced(channel)).max_decoding_message_size(16 << 20);
+        clients.insert(address.to_string(), client.clone());
+        Ok(client)
+    }
+}

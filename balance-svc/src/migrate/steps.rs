@@ -1,0 +1,251 @@
+//! Each step's I/O: reading and compare-and-swapping the manifest, node lifecycle calls,
+//! streaming a snapshot from source to target, rolling back, abandoning, telling placement.
+
+use common::clock::now_ms;
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use futures::StreamExt;
+use ledger_client::{LedgerError, Txn, Versioned};
+use proto::node::v1 as node_pb;
+use proto::placement::v1 as pl;
+use tonic::Code;
+
+use super::decide::{NodeAction, NodeCall, WhenMissing};
+use super::error::{from_ledger, from_status};
+use super::{MoveError, Mover};
+use crate::record::{MoveRecord, Step};
+
+impl Mover {
+    pub(super) async fn manifest(&self, record: &MoveRecord) -> Result<Option<Versioned<SandboxDoc>>, MoveError> {
+        self.ledger
+            .get::<SandboxDoc>(SANDBOX_KIND, &record.sandbox_id)
+            .await
+            .map_err(from_ledger)
+    }
+
+    /// Takes the sandbox for this move under a new epoch, if it is running on the source and
+    /// nobody else owns it.
+    pub(super) async fn own(&self, record: &MoveRecord) -> Result<u64, MoveError> {
+        let Some(doc) = self.manifest(record).await? else {
+            return Err(MoveError::Gone(record.sandbox_id.clone()));
+        };
+        match doc.value.lifecycle_owner.as_deref() {
+            // Ours already: a crash came between the manifest write and the plan's record.
+            Some(owner) if owner == record.move_id => {}
+            Some(other) => return Err(MoveError::Failed(format!("LifecycleOwned by {other}"))),
+            None if doc.value.phase != SandboxPhase::Running || doc.value.node_id != record.from_node => {
+                return Err(MoveError::Failed(format!(
+                    "the sandbox is {:?} on {:?}, not running on {}",
+                    doc.value.phase, doc.value.node_id, record.from_node
+                )));
+            }
+            None => {}
+        }
+        self.take_epoch(record, doc).await
+    }
+
+    /// Owner := this move, epoch + 1, guarded by the manifest's version.
+    pub(super) async fn take_epoch(
+        &self,
+        record: &MoveRecord,
+        mut doc: Versioned<SandboxDoc>,
+    ) -> Result<u64, MoveError> {
+        doc.value.lifecycle_owner = Some(record.move_id.clone());
+        doc.value.epoch += 1;
+        let epoch = doc.value.epoch;
+        self.save_manifest(&doc).await?;
+        tracing::info!(sandbox_id = %record.sandbox_id, epoch, "lifecycle owned by the move");
+        Ok(epoch)
+    }
+
+    pub(super) async fn save_manifest(&self, doc: &Versioned<SandboxDoc>) -> Result<(), MoveError> {
+        let txn = Txn::new()
+            .update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)
+            .map_err(from_ledger)?;
+        match self.ledger.compare(txn).await {
+            Ok(_) => Ok(()),
+            // Someone changed the manifest between read and write: read again next attempt.
+            Err(LedgerError::Conflict { .. }) => Err(MoveError::Transient("manifest changed; retrying".into())),
+            Err(err) => Err(from_ledger(err)),
+        }
+    }
+
+    /// Pause, resume or kill on one node, under the move's epoch. Repeats are answered as
+    /// done; a kill that finds nothing has nothing left to do.
+    pub(super) async fn lifecycle(
+        &self,
+        address: &str,
+        record: &MoveRecord,
+        action: NodeAction,
+    ) -> Result<(), MoveError> {
+        let mut node = self.nodes.get(address).await?;
+        let request = node_pb::LifecycleRequest {
+            operation_id: record.operation_id(action.name()),
+            epoch: record.epoch,
+            sandbox_id: record.sandbox_id.clone(),
+        };
+        let result = match action.call() {
+            NodeCall::Pause => node.pause(request).await,
+            NodeCall::Resume => node.resume(request).await,
+            NodeCall::Kill => node.kill(request).await,
+        };
+        match result {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == Code::NotFound => match action.when_missing() {
+                WhenMissing::Done => Ok(()),
+                WhenMissing::Gone => Err(MoveError::Gone(record.sandbox_id.clone())),
+                WhenMissing::Failed => Err(from_status(&format!("{} on {address}", action.name()), status)),
+            },
+            Err(status) => Err(from_status(&format!("{} on {address}", action.name()), status)),
+        }
+    }
+
+    /// Streams the paused source's snapshot straight into the target's restore: chunks are
+    /// forwarded as they arrive, so reading, sending and unpacking overlap.
+    pub(super) async fn copy(&self, record: &MoveRecord) -> Result<(), MoveError> {
+        let mut source = self.nodes.get(&record.from_address).await?;
+        let mut target = self.nodes.get(&record.to_address).await?;
+        let mut snapshot = source
+            .snapshot(node_pb::LifecycleRequest {
+                operation_id: record.operation_id("snapshot"),
+                epoch: record.epoch,
+                sandbox_id: record.sandbox_id.clone(),
+            })
+            .await
+            .map_err(|s| from_status("snapshot", s))?
+            .into_inner();
+        let header = match snapshot.message().await.map_err(|s| from_status("snapshot", s))? {
+            Some(node_pb::SnapshotChunk {
+                part: Some(node_pb::snapshot_chunk::Part::Header(header)),
+            }) => header,
+            _ => {
+                return Err(MoveError::Failed(
+                    "the snapshot stream did not start with its header".into(),
+                ))
+            }
+        };
+        let first = node_pb::RestoreChunk {
+            part: Some(node_pb::restore_chunk::Part::Header(node_pb::RestoreHeader {
+                operation_id: record.operation_id("restore"),
+                epoch: record.epoch,
+                snapshot: Some(header),
+            })),
+        };
+        let rest = snapshot.filter_map(|chunk| async move {
+            match chunk {
+                Ok(node_pb::SnapshotChunk { part: Some(part) }) => Some(node_pb::RestoreChunk {
+                    part: Some(match part {
+                        node_pb::snapshot_chunk::Part::Header(h) => node_pb::restore_chunk::Part::Data(
+                            // A second header is malformed; the target's checksum rejects it.
+                            h.description_json.into_bytes(),
+                        ),
+                        node_pb::snapshot_chunk::Part::Data(d) => node_pb::restore_chunk::Part::Data(d),
+                        node_pb::snapshot_chunk::Part::Trailer(t) => node_pb::restore_chunk::Part::Trailer(t),
+                    }),
+                }),
+                // A broken source stream ends the request without a trailer: the target
+                // refuses it as incomplete and keeps nothing.
+                _ => None,
+            }
+        });
+        let stream = futures::stream::iter([first]).chain(rest);
+        match target.restore(stream).await {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == Code::AlreadyExists => Ok(()),
+            Err(status) => Err(from_status("restore", status)),
+        }
+    }
+
+    /// Points the manifest at the target, releases ownership and starts the cooldown, in one
+    /// compare-and-swap guarded by "owned by this move".
+    pub(super) async fn switch(&self, record: &MoveRecord) -> Result<(), MoveError> {
+        let mut target = self.nodes.get(&record.to_address).await?;
+        let info = target
+            .info(node_pb::InfoRequest {})
+            .await
+            .map_err(|s| from_status("target info", s))?
+            .into_inner();
+        let Some(mut doc) = self.manifest(record).await? else {
+            return Err(MoveError::Gone(record.sandbox_id.clone()));
+        };
+        if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
+            return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
+        }
+        doc.value.node_id = record.to_node.clone();
+        doc.value.node_address = record.to_address.clone();
+        doc.value.envd_address = info.envd_address;
+        doc.value.lifecycle_owner = None;
+        doc.value.last_moved_unix_ms = Some(now_ms());
+        self.save_manifest(&doc).await
+    }
+
+    /// Puts the sandbox back on the source. A target copy that was resumed must be gone
+    /// before the source runs again (never two running copies); one that can only be paused
+    /// (the move failed before resuming it) is removed if the target answers, and otherwise
+    /// left paused there, named in the move's error, rather than keeping the sandbox down.
+    pub(super) async fn roll_back(&self, record: &MoveRecord) -> Result<(), MoveError> {
+        let target_ran = record.failed_at.is_some_and(|s| s == Step::TargetResumed);
+        match self.lifecycle(&record.to_address, record, NodeAction::UndoKill).await {
+            Ok(()) => {}
+            Err(err @ MoveError::Transient(_)) if target_ran => return Err(err),
+            Err(err) => {
+                tracing::warn!(sandbox_id = %record.sandbox_id, to = %record.to_node, %err,
+                    "target unreachable while rolling back; any copy there stays paused");
+            }
+        }
+        self.lifecycle(&record.from_address, record, NodeAction::UndoResume)
+            .await?;
+        self.release(record).await
+    }
+
+    /// Rolling back: clears ownership (the epoch stays, so older calls remain fenced).
+    pub(super) async fn release(&self, record: &MoveRecord) -> Result<(), MoveError> {
+        let Some(mut doc) = self.manifest(record).await? else {
+            return Err(MoveError::Gone(record.sandbox_id.clone()));
+        };
+        if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
+            return Ok(());
+        }
+        doc.value.lifecycle_owner = None;
+        self.save_manifest(&doc).await
+    }
+
+    /// The user killed the sandbox mid-move: remove whatever copy this move made or paused.
+    pub(super) async fn abandon(&self, mut record: MoveRecord) -> Result<MoveRecord, MoveError> {
+        tracing::warn!(sandbox_id = %record.sandbox_id, "sandbox deleted while moving; removing its copies");
+        // Never owned: the move touched nothing.
+        let copies = if record.epoch == 0 { 0 } else { 2 };
+        for (address, action) in [
+            (&record.to_address, NodeAction::AbandonKillTarget),
+            (&record.from_address, NodeAction::AbandonKill),
+        ]
+        .into_iter()
+        .take(copies)
+        {
+            // Gone, fenced by the user's kill, or refused: nothing of ours is left there.
+            if let Err(err @ (MoveError::Transient(_) | MoveError::Halted(_))) =
+                self.lifecycle(address, &record, action).await
+            {
+                return Err(err);
+            }
+        }
+        record.step = Step::Abandoned;
+        record.finished_at_unix_ms = Some(now_ms());
+        Ok(record)
+    }
+
+    /// Placement subtracts the source's share until a heartbeat stops listing it.
+    pub(super) async fn tell_placement(&self, record: &MoveRecord) {
+        let Some(placement) = &self.placement else { return };
+        let removed = placement
+            .clone()
+            .removed(pl::SandboxRef {
+                sandbox_id: record.sandbox_id.clone(),
+                node_id: record.from_node.clone(),
+                resources: None,
+            })
+            .await;
+        if let Err(status) = removed {
+            tracing::debug!(sandbox_id = %record.sandbox_id, %status, "placement did not hear of the move; a heartbeat corrects it");
+        }
+    }
+}
