@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use common::docs::{NodeDoc, SandboxDoc, SandboxPhase};
+use common::docs::{NodeDoc, NodeState, SandboxDoc, SandboxPhase};
 
 use crate::plan::{Candidate, NodeMemory, Snapshot};
 use crate::record::{ControlDoc, MoveRecord, Step};
@@ -35,11 +35,11 @@ pub fn snapshot(
     let nodes_out = nodes
         .iter()
         .map(|n| {
-            let draining = n.state == "draining" || control.draining.contains(&n.node_id);
+            let draining = n.state == NodeState::Draining || control.draining.contains(&n.node_id);
             let fresh = reported_lately(n, now_ms, stale_after_ms);
             NodeMemory {
                 node_id: n.node_id.clone(),
-                ready: !draining && fresh && n.state == "ready",
+                ready: !draining && fresh && n.state == NodeState::Ready,
                 draining,
                 capacity_bytes: n.capacity.memory_bytes,
                 available_bytes: n.memory_available_bytes,
@@ -98,7 +98,11 @@ pub(crate) mod tests {
     fn node(id: &str, state: &str, available: u64, listed: &[(&str, u64)], at: u64) -> NodeDoc {
         NodeDoc {
             node_id: id.into(),
-            state: state.into(),
+            state: if state == "draining" {
+                NodeState::Draining
+            } else {
+                NodeState::Ready
+            },
             capacity: Capacity {
                 vcpus: 4,
                 memory_bytes: 1000,

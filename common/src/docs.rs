@@ -23,6 +23,16 @@ pub struct NodeSandbox {
     pub memory_used_bytes: u64,
 }
 
+/// Whether placement may choose a node (stored as `"ready"` / `"draining"`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    #[default]
+    Ready,
+    /// Placement chooses it for nothing new; the balancer moves its sandboxes away.
+    Draining,
+}
+
 /// A node as of its latest heartbeat: `node/<node_id>`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeDoc {
@@ -30,8 +40,7 @@ pub struct NodeDoc {
     pub address: String,
     pub boot_id: String,
     pub seq: u64,
-    /// `ready` or `draining`.
-    pub state: String,
+    pub state: NodeState,
     pub capacity: Capacity,
     pub allocated: Capacity,
     pub memory_used_bytes: u64,

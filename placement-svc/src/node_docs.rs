@@ -53,7 +53,11 @@ impl NodeDocs {
             address: hb.address.clone(),
             boot_id: hb.boot_id.clone(),
             seq: hb.seq,
-            state: if draining { "draining" } else { "ready" }.to_string(),
+            state: if draining {
+                common::docs::NodeState::Draining
+            } else {
+                common::docs::NodeState::Ready
+            },
             capacity: Capacity {
                 vcpus: hb.capacity.vcpus,
                 memory_bytes: hb.capacity.memory_bytes,

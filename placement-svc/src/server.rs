@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use proto::placement::v1::placement_server::PlacementServer;
 use common::serve::{BindError, Grpc, Listener, Serving};
+use proto::placement::v1::placement_server::PlacementServer;
 
 use crate::api::PlacementApi;
 use crate::core::{Accounting, RankConfig};
@@ -168,7 +168,11 @@ async fn serve<S: PlacementStore>(
         }
     }));
     let api = PlacementApi::new(store, config.rank.unhealthy_after_ms, docs);
-    serving.grpc("placement-svc", listener, Grpc::new().service(PlacementServer::new(api)).await);
+    serving.grpc(
+        "placement-svc",
+        listener,
+        Grpc::new().service(PlacementServer::new(api)).await,
+    );
     tracing::info!(%addr, store = ?config.store, accounting = config.accounting.name(), "placement-svc serving");
     Ok(RunningPlacement { addr, serving })
 }
