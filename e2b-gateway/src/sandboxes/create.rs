@@ -1,0 +1,235 @@
+//! The create saga: the manifest first (phase `creating`), then a node from placement, then
+//! the sandbox on that node, then the manifest `running`. A failure undoes every step before
+//! it, so a create that fails leaves no manifest, no reservation and no process behind.
+
+use common::clock::now_ms;
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use ledger_client::{Txn, Versioned};
+use proto::node::v1 as node_pb;
+use proto::placement::v1 as pl;
+use tonic::Code;
+
+use super::{from_status, Failure, Sandboxes};
+use crate::intent::CreateIntent;
+
+/// Attempts on different nodes before a create gives up.
+const CREATE_ATTEMPTS: usize = 3;
+
+impl Sandboxes {
+    /// Creates a sandbox: manifest first, then place, then create on the node, then running.
+    pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        use tracing::Instrument;
+        let sandbox_id = format!("i{}", random_id(19));
+        // Instrumented, not entered: an entered span held across an await would leak onto
+        // whatever else the thread polls meanwhile.
+        let span = tracing::info_span!("create", sandbox_id = %sandbox_id, template = %intent.template);
+        self.create_as(team, intent, sandbox_id).instrument(span).await
+    }
+
+    pub(super) async fn create_as(
+        &self,
+        team: &str,
+        intent: CreateIntent,
+        sandbox_id: String,
+    ) -> Result<SandboxDoc, Failure> {
+        let now = now_ms();
+        let mut doc = SandboxDoc {
+            sandbox_id: sandbox_id.clone(),
+            team_id: team.to_string(),
+            template: intent.template.clone(),
+            vcpus: intent.vcpus,
+            memory_bytes: intent.memory_bytes,
+            memory_source: intent.memory_source,
+            env_vars: intent.env_vars.clone(),
+            metadata: intent.metadata.clone(),
+            phase: SandboxPhase::Creating,
+            node_id: String::new(),
+            node_address: String::new(),
+            envd_address: String::new(),
+            epoch: 1,
+            // Always: envd answers only requests that carry it (or a URL signed with it).
+            envd_access_token: Some(envd_wire::access::new_token()),
+            started_at_unix_ms: now,
+            end_at_unix_ms: now + intent.timeout_secs * 1000,
+            auto_pause: intent.auto_pause,
+            lifecycle_owner: None,
+            last_moved_unix_ms: None,
+            trace_context: common::trace::traceparent(),
+        };
+        let version = self
+            .ledger
+            .compare(Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc)?)
+            .await?
+            .versions[0];
+        let undo_manifest = || async {
+            if let Err(err) = self
+                .ledger
+                .compare(Txn::new().delete(SANDBOX_KIND, &sandbox_id, version))
+                .await
+            {
+                tracing::error!(%err, "could not delete the manifest of a failed create");
+            }
+        };
+        let placed = match self.place_and_start(&doc).await {
+            Ok(placed) => placed,
+            Err(err) => {
+                undo_manifest().await;
+                return Err(err);
+            }
+        };
+        doc.node_id = placed.node_id.clone();
+        doc.node_address = placed.node_address.clone();
+        doc.envd_address = placed.envd_address;
+        doc.phase = SandboxPhase::Running;
+        let saved = self
+            .save(&Versioned {
+                key: ledger_client::DocKey::new(SANDBOX_KIND, &sandbox_id),
+                version,
+                create_revision: 0,
+                mod_revision: 0,
+                value: doc.clone(),
+            })
+            .await;
+        if let Err(err) = saved {
+            // Undo everything: the process, the reservation, the manifest.
+            self.stop_on_node(&doc).await;
+            undo_manifest().await;
+            return Err(err);
+        }
+        tracing::info!(node_id = %doc.node_id, "sandbox running");
+        Ok(doc)
+    }
+
+    pub(super) async fn place_and_start(&self, doc: &SandboxDoc) -> Result<Placed, Failure> {
+        let mut exclude = Vec::new();
+        let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
+        for attempt in 0..CREATE_ATTEMPTS {
+            let placed = self
+                .placement
+                .clone()
+                .place(pl::PlaceRequest {
+                    sandbox_id: doc.sandbox_id.clone(),
+                    resources: Some(pl::Resources {
+                        vcpus: doc.vcpus,
+                        memory_bytes: doc.memory_bytes,
+                    }),
+                    node_selector: Default::default(),
+                    exclude_nodes: exclude.clone(),
+                })
+                .await
+                .map_err(|s| from_status("placement", s))?
+                .into_inner();
+            let started = self.start_on(doc, &placed, attempt).await;
+            let sandbox_ref = pl::SandboxRef {
+                sandbox_id: doc.sandbox_id.clone(),
+                node_id: placed.node_id.clone(),
+                resources: None,
+            };
+            match started {
+                Ok(envd_address) => {
+                    if let Err(status) = self.placement.clone().created(sandbox_ref).await {
+                        tracing::warn!(%status, "placement did not hear of the create; its reservation will expire");
+                    }
+                    return Ok(Placed {
+                        node_id: placed.node_id,
+                        node_address: placed.node_address,
+                        envd_address,
+                    });
+                }
+                Err(err) => {
+                    tracing::warn!(node_id = %placed.node_id, %err, attempt, "create failed on node; trying another");
+                    let _ = self.placement.clone().release(sandbox_ref).await;
+                    exclude.push(placed.node_id);
+                    last = err;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    pub(super) async fn start_on(
+        &self,
+        doc: &SandboxDoc,
+        placed: &pl::PlaceResponse,
+        attempt: usize,
+    ) -> Result<String, Failure> {
+        let mut node = self.nodes.client(&placed.node_address).await?;
+        node.create(node_pb::CreateRequest {
+            operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
+            epoch: doc.epoch,
+            sandbox_id: doc.sandbox_id.clone(),
+            template: doc.template.clone(),
+            resources: Some(node_pb::Resources {
+                vcpus: doc.vcpus,
+                memory_bytes: doc.memory_bytes,
+            }),
+            env_vars: doc.env_vars.clone().into_iter().collect(),
+            metadata: doc.metadata.clone().into_iter().collect(),
+            start_command: String::new(),
+            access_token: doc.envd_access_token.clone().unwrap_or_default(),
+        })
+        .await
+        .map_err(|s| from_status("node create", s))?;
+        match self.nodes.envd(&placed.node_address).await {
+            Ok(envd) => Ok(envd),
+            Err(err) => {
+                let _ = node
+                    .kill(node_pb::LifecycleRequest {
+                        operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
+                        epoch: doc.epoch,
+                        sandbox_id: doc.sandbox_id.clone(),
+                    })
+                    .await;
+                Err(err)
+            }
+        }
+    }
+
+    /// Kills the sandbox on its node and tells placement (errors logged: the manifest goes
+    /// regardless, and a heartbeat will correct placement).
+    pub(super) async fn stop_on_node(&self, doc: &SandboxDoc) {
+        if doc.node_address.is_empty() {
+            return;
+        }
+        if let Ok(mut node) = self.nodes.client(&doc.node_address).await {
+            let killed = node
+                .kill(node_pb::LifecycleRequest {
+                    operation_id: format!("kill-{}-{}", doc.sandbox_id, doc.epoch),
+                    epoch: doc.epoch,
+                    sandbox_id: doc.sandbox_id.clone(),
+                })
+                .await;
+            if let Err(status) = killed {
+                if status.code() != Code::NotFound {
+                    tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "kill on node failed");
+                }
+            }
+        }
+        let removed = self
+            .placement
+            .clone()
+            .removed(pl::SandboxRef {
+                sandbox_id: doc.sandbox_id.clone(),
+                node_id: doc.node_id.clone(),
+                resources: Some(pl::Resources {
+                    vcpus: doc.vcpus,
+                    memory_bytes: doc.memory_bytes,
+                }),
+            })
+            .await;
+        if let Err(status) = removed {
+            tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "placement did not hear of the kill");
+        }
+    }
+}
+
+fn random_id(len: usize) -> String {
+    let raw = uuid::Uuid::new_v4().simple().to_string() + &uuid::Uuid::new_v4().simple().to_string();
+    raw.chars().take(len).collect()
+}
+
+pub(super) struct Placed {
+    node_id: String,
+    node_address: String,
+    envd_address: String,
+}

@@ -1,0 +1,57 @@
+//! gRPC clients of the nodes, one per node address, connected lazily and reused, and each
+//! node's envd address once asked.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::trace::TracedChannel;
+use proto::node::v1 as node_pb;
+use proto::node::v1::node_client::NodeClient;
+use tokio::sync::Mutex;
+use tonic::transport::Endpoint;
+
+use super::{from_status, Failure};
+
+/// A node's channel, and its envd address once asked.
+type NodeEntry = (NodeClient<TracedChannel>, Option<String>);
+
+/// Channels to nodes, and their envd addresses, by node gRPC address.
+#[derive(Default)]
+pub(super) struct Nodes {
+    clients: Mutex<HashMap<String, NodeEntry>>,
+}
+
+impl Nodes {
+    pub(super) async fn client(&self, address: &str) -> Result<NodeClient<TracedChannel>, Failure> {
+        let mut map = self.clients.lock().await;
+        if let Some((c, _)) = map.get(address) {
+            return Ok(c.clone());
+        }
+        let channel = Endpoint::from_shared(address.to_string())
+            .map_err(|e| Failure::Internal(format!("bad node address {address:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            // Hibernation streams whole snapshots: HTTP/2's default 64 KiB window stalls them.
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(16 << 20))
+            .connect_lazy();
+        let client = NodeClient::new(common::trace::traced(channel));
+        map.insert(address.to_string(), (client.clone(), None));
+        Ok(client)
+    }
+
+    pub(super) async fn envd(&self, address: &str) -> Result<String, Failure> {
+        if let Some((_, Some(envd))) = self.clients.lock().await.get(address) {
+            return Ok(envd.clone());
+        }
+        let mut client = self.client(address).await?;
+        let info = client
+            .info(node_pb::InfoRequest {})
+            .await
+            .map_err(|s| from_status("node info", s))?
+            .into_inner();
+        if let Some(entry) = self.clients.lock().await.get_mut(address) {
+            entry.1 = Some(info.envd_address.clone());
+        }
+        Ok(info.envd_address)
+    }
+}
