@@ -13,8 +13,9 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::host::{CreateSpec, Host, NodeError, RestoreItem, SnapshotPart};
+use crate::host::{CreateSpec, Host, NodeError};
 use crate::sandbox::{Move, Refusal, Resources, SandboxRecord, State};
+use crate::snapshot::{RestoreItem, SnapshotPart};
 
 /// The one mapping from node errors to gRPC statuses.
 pub fn status(err: NodeError) -> Status {

@@ -1,29 +1,60 @@
-//! One host's sandboxes: the registry, its state directory, and every lifecycle operation
-//! with its fencing and idempotency rules.
+//! One host's sandboxes: the registry of what runs on this node, and every lifecycle operation
+//! (create, pause, resume, kill, snapshot, restore) with its fencing and idempotency rules.
 //!
-//! The state directory holds one folder per sandbox: `sandbox.json` (its [`SandboxRecord`],
-//! rewritten atomically on every change) and `home/` (its files, which survive pause, restart
-//! and migration). On start the host re-adopts every sandbox the directory says is running or
-//! paused, so a node restart loses none (E2B's users report theirs vanish).
+//! What lives elsewhere: the on-disk layout and its atomic writes in [`crate::state_dir`],
+//! archiving and unpacking snapshots in [`crate::snapshot`], templates in [`crate::template`],
+//! and the pure rules (legal moves, fencing, operation answers) in [`crate::sandbox`].
+//!
+//! # Locking
+//!
+//! The node answers many callers at once: envd requests look their sandbox up on every call,
+//! heartbeats list every sandbox, and lifecycle calls change them. A kill can take seconds
+//! (processes to reap, a home to delete), and must hold up only operations on the same
+//! sandbox. So:
+//!
+//! - the registry map (`slots`) is a plain mutex held only to look up, insert or remove a
+//!   sandbox's `Slot`: never across an await, I/O or a runtime call;
+//! - each sandbox's slot has a *turn*, an async mutex held for the whole of one operation on
+//!   that sandbox: operations on one sandbox run one at a time, in the order they queued,
+//!   while operations on others run beside them;
+//! - each slot also holds the sandbox's *committed record*, behind a plain mutex held only to
+//!   copy or replace it. Operations replace it once their work is done and persisted; readers
+//!   (`get`, `list`, heartbeats) copy it at any time without waiting for a turn, so they see
+//!   a sandbox as it was before an operation in progress, then as it is after;
+//! - blocking work (template copies, fsync, deleting a home, every runtime call) runs on
+//!   `spawn_blocking` threads, never on the async executor;
+//! - an operation that changes sandboxes runs in a task of its own, so a caller that goes
+//!   away mid-way cannot end a turn while its blocking work still runs.
+//!
+//! A slot's record is `None` while its sandbox is being created and once it is gone; a slot
+//! left empty at the end of a turn leaves the map. A caller that queued for the turn of a slot
+//! that left meanwhile sees it is no longer the map's and queues again on the current one, so
+//! two operations on one ID never run at once.
+//!
+//! Operation IDs: a call whose ID already has an answer gets that answer and does nothing.
+//! The answers are checked again once the call has its turn, so a retry that queued behind
+//! the first attempt gets the first attempt's answer rather than acting twice.
+//!
+//! The state directory holds each sandbox's record and home. On start the host re-adopts
+//! every sandbox the directory says is running or paused, so a node restart loses none.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use common::clock::now_ms;
-use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use serde::Deserialize;
-use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, OwnedMutexGuard};
+use tracing::Instrument;
 
 use crate::runtime::{Features, Runtime, RuntimeError};
 use crate::sandbox::{fence, next_state, Answers, Move, Recall, Refusal, Resources, SandboxRecord, State};
+use crate::snapshot::{self, RestoreItem, SnapshotPart};
+use crate::state_dir::StateDir;
+use crate::template::{self, Template, TemplateError};
 use crate::usage::CpuRate;
 
 /// Answers kept for operation-ID retries.
 const ANSWERS_KEPT: usize = 10_000;
-/// Size of snapshot data chunks.
-const CHUNK: usize = 256 * 1024;
 
 /// Why a node operation failed.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -54,19 +85,17 @@ impl From<RuntimeError> for NodeError {
     }
 }
 
-fn io(err: impl std::fmt::Display) -> NodeError {
-    NodeError::Io(err.to_string())
+impl From<TemplateError> for NodeError {
+    fn from(err: TemplateError) -> Self {
+        match err {
+            TemplateError::Unknown(name) => NodeError::UnknownTemplate(name),
+            invalid @ TemplateError::Invalid { .. } => NodeError::Invalid(invalid.to_string()),
+        }
+    }
 }
 
-/// A template: files that seed a sandbox's home, default env vars, an optional start command.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct Template {
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    #[serde(default)]
-    pub start_command: Option<String>,
-    #[serde(skip)]
-    pub files: Option<PathBuf>,
+fn io(err: impl std::fmt::Display) -> NodeError {
+    NodeError::Io(err.to_string())
 }
 
 /// How a host runs.
@@ -113,22 +142,670 @@ pub struct Picture {
     pub cpu_usage: f64,
 }
 
-struct Registry {
-    sandboxes: HashMap<String, SandboxRecord>,
-    answers: Answers<Result<SandboxRecord, NodeError>>,
+type Answer = Result<SandboxRecord, NodeError>;
+
+/// One sandbox ID's place in the registry (see the module's notes on locking).
+#[derive(Default)]
+struct Slot {
+    /// Held for the whole of one operation on this sandbox.
+    turn: Arc<tokio::sync::Mutex<()>>,
+    /// The sandbox as last committed; `None` while it is being created or once it is gone.
+    record: Mutex<Option<SandboxRecord>>,
+}
+
+/// One operation's exclusive turn on a sandbox ID. Dropping it ends the turn; a slot left
+/// without a sandbox leaves the registry then, while the turn is still held.
+struct Turn<'h> {
+    slots: &'h Mutex<HashMap<String, Arc<Slot>>>,
+    id: String,
+    slot: Arc<Slot>,
+    _held: OwnedMutexGuard<()>,
+}
+
+impl Turn<'_> {
+    /// The sandbox as committed, if it exists.
+    fn record(&self) -> Option<SandboxRecord> {
+        lock(&self.slot.record).clone()
+    }
+
+    /// Makes `record` what everyone sees (`None`: the sandbox is gone).
+    fn commit(&self, record: Option<SandboxRecord>) {
+        *lock(&self.slot.record) = record;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let empty = lock(&self.slot.record).is_none();
+        if empty {
+            let mut slots = lock(self.slots);
+            let ours = slots.get(&self.id).is_some_and(|s| Arc::ptr_eq(s, &self.slot));
+            if ours {
+                slots.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// Whether a call may act, or already has its answer.
+enum Admission<'h> {
+    Answered(Answer),
+    Turn(Turn<'h>),
+}
+
+/// Locks one of the registry's plain mutexes. Their critical sections only copy or replace
+/// values, so a panic elsewhere cannot leave the data half-changed: a poisoned lock is used
+/// as it is rather than failing every later request.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs blocking `work` on a `spawn_blocking` thread.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, NodeError> + Send + 'static,
+) -> Result<T, NodeError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| NodeError::Runtime(format!("blocking task failed: {e}")))?
 }
 
 /// The sandboxes of one node.
 pub struct Host {
-    config: HostConfig,
-    runtime: Arc<dyn Runtime>,
+    shared: Arc<Shared>,
     boot_id: String,
-    registry: Mutex<Registry>,
-    cpu: std::sync::Mutex<CpuRate>,
+    cpu: Mutex<CpuRate>,
 }
 
-fn sandboxes_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("sandboxes")
+/// What every operation works on. Behind an `Arc` because operations that change sandboxes
+/// run in tasks of their own (see [`to_completion`]).
+struct Shared {
+    config: HostConfig,
+    runtime: Arc<dyn Runtime>,
+    dir: StateDir,
+    /// Sandbox ID → its slot. Held only to look up, insert or remove slots.
+    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    /// Answers to recent operation IDs.
+    answers: Mutex<Answers<Answer>>,
+}
+
+/// Runs an operation that changes sandboxes in a task of its own and waits for it. A caller
+/// that goes away (a client that disconnects, a gRPC deadline) drops only the waiting: the
+/// operation still finishes, its turn held until its blocking work is done, so no half-made
+/// or half-deleted sandbox is left for the next operation on that ID to trip over.
+async fn to_completion<T: Send + 'static>(
+    operation: impl std::future::Future<Output = Result<T, NodeError>> + Send + 'static,
+) -> Result<T, NodeError> {
+    tokio::spawn(operation.in_current_span())
+        .await
+        .map_err(|e| NodeError::Runtime(format!("operation task failed: {e}")))?
+}
+
+impl Host {
+    /// Opens the state directory and re-adopts every sandbox it records as running or paused.
+    /// `runtime` runs the sandboxes: any [`Runtime`], so tests may wrap a real one.
+    pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
+        let dir = StateDir::new(&config.state_dir);
+        let adopted = {
+            let (dir, runtime) = (dir.clone(), runtime.clone());
+            blocking(move || readopt(&dir, runtime.as_ref())).await?
+        };
+        let slots = adopted
+            .into_iter()
+            .map(|record| {
+                let slot = Slot {
+                    record: Mutex::new(Some(record.clone())),
+                    ..Slot::default()
+                };
+                (record.id, Arc::new(slot))
+            })
+            .collect();
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                runtime,
+                dir,
+                slots: Mutex::new(slots),
+                answers: Mutex::new(Answers::new(ANSWERS_KEPT)),
+            }),
+            boot_id: uuid::Uuid::new_v4().to_string(),
+            cpu: Mutex::new(CpuRate::default()),
+        })
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.shared.config.node_id
+    }
+
+    pub fn boot_id(&self) -> &str {
+        &self.boot_id
+    }
+
+    pub fn capacity(&self) -> Resources {
+        self.shared.config.capacity
+    }
+
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.shared.runtime
+    }
+
+    pub fn runtime_kind(&self) -> &'static str {
+        self.shared.runtime.kind()
+    }
+
+    pub fn features(&self) -> Features {
+        self.shared.runtime.features()
+    }
+
+    /// Where a sandbox's files live.
+    pub fn home(&self, id: &str) -> PathBuf {
+        self.shared.dir.home(id)
+    }
+
+    /// Creates and starts a sandbox.
+    pub async fn create(&self, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        to_completion(async move { shared.create(spec).await }).await
+    }
+
+    /// Pause, resume or kill, fenced by `epoch`.
+    pub async fn lifecycle(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        action: Move,
+    ) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        let (operation_id, sandbox_id) = (operation_id.to_string(), sandbox_id.to_string());
+        to_completion(async move { shared.lifecycle(&operation_id, epoch, &sandbox_id, action).await }).await
+    }
+
+    /// One sandbox, as last committed (never waits for an operation on it).
+    pub async fn get(&self, sandbox_id: &str) -> Option<SandboxRecord> {
+        self.shared.committed(sandbox_id)
+    }
+
+    /// Every sandbox with the memory it uses now.
+    pub async fn list(&self) -> Vec<(SandboxRecord, u64)> {
+        let records = self.shared.records();
+        let runtime = self.shared.runtime.clone();
+        match tokio::task::spawn_blocking(move || measure(runtime.as_ref(), records)).await {
+            Ok(listed) => listed,
+            Err(err) => {
+                tracing::error!(%err, "measuring sandboxes failed; listing them without");
+                self.shared.records().into_iter().map(|r| (r, 0)).collect()
+            }
+        }
+    }
+
+    /// The picture a heartbeat reports: the list and the totals from one snapshot of the
+    /// registry, measured on a blocking thread.
+    pub async fn picture(&self) -> Picture {
+        let records = self.shared.records();
+        let runtime = self.shared.runtime.clone();
+        let measured = tokio::task::spawn_blocking(move || {
+            runtime.reap();
+            Measured {
+                listed: measure(runtime.as_ref(), records),
+                cpu_time_ns: runtime.cpu_time_ns(),
+                own_rss: own_rss(),
+            }
+        })
+        .await;
+        let measured = measured.unwrap_or_else(|err| {
+            tracing::error!(%err, "measuring sandboxes failed; reporting them without");
+            Measured {
+                listed: self.shared.records().into_iter().map(|r| (r, 0)).collect(),
+                cpu_time_ns: None,
+                own_rss: 0,
+            }
+        });
+        let cpu_usage = measured
+            .cpu_time_ns
+            .map_or(0.0, |ns| lock(&self.cpu).observe(std::time::Instant::now(), ns));
+        let picture = picture_of(
+            measured.listed,
+            self.shared.config.capacity,
+            measured.own_rss,
+            cpu_usage,
+        );
+        let (running, paused) = picture.sandboxes.iter().fold((0u32, 0u32), |(r, p), s| match s.state {
+            State::Running => (r + 1, p),
+            State::Paused => (r, p + 1),
+            State::Killed => (r, p),
+        });
+        metrics::gauge!("node_sandboxes", "state" => "running").set(f64::from(running));
+        metrics::gauge!("node_sandboxes", "state" => "paused").set(f64::from(paused));
+        picture
+    }
+
+    /// Checks a snapshot may be taken (paused, epoch current) and returns the record.
+    pub async fn snapshot_source(&self, epoch: u64, sandbox_id: &str) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        let sandbox_id = sandbox_id.to_string();
+        to_completion(async move { shared.snapshot_source(epoch, &sandbox_id).await }).await
+    }
+
+    /// Streams the sandbox's home as a tar archive in chunks; the last item is the SHA-256
+    /// of all the data and its length.
+    pub fn snapshot_stream(&self, sandbox_id: &str) -> mpsc::Receiver<Result<SnapshotPart, NodeError>> {
+        snapshot::stream(self.shared.dir.home(sandbox_id))
+    }
+
+    /// Recreates a sandbox from a snapshot: unpacks the archive chunks from `data` into a
+    /// scratch folder, checks the SHA-256 against the trailer, then installs it, paused.
+    pub async fn restore(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        record: SandboxRecord,
+        data: mpsc::Receiver<RestoreItem>,
+    ) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        let operation_id = operation_id.to_string();
+        to_completion(async move { shared.restore(&operation_id, epoch, record, data).await }).await
+    }
+}
+
+impl Shared {
+    /// Runs `call` on the runtime from a blocking thread.
+    async fn on_runtime<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&dyn Runtime) -> Result<T, RuntimeError> + Send + 'static,
+    ) -> Result<T, NodeError> {
+        let runtime = self.runtime.clone();
+        blocking(move || Ok(call(runtime.as_ref())?)).await
+    }
+
+    async fn persist(&self, record: &SandboxRecord) -> Result<(), NodeError> {
+        let (dir, record) = (self.dir.clone(), record.clone());
+        blocking(move || dir.persist(&record).map_err(io)).await
+    }
+
+    /// Deletes what a failed create or restore left of sandbox `id` (best effort: the failure
+    /// being reported matters more).
+    async fn discard(&self, id: &str) {
+        let dir = self.dir.sandbox_dir(id);
+        let _ = blocking(move || {
+            let _ = std::fs::remove_dir_all(dir);
+            Ok(())
+        })
+        .await;
+    }
+
+    async fn template(&self, name: &str) -> Result<Template, NodeError> {
+        let (templates, name) = (self.config.templates_dir.clone(), name.to_string());
+        blocking(move || Ok(template::load(templates.as_deref(), &name)?)).await
+    }
+
+    /// The answer already given to `operation_id` for `call`, if any.
+    fn recall(&self, operation_id: &str, call: &str) -> Option<Answer> {
+        if operation_id.is_empty() {
+            return None;
+        }
+        match lock(&self.answers).recall(operation_id, call) {
+            Recall::New => None,
+            Recall::Answered(answer) => Some(answer),
+            Recall::Reused { first } => Some(Err(NodeError::OperationReused {
+                operation_id: operation_id.to_string(),
+                first,
+            })),
+        }
+    }
+
+    /// Keeps `answer` for retries of `operation_id`, when it is final.
+    fn remember(&self, operation_id: &str, call: &str, answer: &Answer) {
+        if is_final(answer) {
+            lock(&self.answers).remember(operation_id, call, answer.clone());
+        }
+    }
+
+    /// Waits for sandbox `id`'s turn (see the module's notes on locking).
+    async fn enter(&self, id: &str) -> Turn<'_> {
+        loop {
+            let slot = lock(&self.slots).entry(id.to_string()).or_default().clone();
+            let held = slot.turn.clone().lock_owned().await;
+            let current = lock(&self.slots).get(id).is_some_and(|s| Arc::ptr_eq(s, &slot));
+            if current {
+                return Turn {
+                    slots: &self.slots,
+                    id: id.to_string(),
+                    slot,
+                    _held: held,
+                };
+            }
+            // The slot left the registry while this call queued for it: queue on the new one.
+        }
+    }
+
+    /// The turn on sandbox `id` for `call`, unless `operation_id` already has an answer
+    /// (checked before queueing, and again once the turn comes).
+    async fn admit(&self, id: &str, operation_id: &str, call: &str) -> Admission<'_> {
+        if let Some(answer) = self.recall(operation_id, call) {
+            return Admission::Answered(answer);
+        }
+        let turn = self.enter(id).await;
+        match self.recall(operation_id, call) {
+            Some(answer) => Admission::Answered(answer),
+            None => Admission::Turn(turn),
+        }
+    }
+
+    /// Creates and starts a sandbox.
+    async fn create(&self, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
+        validate_id(&spec.sandbox_id)?;
+        if spec.resources.vcpus == 0 || spec.resources.memory_bytes == 0 {
+            return Err(NodeError::Invalid("resources must be positive".to_string()));
+        }
+        let call = format!("create {}", spec.sandbox_id);
+        let operation_id = spec.operation_id.clone();
+        let turn = match self.admit(&spec.sandbox_id, &operation_id, &call).await {
+            Admission::Answered(answer) => return answer,
+            Admission::Turn(turn) => turn,
+        };
+        let answer = self.create_now(&turn, spec).await;
+        self.remember(&operation_id, &call, &answer);
+        answer
+    }
+
+    async fn create_now(&self, turn: &Turn<'_>, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
+        let template = self.template(&spec.template).await?;
+        if let Some(existing) = turn.record() {
+            if existing.state != State::Killed {
+                return Err(NodeError::AlreadyExists(spec.sandbox_id));
+            }
+        }
+        let files = template.files.clone();
+        let mut record = new_record(spec, template, now_ms());
+        let id = record.id.clone();
+        let home = self.dir.home(&id);
+        let seed = home.clone();
+        let seeded = blocking(move || {
+            std::fs::create_dir_all(&seed).map_err(io)?;
+            if let Some(files) = files {
+                template::copy_tree(&files, &seed).map_err(io)?;
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(err) = seeded {
+            // A failed create leaves nothing behind.
+            self.discard(&id).await;
+            return Err(err);
+        }
+        let r = record.clone();
+        match self.on_runtime(move |rt| rt.start(&r, &home)).await {
+            Ok(pgid) => record.pgid = pgid,
+            Err(err) => {
+                self.discard(&id).await;
+                return Err(err);
+            }
+        }
+        if let Err(err) = self.persist(&record).await {
+            let r = record.clone();
+            let _ = self.on_runtime(move |rt| rt.kill(&r)).await;
+            self.discard(&id).await;
+            return Err(err);
+        }
+        turn.commit(Some(record.clone()));
+        tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
+        Ok(record)
+    }
+
+    /// Pause, resume or kill, fenced by `epoch`.
+    async fn lifecycle(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        action: Move,
+    ) -> Result<SandboxRecord, NodeError> {
+        validate_id(sandbox_id)?;
+        let call = format!("{action:?} {sandbox_id}");
+        let turn = match self.admit(sandbox_id, operation_id, &call).await {
+            Admission::Answered(answer) => return answer,
+            Admission::Turn(turn) => turn,
+        };
+        let answer = self.lifecycle_now(&turn, epoch, action).await;
+        self.remember(operation_id, &call, &answer);
+        answer
+    }
+
+    async fn lifecycle_now(&self, turn: &Turn<'_>, epoch: u64, action: Move) -> Result<SandboxRecord, NodeError> {
+        let id = turn.id.as_str();
+        let record = turn.record().ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        let epoch = fence(&record, epoch)?;
+        let mut next = record.clone();
+        next.epoch = epoch;
+        if let Some(state) = next_state(&record, action)? {
+            let r = record.clone();
+            match action {
+                Move::Pause => self.on_runtime(move |rt| rt.pause(&r)).await?,
+                Move::Resume => {
+                    let home = self.dir.home(id);
+                    next.pgid = self
+                        .on_runtime(move |rt| {
+                            // Thaw first: commands started through envd live in the sandbox's
+                            // cgroups too, whether or not it has a start command.
+                            rt.resume(&r)?;
+                            if r.pgid == 0 && has_command(&r) {
+                                // Its start command was not preserved (restored from a
+                                // snapshot, or the host restarted while it was paused): start
+                                // it afresh, files intact.
+                                rt.start(&r, &home)
+                            } else {
+                                Ok(r.pgid)
+                            }
+                        })
+                        .await?;
+                }
+                Move::Kill => self.on_runtime(move |rt| rt.kill(&r)).await?,
+            }
+            next.state = state;
+        }
+        if next.state == State::Killed {
+            // Gone for everyone from here; the turn is held until its files are too, so a
+            // create of the same ID waits for them.
+            turn.commit(None);
+            let (dir, gone) = (self.dir.clone(), id.to_string());
+            blocking(move || dir.remove(&gone).map_err(io)).await?;
+            tracing::info!(sandbox_id = %id, "sandbox killed");
+        } else {
+            if next != record {
+                self.persist(&next).await?;
+            }
+            turn.commit(Some(next.clone()));
+        }
+        Ok(next)
+    }
+
+    fn committed(&self, sandbox_id: &str) -> Option<SandboxRecord> {
+        let slot = lock(&self.slots).get(sandbox_id).cloned()?;
+        let record = lock(&slot.record).clone();
+        record
+    }
+
+    /// Every sandbox as last committed, by ID.
+    fn records(&self) -> Vec<SandboxRecord> {
+        let slots: Vec<Arc<Slot>> = lock(&self.slots).values().cloned().collect();
+        let mut records: Vec<SandboxRecord> = slots.iter().filter_map(|slot| lock(&slot.record).clone()).collect();
+        records.sort_by(|a, b| a.id.cmp(&b.id));
+        records
+    }
+
+    /// Checks a snapshot may be taken (paused, epoch current) and returns the record.
+    async fn snapshot_source(&self, epoch: u64, sandbox_id: &str) -> Result<SandboxRecord, NodeError> {
+        validate_id(sandbox_id)?;
+        let turn = self.enter(sandbox_id).await;
+        let mut record = turn
+            .record()
+            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
+        let epoch = fence(&record, epoch)?;
+        if record.state != State::Paused {
+            return Err(NodeError::Invalid(format!(
+                "sandbox {sandbox_id} is {:?}: pause it before taking a snapshot",
+                record.state
+            )));
+        }
+        if epoch != record.epoch {
+            record.epoch = epoch;
+            self.persist(&record).await?;
+            turn.commit(Some(record.clone()));
+        }
+        Ok(record)
+    }
+
+    /// Recreates a sandbox from a snapshot: unpacks the archive chunks from `data` into a
+    /// scratch folder, checks the SHA-256 against the trailer, then installs it, paused.
+    async fn restore(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        record: SandboxRecord,
+        data: mpsc::Receiver<RestoreItem>,
+    ) -> Result<SandboxRecord, NodeError> {
+        validate_id(&record.id)?;
+        let call = format!("restore {}", record.id);
+        if let Some(answer) = self.recall(operation_id, &call) {
+            return answer;
+        }
+        let answer = self.restore_now(operation_id, &call, epoch, record, data).await;
+        self.remember(operation_id, &call, &answer);
+        answer
+    }
+
+    async fn restore_now(
+        &self,
+        operation_id: &str,
+        call: &str,
+        epoch: u64,
+        mut record: SandboxRecord,
+        data: mpsc::Receiver<RestoreItem>,
+    ) -> Result<SandboxRecord, NodeError> {
+        if let Some(existing) = self.committed(&record.id) {
+            if existing.state != State::Killed {
+                return Err(NodeError::AlreadyExists(record.id));
+            }
+        }
+        // The stream is unpacked without the sandbox's turn (it may take long); only the
+        // install, which is quick, takes it.
+        let scratch = {
+            let (dir, id) = (self.dir.clone(), record.id.clone());
+            blocking(move || dir.restore_scratch(&id).map_err(io)).await?
+        };
+        let unpack_into = scratch.clone();
+        let unpacked = tokio::task::spawn_blocking(move || snapshot::unpack(data, &unpack_into))
+            .await
+            .map_err(|e| NodeError::Runtime(format!("restore task failed: {e}")))
+            .and_then(|unpacked| unpacked);
+        let drop_scratch = |scratch: PathBuf| {
+            blocking(move || {
+                let _ = std::fs::remove_dir_all(scratch);
+                Ok(())
+            })
+        };
+        if let Err(err) = unpacked {
+            let _ = drop_scratch(scratch).await;
+            return Err(err);
+        }
+        let turn = match self.admit(&record.id, operation_id, call).await {
+            Admission::Answered(answer) => {
+                let _ = drop_scratch(scratch).await;
+                return answer;
+            }
+            Admission::Turn(turn) => turn,
+        };
+        if turn.record().is_some() {
+            let _ = drop_scratch(scratch).await;
+            return Err(NodeError::AlreadyExists(record.id));
+        }
+        record.state = State::Paused;
+        record.pgid = 0;
+        record.epoch = record.epoch.max(epoch);
+        let (dir, runtime, r) = (self.dir.clone(), self.runtime.clone(), record.clone());
+        blocking(move || {
+            let installed = dir
+                .install(&scratch, &r.id)
+                .map_err(io)
+                .and_then(|()| runtime.adopt(&r).map_err(NodeError::from))
+                .and_then(|()| dir.persist(&r).map_err(io));
+            if installed.is_err() {
+                // A failed restore leaves nothing behind.
+                let _ = std::fs::remove_dir_all(&scratch);
+                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&r.id));
+            }
+            installed
+        })
+        .await?;
+        turn.commit(Some(record.clone()));
+        // Remembered within the turn, so a retry queued behind this one finds the answer.
+        self.remember(operation_id, call, &Ok(record.clone()));
+        tracing::info!(sandbox_id = %record.id, "sandbox restored (paused)");
+        Ok(record)
+    }
+}
+
+/// Loads the state directory and takes charge of every sandbox in it (blocking): killed ones
+/// are deleted, the others adopted by the runtime, and a running one whose start command
+/// died with the old node-svc is started again.
+fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, NodeError> {
+    dir.create().map_err(io)?;
+    let mut adopted = Vec::new();
+    for mut record in dir.load().map_err(io)? {
+        if record.state == State::Killed {
+            let _ = dir.remove(&record.id);
+            continue;
+        }
+        runtime.adopt(&record)?;
+        let alive = runtime.alive(&record);
+        match readoption(record.state, alive, has_command(&record)) {
+            Readoption::AsFound => {}
+            Readoption::Restart => {
+                record.pgid = runtime.start(&record, &dir.home(&record.id))?;
+                tracing::warn!(sandbox_id = %record.id, "start command was not running; restarted");
+                dir.persist(&record).map_err(io)?;
+            }
+            Readoption::Stopped => {
+                record.pgid = 0;
+                dir.persist(&record).map_err(io)?;
+            }
+        }
+        tracing::info!(sandbox_id = %record.id, state = ?record.state, alive, "re-adopted sandbox");
+        adopted.push(record);
+    }
+    Ok(adopted)
+}
+
+/// What re-adoption does with a sandbox found in the state directory.
+#[derive(Debug, PartialEq, Eq)]
+enum Readoption {
+    /// Take it as it is.
+    AsFound,
+    /// Its start command died with the host (or was killed): start it again, files intact.
+    Restart,
+    /// Its start command is gone and it is paused: forget its process group, so resume
+    /// starts the command afresh.
+    Stopped,
+}
+
+fn readoption(state: State, alive: bool, has_command: bool) -> Readoption {
+    if alive || !has_command {
+        return Readoption::AsFound;
+    }
+    match state {
+        State::Running => Readoption::Restart,
+        State::Paused | State::Killed => Readoption::Stopped,
+    }
+}
+
+fn has_command(record: &SandboxRecord) -> bool {
+    record.start_command.as_deref().is_some_and(|c| !c.trim().is_empty())
+}
+
+/// Whether an answer is final, and so given again to retries: refusals are; transient
+/// trouble (the state directory, the runtime) is not, so a retry tries again.
+fn is_final(answer: &Answer) -> bool {
+    !matches!(answer, Err(NodeError::Io(_) | NodeError::Runtime(_)))
 }
 
 fn validate_id(id: &str) -> Result<(), NodeError> {
@@ -147,517 +824,73 @@ fn validate_id(id: &str) -> Result<(), NodeError> {
     }
 }
 
-/// Copies a directory tree (template files into a new home).
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_tree(&entry.path(), &target)?;
+/// The record of a new sandbox, running, before its start command runs: the spec's env vars
+/// over the template's, the spec's start command or else the template's.
+fn new_record(spec: CreateSpec, template: Template, now_ms: u64) -> SandboxRecord {
+    let mut env = template.env;
+    env.extend(spec.env);
+    SandboxRecord {
+        id: spec.sandbox_id,
+        template: if spec.template.is_empty() {
+            "base".into()
         } else {
-            std::fs::copy(entry.path(), target)?;
-        }
+            spec.template
+        },
+        resources: spec.resources,
+        env,
+        metadata: spec.metadata,
+        start_command: spec.start_command.filter(|c| !c.is_empty()).or(template.start_command),
+        access_token: spec.access_token.filter(|t| !t.is_empty()),
+        state: State::Running,
+        epoch: spec.epoch,
+        pgid: 0,
+        created_at_unix_ms: now_ms,
     }
-    Ok(())
 }
 
-impl Host {
-    /// Opens the state directory and re-adopts every sandbox it records as running or paused.
-    pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
-        let dir = sandboxes_dir(&config.state_dir);
-        std::fs::create_dir_all(&dir).map_err(io)?;
-        let host = Self {
-            config,
-            runtime,
-            boot_id: uuid::Uuid::new_v4().to_string(),
-            registry: Mutex::new(Registry {
-                sandboxes: HashMap::new(),
-                answers: Answers::new(ANSWERS_KEPT),
-            }),
-            cpu: std::sync::Mutex::new(CpuRate::default()),
-        };
-        host.readopt().await?;
-        Ok(host)
-    }
+/// What a heartbeat measures on a blocking thread.
+struct Measured {
+    listed: Vec<(SandboxRecord, u64)>,
+    cpu_time_ns: Option<u64>,
+    own_rss: u64,
+}
 
-    pub fn node_id(&self) -> &str {
-        &self.config.node_id
-    }
-
-    pub fn boot_id(&self) -> &str {
-        &self.boot_id
-    }
-
-    pub fn capacity(&self) -> Resources {
-        self.config.capacity
-    }
-
-    pub fn runtime(&self) -> &Arc<dyn Runtime> {
-        &self.runtime
-    }
-
-    pub fn runtime_kind(&self) -> &'static str {
-        self.runtime.kind()
-    }
-
-    pub fn features(&self) -> Features {
-        self.runtime.features()
-    }
-
-    fn sandbox_dir(&self, id: &str) -> PathBuf {
-        sandboxes_dir(&self.config.state_dir).join(id)
-    }
-
-    /// Where a sandbox's files live.
-    pub fn home(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("home")
-    }
-
-    fn persist(&self, record: &SandboxRecord) -> Result<(), NodeError> {
-        let dir = self.sandbox_dir(&record.id);
-        let tmp = dir.join("sandbox.json.tmp");
-        let json = serde_json::to_vec_pretty(record).map_err(io)?;
-        let mut file = std::fs::File::create(&tmp).map_err(io)?;
-        file.write_all(&json).map_err(io)?;
-        file.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, dir.join("sandbox.json")).map_err(io)?;
-        Ok(())
-    }
-
-    async fn blocking<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(Arc<dyn Runtime>) -> Result<T, RuntimeError> + Send + 'static,
-    ) -> Result<T, NodeError> {
-        let runtime = self.runtime.clone();
-        tokio::task::spawn_blocking(move || f(runtime))
-            .await
-            .map_err(|e| NodeError::Runtime(format!("runtime task failed: {e}")))?
-            .map_err(NodeError::from)
-    }
-
-    async fn readopt(&self) -> Result<(), NodeError> {
-        let dir = sandboxes_dir(&self.config.state_dir);
-        let mut registry = self.registry.lock().await;
-        for entry in std::fs::read_dir(&dir).map_err(io)? {
-            let path = entry.map_err(io)?.path();
-            let Ok(bytes) = std::fs::read(path.join("sandbox.json")) else {
-                continue;
-            };
-            let mut record: SandboxRecord = match serde_json::from_slice(&bytes) {
-                Ok(record) => record,
-                Err(err) => {
-                    tracing::error!(path = %path.display(), %err, "unreadable sandbox record; left alone");
-                    continue;
-                }
-            };
-            if record.state == State::Killed {
-                let _ = std::fs::remove_dir_all(&path);
-                continue;
-            }
-            let r = record.clone();
-            let alive = self
-                .blocking(move |rt| {
-                    rt.adopt(&r)?;
-                    Ok(rt.alive(&r))
-                })
-                .await?;
-            let has_command = record.start_command.as_deref().is_some_and(|c| !c.trim().is_empty());
-            if !alive && has_command {
-                match record.state {
-                    State::Running => {
-                        // Its processes died with the host (or were killed): start it again,
-                        // files intact.
-                        let (r, home) = (record.clone(), self.home(&record.id));
-                        record.pgid = self.blocking(move |rt| rt.start(&r, &home)).await?;
-                        tracing::warn!(sandbox_id = %record.id, "start command was not running; restarted");
-                    }
-                    State::Paused | State::Killed => record.pgid = 0,
-                }
-                self.persist(&record)?;
-            }
-            tracing::info!(sandbox_id = %record.id, state = ?record.state, alive, "re-adopted sandbox");
-            registry.sandboxes.insert(record.id.clone(), record);
-        }
-        Ok(())
-    }
-
-    fn template(&self, name: &str) -> Result<Template, NodeError> {
-        let dir = self.config.templates_dir.as_ref().map(|d| d.join(name));
-        if let Some(dir) = dir.filter(|d| d.is_dir()) {
-            let mut template: Template = match std::fs::read(dir.join("template.json")) {
-                Ok(bytes) => serde_json::from_slice(&bytes)
-                    .map_err(|e| NodeError::Invalid(format!("template {name}: bad template.json: {e}")))?,
-                Err(_) => Template::default(),
-            };
-            let files = dir.join("files");
-            template.files = files.is_dir().then_some(files);
-            return Ok(template);
-        }
-        if name == "base" || name.is_empty() {
-            return Ok(Template::default());
-        }
-        Err(NodeError::UnknownTemplate(name.to_string()))
-    }
-
-    /// Runs `op` unless `operation_id` already has an answer for this `call`.
-    async fn once(
-        &self,
-        operation_id: &str,
-        call: String,
-        op: impl std::future::Future<Output = Result<SandboxRecord, NodeError>>,
-    ) -> Result<SandboxRecord, NodeError> {
-        if !operation_id.is_empty() {
-            match self.registry.lock().await.answers.recall(operation_id, &call) {
-                Recall::New => {}
-                Recall::Answered(answer) => return answer,
-                Recall::Reused { first } => {
-                    return Err(NodeError::OperationReused {
-                        operation_id: operation_id.to_string(),
-                        first,
-                    })
-                }
-            }
-        }
-        let answer = op.await;
-        // Remember failures that are answers (refusals), not transient trouble.
-        let remember = !matches!(answer, Err(NodeError::Io(_) | NodeError::Runtime(_)));
-        if remember {
-            self.registry
-                .lock()
-                .await
-                .answers
-                .remember(operation_id, &call, answer.clone());
-        }
-        answer
-    }
-
-    /// Creates and starts a sandbox.
-    pub async fn create(&self, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
-        validate_id(&spec.sandbox_id)?;
-        if spec.resources.vcpus == 0 || spec.resources.memory_bytes == 0 {
-            return Err(NodeError::Invalid("resources must be positive".to_string()));
-        }
-        let call = format!("create {}", spec.sandbox_id);
-        let operation_id = spec.operation_id.clone();
-        self.once(&operation_id, call, self.create_now(spec)).await
-    }
-
-    async fn create_now(&self, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
-        let template = self.template(&spec.template)?;
-        let mut registry = self.registry.lock().await;
-        if let Some(existing) = registry.sandboxes.get(&spec.sandbox_id) {
-            if existing.state != State::Killed {
-                return Err(NodeError::AlreadyExists(spec.sandbox_id));
-            }
-        }
-        let home = self.home(&spec.sandbox_id);
-        std::fs::create_dir_all(&home).map_err(io)?;
-        if let Some(files) = &template.files {
-            copy_tree(files, &home).map_err(io)?;
-        }
-        let mut env = template.env.clone();
-        env.extend(spec.env);
-        let mut record = SandboxRecord {
-            id: spec.sandbox_id.clone(),
-            template: if spec.template.is_empty() {
-                "base".into()
-            } else {
-                spec.template
-            },
-            resources: spec.resources,
-            env,
-            metadata: spec.metadata,
-            start_command: spec.start_command.filter(|c| !c.is_empty()).or(template.start_command),
-            access_token: spec.access_token.filter(|t| !t.is_empty()),
-            state: State::Running,
-            epoch: spec.epoch,
-            pgid: 0,
-            created_at_unix_ms: now_ms(),
-        };
-        let (r, h) = (record.clone(), home.clone());
-        match self.blocking(move |rt| rt.start(&r, &h)).await {
-            Ok(pgid) => record.pgid = pgid,
-            Err(err) => {
-                // A failed create leaves nothing behind.
-                let _ = std::fs::remove_dir_all(self.sandbox_dir(&record.id));
-                return Err(err);
-            }
-        }
-        if let Err(err) = self.persist(&record) {
-            let r = record.clone();
-            let _ = self.blocking(move |rt| rt.kill(&r)).await;
-            let _ = std::fs::remove_dir_all(self.sandbox_dir(&record.id));
-            return Err(err);
-        }
-        registry.sandboxes.insert(record.id.clone(), record.clone());
-        tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
-        Ok(record)
-    }
-
-    /// Pause, resume or kill, fenced by `epoch`.
-    pub async fn lifecycle(
-        &self,
-        operation_id: &str,
-        epoch: u64,
-        sandbox_id: &str,
-        action: Move,
-    ) -> Result<SandboxRecord, NodeError> {
-        validate_id(sandbox_id)?;
-        let call = format!("{action:?} {sandbox_id}");
-        self.once(operation_id, call, self.lifecycle_now(epoch, sandbox_id, action))
-            .await
-    }
-
-    async fn lifecycle_now(&self, epoch: u64, sandbox_id: &str, action: Move) -> Result<SandboxRecord, NodeError> {
-        let mut registry = self.registry.lock().await;
-        let record = registry
-            .sandboxes
-            .get(sandbox_id)
-            .cloned()
-            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
-        let epoch = fence(&record, epoch)?;
-        let mut next = record.clone();
-        next.epoch = epoch;
-        match next_state(&record, action)? {
-            None => {}
-            Some(state) => {
-                let r = record.clone();
-                match action {
-                    Move::Pause => self.blocking(move |rt| rt.pause(&r)).await?,
-                    Move::Resume => {
-                        // Thaw first: commands started through envd live in the sandbox's
-                        // cgroups too, whether or not it has a start command.
-                        let thawed = r.clone();
-                        self.blocking(move |rt| rt.resume(&thawed)).await?;
-                        let has_command = record.start_command.as_deref().is_some_and(|c| !c.trim().is_empty());
-                        if record.pgid == 0 && has_command {
-                            // Its start command was not preserved (restored from a snapshot,
-                            // or the host restarted while it was paused): start it afresh,
-                            // files intact.
-                            let home = self.home(sandbox_id);
-                            next.pgid = self.blocking(move |rt| rt.start(&r, &home)).await?;
-                        }
-                    }
-                    Move::Kill => self.blocking(move |rt| rt.kill(&r)).await?,
-                }
-                next.state = state;
-            }
-        }
-        if next.state == State::Killed {
-            registry.sandboxes.remove(sandbox_id);
-            std::fs::remove_dir_all(self.sandbox_dir(sandbox_id)).map_err(io)?;
-            tracing::info!(%sandbox_id, "sandbox killed");
-        } else {
-            if next != record {
-                self.persist(&next)?;
-            }
-            registry.sandboxes.insert(sandbox_id.to_string(), next.clone());
-        }
-        Ok(next)
-    }
-
-    /// One sandbox.
-    pub async fn get(&self, sandbox_id: &str) -> Option<SandboxRecord> {
-        self.registry.lock().await.sandboxes.get(sandbox_id).cloned()
-    }
-
-    /// Every sandbox with the memory it uses now.
-    pub async fn list(&self) -> Vec<(SandboxRecord, u64)> {
-        let records: Vec<SandboxRecord> = self.registry.lock().await.sandboxes.values().cloned().collect();
-        let mut out: Vec<(SandboxRecord, u64)> = records
-            .into_iter()
-            .map(|r| {
-                let used = self.runtime.memory_used(&r);
-                (r, used)
-            })
-            .collect();
-        out.sort_by(|a, b| a.0.id.cmp(&b.0.id));
-        out
-    }
-
-    /// The picture a heartbeat reports: the list and the totals from one snapshot of the
-    /// registry.
-    pub async fn picture(&self) -> Picture {
-        self.runtime.reap();
-        let listed = self.list().await;
-        let mut allocated = Resources::default();
-        let mut used = own_rss();
-        let (running, paused) = listed.iter().fold((0u32, 0u32), |(r, p), (rec, _)| match rec.state {
-            State::Running => (r + 1, p),
-            State::Paused => (r, p + 1),
-            State::Killed => (r, p),
-        });
-        metrics::gauge!("node_sandboxes", "state" => "running").set(f64::from(running));
-        metrics::gauge!("node_sandboxes", "state" => "paused").set(f64::from(paused));
-        let sandboxes = listed
-            .into_iter()
-            .map(|(r, memory_used)| {
-                allocated.vcpus += r.resources.vcpus;
-                allocated.memory_bytes += r.resources.memory_bytes;
-                used += memory_used;
-                Reported {
-                    sandbox_id: r.id,
-                    state: r.state,
-                    resources: r.resources,
-                    memory_used_bytes: memory_used,
-                }
-            })
-            .collect();
-        let cpu_usage = match (self.runtime.cpu_time_ns(), self.cpu.lock()) {
-            (Some(ns), Ok(mut rate)) => rate.observe(std::time::Instant::now(), ns),
-            _ => 0.0,
-        };
-        Picture {
-            sandboxes,
-            allocated,
-            memory_used_bytes: used,
-            memory_available_bytes: self.config.capacity.memory_bytes.saturating_sub(used),
-            cpu_usage,
-        }
-    }
-
-    /// Checks a snapshot may be taken (paused, epoch current) and returns the record.
-    pub async fn snapshot_source(&self, epoch: u64, sandbox_id: &str) -> Result<SandboxRecord, NodeError> {
-        validate_id(sandbox_id)?;
-        let mut registry = self.registry.lock().await;
-        let record = registry
-            .sandboxes
-            .get_mut(sandbox_id)
-            .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
-        record.epoch = fence(record, epoch)?;
-        if record.state != State::Paused {
-            return Err(NodeError::Invalid(format!(
-                "sandbox {sandbox_id} is {:?}: pause it before taking a snapshot",
-                record.state
-            )));
-        }
-        let record = record.clone();
-        self.persist(&record)?;
-        Ok(record)
-    }
-
-    /// Streams the sandbox's home as a tar archive in chunks; the last item is the SHA-256
-    /// of all the data and its length.
-    pub fn snapshot_stream(&self, sandbox_id: &str) -> mpsc::Receiver<Result<SnapshotPart, NodeError>> {
-        let (tx, rx) = mpsc::channel(8);
-        let home = self.home(sandbox_id);
-        tokio::task::spawn_blocking(move || {
-            let mut writer = ChunkWriter {
-                tx: tx.clone(),
-                buf: Vec::with_capacity(CHUNK),
-                hasher: Sha256::new(),
-                bytes: 0,
-            };
-            let result = (|| -> std::io::Result<()> {
-                let mut archive = tar::Builder::new(&mut writer);
-                archive.follow_symlinks(false);
-                archive.append_dir_all("home", &home)?;
-                archive.finish()?;
-                drop(archive);
-                writer.flush()
-            })();
-            match result {
-                Ok(()) => {
-                    let sha256 = hex(&writer.hasher.finalize_reset());
-                    let _ = tx.blocking_send(Ok(SnapshotPart::End {
-                        sha256,
-                        bytes: writer.bytes,
-                    }));
-                }
-                Err(err) => {
-                    let _ = tx.blocking_send(Err(NodeError::Io(format!("archiving {}: {err}", home.display()))));
-                }
-            }
-        });
-        rx
-    }
-
-    /// Recreates a sandbox from a snapshot: unpacks the archive chunks from `data` into a
-    /// scratch folder, checks the SHA-256 against the trailer, then installs it, paused.
-    pub async fn restore(
-        &self,
-        operation_id: &str,
-        epoch: u64,
-        record: SandboxRecord,
-        data: mpsc::Receiver<RestoreItem>,
-    ) -> Result<SandboxRecord, NodeError> {
-        validate_id(&record.id)?;
-        let call = format!("restore {}", record.id);
-        self.once(operation_id, call, self.restore_now(epoch, record, data))
-            .await
-    }
-
-    async fn restore_now(
-        &self,
-        epoch: u64,
-        mut record: SandboxRecord,
-        data: mpsc::Receiver<RestoreItem>,
-    ) -> Result<SandboxRecord, NodeError> {
-        if let Some(existing) = self.get(&record.id).await {
-            if existing.state != State::Killed {
-                return Err(NodeError::AlreadyExists(record.id));
-            }
-        }
-        let scratch = sandboxes_dir(&self.config.state_dir).join(format!(
-            ".restore-{}-{}",
-            record.id,
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&scratch).map_err(io)?;
-        let unpack_into = scratch.clone();
-        let unpacked = tokio::task::spawn_blocking(move || -> Result<(Checksum, Option<Checksum>), NodeError> {
-            let mut reader = ChunkReader {
-                rx: data,
-                current: Vec::new(),
-                offset: 0,
-                hasher: Sha256::new(),
-                bytes: 0,
-                trailer: None,
-            };
-            tar::Archive::new(&mut reader)
-                .unpack(&unpack_into)
-                .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
-            // Drain what follows the archive's end (tar padding) up to the trailer.
-            std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
-            let got = Checksum {
-                sha256: hex(&reader.hasher.finalize_reset()),
-                bytes: reader.bytes,
-            };
-            Ok((got, reader.trailer))
+/// Each record with the memory the runtime says it uses (blocking).
+fn measure(runtime: &dyn Runtime, records: Vec<SandboxRecord>) -> Vec<(SandboxRecord, u64)> {
+    records
+        .into_iter()
+        .map(|r| {
+            let used = runtime.memory_used(&r);
+            (r, used)
         })
-        .await
-        .map_err(|e| NodeError::Runtime(format!("restore task failed: {e}")));
-        let checked = match unpacked.and_then(|r| r) {
-            Ok((got, Some(want))) if got == want => Ok(()),
-            Ok((got, Some(want))) => Err(NodeError::Corrupt(format!(
-                "checksum {} over {} bytes, the source said {} over {}",
-                got.sha256, got.bytes, want.sha256, want.bytes
-            ))),
-            Ok((_, None)) => Err(NodeError::Corrupt("the stream ended without a trailer".to_string())),
-            Err(err) => Err(err),
-        };
-        if let Err(err) = checked {
-            let _ = std::fs::remove_dir_all(&scratch);
-            return Err(err);
-        }
-        let mut registry = self.registry.lock().await;
-        if registry.sandboxes.contains_key(&record.id) {
-            let _ = std::fs::remove_dir_all(&scratch);
-            return Err(NodeError::AlreadyExists(record.id));
-        }
-        let dir = self.sandbox_dir(&record.id);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&scratch, &dir).map_err(io)?;
-        record.state = State::Paused;
-        record.pgid = 0;
-        record.epoch = record.epoch.max(epoch);
-        let r = record.clone();
-        self.blocking(move |rt| rt.adopt(&r)).await?;
-        self.persist(&record)?;
-        registry.sandboxes.insert(record.id.clone(), record.clone());
-        tracing::info!(sandbox_id = %record.id, "sandbox restored (paused)");
-        Ok(record)
+        .collect()
+}
+
+/// The heartbeat's picture of `listed` sandboxes on a node of `capacity`, whose own process
+/// uses `own_rss` bytes.
+fn picture_of(listed: Vec<(SandboxRecord, u64)>, capacity: Resources, own_rss: u64, cpu_usage: f64) -> Picture {
+    let mut allocated = Resources::default();
+    let mut used = own_rss;
+    let sandboxes = listed
+        .into_iter()
+        .map(|(r, memory_used)| {
+            allocated.vcpus += r.resources.vcpus;
+            allocated.memory_bytes += r.resources.memory_bytes;
+            used += memory_used;
+            Reported {
+                sandbox_id: r.id,
+                state: r.state,
+                resources: r.resources,
+                memory_used_bytes: memory_used,
+            }
+        })
+        .collect();
+    Picture {
+        sandboxes,
+        allocated,
+        memory_used_bytes: used,
+        memory_available_bytes: capacity.memory_bytes.saturating_sub(used),
+        cpu_usage,
     }
 }
 
@@ -669,87 +902,184 @@ fn own_rss() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::sim::SimRuntime;
 
-/// A piece of a snapshot stream.
-pub enum SnapshotPart {
-    Data(Vec<u8>),
-    End { sha256: String, bytes: u64 },
-}
+    const MIB: u64 = 1 << 20;
 
-/// A piece of a restore stream.
-pub enum RestoreItem {
-    Data(Vec<u8>),
-    Trailer { sha256: String, bytes: u64 },
-}
-
-struct ChunkWriter {
-    tx: mpsc::Sender<Result<SnapshotPart, NodeError>>,
-    buf: Vec<u8>,
-    hasher: Sha256,
-    bytes: u64,
-}
-
-impl Write for ChunkWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.buf.extend_from_slice(data);
-        if self.buf.len() >= CHUNK {
-            self.flush()?;
+    fn record(id: &str, state: State, memory_bytes: u64) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            template: "base".into(),
+            resources: Resources { vcpus: 1, memory_bytes },
+            env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            start_command: None,
+            access_token: None,
+            state,
+            epoch: 1,
+            pgid: 0,
+            created_at_unix_ms: 0,
         }
-        Ok(data.len())
     }
 
-    fn flush(&mut self) -> std::io::Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
+    #[test]
+    fn ids_are_plain_names() {
+        for good in ["a", "sbx-1_2.3", &"x".repeat(128)] {
+            assert!(validate_id(good).is_ok(), "{good}");
         }
-        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
-        self.hasher.update(&chunk);
-        self.bytes += chunk.len() as u64;
-        self.tx
-            .blocking_send(Ok(SnapshotPart::Data(chunk)))
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "snapshot receiver gone"))
+        for bad in ["", ".hidden", "a/b", "..", "a b", &"x".repeat(129)] {
+            assert!(validate_id(bad).is_err(), "{bad}");
+        }
     }
-}
 
-struct ChunkReader {
-    rx: mpsc::Receiver<RestoreItem>,
-    current: Vec<u8>,
-    offset: usize,
-    hasher: Sha256,
-    bytes: u64,
-    trailer: Option<Checksum>,
-}
+    #[test]
+    fn a_new_record_takes_the_spec_over_the_template() {
+        let template = Template {
+            env: [("A".into(), "template".into()), ("B".into(), "template".into())].into(),
+            start_command: Some("from-template".into()),
+            files: None,
+        };
+        let spec = CreateSpec {
+            sandbox_id: "s".into(),
+            env: [("A".into(), "spec".into())].into(),
+            start_command: Some(String::new()),
+            access_token: Some(String::new()),
+            epoch: 4,
+            ..Default::default()
+        };
+        let r = new_record(spec, template, 99);
+        assert_eq!(r.env.get("A").map(String::as_str), Some("spec"));
+        assert_eq!(r.env.get("B").map(String::as_str), Some("template"));
+        assert_eq!(r.start_command.as_deref(), Some("from-template"));
+        assert_eq!(r.access_token, None, "an empty token is no token");
+        assert_eq!(
+            (r.template.as_str(), r.state, r.epoch, r.created_at_unix_ms),
+            ("base", State::Running, 4, 99)
+        );
+    }
 
-/// What a snapshot's trailer states about its data.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Checksum {
-    sha256: String,
-    bytes: u64,
-}
+    #[test]
+    fn readoption_restarts_only_a_running_sandbox_whose_command_died() {
+        assert_eq!(readoption(State::Running, true, true), Readoption::AsFound);
+        assert_eq!(readoption(State::Running, false, false), Readoption::AsFound);
+        assert_eq!(readoption(State::Running, false, true), Readoption::Restart);
+        assert_eq!(readoption(State::Paused, false, true), Readoption::Stopped);
+        assert_eq!(readoption(State::Paused, true, true), Readoption::AsFound);
+    }
 
-impl Read for ChunkReader {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while self.offset >= self.current.len() {
-            if self.trailer.is_some() {
-                return Ok(0);
+    #[test]
+    fn only_final_answers_are_kept() {
+        assert!(is_final(&Ok(record("s", State::Running, MIB))));
+        assert!(is_final(&Err(NodeError::NotFound("s".into()))));
+        assert!(is_final(&Err(NodeError::Corrupt("x".into()))));
+        assert!(!is_final(&Err(NodeError::Io("disk".into()))));
+        assert!(!is_final(&Err(NodeError::Runtime("stuck".into()))));
+    }
+
+    #[test]
+    fn a_picture_sums_allocations_and_use() {
+        let listed = vec![
+            (record("a", State::Running, 100 * MIB), 10 * MIB),
+            (record("b", State::Paused, 200 * MIB), 20 * MIB),
+        ];
+        let capacity = Resources {
+            vcpus: 4,
+            memory_bytes: 1024 * MIB,
+        };
+        let p = picture_of(listed, capacity, 5 * MIB, 0.5);
+        assert_eq!(
+            p.allocated,
+            Resources {
+                vcpus: 2,
+                memory_bytes: 300 * MIB
             }
-            match self.rx.blocking_recv() {
-                Some(RestoreItem::Data(chunk)) => {
-                    self.hasher.update(&chunk);
-                    self.bytes += chunk.len() as u64;
-                    self.current = chunk;
-                    self.offset = 0;
-                }
-                Some(RestoreItem::Trailer { sha256, bytes }) => self.trailer = Some(Checksum { sha256, bytes }),
-                None => return Ok(0),
-            }
+        );
+        assert_eq!(p.memory_used_bytes, 35 * MIB);
+        assert_eq!(p.memory_available_bytes, 989 * MIB);
+        assert_eq!(p.sandboxes[1].sandbox_id, "b");
+        assert_eq!(p.sandboxes[1].memory_used_bytes, 20 * MIB);
+        let tiny = Resources {
+            vcpus: 1,
+            memory_bytes: MIB,
+        };
+        assert_eq!(picture_of(Vec::new(), tiny, 2 * MIB, 0.0).memory_available_bytes, 0);
+    }
+
+    fn config(dir: &std::path::Path) -> HostConfig {
+        HostConfig {
+            node_id: "unit".into(),
+            state_dir: dir.to_path_buf(),
+            templates_dir: None,
+            capacity: Resources {
+                vcpus: 8,
+                memory_bytes: 8192 * MIB,
+            },
         }
-        let n = out.len().min(self.current.len() - self.offset);
-        out[..n].copy_from_slice(&self.current[self.offset..self.offset + n]);
-        self.offset += n;
-        Ok(n)
+    }
+
+    fn spec(id: &str, operation_id: &str) -> CreateSpec {
+        CreateSpec {
+            operation_id: operation_id.into(),
+            epoch: 1,
+            sandbox_id: id.into(),
+            template: "base".into(),
+            resources: Resources {
+                vcpus: 1,
+                memory_bytes: 64 * MIB,
+            },
+            ..Default::default()
+        }
+    }
+
+    fn sim() -> Arc<dyn Runtime> {
+        Arc::new(SimRuntime { used_share: 0.5 })
+    }
+
+    #[tokio::test]
+    async fn the_registry_holds_only_sandboxes_and_answers_retries() {
+        let dir = std::env::temp_dir().join(format!("host-unit-{}", uuid::Uuid::new_v4().simple()));
+        let host = Host::open(config(&dir), sim()).await.expect("open");
+
+        // Operations on an unknown ID leave no slot behind.
+        let ghost = host.lifecycle("", 1, "ghost", Move::Pause).await;
+        assert!(matches!(ghost, Err(NodeError::NotFound(_))));
+        assert!(host.snapshot_source(1, "ghost").await.is_err());
+        assert!(lock(&host.shared.slots).is_empty());
+
+        let a = host.create(spec("a", "create-a")).await.expect("create a");
+        assert_eq!(host.create(spec("a", "create-a")).await.expect("retry"), a);
+        assert!(matches!(
+            host.create(spec("a", "create-a-again")).await,
+            Err(NodeError::AlreadyExists(_))
+        ));
+        assert!(matches!(
+            host.lifecycle("create-a", 1, "a", Move::Kill).await,
+            Err(NodeError::OperationReused { .. })
+        ));
+        // Fencing: an older epoch is refused, a newer one is kept.
+        assert!(matches!(
+            host.lifecycle("", 0, "a", Move::Pause).await,
+            Err(NodeError::Refused(Refusal::StaleEpoch { .. }))
+        ));
+        let paused = host.lifecycle("pause-a", 3, "a", Move::Pause).await.expect("pause");
+        assert_eq!((paused.state, paused.epoch), (State::Paused, 3));
+        assert_eq!(host.get("a").await, Some(paused.clone()));
+        let listed = host.list().await;
+        assert_eq!(listed, vec![(paused.clone(), 32 * MIB)]);
+
+        // A new host on the same directory re-adopts it, as it was.
+        let again = Host::open(config(&dir), sim()).await.expect("reopen");
+        assert_eq!(again.get("a").await, Some(paused));
+
+        let killed = host.lifecycle("kill-a", 3, "a", Move::Kill).await.expect("kill");
+        assert_eq!(killed.state, State::Killed);
+        assert_eq!(host.get("a").await, None);
+        assert!(lock(&host.shared.slots).is_empty());
+        assert!(!host.home("a").exists());
+        assert!(host.picture().await.sandboxes.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

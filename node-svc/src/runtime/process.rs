@@ -198,10 +198,15 @@ impl ProcessRuntime {
     }
 
     fn reap_one(&self, sandbox: &str) {
-        if let Ok(mut children) = self.children.lock() {
-            if let Some(mut child) = children.remove(sandbox) {
-                let _ = child.wait();
-            }
+        // Taken out under the lock, waited for outside it: a child slow to die must not hold
+        // up `reap` (every heartbeat) or other sandboxes' starts and kills.
+        let child = self
+            .children
+            .lock()
+            .ok()
+            .and_then(|mut children| children.remove(sandbox));
+        if let Some(mut child) = child {
+            let _ = child.wait();
         }
     }
 }

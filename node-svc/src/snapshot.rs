@@ -1,0 +1,320 @@
+//! Snapshot streaming: a sandbox's home as a tar archive cut into chunks, and back.
+//!
+//! Taking a snapshot archives the home folder (as `home/…`, symlinks kept as links) into a
+//! [`ChunkWriter`], which sends fixed-size chunks down a bounded channel while hashing them;
+//! the stream ends with the SHA-256 and length of everything sent. The channel's bound makes
+//! a slow receiver slow the archiver down instead of buffering the whole home in memory.
+//!
+//! Restoring reads chunks from a channel through a [`ChunkReader`] (hashing as it goes),
+//! unpacks them into a scratch folder, and compares what arrived with the trailer the sender
+//! stated. Only a verified folder is installed as a sandbox; [`verify`] is that decision.
+//!
+//! Archiving and unpacking are blocking: they run on `spawn_blocking` threads and talk to the
+//! async side through the channels.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::host::NodeError;
+
+/// Size of snapshot data chunks.
+const CHUNK: usize = 256 * 1024;
+/// Chunks in flight between the archiver and the receiver.
+const IN_FLIGHT: usize = 8;
+
+/// A piece of a snapshot stream.
+pub enum SnapshotPart {
+    Data(Vec<u8>),
+    End { sha256: String, bytes: u64 },
+}
+
+/// A piece of a restore stream.
+pub enum RestoreItem {
+    Data(Vec<u8>),
+    Trailer { sha256: String, bytes: u64 },
+}
+
+/// What a snapshot's data hashes to, as measured or as its trailer states.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checksum {
+    pub sha256: String,
+    pub bytes: u64,
+}
+
+/// Streams `home` as a tar archive in chunks; the last item is the SHA-256 of all the data and
+/// its length, or the error that stopped the archive.
+pub fn stream(home: PathBuf) -> mpsc::Receiver<Result<SnapshotPart, NodeError>> {
+    let (tx, rx) = mpsc::channel(IN_FLIGHT);
+    tokio::task::spawn_blocking(move || archive(&home, tx));
+    rx
+}
+
+/// Archives `home` into chunks sent on `tx`, then the end (blocking).
+fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
+    let mut writer = ChunkWriter::new(tx.clone());
+    let written = (|| -> std::io::Result<()> {
+        let mut archive = tar::Builder::new(&mut writer);
+        archive.follow_symlinks(false);
+        archive.append_dir_all("home", home)?;
+        archive.finish()?;
+        drop(archive);
+        writer.flush()
+    })();
+    let last = match written {
+        Ok(()) => {
+            let sum = writer.checksum();
+            Ok(SnapshotPart::End {
+                sha256: sum.sha256,
+                bytes: sum.bytes,
+            })
+        }
+        Err(err) => Err(NodeError::Io(format!("archiving {}: {err}", home.display()))),
+    };
+    // A receiver that went away wants nothing more.
+    let _ = tx.blocking_send(last);
+}
+
+/// Unpacks the archive arriving on `data` into `into` and checks it against the trailer
+/// (blocking).
+pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), NodeError> {
+    let mut reader = ChunkReader::new(data);
+    tar::Archive::new(&mut reader)
+        .unpack(into)
+        .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
+    // Drain what follows the archive's end (tar padding) up to the trailer.
+    std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
+    let got = reader.checksum();
+    verify(&got, reader.trailer.as_ref())
+}
+
+/// Whether the data that arrived (`got`) is what the sender stated it sent (`want`).
+pub fn verify(got: &Checksum, want: Option<&Checksum>) -> Result<(), NodeError> {
+    match want {
+        Some(want) if want == got => Ok(()),
+        Some(want) => Err(NodeError::Corrupt(format!(
+            "checksum {} over {} bytes, the source said {} over {}",
+            got.sha256, got.bytes, want.sha256, want.bytes
+        ))),
+        None => Err(NodeError::Corrupt("the stream ended without a trailer".to_string())),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A `Write` that sends what it is given as chunks of [`CHUNK`] bytes, hashing them.
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<SnapshotPart, NodeError>>,
+    buf: Vec<u8>,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl ChunkWriter {
+    fn new(tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) -> Self {
+        Self {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+            hasher: Sha256::new(),
+            bytes: 0,
+        }
+    }
+
+    /// What has been sent so far.
+    fn checksum(&mut self) -> Checksum {
+        Checksum {
+            sha256: hex(&self.hasher.finalize_reset()),
+            bytes: self.bytes,
+        }
+    }
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        self.hasher.update(&chunk);
+        self.bytes += chunk.len() as u64;
+        self.tx
+            .blocking_send(Ok(SnapshotPart::Data(chunk)))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "snapshot receiver gone"))
+    }
+}
+
+/// A `Read` over the data chunks arriving on a channel, hashing them; it ends at the trailer
+/// (which it keeps) or when the sender goes.
+struct ChunkReader {
+    rx: mpsc::Receiver<RestoreItem>,
+    current: Vec<u8>,
+    offset: usize,
+    hasher: Sha256,
+    bytes: u64,
+    trailer: Option<Checksum>,
+}
+
+impl ChunkReader {
+    fn new(rx: mpsc::Receiver<RestoreItem>) -> Self {
+        Self {
+            rx,
+            current: Vec::new(),
+            offset: 0,
+            hasher: Sha256::new(),
+            bytes: 0,
+            trailer: None,
+        }
+    }
+
+    /// What has arrived so far.
+    fn checksum(&mut self) -> Checksum {
+        Checksum {
+            sha256: hex(&self.hasher.finalize_reset()),
+            bytes: self.bytes,
+        }
+    }
+}
+
+impl Read for ChunkReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.offset >= self.current.len() {
+            if self.trailer.is_some() {
+                return Ok(0);
+            }
+            match self.rx.blocking_recv() {
+                Some(RestoreItem::Data(chunk)) => {
+                    self.hasher.update(&chunk);
+                    self.bytes += chunk.len() as u64;
+                    self.current = chunk;
+                    self.offset = 0;
+                }
+                Some(RestoreItem::Trailer { sha256, bytes }) => self.trailer = Some(Checksum { sha256, bytes }),
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.current.len() - self.offset);
+        out[..n].copy_from_slice(&self.current[self.offset..self.offset + n]);
+        self.offset += n;
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("snapshot-test-{name}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        dir
+    }
+
+    /// Archives `home` on a thread of its own, as `spawn_blocking` would: every part sent.
+    fn take(home: &Path) -> Vec<Result<SnapshotPart, NodeError>> {
+        let (tx, mut rx) = mpsc::channel(IN_FLIGHT);
+        let home = home.to_path_buf();
+        let archiver = std::thread::spawn(move || archive(&home, tx));
+        let mut parts = Vec::new();
+        while let Some(part) = rx.blocking_recv() {
+            parts.push(part);
+        }
+        archiver.join().expect("archiver");
+        parts
+    }
+
+    /// Feeds `items` to [`unpack`] into `into`.
+    fn restore(items: Vec<RestoreItem>, into: &Path) -> Result<(), NodeError> {
+        let (tx, rx) = mpsc::channel(items.len().max(1));
+        for item in items {
+            tx.try_send(item).map_err(|_| NodeError::Io("channel full".into()))?;
+        }
+        drop(tx);
+        unpack(rx, into)
+    }
+
+    fn as_restore(parts: Vec<Result<SnapshotPart, NodeError>>) -> Vec<RestoreItem> {
+        parts
+            .into_iter()
+            .map(|part| match part {
+                Ok(SnapshotPart::Data(data)) => RestoreItem::Data(data),
+                Ok(SnapshotPart::End { sha256, bytes }) => RestoreItem::Trailer { sha256, bytes },
+                Err(err) => panic!("archive failed: {err}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_home_survives_the_round_trip_in_several_chunks() {
+        let dir = scratch("round-trip");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(home.join("sub")).expect("home");
+        // Big enough to need several chunks, and not a multiple of their size.
+        let big: Vec<u8> = (0..(CHUNK * 2 + 12345)).map(|i| (i % 251) as u8).collect();
+        std::fs::write(home.join("sub/big.bin"), &big).expect("big");
+        std::fs::write(home.join("small.txt"), "small").expect("small");
+        let parts = take(&home);
+        let data_chunks = parts.iter().filter(|p| matches!(p, Ok(SnapshotPart::Data(_)))).count();
+        assert!(data_chunks >= 3, "{data_chunks} chunks");
+        assert!(matches!(parts.last(), Some(Ok(SnapshotPart::End { .. }))));
+
+        let into = dir.join("restored");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(as_restore(parts), &into).expect("restore");
+        assert_eq!(std::fs::read(into.join("home/sub/big.bin")).expect("big"), big);
+        assert_eq!(
+            std::fs::read_to_string(into.join("home/small.txt")).expect("small"),
+            "small"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_changed_or_truncated_stream_is_refused() {
+        let dir = scratch("corrupt");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(&home).expect("home");
+        std::fs::write(home.join("a.txt"), "the data").expect("a");
+        let items = as_restore(take(&home));
+
+        // A trailer that states another checksum.
+        let mut lying = items;
+        if let Some(RestoreItem::Trailer { sha256, .. }) = lying.last_mut() {
+            *sha256 = "0".repeat(64);
+        }
+        let into = dir.join("lying");
+        std::fs::create_dir_all(&into).expect("into");
+        assert!(matches!(restore(lying, &into), Err(NodeError::Corrupt(_))));
+
+        // A stream that ends without its trailer.
+        let mut truncated = as_restore(take(&home));
+        truncated.pop();
+        let into = dir.join("truncated");
+        std::fs::create_dir_all(&into).expect("into");
+        assert!(matches!(restore(truncated, &into), Err(NodeError::Corrupt(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn verify_compares_sum_and_length() {
+        let sum = |s: &str, bytes| Checksum {
+            sha256: s.into(),
+            bytes,
+        };
+        assert!(verify(&sum("ab", 2), Some(&sum("ab", 2))).is_ok());
+        assert!(verify(&sum("ab", 2), Some(&sum("ab", 3))).is_err());
+        assert!(verify(&sum("ab", 2), Some(&sum("cd", 2))).is_err());
+        assert!(verify(&sum("ab", 2), None).is_err());
+    }
+}

@@ -1,0 +1,197 @@
+//! The state directory: where a node keeps its sandboxes so that they outlive the node-svc
+//! process.
+//!
+//! Layout, under the configured state directory:
+//!
+//! ```text
+//! sandboxes/
+//!   ID/sandbox.json        the sandbox's SandboxRecord, replaced atomically on every change
+//!   ID/home/               its files, which survive pause, restart and migration
+//!   .restore-ID-UUID/      a snapshot being unpacked (renamed to ID/ once verified)
+//!   .trash-ID-UUID/        a killed sandbox being deleted
+//! ```
+//!
+//! Sandbox IDs never start with '.', so dot-folders are always the node's own scratch space;
+//! any found at start-up were left by a node-svc that stopped mid-way, and are removed.
+//!
+//! A record is written to a temporary file, synced, then renamed over `sandbox.json`, so after
+//! a crash the file holds either the old record or the new one, never a mix.
+//! A kill first renames the sandbox's folder away, so a crash mid-deletion cannot bring the
+//! sandbox back at the next start.
+//!
+//! Every method does blocking filesystem work: the host calls them from `spawn_blocking`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::sandbox::SandboxRecord;
+
+const RECORD: &str = "sandbox.json";
+const RECORD_TMP: &str = "sandbox.json.tmp";
+const RESTORE_PREFIX: &str = ".restore-";
+const TRASH_PREFIX: &str = ".trash-";
+
+/// The `sandboxes/` folder of a node's state directory.
+#[derive(Clone, Debug)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl StateDir {
+    /// The sandboxes folder of `state_dir` (not created yet: see [`StateDir::create`]).
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            root: state_dir.join("sandboxes"),
+        }
+    }
+
+    pub fn create(&self) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.root)
+    }
+
+    /// Sandbox `id`'s folder.
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.root.join(id)
+    }
+
+    /// Where sandbox `id`'s files live.
+    pub fn home(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("home")
+    }
+
+    /// Writes `record` as its sandbox's `sandbox.json`, atomically.
+    pub fn persist(&self, record: &SandboxRecord) -> std::io::Result<()> {
+        let dir = self.sandbox_dir(&record.id);
+        let tmp = dir.join(RECORD_TMP);
+        let json = serde_json::to_vec_pretty(record).map_err(std::io::Error::other)?;
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(&json)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, dir.join(RECORD))
+    }
+
+    /// Every sandbox record found, after removing the scratch folders a previous run left.
+    /// A folder whose record is missing or unreadable is logged and left alone, so nothing is
+    /// deleted that someone might still want to recover.
+    pub fn load(&self) -> std::io::Result<Vec<SandboxRecord>> {
+        let mut records = Vec::new();
+        for entry in std::fs::read_dir(&self.root)? {
+            let entry = entry?;
+            let path = entry.path();
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                tracing::info!(path = %path.display(), "removing scratch left by a previous run");
+                let _ = std::fs::remove_dir_all(&path);
+                continue;
+            }
+            let Ok(bytes) = std::fs::read(path.join(RECORD)) else {
+                continue;
+            };
+            match serde_json::from_slice(&bytes) {
+                Ok(record) => records.push(record),
+                Err(err) => {
+                    tracing::error!(path = %path.display(), %err, "unreadable sandbox record; left alone");
+                }
+            }
+        }
+        Ok(records)
+    }
+
+    /// Deletes sandbox `id`'s folder: renamed away first (one atomic step that frees the ID
+    /// on disk), then deleted.
+    pub fn remove(&self, id: &str) -> std::io::Result<()> {
+        let trash = self.scratch_path(TRASH_PREFIX, id);
+        std::fs::rename(self.sandbox_dir(id), &trash)?;
+        std::fs::remove_dir_all(&trash)
+    }
+
+    /// A new empty folder to unpack a snapshot of sandbox `id` into.
+    pub fn restore_scratch(&self, id: &str) -> std::io::Result<PathBuf> {
+        let scratch = self.scratch_path(RESTORE_PREFIX, id);
+        std::fs::create_dir_all(&scratch)?;
+        Ok(scratch)
+    }
+
+    /// Makes a verified restore folder sandbox `id`'s folder, replacing any left-over one.
+    pub fn install(&self, scratch: &Path, id: &str) -> std::io::Result<()> {
+        let dir = self.sandbox_dir(id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(scratch, dir)
+    }
+
+    fn scratch_path(&self, prefix: &str, id: &str) -> PathBuf {
+        self.root
+            .join(format!("{prefix}{id}-{}", uuid::Uuid::new_v4().simple()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::{Resources, State};
+
+    fn record(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            template: "base".into(),
+            resources: Resources {
+                vcpus: 1,
+                memory_bytes: 1 << 20,
+            },
+            env: Default::default(),
+            metadata: Default::default(),
+            start_command: None,
+            access_token: None,
+            state: State::Running,
+            epoch: 1,
+            pgid: 0,
+            created_at_unix_ms: 0,
+        }
+    }
+
+    fn scratch() -> (PathBuf, StateDir) {
+        let base = std::env::temp_dir().join(format!("state-dir-test-{}", uuid::Uuid::new_v4().simple()));
+        let dir = StateDir::new(&base);
+        dir.create().expect("create");
+        (base, dir)
+    }
+
+    #[test]
+    fn records_persist_load_and_go() {
+        let (base, dir) = scratch();
+        let mut a = record("a");
+        std::fs::create_dir_all(dir.home("a")).expect("home");
+        dir.persist(&a).expect("persist");
+        a.state = State::Paused;
+        dir.persist(&a).expect("persist again");
+        assert!(!dir.sandbox_dir("a").join(RECORD_TMP).exists());
+        // A folder with a broken record is skipped, not deleted.
+        std::fs::create_dir_all(dir.sandbox_dir("broken")).expect("broken");
+        std::fs::write(dir.sandbox_dir("broken").join(RECORD), "{").expect("broken record");
+        assert_eq!(dir.load().expect("load"), vec![a]);
+        assert!(dir.sandbox_dir("broken").exists());
+
+        dir.remove("a").expect("remove");
+        assert!(!dir.sandbox_dir("a").exists());
+        assert!(dir.load().expect("load").is_empty());
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
+    fn scratch_is_installed_or_swept_at_start() {
+        let (base, dir) = scratch();
+        let scratch = dir.restore_scratch("r").expect("scratch");
+        std::fs::create_dir_all(scratch.join("home")).expect("home");
+        dir.install(&scratch, "r").expect("install");
+        assert!(dir.home("r").is_dir() && !scratch.exists());
+
+        // A restore and a deletion interrupted by a crash, one holding a record.
+        let left = dir.restore_scratch("s").expect("scratch");
+        let trash = dir.scratch_path(TRASH_PREFIX, "t");
+        std::fs::create_dir_all(&trash).expect("trash");
+        let t = record("t");
+        std::fs::write(trash.join(RECORD), serde_json::to_vec(&t).expect("json")).expect("record");
+        assert!(dir.load().expect("load").is_empty(), "scratch is never a sandbox");
+        assert!(!left.exists() && !trash.exists());
+        let _ = std::fs::remove_dir_all(base);
+    }
+}
