@@ -11,6 +11,7 @@ pub mod docs;
 pub mod metrics;
 pub mod net;
 pub mod resources;
+pub mod retry;
 pub mod serve;
 pub mod shutdown;
 pub mod telemetry;

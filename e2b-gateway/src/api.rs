@@ -325,36 +325,16 @@ fn metadata_filter(raw: Option<&String>) -> Result<BTreeMap<String, String>, Api
             let (k, v) = pair
                 .split_once('=')
                 .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid metadata filter {pair:?}")))?;
+            // Form encoding: `+` is a space, `%XX` a byte; the bytes must be UTF-8.
             let decode = |s: &str| {
-                percent_decode(s).ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "invalid metadata encoding"))
+                percent_encoding::percent_decode_str(&s.replace('+', " "))
+                    .decode_utf8()
+                    .map(|d| d.into_owned())
+                    .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid metadata encoding"))
             };
             Ok((decode(k)?, decode(v)?))
         })
         .collect()
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = s.get(i + 1..i + 3)?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// `GET /sandboxes` and `GET /v2/sandboxes`: the team's sandboxes, filtered by metadata and

@@ -101,6 +101,8 @@ impl Routes {
     pub fn follow(&self, ledger: LedgerClient) -> tokio::task::JoinHandle<()> {
         let routes = self.clone();
         tokio::spawn(async move {
+            let pause = std::time::Duration::from_secs(2);
+            let mut backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
             loop {
                 let start = match ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await {
                     Ok((docs, revision)) => {
@@ -111,11 +113,12 @@ impl Routes {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
                         }
+                        backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
                         revision + 1
                     }
                     Err(err) => {
                         tracing::warn!(%err, "routing table: cannot list manifests; retrying");
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        tokio::time::sleep(backoff.next().unwrap_or(pause)).await;
                         continue;
                     }
                 };

@@ -364,7 +364,8 @@ struct Follower {
 
 impl Follower {
     async fn run(mut self) {
-        let mut backoff = Duration::from_millis(50);
+        let pauses = || common::retry::backoff(Duration::from_millis(50), Duration::from_secs(2));
+        let mut backoff = pauses();
         loop {
             let request = pb::WatchRequest {
                 start_revision: self.next,
@@ -382,7 +383,7 @@ impl Follower {
                         };
                         match message {
                             Ok(Some(response)) => {
-                                backoff = Duration::from_millis(50);
+                                backoff = pauses();
                                 if !self.forward(response).await {
                                     return;
                                 }
@@ -399,11 +400,11 @@ impl Follower {
                 return;
             }
             tracing::debug!(%error, next = self.next, "watch interrupted; resuming");
+            let pause = backoff.next().unwrap_or(Duration::from_secs(2));
             tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(pause) => {}
                 () = self.tx.closed() => return,
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 

@@ -84,14 +84,14 @@ impl RunningLedger {
 /// migrations, binds the port and serves until [`RunningLedger::stop`].
 pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
     let store = Store::open(&config.database_url)?;
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = common::retry::backoff(Duration::from_millis(100), Duration::from_secs(5));
     let head = loop {
         match store.migrate().await.and(store.head().await) {
             Ok(head) => break head,
             Err(StoreError::Unavailable(reason)) => {
-                tracing::warn!(%reason, retry_in = ?backoff, "database not reachable yet");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+                let pause = backoff.next().unwrap_or(Duration::from_secs(5));
+                tracing::warn!(%reason, retry_in = ?pause, "database not reachable yet");
+                tokio::time::sleep(pause).await;
             }
             Err(err) => return Err(err.into()),
         }

@@ -167,6 +167,11 @@ impl Mover {
         Ok(())
     }
 
+    /// Retries after the first attempt of a step or a plan write.
+    fn retries(&self) -> usize {
+        self.attempts.saturating_sub(1) as usize
+    }
+
     fn check_halt(&self, record: &MoveRecord, recorded: bool) -> Result<(), MoveError> {
         match self.halt {
             Some(h) if h.step == record.step && h.recorded == recorded => Err(MoveError::Halted(record.step.name())),
@@ -176,15 +181,15 @@ impl Mover {
 
     /// One step's action, tried again on transient failures with a growing pause.
     async fn retrying(&self, record: &MoveRecord) -> Result<MoveRecord, MoveError> {
-        let mut delay = Duration::from_millis(50);
-        let mut attempt = 0;
+        let mut pauses = common::retry::backoff(Duration::from_millis(50), Duration::from_secs(1)).take(self.retries());
         loop {
-            attempt += 1;
             match self.advance(record).await {
-                Err(MoveError::Transient(why)) if attempt < self.attempts => {
-                    tracing::debug!(sandbox_id = %record.sandbox_id, step = record.step.name(), %why, attempt, "retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(1));
+                Err(MoveError::Transient(why)) => {
+                    let Some(pause) = pauses.next() else {
+                        return Err(MoveError::Transient(why));
+                    };
+                    tracing::debug!(sandbox_id = %record.sandbox_id, step = record.step.name(), %why, ?pause, "retrying");
+                    tokio::time::sleep(pause).await;
                 }
                 other => return other,
             }
@@ -265,18 +270,21 @@ impl Mover {
         let mut guard = shared.lock().await;
         let mut plan = guard.plan.value.clone();
         plan.moves[index] = next.clone();
-        let mut attempt = 0;
+        let mut pauses =
+            common::retry::backoff(Duration::from_millis(100), Duration::from_secs(1)).take(self.retries());
         loop {
-            attempt += 1;
             match self.write_plan(&guard.plan, &plan).await {
                 Ok(version) => {
                     guard.plan.version = version;
                     guard.plan.value = plan;
                     return Ok(());
                 }
-                Err(MoveError::Transient(why)) if attempt < self.attempts => {
-                    tracing::warn!(%why, "plan not recorded yet; retrying");
-                    tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt))).await;
+                Err(MoveError::Transient(why)) => {
+                    let Some(pause) = pauses.next() else {
+                        return Err(MoveError::Transient(why));
+                    };
+                    tracing::warn!(%why, ?pause, "plan not recorded yet; retrying");
+                    tokio::time::sleep(pause).await;
                 }
                 Err(err) => return Err(err),
             }
