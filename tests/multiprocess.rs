@@ -437,7 +437,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
 /// expires. Every time, the sandbox ends up running in exactly one place, with its files.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_survives_balance_svc_dying_after_every_step() {
-    use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+    use balance_svc::record::{PlanDoc, Step, PLAN_KIND};
     use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
     use ledger_client::{LedgerClient, Txn};
 
@@ -533,22 +533,13 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             ..SandboxDoc::default()
         };
         let plan_id = format!("0000000000000-mp{n}");
-        let plan = PlanDoc {
-            plan_id: plan_id.clone(),
-            reason: PlanReason::Balance,
-            spread_before: 0.2,
-            spread_expected: 0.0,
-            skips: Default::default(),
-            created_at_unix_ms: 0,
-            finished_at_unix_ms: None,
-            moves: vec![MoveRecord::planned(
-                format!("{plan_id}.0"),
-                &id,
-                (&nodes[from].0, &nodes[from].1),
-                (&nodes[to].0, &nodes[to].1),
-                64 * MIB,
-            )],
-        };
+        let plan = PlanDoc::one_move(
+            &plan_id,
+            &id,
+            (&nodes[from].0, &nodes[from].1),
+            (&nodes[to].0, &nodes[to].1),
+            64 * MIB,
+        );
         ledger_client
             .compare(
                 Txn::new()

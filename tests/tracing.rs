@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, PLAN_KIND};
+use balance_svc::record::{PlanDoc, PLAN_KIND};
 use common::docs::{SandboxDoc, SANDBOX_KIND};
 use ledger_client::Txn;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
@@ -80,19 +80,12 @@ impl Receiver {
 }
 
 /// Polls `check` until it answers: the spans arrive when the exporter sends them, in batches.
-async fn until<T, F, Fut>(what: &str, mut check: F) -> T
+async fn until<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    stack::until(what, Duration::from_secs(30), check).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -182,22 +175,13 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
     assert!(traceparent.contains(trace_id), "{traceparent}");
     let from = nodes.iter().position(|(id, _)| *id == manifest.node_id).unwrap();
     let to = 1 - from;
-    let plan = PlanDoc {
-        plan_id: "0000000000000-traced".into(),
-        reason: PlanReason::Balance,
-        spread_before: 0.2,
-        spread_expected: 0.0,
-        skips: Default::default(),
-        created_at_unix_ms: 0,
-        finished_at_unix_ms: None,
-        moves: vec![MoveRecord::planned(
-            "0000000000000-traced.0".into(),
-            &sandbox_id,
-            (&nodes[from].0, &nodes[from].1.endpoint()),
-            (&nodes[to].0, &nodes[to].1.endpoint()),
-            manifest.memory_bytes,
-        )],
-    };
+    let plan = PlanDoc::one_move(
+        "0000000000000-traced",
+        &sandbox_id,
+        (&nodes[from].0, &nodes[from].1.endpoint()),
+        (&nodes[to].0, &nodes[to].1.endpoint()),
+        manifest.memory_bytes,
+    );
     client
         .compare(Txn::new().create(PLAN_KIND, &plan.plan_id, &plan).unwrap())
         .await

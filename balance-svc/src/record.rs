@@ -202,6 +202,27 @@ pub struct PlanDoc {
 }
 
 impl PlanDoc {
+    /// A plan of one move of `sandbox_id` (`(node_id, address)` from and to), as operators'
+    /// drains of one sandbox, tests and benchmarks make them; its move is `{plan_id}.0`.
+    pub fn one_move(plan_id: &str, sandbox_id: &str, from: (&str, &str), to: (&str, &str), memory_bytes: u64) -> Self {
+        Self {
+            plan_id: plan_id.to_string(),
+            reason: PlanReason::Balance,
+            spread_before: 0.0,
+            spread_expected: 0.0,
+            skips: BTreeMap::new(),
+            created_at_unix_ms: 0,
+            finished_at_unix_ms: None,
+            moves: vec![MoveRecord::planned(
+                format!("{plan_id}.0"),
+                sandbox_id,
+                from,
+                to,
+                memory_bytes,
+            )],
+        }
+    }
+
     pub fn is_finished(&self) -> bool {
         self.moves.iter().all(|m| m.step.is_final())
     }

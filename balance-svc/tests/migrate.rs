@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use balance_svc::migrate::Halt;
-use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+use balance_svc::record::{PlanDoc, PlanReason, Step, PLAN_KIND};
 use balance_svc::server::{BalanceConfig, RunningBalance};
 use common::docs::{EstimateSource, NodeDoc, SandboxDoc, SandboxPhase, NODE_KIND, SANDBOX_KIND};
 use ledger_client::{LedgerClient, Txn};
@@ -54,19 +54,12 @@ impl Cluster {
 
     /// Polls `check` until it answers (the state it waits for is in other processes' hands),
     /// failing loudly after 30 s.
-    async fn until<T, F, Fut>(&self, what: &str, mut check: F) -> T
+    async fn until<T, F, Fut>(&self, what: &str, check: F) -> T
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Option<T>>,
     {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        stack::until(what, Duration::from_secs(30), check).await
     }
 
     /// Creates a process sandbox of 64 MiB on node `i` (no manifest).
@@ -116,22 +109,13 @@ impl Cluster {
 
     /// Commits a plan of one move, as the balancer would.
     async fn plan_one(&self, plan_id: &str, sandbox: &str, from: usize, to: usize) {
-        let doc = PlanDoc {
-            plan_id: plan_id.to_string(),
-            reason: PlanReason::Balance,
-            spread_before: 0.2,
-            spread_expected: 0.0,
-            skips: Default::default(),
-            created_at_unix_ms: 0,
-            finished_at_unix_ms: None,
-            moves: vec![MoveRecord::planned(
-                format!("{plan_id}.0"),
-                sandbox,
-                (&self.node_id(from), &self.node(from).endpoint()),
-                (&self.node_id(to), &self.node(to).endpoint()),
-                64 << 20,
-            )],
-        };
+        let doc = PlanDoc::one_move(
+            plan_id,
+            sandbox,
+            (&self.node_id(from), &self.node(from).endpoint()),
+            (&self.node_id(to), &self.node(to).endpoint()),
+            64 << 20,
+        );
         self.client
             .compare(Txn::new().create(PLAN_KIND, plan_id, &doc).unwrap())
             .await

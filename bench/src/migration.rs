@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use balance_svc::migrate::Mover;
-use balance_svc::record::{MoveRecord, PlanDoc, PlanReason, Step, PLAN_KIND};
+use balance_svc::record::{PlanDoc, Step, PLAN_KIND};
 use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::Txn;
 use node_svc::server::RunningNode;
@@ -83,22 +83,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     for n in 0..args.moves {
         let (from, to) = if n.is_multiple_of(2) { (0, 1) } else { (1, 0) };
         let plan_id = format!("bench-{n}");
-        let plan = PlanDoc {
-            plan_id: plan_id.clone(),
-            reason: PlanReason::Balance,
-            spread_before: 0.0,
-            spread_expected: 0.0,
-            skips: Default::default(),
-            created_at_unix_ms: 0,
-            finished_at_unix_ms: None,
-            moves: vec![MoveRecord::planned(
-                format!("{plan_id}.0"),
-                id,
-                (&nodes[from].0, &nodes[from].1.endpoint()),
-                (&nodes[to].0, &nodes[to].1.endpoint()),
-                256 << 20,
-            )],
-        };
+        let plan = PlanDoc::one_move(
+            &plan_id,
+            id,
+            (&nodes[from].0, &nodes[from].1.endpoint()),
+            (&nodes[to].0, &nodes[to].1.endpoint()),
+            256 << 20,
+        );
         client.compare(Txn::new().create(PLAN_KIND, &plan_id, &plan)?).await?;
         let committed = client
             .get::<PlanDoc>(PLAN_KIND, &plan_id)
