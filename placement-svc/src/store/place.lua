@@ -1,6 +1,6 @@
 -- Choose-and-reserve, atomically: the Redis twin of core::rank::Ranker::decide over a given
--- candidate order, plus NodeView::reserve. Keep the two in step (the store test suite runs the
--- same scenarios against both stores).
+-- candidate order, plus NodeView::reserve. Keep the two in step (tests/store.rs runs the same
+-- scenarios against both stores; tests/differential.rs compares them after random operations).
 --
 -- KEYS: for each candidate, its node hash then its reservations hash.
 -- ARGV: sandbox_id, vcpus, memory_bytes, now_ms, overcommit, alpha, cpu_weight, memory_weight,
@@ -14,6 +14,11 @@
 -- integer reply for free, while formatting it as text costs more than the whole decision.
 -- This runs on every Place, so it avoids JSON too: a node's labels are decoded only when the
 -- request selects on labels.
+--
+-- Rejection reasons carry the same text as the Rust checks' (core::rank): figures are written
+-- by `int` and `rust_float` below, never by Lua's own number-to-text conversion (`..`), which
+-- keeps 14 significant digits and switches to exponent notation from 1e14 on. Resources are
+-- exact up to 2^53 (a Lua number is a double).
 local sandbox = ARGV[1]
 local req_v = tonumber(ARGV[2])
 local req_m = tonumber(ARGV[3])
@@ -28,11 +33,44 @@ local mode = ARGV[11]
 local k = tonumber(ARGV[12])
 local commit = ARGV[13] == '1'
 local pairs_n = tonumber(ARGV[14])
+-- The selected labels are checked in the order they arrive, which is the request's key order
+-- (a BTreeMap in Rust): the first missing one is the one named, as in the Rust check.
 local selector = {}
-for j = 1, pairs_n do selector[ARGV[13 + 2 * j]] = ARGV[14 + 2 * j] end
+for j = 1, pairs_n do selector[j] = { ARGV[13 + 2 * j], ARGV[14 + 2 * j] } end
 local exclude = {}
 for j = 15 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
 local SCALE = 1e12
+
+-- An integral number as plain decimal digits ('0', never '-0', which HINCRBY rejects).
+local function int(x)
+  if x == 0 then return '0' end
+  return string.format('%.0f', x)
+end
+
+-- A number as Rust's `{}` writes an f64: the fewest significant digits that read back as the
+-- same double (of those, the closest), never in exponent notation ("12", "4.5", "0.0000008",
+-- "-0"). If some decimal of n digits reads back, the closest one of n digits does; 17 always do.
+local function rust_float(x)
+  if x ~= x then return 'NaN' end
+  if x == math.huge then return 'inf' end
+  if x == -math.huge then return '-inf' end
+  local s
+  for digits = 1, 17 do
+    s = string.format('%.' .. (digits - 1) .. 'e', x)
+    if tonumber(s) == x then break end
+  end
+  local sign, first, rest, exp = string.match(s, '^(-?)(%d)%.?(%d*)e([-+]%d+)$')
+  local mantissa = string.gsub(first .. rest, '0+$', '')
+  if mantissa == '' then return sign .. '0' end
+  -- The value is 0.<mantissa> times 10^point.
+  local point = tonumber(exp) + 1
+  if point <= 0 then
+    return sign .. '0.' .. string.rep('0', -point) .. mantissa
+  elseif point >= #mantissa then
+    return sign .. mantissa .. string.rep('0', point - #mantissa)
+  end
+  return sign .. string.sub(mantissa, 1, point) .. '.' .. string.sub(mantissa, point + 1)
+end
 
 local out = {}
 local best, best_score, best_address, feasible = 0, 0, '', 0
@@ -62,21 +100,28 @@ for i = 1, n do
     elseif h[2] == 'draining' then
       reason = 'draining'
     elseif seq == 0 or age > unhealthy_after then
-      reason = 'unhealthy: last heartbeat ' .. age .. ' ms ago'
+      reason = 'unhealthy: last heartbeat ' .. int(age) .. ' ms ago'
     else
       local labels = pairs_n > 0 and cjson.decode(h[5] or '{}') or {}
-      for key, value in pairs(selector) do
-        if reason == '' and labels[key] ~= value then reason = 'label ' .. key .. '=' .. value .. ' missing' end
+      for j = 1, pairs_n do
+        local key, value = selector[j][1], selector[j][2]
+        if labels[key] ~= value then
+          reason = 'label ' .. key .. '=' .. value .. ' missing'
+          break
+        end
       end
       if reason == '' then
         local cpu_after = bel_v + req_v
+        local cpu_limit = cap_v * R
         local mem_after = bel_m + req_m
-        if cpu_after > cap_v * R then
-          reason = 'cpu: ' .. cpu_after .. ' vCPU would exceed ' .. (cap_v * R)
+        if cpu_after > cpu_limit then
+          reason = 'cpu: ' .. rust_float(cpu_after) .. ' vCPU would exceed ' .. rust_float(cpu_limit) ..
+            ' (R=' .. rust_float(R) .. ')'
         elseif mem_after > cap_m then
-          reason = 'memory: ' .. math.floor(mem_after / 1048576) .. ' MiB would exceed ' .. math.floor(cap_m / 1048576) .. ' MiB'
+          reason = 'memory: ' .. int(math.floor(mem_after / 1048576)) .. ' MiB would exceed ' ..
+            int(math.floor(cap_m / 1048576)) .. ' MiB'
         elseif pending >= max_starting then
-          reason = 'too many starting: ' .. pending .. ' creates in flight'
+          reason = 'too many starting: ' .. int(pending) .. ' creates in flight'
         end
       end
     end
@@ -105,13 +150,26 @@ for i = 1, n do
 end
 
 if commit and best > 0 and mode ~= 'stale' then
+  -- As NodeView::reserve: a new pending reservation, replacing any the sandbox ID holds on this
+  -- node (a retried Place); the running totals trade the old one for the new one. The old one
+  -- is parsed before anything is written.
   local res = KEYS[2 * best]
   local node = KEYS[2 * best - 1]
-  if redis.call('HEXISTS', res, sandbox) == 0 then
-    redis.call('HSET', res, sandbox, req_v .. ',' .. req_m .. ',p,0')
-    redis.call('HINCRBY', node, 'res_vcpus', req_v)
-    redis.call('HINCRBY', node, 'res_mem', req_m)
+  local old_v, old_m, old_phase = 0, 0, nil
+  local old = redis.call('HGET', res, sandbox)
+  if old then
+    old_v, old_m, old_phase = string.match(old, '^(%d+),(%d+),([pu]),%d+$')
+    if not old_v then
+      return redis.error_reply('ERR malformed reservation ' .. sandbox .. ' in ' .. res .. ': ' .. old)
+    end
+    old_v, old_m = tonumber(old_v), tonumber(old_m)
+  end
+  redis.call('HSET', res, sandbox, int(req_v) .. ',' .. int(req_m) .. ',p,0')
+  if req_v ~= old_v then redis.call('HINCRBY', node, 'res_vcpus', int(req_v - old_v)) end
+  if req_m ~= old_m then redis.call('HINCRBY', node, 'res_mem', int(req_m - old_m)) end
+  if old_phase ~= 'p' then
     redis.call('HINCRBY', node, 'pending', 1)
+    if old_phase == 'u' then redis.call('HINCRBY', node, 'unconfirmed', -1) end
   end
 end
 local result = { best, math.floor(best_score * SCALE + 0.5), best_address }
