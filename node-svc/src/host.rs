@@ -408,34 +408,9 @@ impl Host {
 }
 
 impl Shared {
-    /// Runs `call` on the runtime from a blocking thread.
-    async fn on_runtime<T: Send + 'static>(
-        &self,
-        call: impl FnOnce(&dyn Runtime) -> Result<T, RuntimeError> + Send + 'static,
-    ) -> Result<T, NodeError> {
-        let runtime = self.runtime.clone();
-        blocking(move || Ok(call(runtime.as_ref())?)).await
-    }
-
     async fn persist(&self, record: &SandboxRecord) -> Result<(), NodeError> {
         let (dir, record) = (self.dir.clone(), record.clone());
         blocking(move || dir.persist(&record).map_err(io)).await
-    }
-
-    /// Deletes what a failed create or restore left of sandbox `id` (best effort: the failure
-    /// being reported matters more).
-    async fn discard(&self, id: &str) {
-        let dir = self.dir.sandbox_dir(id);
-        let _ = blocking(move || {
-            let _ = std::fs::remove_dir_all(dir);
-            Ok(())
-        })
-        .await;
-    }
-
-    async fn template(&self, name: &str) -> Result<Template, NodeError> {
-        let (templates, name) = (self.config.templates_dir.clone(), name.to_string());
-        blocking(move || Ok(template::load(templates.as_deref(), &name)?)).await
     }
 
     /// The answer already given to `operation_id` for `call`, if any.
@@ -509,44 +484,40 @@ impl Shared {
     }
 
     async fn create_now(&self, turn: &Turn<'_>, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
-        let template = self.template(&spec.template).await?;
         if let Some(existing) = turn.record() {
             if existing.state != State::Killed {
                 return Err(NodeError::AlreadyExists(spec.sandbox_id));
             }
         }
-        let files = template.files.clone();
-        let mut record = new_record(spec, template, now_ms());
-        let id = record.id.clone();
-        let home = self.dir.home(&id);
-        let seed = home.clone();
-        let seeded = blocking(move || {
-            std::fs::create_dir_all(&seed).map_err(io)?;
-            if let Some(files) = files {
-                template::copy_tree(&files, &seed).map_err(io)?;
-            }
-            Ok(())
-        })
-        .await;
-        if let Err(err) = seeded {
-            // A failed create leaves nothing behind.
-            self.discard(&id).await;
-            return Err(err);
-        }
-        let r = record.clone();
-        match self.on_runtime(move |rt| rt.start(&r, &home)).await {
-            Ok(pgid) => record.pgid = pgid,
-            Err(err) => {
-                self.discard(&id).await;
+        let templates = self.config.templates_dir.clone();
+        let (runtime, dir) = (self.runtime.clone(), self.dir.clone());
+        // One trip to a blocking thread for all of it: every hop is a thread wake-up, and on
+        // a busy host each costs more than the work it carries.
+        let record = blocking(move || {
+            let template = template::load(templates.as_deref(), &spec.template)?;
+            let files = template.files.clone();
+            let mut record = new_record(spec, template, now_ms());
+            let home = dir.home(&record.id);
+            let made = (|| -> Result<(), NodeError> {
+                std::fs::create_dir_all(&home).map_err(io)?;
+                if let Some(files) = files {
+                    template::copy_tree(&files, &home).map_err(io)?;
+                }
+                record.pgid = runtime.start(&record, &home)?;
+                if let Err(err) = dir.persist(&record) {
+                    let _ = runtime.kill(&record);
+                    return Err(io(err));
+                }
+                Ok(())
+            })();
+            if let Err(err) = made {
+                // A failed create leaves nothing behind.
+                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&record.id));
                 return Err(err);
             }
-        }
-        if let Err(err) = self.persist(&record).await {
-            let r = record.clone();
-            let _ = self.on_runtime(move |rt| rt.kill(&r)).await;
-            self.discard(&id).await;
-            return Err(err);
-        }
+            Ok(record)
+        })
+        .await?;
         turn.commit(Some(record.clone()));
         tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
         Ok(record)
@@ -577,32 +548,39 @@ impl Shared {
         let epoch = fence(&record, epoch)?;
         let mut next = record.clone();
         next.epoch = epoch;
-        if let Some(state) = next_state(&record, action)? {
-            let r = record.clone();
-            match action {
-                Move::Pause => self.on_runtime(move |rt| rt.pause(&r)).await?,
-                Move::Resume => {
-                    let home = self.dir.home(id);
-                    next.pgid = self
-                        .on_runtime(move |rt| {
-                            // Thaw first: commands started through envd live in the sandbox's
-                            // cgroups too, whether or not it has a start command.
-                            rt.resume(&r)?;
-                            if r.pgid == 0 && has_command(&r) {
-                                // Its start command was not preserved (restored from a
-                                // snapshot, or the host restarted while it was paused): start
-                                // it afresh, files intact.
-                                rt.start(&r, &home)
-                            } else {
-                                Ok(r.pgid)
-                            }
-                        })
-                        .await?;
-                }
-                Move::Kill => self.on_runtime(move |rt| rt.kill(&r)).await?,
+        let Some(state) = next_state(&record, action)? else {
+            // Nothing to do but record a newer epoch.
+            if next != record {
+                self.persist(&next).await?;
             }
-            next.state = state;
-        }
+            turn.commit(Some(next.clone()));
+            return Ok(next);
+        };
+        next.state = state;
+        let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
+        // The runtime call and the record's persistence in one trip to a blocking thread.
+        let next = blocking(move || {
+            match action {
+                Move::Pause => runtime.pause(&record)?,
+                Move::Resume => {
+                    // Thaw first: commands started through envd live in the sandbox's cgroups
+                    // too, whether or not it has a start command.
+                    runtime.resume(&record)?;
+                    if record.pgid == 0 && has_command(&record) {
+                        // Its start command was not preserved (restored from a snapshot, or
+                        // the host restarted while it was paused): start it afresh, files
+                        // intact.
+                        next.pgid = runtime.start(&record, &home)?;
+                    }
+                }
+                Move::Kill => runtime.kill(&record)?,
+            }
+            if next.state != State::Killed {
+                dir.persist(&next).map_err(io)?;
+            }
+            Ok(next)
+        })
+        .await?;
         if next.state == State::Killed {
             // Gone for everyone from here; the turn is held until its files are too, so a
             // create of the same ID waits for them.
@@ -611,9 +589,6 @@ impl Shared {
             blocking(move || dir.remove(&gone).map_err(io)).await?;
             tracing::info!(sandbox_id = %id, "sandbox killed");
         } else {
-            if next != record {
-                self.persist(&next).await?;
-            }
             turn.commit(Some(next.clone()));
         }
         Ok(next)
