@@ -2,6 +2,7 @@
 //!
 //! - [`plan`]: the pure core: spread, observation status, the fewest moves, drains, and the
 //!   lower bound plans are compared to.
+//! - [`optimum`]: the exact fewest moves on clusters small enough to search (pure).
 //! - [`view`]: from ledger documents to the planner's snapshot (pure).
 //! - [`record`]: the plan, lease, observation and control documents, and a move's steps.
 //! - [`migrate`]: executes moves as persisted, fenced, idempotent state machines.
@@ -14,6 +15,7 @@ pub mod api;
 pub mod balancer;
 pub mod lease;
 pub mod migrate;
+pub mod optimum;
 pub mod orphan;
 pub mod plan;
 pub mod record;

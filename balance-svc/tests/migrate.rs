@@ -505,10 +505,12 @@ async fn a_drained_node_is_emptied() {
     cluster
         .until("the drained node is empty", || async {
             let manifests = cluster.client.list::<SandboxDoc>(SANDBOX_KIND, "").await.ok()?.0;
-            manifests
+            // Switched (manifests on node 1, unowned) comes before the paused source copies
+            // are deleted: the drain is over when both hold.
+            let switched = manifests
                 .iter()
-                .all(|m| m.value.node_id == cluster.node_id(1) && m.value.lifecycle_owner.is_none())
-                .then_some(())
+                .all(|m| m.value.node_id == cluster.node_id(1) && m.value.lifecycle_owner.is_none());
+            (switched && cluster.node(0).host().list().await.is_empty()).then_some(())
         })
         .await;
     for id in ["d0", "d1"] {

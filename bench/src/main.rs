@@ -37,7 +37,8 @@ enum Scenario {
     Node(node::Args),
     /// Creates through the E2B REST API until running (then a kill): latency and throughput.
     GatewayCreate(gateway_create::Args),
-    /// The balance planner on a simulated, skewed cluster: moves against a lower bound.
+    /// The balance planner on a simulated, skewed cluster (or a grid of them): moves against a
+    /// lower bound, cycles to converge, and small clusters against the exact optimum.
     BalanceConvergence(balance_convergence::Args),
     /// One process sandbox with 100 MB of files moved by the balance executor: downtime.
     Migration(migration::Args),
