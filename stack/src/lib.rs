@@ -273,6 +273,8 @@ impl StackBuilder {
         let placement = placement_svc::server::start(placement_config).await?;
 
         let mut nodes = Vec::new();
+        // Only nodes told to heartbeat to this placement can be waited for.
+        let mut reporting = 0;
         for (id, adjust) in self.nodes {
             let mut config = NodeConfig::new(any_port, &id, dir.join(&id));
             config.placement = Some(placement.endpoint());
@@ -280,14 +282,17 @@ impl StackBuilder {
             if let Some(adjust) = adjust {
                 adjust(&mut config);
             }
+            if config.placement.as_deref() == Some(placement.endpoint().as_str()) {
+                reporting += 1;
+            }
             let running = node_svc::server::start(config)
                 .await
                 .map_err(|source| StackError::Node { id: id.clone(), source })?;
             nodes.push(Node { id, running });
         }
         let ledger_client = LedgerClient::connect_lazy(&ledger.endpoint())?;
-        if self.wait_for_nodes && !nodes.is_empty() {
-            wait_for_nodes(&placement.endpoint(), nodes.len()).await?;
+        if self.wait_for_nodes && reporting > 0 {
+            wait_for_nodes(&placement.endpoint(), reporting).await?;
         }
 
         let balance = match self.balance {
