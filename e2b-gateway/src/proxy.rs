@@ -230,12 +230,6 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// Forwards a request for a sandbox to the node that runs it, streaming both ways, once the
 /// request has shown the sandbox's access token.
 pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Request) -> Response {
@@ -251,7 +245,11 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         query: request.uri().query(),
         token: request.headers().get(headers::ACCESS_TOKEN).map(HeaderValue::as_bytes),
     };
-    if let Err(denied) = access::authorize(route.access_token.as_deref(), &presented, unix_now()) {
+    if let Err(denied) = access::authorize(
+        route.access_token.as_deref(),
+        &presented,
+        common::clock::now_ms() / 1000,
+    ) {
         metrics::counter!("gateway_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
         tracing::info!(sandbox_id = %id, why = ?denied, "envd request refused");
         return sandbox_error(StatusCode::UNAUTHORIZED, &id, denied.message());

@@ -75,7 +75,8 @@ pub struct Node {
 /// [`Stack::stop`] stops whatever is still there.
 pub struct Stack {
     pub dir: PathBuf,
-    temp: Option<tempfile::TempDir>,
+    /// Held so the temporary directory is removed when the stack is dropped.
+    _temp: Option<tempfile::TempDir>,
     pub ledger: RunningLedger,
     pub placement: Option<RunningPlacement>,
     pub nodes: Vec<Node>,
@@ -156,11 +157,6 @@ impl Stack {
         for id in ids {
             node_svc::runtime::cgroup::remove_parents(&id);
         }
-    }
-
-    /// Whether the directory is a temporary one this stack removes.
-    pub fn is_temporary(&self) -> bool {
-        self.temp.is_some()
     }
 }
 
@@ -324,7 +320,7 @@ impl StackBuilder {
         };
         Ok(Stack {
             dir,
-            temp,
+            _temp: temp,
             ledger,
             placement: Some(placement),
             nodes,

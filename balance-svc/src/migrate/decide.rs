@@ -32,13 +32,19 @@ pub enum PickUp {
     LostOwnership { owner: Option<String> },
 }
 
-/// Decides how to pick up `record`, given the sandbox's manifest as read now (`None`: gone).
-pub fn pick_up(record: &MoveRecord, manifest: Option<&SandboxDoc>) -> PickUp {
+/// Whether picking `record` up depends on its manifest: only a move under way that owned the
+/// sandbox (epoch > 0) does.
+pub fn needs_manifest(record: &MoveRecord) -> bool {
     let under_way = matches!(
         record.step,
         Step::Owned | Step::SourcePaused | Step::Restored | Step::TargetResumed | Step::RollingBack
     );
-    if !under_way || record.epoch == 0 {
+    under_way && record.epoch > 0
+}
+
+/// Decides how to pick up `record`, given the sandbox's manifest as read now (`None`: gone).
+pub fn pick_up(record: &MoveRecord, manifest: Option<&SandboxDoc>) -> PickUp {
+    if !needs_manifest(record) {
         return PickUp::AsRecorded;
     }
     let Some(doc) = manifest else {

@@ -237,17 +237,17 @@ impl Mover {
         mut record: MoveRecord,
         manifest: Result<Option<Versioned<SandboxDoc>>, MoveError>,
     ) -> Result<MoveRecord, MoveError> {
-        let decision = match &manifest {
-            Ok(doc) => decide::pick_up(&record, doc.as_ref().map(|d| &d.value)),
+        let doc = match manifest {
+            Ok(doc) => doc,
             // Only a move under way needs the manifest; one that does not, goes on.
-            Err(_) if decide::pick_up(&record, None) == PickUp::AsRecorded => PickUp::AsRecorded,
-            Err(_) => return manifest.map(|_| record),
+            Err(_) if !decide::needs_manifest(&record) => return Ok(record),
+            Err(err) => return Err(err),
         };
-        match decision {
+        match decide::pick_up(&record, doc.as_ref().map(|d| &d.value)) {
             PickUp::AsRecorded => {}
             PickUp::Abandon => return self.abandon(record).await,
             PickUp::Retake => {
-                let doc = manifest?.ok_or_else(|| MoveError::Gone(record.sandbox_id.clone()))?;
+                let doc = doc.ok_or_else(|| MoveError::Gone(record.sandbox_id.clone()))?;
                 record.epoch = self.take_epoch(&record, doc).await?;
             }
             PickUp::Switched => record.step = Step::Switched,

@@ -120,9 +120,7 @@ async fn authorized(State(envd): State<Envd>, request: Request, next: axum::midd
             .get(envd_wire::headers::ACCESS_TOKEN)
             .map(axum::http::HeaderValue::as_bytes),
     };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let now = common::clock::now_ms() / 1000;
     if let Err(denied) = access::authorize(record.access_token.as_deref(), &presented, now) {
         metrics::counter!("node_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
         tracing::info!(sandbox_id = %record.id, why = ?denied, "envd request refused");
