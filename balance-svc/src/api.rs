@@ -19,6 +19,7 @@ use crate::record::{ControlDoc, MoveRecord, PlanDoc, CONTROL_ID, CONTROL_KIND, P
 fn status(err: LedgerError) -> Status {
     match err {
         LedgerError::Unavailable(m) => Status::unavailable(format!("ledger unavailable: {m}")),
+        LedgerError::OutcomeUnknown(m) => Status::unavailable(format!("ledger did not confirm the write: {m}")),
         LedgerError::Conflict { .. } => Status::aborted(format!("{err}; retry")),
         other => Status::internal(other.to_string()),
     }

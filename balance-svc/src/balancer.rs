@@ -237,7 +237,7 @@ impl Balancer {
     pub async fn commit(&self, doc: &PlanDoc) -> Result<Versioned<PlanDoc>, CycleError> {
         let result = self
             .ledger
-            .compare(Txn::new().create(PLAN_KIND, &doc.plan_id, doc)?)
+            .compare_resolving(Txn::new().create(PLAN_KIND, &doc.plan_id, doc)?, 5)
             .await;
         let outcome = match &result {
             Ok(_) => "committed",

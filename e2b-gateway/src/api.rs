@@ -54,7 +54,7 @@ impl From<Failure> for ApiError {
             Failure::NotFound(_) => StatusCode::NOT_FOUND,
             Failure::Conflict(_) => StatusCode::CONFLICT,
             // E2B answers "no capacity" with 503 too.
-            Failure::NoCapacity(_) | Failure::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Failure::NoCapacity(_) | Failure::Unavailable(_) | Failure::Unknown(_) => StatusCode::SERVICE_UNAVAILABLE,
             Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let message = match &f {

@@ -26,6 +26,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
 use crate::document::{Conflict, DocKey, Document};
+use crate::wire;
 
 /// What a ledger call can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -33,9 +34,15 @@ pub enum LedgerError {
     /// A guard did not hold; nothing was written. Every mismatching document is named.
     #[error("compare failed at revision {revision}: {}", describe(.conflicts))]
     Conflict { revision: u64, conflicts: Vec<Conflict> },
-    /// The ledger or its database cannot be reached; retrying later may succeed.
+    /// The ledger or its database cannot be reached, and nothing was applied; retrying later
+    /// may succeed.
     #[error("ledger unavailable: {0}")]
     Unavailable(String),
+    /// A write was sent and no answer says whether it landed (the connection broke, a deadline
+    /// passed, the database never answered COMMIT). Never treat it as "not applied": read the
+    /// documents to find out ([`LedgerClient::resolve`] does for a whole compare).
+    #[error("write outcome unknown: {0}")]
+    OutcomeUnknown(String),
     /// A watch asked for revisions that were compacted away: list again, then watch.
     #[error("{0}")]
     Compacted(String),
@@ -68,13 +75,21 @@ fn describe(conflicts: &[Conflict]) -> String {
         .join(", ")
 }
 
+fn marked(status: &tonic::Status, key: &str) -> Option<String> {
+    let value = status.metadata().get(key)?;
+    value.to_str().ok().map(str::to_string)
+}
+
 impl From<tonic::Status> for LedgerError {
+    /// For reads, where a lost reply changes nothing: transport failures are "unavailable".
     fn from(status: tonic::Status) -> Self {
         match status.code() {
             Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Unknown => {
                 LedgerError::Unavailable(status.message().to_string())
             }
-            Code::OutOfRange => LedgerError::Compacted(status.message().to_string()),
+            Code::OutOfRange if marked(&status, wire::COMPACTED_HEADER).is_some() => {
+                LedgerError::Compacted(status.message().to_string())
+            }
             Code::InvalidArgument => LedgerError::Invalid(status.message().to_string()),
             _ => LedgerError::Other(status),
         }
@@ -82,9 +97,23 @@ impl From<tonic::Status> for LedgerError {
 }
 
 impl LedgerError {
-    /// Worth retrying later (as opposed to a conflict or a bad request).
+    /// A write's error: "unavailable" only when the ledger itself says nothing was applied;
+    /// any other failure of transport or time leaves the outcome unknown.
+    fn from_write(status: tonic::Status) -> Self {
+        let not_applied = marked(&status, wire::OUTCOME_HEADER).as_deref() == Some(wire::OUTCOME_NOT_APPLIED);
+        match status.code() {
+            Code::Unavailable if not_applied => LedgerError::Unavailable(status.message().to_string()),
+            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Unknown => {
+                LedgerError::OutcomeUnknown(status.message().to_string())
+            }
+            _ => status.into(),
+        }
+    }
+
+    /// Worth retrying later (as opposed to a conflict or a bad request). An unknown outcome is
+    /// transient too, but a write must be resolved before it is retried.
     pub fn is_transient(&self) -> bool {
-        matches!(self, LedgerError::Unavailable(_))
+        matches!(self, LedgerError::Unavailable(_) | LedgerError::OutcomeUnknown(_))
     }
 }
 
@@ -187,6 +216,27 @@ impl Txn {
     }
 }
 
+/// What reading back a compare of unknown outcome shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// Every write of it is there.
+    Landed(Committed),
+    /// Every document is still at its expected version: nothing of it was applied.
+    NotLanded,
+    /// Some documents are neither: others wrote them since (the compare may or may not have
+    /// landed first).
+    Moved(Vec<Conflict>),
+}
+
+/// The same JSON value, whatever the spacing or key order of its text.
+fn same_json(a: &str, b: &str) -> bool {
+    a == b
+        || matches!(
+            (serde_json::from_str::<serde_json::Value>(a), serde_json::from_str::<serde_json::Value>(b)),
+            (Ok(x), Ok(y)) if x == y
+        )
+}
+
 /// A committed compare.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Committed {
@@ -233,7 +283,7 @@ impl LedgerClient {
 
     pub fn from_channel(channel: Channel) -> Self {
         Self {
-            grpc: GrpcClient::new(common::trace::traced(channel)),
+            grpc: GrpcClient::new(common::trace::traced(channel)).max_decoding_message_size(wire::MAX_REPLY_BYTES),
         }
     }
 
@@ -298,12 +348,16 @@ impl LedgerClient {
 
     /// Commits `txn` atomically, or returns [`LedgerError::Conflict`] naming every document
     /// whose version did not match.
+    ///
+    /// A failure other than a conflict is [`LedgerError::Unavailable`] only when the ledger
+    /// says nothing was applied; otherwise it is [`LedgerError::OutcomeUnknown`].
     pub async fn compare(&self, txn: Txn) -> Result<Committed, LedgerError> {
         let reply = self
             .grpc
             .clone()
             .compare(pb::CompareRequest { entries: txn.entries })
-            .await?
+            .await
+            .map_err(LedgerError::from_write)?
             .into_inner();
         if reply.succeeded {
             Ok(Committed {
@@ -323,6 +377,81 @@ impl LedgerClient {
                     })
                     .collect(),
             })
+        }
+    }
+
+    /// Reads back what a compare whose outcome is unknown wrote, and says whether it landed:
+    /// every document it puts holds exactly its payload at the version after the expected one
+    /// (and every document it deletes is gone) — landed; every document is still at its
+    /// expected version — not landed (compares are atomic); anything else — the documents
+    /// moved on, and only the caller's knowledge of them can tell.
+    pub async fn resolve(&self, txn: &Txn) -> Result<Resolution, LedgerError> {
+        let (mut landed, mut not_landed, mut moved) = (Vec::new(), 0, Vec::new());
+        for entry in &txn.entries {
+            let key = DocKey::new(entry.kind.clone(), entry.id.clone());
+            let ours = match &entry.action {
+                Some(pb::compare_entry::Action::PutJson(json)) => Some(json),
+                Some(pb::compare_entry::Action::Delete(_)) => None,
+                Some(pb::compare_entry::Action::Check(_)) | None => continue,
+            };
+            let current = self.get_raw(&entry.kind, &entry.id).await?;
+            let version = current.as_ref().map_or(0, |d| d.version);
+            if version == entry.expected_version {
+                not_landed += 1;
+                continue;
+            }
+            let shows_ours = match (ours, &current) {
+                (Some(json), Some(doc)) => version == entry.expected_version + 1 && same_json(json, &doc.payload),
+                (None, None) => true,
+                _ => false,
+            };
+            if shows_ours {
+                landed.push((version, current.map_or(0, |d| d.mod_revision)));
+            } else {
+                moved.push(Conflict {
+                    key,
+                    expected_version: entry.expected_version,
+                    current_version: version,
+                });
+            }
+        }
+        Ok(match (landed.is_empty(), not_landed, moved.is_empty()) {
+            (false, 0, true) => Resolution::Landed(Committed {
+                revision: landed.iter().map(|&(_, r)| r).max().unwrap_or(0),
+                versions: landed.into_iter().map(|(v, _)| v).collect(),
+            }),
+            (true, _, true) => Resolution::NotLanded,
+            _ => Resolution::Moved(moved),
+        })
+    }
+
+    /// [`compare`](Self::compare), resolving an unknown outcome by reading: a write that landed
+    /// is returned as committed, one that did not is sent again, one whose documents moved on
+    /// is a [`LedgerError::Conflict`]. Gives up with `OutcomeUnknown` only when the ledger stays
+    /// unreadable through `attempts` tries.
+    pub async fn compare_resolving(&self, txn: Txn, attempts: usize) -> Result<Committed, LedgerError> {
+        let mut pauses = common::retry::backoff(Duration::from_millis(50), Duration::from_secs(1)).take(attempts);
+        'send: loop {
+            let why = match self.compare(txn.clone()).await {
+                Err(LedgerError::OutcomeUnknown(why)) => why,
+                other => return other,
+            };
+            tracing::warn!(%why, "compare outcome unknown; reading back");
+            loop {
+                match self.resolve(&txn).await {
+                    Ok(Resolution::Landed(committed)) => return Ok(committed),
+                    Ok(Resolution::NotLanded) => continue 'send,
+                    Ok(Resolution::Moved(conflicts)) => {
+                        return Err(LedgerError::Conflict { revision: 0, conflicts });
+                    }
+                    Err(err) if err.is_transient() => {}
+                    Err(err) => return Err(err),
+                }
+                let Some(pause) = pauses.next() else {
+                    return Err(LedgerError::OutcomeUnknown(why));
+                };
+                tokio::time::sleep(pause).await;
+            }
         }
     }
 

@@ -11,6 +11,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use ledger_client::wire::{COMPACTED_HEADER, OUTCOME_HEADER, OUTCOME_NOT_APPLIED, OUTCOME_UNKNOWN, REPLY_BYTES};
+
 use crate::committer::Committer;
 use crate::head::HeadTracker;
 use crate::model::{self, Action, Conflict, DocKey, Document, Entry, Invalid, Outcome};
@@ -41,12 +43,27 @@ pub enum ApiError {
 impl From<ApiError> for Status {
     fn from(err: ApiError) -> Self {
         let message = err.to_string();
+        let marked = |mut status: Status, key: &'static str, value: &str| {
+            if let Ok(value) = value.parse() {
+                status.metadata_mut().insert(key, value);
+            }
+            status
+        };
         match err {
             ApiError::Invalid(_) => Status::invalid_argument(message),
-            ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+            // The marker is what lets a client tell this ledger's "nothing was applied" from a
+            // transport failure, after which a write's outcome is unknown.
+            ApiError::Store(StoreError::Unavailable(_)) => {
+                marked(Status::unavailable(message), OUTCOME_HEADER, OUTCOME_NOT_APPLIED)
+            }
+            ApiError::Store(StoreError::OutcomeUnknown(_)) => {
+                marked(Status::unknown(message), OUTCOME_HEADER, OUTCOME_UNKNOWN)
+            }
             ApiError::Store(StoreError::Internal(_) | StoreError::BadUrl { .. }) => Status::internal(message),
             ApiError::NotFound(_) => Status::not_found(message),
-            ApiError::Compacted { .. } => Status::out_of_range(message),
+            ApiError::Compacted { oldest, .. } => {
+                marked(Status::out_of_range(message), COMPACTED_HEADER, &oldest.to_string())
+            }
         }
     }
 }
@@ -198,8 +215,17 @@ impl pb::ledger_server::Ledger for LedgerApi {
             .list(&req.kind, &req.id_prefix, &after, limit + 1)
             .await
             .map_err(ApiError::from)?;
-        let next_page_token = if docs.len() > limit as usize {
-            docs.truncate(limit as usize);
+        // A page also ends once it holds REPLY_BYTES of payload (always at least one document).
+        let mut bytes = 0;
+        let fits = docs
+            .iter()
+            .position(|doc| {
+                bytes += doc.payload.len() + doc.key.id.len();
+                bytes > REPLY_BYTES
+            })
+            .map_or(docs.len(), |i| i.max(1));
+        let next_page_token = if docs.len() > (limit as usize).min(fits) {
+            docs.truncate((limit as usize).min(fits));
             docs.last().map(|d| encode_token(&d.key.id)).unwrap_or_default()
         } else {
             String::new()
@@ -295,6 +321,31 @@ impl pb::ledger_server::Ledger for LedgerApi {
     }
 }
 
+/// Splits the changes of `(last, upto]` into replies of whole revisions, each ending once it
+/// holds [`REPLY_BYTES`] of payload, so a watcher far behind never meets a reply larger than
+/// it accepts. Each reply's revision is the last one it completes; the last reply's is `upto`.
+fn replies(changes: Vec<model::Change>, upto: u64) -> Vec<pb::WatchResponse> {
+    let mut replies = Vec::new();
+    let mut events = Vec::new();
+    let mut bytes = 0;
+    let mut changes = changes.into_iter().peekable();
+    while let Some(change) = changes.next() {
+        let revision = change.revision;
+        bytes += change.key.id.len() + change.payload.as_deref().map_or(0, str::len);
+        events.push(change_to_event(change));
+        let revision_ends = changes.peek().is_none_or(|next| next.revision != revision);
+        if bytes >= REPLY_BYTES && revision_ends && changes.peek().is_some() {
+            replies.push(pb::WatchResponse {
+                events: std::mem::take(&mut events),
+                revision,
+            });
+            bytes = 0;
+        }
+    }
+    replies.push(pb::WatchResponse { events, revision: upto });
+    replies
+}
+
 /// One watch stream: reads the change log behind the head and forwards whole revisions.
 struct Tail {
     store: Store,
@@ -335,12 +386,10 @@ impl Tail {
                 };
                 let caught_up = upto == head;
                 if !changes.is_empty() || (caught_up && last_sent.elapsed() >= PROGRESS_EVERY) {
-                    let response = pb::WatchResponse {
-                        events: changes.into_iter().map(change_to_event).collect(),
-                        revision: upto,
-                    };
-                    if self.tx.send(Ok(response)).await.is_err() {
-                        return;
+                    for response in replies(changes, upto) {
+                        if self.tx.send(Ok(response)).await.is_err() {
+                            return;
+                        }
                     }
                     last_sent = Instant::now();
                 }
@@ -381,6 +430,43 @@ impl Tail {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn change(revision: u64, seq: u32, bytes: usize) -> model::Change {
+        model::Change {
+            revision,
+            seq,
+            key: DocKey::new("k", format!("d{revision}.{seq}")),
+            version: 1,
+            create_revision: revision,
+            payload: Some(Arc::from("x".repeat(bytes))),
+        }
+    }
+
+    #[test]
+    fn watch_replies_split_at_whole_revisions_by_bytes() {
+        let big = REPLY_BYTES / 2 + 1;
+        // Revision 2 holds two large changes; revision 3 one; 4 a small one.
+        let changes = vec![
+            change(2, 0, big),
+            change(2, 1, big),
+            change(3, 0, big),
+            change(4, 0, 10),
+        ];
+        let replies = replies(changes, 9);
+        let shape: Vec<(u64, usize)> = replies.iter().map(|r| (r.revision, r.events.len())).collect();
+        // Revision 2 stays whole although it alone is over the bound; the rest fits one more.
+        assert_eq!(shape, [(2, 2), (9, 2)]);
+        // Nothing to split: one reply at `upto`, even when empty.
+        assert_eq!(replies_shape(vec![], 5), [(5, 0)]);
+        assert_eq!(replies_shape(vec![change(3, 0, 1), change(4, 0, 1)], 5), [(5, 2)]);
+    }
+
+    fn replies_shape(changes: Vec<model::Change>, upto: u64) -> Vec<(u64, usize)> {
+        replies(changes, upto)
+            .iter()
+            .map(|r| (r.revision, r.events.len()))
+            .collect()
+    }
 
     #[test]
     fn page_tokens_round_trip_and_reject_garbage() {

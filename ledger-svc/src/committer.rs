@@ -5,10 +5,19 @@
 //! queue their compares here; the committer takes everything queued (up to a bound), commits it
 //! in one transaction, and answers each caller with its own outcome. Under load batches grow by
 //! themselves; an idle ledger commits a lone compare at once.
+//!
+//! One committer means one stuck transaction stops every write, so each batch runs under a
+//! deadline. When it passes, the batch's callers learn whether COMMIT had been sent: if not,
+//! nothing was applied; if so, the outcome is unknown and they must read to find out. Either
+//! way the database is reported down until a later batch or poll succeeds.
 
-use tokio::sync::{mpsc, oneshot, watch};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use crate::head::HeadTracker;
 use crate::model::{Action, Entry, Outcome};
 use crate::store::{Store, StoreError};
 
@@ -18,6 +27,9 @@ const MAX_BATCH: usize = 512;
 const MAX_BATCH_BYTES: usize = 8 * 1024 * 1024;
 /// Compares waiting for the committer before callers wait to queue.
 const QUEUE_DEPTH: usize = 4096;
+/// Longest a batch may take from BEGIN to COMMIT's answer. Longer than PostgreSQL's statement
+/// timeout, so a statement the server ends reports its own error first.
+pub const COMMIT_DEADLINE: Duration = Duration::from_secs(8);
 
 struct Pending {
     entries: Vec<Entry>,
@@ -31,23 +43,25 @@ pub struct Committer {
 }
 
 impl Committer {
-    /// Starts the committer. Every commit advances `head` to the new revision, which wakes
-    /// the watchers of this process.
-    pub fn spawn(store: Store, head: watch::Sender<u64>) -> (Self, JoinHandle<()>) {
+    /// Starts the committer. Every commit advances the tracker's head to the new revision,
+    /// which wakes the watchers of this process; every failure marks the database down.
+    pub fn spawn(store: Store, tracker: HeadTracker, deadline: Duration) -> (Self, JoinHandle<()>) {
         let (queue, rx) = mpsc::channel(QUEUE_DEPTH);
-        let task = tokio::spawn(run(store, rx, head));
+        let task = tokio::spawn(run(store, rx, tracker, deadline));
         (Self { queue }, task)
     }
 
     /// Commits one compare (already validated) and returns its outcome.
     pub async fn submit(&self, entries: Vec<Entry>) -> Result<Outcome, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let stopped = || StoreError::Unavailable("the ledger is shutting down".to_string());
         self.queue
             .send(Pending { entries, reply })
             .await
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+            .map_err(|_| StoreError::Unavailable("the ledger is shutting down".to_string()))?;
+        // Queued, then the committer went away: it may have been mid-COMMIT.
+        answer
+            .await
+            .map_err(|_| StoreError::OutcomeUnknown("the ledger stopped while committing".to_string()))?
     }
 }
 
@@ -61,8 +75,41 @@ fn payload_bytes(entries: &[Entry]) -> usize {
         .sum()
 }
 
-async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, head: watch::Sender<u64>) {
-    while let Some(first) = rx.recv().await {
+/// Applies one batch under `deadline`, telling apart "never committed" and "unknown".
+async fn apply(store: &Store, compares: &[Vec<Entry>], deadline: Duration) -> Result<Vec<Outcome>, StoreError> {
+    let commit_sent = AtomicBool::new(false);
+    match tokio::time::timeout(deadline, store.apply(compares, &commit_sent)).await {
+        Ok(result) => result,
+        Err(_) if commit_sent.load(Ordering::Acquire) => Err(StoreError::OutcomeUnknown(format!(
+            "COMMIT sent, no answer within {deadline:?}"
+        ))),
+        Err(_) => Err(StoreError::Unavailable(format!(
+            "the database did not answer within {deadline:?}; nothing was committed"
+        ))),
+    }
+}
+
+/// How often a committer whose last write failed probes the database with an empty write,
+/// so health recovers even when no compare arrives.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, tracker: HeadTracker, deadline: Duration) {
+    loop {
+        let first = if tracker.writes_up() {
+            rx.recv().await
+        } else {
+            tokio::select! {
+                first = rx.recv() => first,
+                () = tokio::time::sleep(PROBE_EVERY) => {
+                    let probe = apply(&store, &[], deadline).await;
+                    if probe.is_ok() {
+                        tracker.set_writes_up(true);
+                    }
+                    continue;
+                }
+            }
+        };
+        let Some(first) = first else { return };
         let mut bytes = payload_bytes(&first.entries);
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
@@ -76,7 +123,7 @@ async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, head: watch::Sender<
         }
         let (compares, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.entries, p.reply)).unzip();
         metrics::histogram!("ledger_commit_batch_compares").record(compares.len() as f64);
-        match store.apply(&compares).await {
+        match apply(&store, &compares, deadline).await {
             Ok(outcomes) => {
                 let newest = outcomes
                     .iter()
@@ -86,21 +133,25 @@ async fn run(store: Store, mut rx: mpsc::Receiver<Pending>, head: watch::Sender<
                     })
                     .max();
                 if let Some(newest) = newest {
-                    head.send_if_modified(|h| {
-                        let newer = newest > *h;
-                        if newer {
-                            *h = newest;
-                        }
-                        newer
-                    });
+                    tracker.advance(newest);
                 }
+                tracker.set_writes_up(true);
                 tracing::trace!(compares = compares.len(), bytes, "batch committed");
                 for (reply, outcome) in replies.into_iter().zip(outcomes) {
                     let _ = reply.send(Ok(outcome));
                 }
             }
             Err(err) => {
-                tracing::warn!(%err, compares = compares.len(), "batch failed; nothing of it was applied");
+                match &err {
+                    StoreError::OutcomeUnknown(_) => {
+                        metrics::counter!("ledger_commits_unknown_total").increment(1);
+                        tracing::error!(%err, compares = compares.len(), "batch outcome unknown; callers must read to learn it");
+                    }
+                    _ => tracing::warn!(%err, compares = compares.len(), "batch failed; nothing of it was applied"),
+                }
+                if matches!(err, StoreError::OutcomeUnknown(_) | StoreError::Unavailable(_)) {
+                    tracker.set_writes_up(false);
+                }
                 for reply in replies {
                     let _ = reply.send(Err(err.clone()));
                 }

@@ -14,12 +14,18 @@ use tokio::task::JoinHandle;
 
 use crate::store::{Head, Store, StoreError};
 
+/// Longest a head poll may take before the database counts as down.
+const POLL_DEADLINE: Duration = Duration::from_secs(3);
+
 /// Shared view of the head revision, the compaction point and whether the database answers.
 #[derive(Clone)]
 pub struct HeadTracker {
     revision: watch::Sender<u64>,
     compacted: Arc<AtomicU64>,
+    /// Whether the head poll answers (reads).
     db_up: Arc<AtomicBool>,
+    /// Whether the last write batch (or write probe) committed.
+    writes_up: Arc<AtomicBool>,
     health: watch::Sender<bool>,
 }
 
@@ -29,13 +35,20 @@ impl HeadTracker {
             revision: watch::Sender::new(head.revision),
             compacted: Arc::new(AtomicU64::new(head.compacted)),
             db_up: Arc::new(AtomicBool::new(true)),
+            writes_up: Arc::new(AtomicBool::new(true)),
             health: watch::Sender::new(true),
         }
     }
 
-    /// The sender the committer advances.
-    pub fn sender(&self) -> watch::Sender<u64> {
-        self.revision.clone()
+    /// Moves the head forward to `revision` (never back), waking this process's watchers.
+    pub fn advance(&self, revision: u64) {
+        self.revision.send_if_modified(|h| {
+            let newer = revision > *h;
+            if newer {
+                *h = revision;
+            }
+            newer
+        });
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
@@ -56,26 +69,48 @@ impl HeadTracker {
     }
 
     fn observe(&self, head: Head) {
-        self.revision.send_if_modified(|h| {
-            let newer = head.revision > *h;
-            if newer {
-                *h = head.revision;
-            }
-            newer
-        });
+        self.advance(head.revision);
         self.compacted.fetch_max(head.compacted, Ordering::AcqRel);
     }
 
+    /// Records whether the database answers reads (the head poll).
     fn set_db_up(&self, up: bool) {
-        metrics::gauge!("ledger_database_up").set(if up { 1.0 } else { 0.0 });
-        if self.db_up.swap(up, Ordering::AcqRel) != up {
-            if up {
-                tracing::info!("database reachable again");
-            } else {
-                tracing::error!("database unreachable: writes and reads answer UNAVAILABLE until it returns");
+        self.db_up.store(up, Ordering::Release);
+        self.publish();
+    }
+
+    /// Records whether writes commit. A database that answers reads while every COMMIT hangs
+    /// is not serving either.
+    pub(crate) fn set_writes_up(&self, up: bool) {
+        self.writes_up.store(up, Ordering::Release);
+        self.publish();
+    }
+
+    pub(crate) fn writes_up(&self) -> bool {
+        self.writes_up.load(Ordering::Acquire)
+    }
+
+    /// Publishes the combined health when it changes, and logs the change once.
+    fn publish(&self) {
+        let reads = self.db_up.load(Ordering::Acquire);
+        let writes = self.writes_up();
+        let up = reads && writes;
+        metrics::gauge!("ledger_database_up").set(if reads { 1.0 } else { 0.0 });
+        metrics::gauge!("ledger_writes_up").set(if writes { 1.0 } else { 0.0 });
+        self.health.send_if_modified(|current| {
+            if *current == up {
+                return false;
             }
-            self.health.send_replace(up);
-        }
+            if up {
+                tracing::info!("database reachable again; reads and writes answer");
+            } else if !reads {
+                tracing::error!("database unreachable: reads and writes answer UNAVAILABLE until it returns");
+            } else {
+                tracing::error!("database writes do not commit: compares fail until a write commits again");
+            }
+            *current = up;
+            true
+        });
     }
 
     /// Polls the counter row every `interval`: picks up other replicas' commits and notices
@@ -87,7 +122,12 @@ impl HeadTracker {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                match store.head().await {
+                // A database that accepts the connection but never answers is as down as
+                // one that refuses it.
+                let polled = tokio::time::timeout(POLL_DEADLINE, store.head())
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::Unavailable("head poll timed out".into())));
+                match polled {
                     Ok(head) => {
                         tracker.observe(head);
                         tracker.set_db_up(true);

@@ -25,6 +25,9 @@ pub struct LedgerConfig {
     pub poll_interval: Duration,
     /// How often the change log is compacted.
     pub compact_interval: Duration,
+    /// Longest a write batch may take before its callers are answered "outcome unknown" (or
+    /// "not applied", if COMMIT was never sent).
+    pub commit_deadline: Duration,
 }
 
 impl LedgerConfig {
@@ -35,6 +38,7 @@ impl LedgerConfig {
             retain_revisions: 100_000,
             poll_interval: Duration::from_millis(200),
             compact_interval: Duration::from_secs(60),
+            commit_deadline: crate::committer::COMMIT_DEADLINE,
         }
     }
 }
@@ -101,7 +105,7 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
     let mut serving = Serving::new();
 
     let tracker = HeadTracker::new(head);
-    let (committer, committer_task) = Committer::spawn(store.clone(), tracker.sender());
+    let (committer, committer_task) = Committer::spawn(store.clone(), tracker.clone(), config.commit_deadline);
     serving.background(committer_task);
     serving.background(tracker.spawn_poller(store.clone(), config.poll_interval));
     serving.background(tracker.spawn_compactor(store.clone(), config.retain_revisions, config.compact_interval));

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,12 +31,22 @@ use crate::model::{plan_batch, Change, Current, DocKey, Document, Entry, FinalSt
 /// bound parameters (SQLite 32,766; PostgreSQL 65,535).
 const ROWS_PER_STATEMENT: usize = 500;
 
+/// PostgreSQL ends any statement that runs longer (milliseconds).
+const STATEMENT_TIMEOUT_MS: &str = "5000";
+/// PostgreSQL aborts a transaction left idle this long (milliseconds): a ledger that lost its
+/// connection mid-transaction does not keep the counter's row locked.
+const IDLE_IN_TRANSACTION_MS: &str = "10000";
+
 /// Why a store operation failed.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database cannot be reached or is shutting down; retrying later may succeed.
     #[error("database unavailable: {0}")]
     Unavailable(String),
+    /// A write's COMMIT was sent but its answer never came (connection lost, deadline
+    /// passed): it may or may not have landed. Callers must find out by reading, never assume.
+    #[error("outcome unknown: {0}")]
+    OutcomeUnknown(String),
     /// The database answered with an error that retrying will not fix.
     #[error("database error: {0}")]
     Internal(String),
@@ -69,6 +80,15 @@ impl From<sqlx::Error> for StoreError {
             }
             _ => StoreError::Internal(err.to_string()),
         }
+    }
+}
+
+/// A failed COMMIT: an answer from the database (an error it reports) means it did not
+/// commit; anything else (I/O, protocol, a closed pool) leaves the outcome unknown.
+fn commit_error(err: sqlx::Error) -> StoreError {
+    match err {
+        sqlx::Error::Database(_) => err.into(),
+        other => StoreError::OutcomeUnknown(format!("COMMIT sent, no answer: {other}")),
     }
 }
 
@@ -181,7 +201,18 @@ impl Store {
                     .connect_lazy_with(options),
             )
         } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            let options = PgConnectOptions::from_str(url).map_err(|e| bad(e.to_string()))?;
+            // Server-side bounds, so a stuck statement or a vanished client cannot hold the
+            // revision counter's row lock for ever: statements end after the timeout, an idle
+            // transaction is aborted, and the server probes idle connections.
+            let options = PgConnectOptions::from_str(url)
+                .map_err(|e| bad(e.to_string()))?
+                .options([
+                    ("statement_timeout", STATEMENT_TIMEOUT_MS),
+                    ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION_MS),
+                    ("tcp_keepalives_idle", "10"),
+                    ("tcp_keepalives_interval", "5"),
+                    ("tcp_keepalives_count", "3"),
+                ]);
             DbPool::Postgres(
                 PgPoolOptions::new()
                     .max_connections(16)
@@ -292,7 +323,10 @@ impl Store {
     /// Applies a batch of compares in one transaction: lock the revision counter, read the
     /// current versions of every document named, decide with [`plan_batch`], write the final
     /// documents and the change log, bump the counter, commit.
-    pub async fn apply(&self, compares: &[Vec<Entry>]) -> Result<Vec<Outcome>, StoreError> {
+    ///
+    /// `commit_sent` turns true just before COMMIT is sent: a caller that gives up waiting can
+    /// tell "not applied" from "outcome unknown" by it.
+    pub async fn apply(&self, compares: &[Vec<Entry>], commit_sent: &AtomicBool) -> Result<Vec<Outcome>, StoreError> {
         let mut keys: Vec<&DocKey> = compares.iter().flatten().map(|e| &e.key).collect();
         keys.sort();
         keys.dedup();
@@ -326,7 +360,9 @@ impl Store {
                 }
             }
             let plan = plan_batch(&current, compares, to_u64(head));
-            if plan.changes.is_empty() {
+            // Nothing to write: done, unless this is an empty batch, the committer's probe of
+            // whether COMMIT answers at all (it rewrites the counter unchanged and commits).
+            if plan.changes.is_empty() && !compares.is_empty() {
                 tx.rollback().await?;
                 return Ok(plan.outcomes);
             }
@@ -393,7 +429,11 @@ impl Store {
                 .bind(to_i64(plan.head))
                 .execute(&mut *tx)
                 .await?;
-            tx.commit().await?;
+            // Up to here a failure means the transaction never committed. From here on, only an
+            // answer from the database tells: a lost connection or a dropped future after this
+            // point leaves the outcome unknown.
+            commit_sent.store(true, Ordering::Release);
+            tx.commit().await.map_err(commit_error)?;
             Ok(plan.outcomes)
         })
     }

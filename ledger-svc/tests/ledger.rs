@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use ledger_client::{LedgerClient, LedgerError, Txn, WatchEvent};
+use ledger_client::{LedgerClient, LedgerError, Resolution, Txn, WatchEvent};
 use serde_json::{json, Value};
 use support::{client, Backend, TestDb};
 
@@ -38,6 +38,8 @@ for_both_backends!(
     bad_input_is_invalid_argument_and_changes_nothing,
     list_pages_by_prefix,
     compacted_revisions_are_out_of_range,
+    a_lost_reply_is_an_unknown_outcome_resolved_by_reading,
+    watch_and_list_replies_stay_under_the_client_limit,
 );
 
 fn expect_conflict(result: Result<ledger_client::Committed, LedgerError>) -> Vec<ledger_client::Conflict> {
@@ -539,6 +541,103 @@ async fn compacted_revisions_are_out_of_range(backend: Backend) {
         .collect();
     assert_eq!(ids, vec!["s15", "s16", "s17", "s18", "s19"]);
 
+    ledger.stop().await;
+    db.cleanup().await;
+}
+
+/// A compare that applied and lost its reply is "outcome unknown", never "unavailable"; reading
+/// back tells landed from not landed from moved on, and `compare_resolving` returns the
+/// landed write as committed instead of sending it again into a conflict.
+async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let ledger = db.start_ledger().await;
+    let direct = client(&ledger);
+    let proxy = stack::fault::LedgerProxy::start(&ledger.endpoint()).await;
+    let c = LedgerClient::connect_lazy(&proxy.endpoint()).unwrap();
+    direct
+        .compare(Txn::new().create("plan", "p", &json!({"step": 0})).unwrap())
+        .await
+        .unwrap();
+
+    let step1 = Txn::new().update("plan", "p", 1, &json!({"step": 1})).unwrap();
+    assert_eq!(c.resolve(&step1).await.unwrap(), Resolution::NotLanded);
+    proxy.faults.drop_compare_reply(|_| true, 1);
+    match c.compare(step1.clone()).await {
+        Err(LedgerError::OutcomeUnknown(_)) => {}
+        other => panic!("a lost reply must be an unknown outcome, got {other:?}"),
+    }
+    match c.resolve(&step1).await.unwrap() {
+        Resolution::Landed(committed) => assert_eq!(committed.versions, vec![2]),
+        other => panic!("the write applied, got {other:?}"),
+    }
+    // Sending it again is the mistake this guards against: a conflict with itself.
+    expect_conflict(c.compare(step1.clone()).await);
+
+    // compare_resolving: the reply is lost, the read-back finds the write, it is committed.
+    proxy.faults.drop_compare_reply(|_| true, 1);
+    let step2 = Txn::new().update("plan", "p", 2, &json!({"step": 2})).unwrap();
+    let committed = c.compare_resolving(step2, 3).await.unwrap();
+    assert_eq!(committed.versions, vec![3]);
+    assert_eq!(proxy.faults.count("dropped"), 2);
+
+    // Another writer came after: the documents moved on, and only the caller can tell.
+    direct
+        .compare(Txn::new().update("plan", "p", 3, &json!({"step": 9})).unwrap())
+        .await
+        .unwrap();
+    let late = Txn::new().update("plan", "p", 2, &json!({"step": 2})).unwrap();
+    assert!(matches!(c.resolve(&late).await.unwrap(), Resolution::Moved(m) if m[0].current_version == 4));
+
+    proxy.stop().await;
+    ledger.stop().await;
+    db.cleanup().await;
+}
+
+/// Documents near the size limit: a watch from far behind and a list of them arrive in
+/// replies the client accepts (before, a reply of every revision in the window could exceed
+/// gRPC's 4 MiB and the client took the refusal for compaction).
+async fn watch_and_list_replies_stay_under_the_client_limit(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let ledger = db.start_ledger().await;
+    let c = client(&ledger);
+    let big = "x".repeat(600 * 1024);
+    for i in 0..12 {
+        c.compare(Txn::new().create("blob", &format!("b{i:02}"), &json!(big)).unwrap())
+            .await
+            .unwrap();
+    }
+    // A plain gRPC client, with gRPC's default 4 MiB limit on a reply.
+    let mut raw = proto::ledger::v1::ledger_client::LedgerClient::connect(ledger.endpoint())
+        .await
+        .unwrap();
+    let mut replies = raw
+        .watch(proto::ledger::v1::WatchRequest {
+            start_revision: 1,
+            kind: "blob".into(),
+            id_prefix: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seen = 0;
+    while seen < 12 {
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(20), replies.message())
+            .await
+            .expect("the watch delivers")
+            .expect("no error: every reply fits the default limit")
+            .expect("the watch stream stays open");
+        seen += reply.events.len();
+    }
+    assert_eq!(seen, 12);
+    // The ledger's own client follows the same history.
+    let mut watch = c.watch("blob", "", 1);
+    let mut followed = 0;
+    while followed < 12 {
+        let update = watch.next().await.expect("open").expect("no error");
+        followed += update.events.len();
+    }
+    let (docs, _) = c.list::<Value>("blob", "").await.unwrap();
+    assert_eq!(docs.len(), 12);
     ledger.stop().await;
     db.cleanup().await;
 }

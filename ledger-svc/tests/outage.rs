@@ -112,3 +112,55 @@ async fn postgres_outage_is_unavailable_then_recovers() {
     ledger.stop().await;
     db.cleanup().await;
 }
+
+/// COMMIT reaches PostgreSQL (which commits it) and its answer never comes back. The caller
+/// must hear "outcome unknown" within the ledger's commit deadline, not wait for ever and not
+/// "unavailable"; health says NOT_SERVING while writes stall; reading back shows the write
+/// landed; and the ledger recovers by itself when commits answer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_never_answers_is_an_unknown_outcome() {
+    let db = TestDb::new(Backend::Postgres).await;
+    db.start_ledger().await.stop().await;
+    let target = support::postgres_base_url()
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("host:port in the PostgreSQL url")
+        .parse()
+        .expect("PostgreSQL address must be HOST:PORT with an IP");
+    let proxy = CuttableProxy::start(target).await;
+    let mut config = ledger_svc::LedgerConfig::new("127.0.0.1:0".parse().unwrap(), db.url_via(proxy.addr));
+    config.commit_deadline = Duration::from_secs(1);
+    let ledger = ledger_svc::start(config).await.expect("ledger starts");
+    let c = client(&ledger);
+    c.compare(Txn::new().create("node", "n1", &json!(1)).unwrap())
+        .await
+        .unwrap();
+
+    proxy.stall_commits(true);
+    let started = Instant::now();
+    let txn = Txn::new().update("node", "n1", 1, &json!(2)).unwrap();
+    match c.compare(txn.clone()).await {
+        Err(LedgerError::OutcomeUnknown(message)) => assert!(message.contains("COMMIT"), "{message}"),
+        other => panic!("expected an unknown outcome, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the caller waited {:?}",
+        started.elapsed()
+    );
+    await_health(&ledger.endpoint(), ServingStatus::NotServing).await;
+    // It landed: the database committed what it was sent.
+    match c.resolve(&txn).await.unwrap() {
+        ledger_client::Resolution::Landed(committed) => assert_eq!(committed.versions, vec![2]),
+        other => panic!("the commit reached the database, got {other:?}"),
+    }
+
+    proxy.stall_commits(false);
+    await_health(&ledger.endpoint(), ServingStatus::Serving).await;
+    c.compare(Txn::new().update("node", "n1", 2, &json!(3)).unwrap())
+        .await
+        .unwrap();
+    ledger.stop().await;
+    db.cleanup().await;
+}

@@ -47,7 +47,9 @@ use tokio::sync::{mpsc, OwnedMutexGuard};
 use tracing::Instrument;
 
 use crate::runtime::{Features, Runtime, RuntimeError};
-use crate::sandbox::{fence, next_state, Answers, Move, Recall, Refusal, Resources, SandboxRecord, State};
+use crate::sandbox::{
+    fence, next_state, on_existing, Answers, Move, OnExisting, Recall, Refusal, Resources, SandboxRecord, State,
+};
 use crate::snapshot::{self, RestoreItem, SnapshotPart};
 use crate::state_dir::StateDir;
 use crate::template::{self, Template, TemplateError};
@@ -657,10 +659,10 @@ impl Shared {
         mut record: SandboxRecord,
         data: mpsc::Receiver<RestoreItem>,
     ) -> Result<SandboxRecord, NodeError> {
-        if let Some(existing) = self.committed(&record.id) {
-            if existing.state != State::Killed {
-                return Err(NodeError::AlreadyExists(record.id));
-            }
+        match on_existing(self.committed(&record.id).as_ref(), epoch) {
+            OnExisting::Keep => return Err(NodeError::AlreadyExists(record.id)),
+            OnExisting::Refuse(refusal) => return Err(refusal.into()),
+            OnExisting::Restore | OnExisting::Replace => {}
         }
         // The stream is unpacked without the sandbox's turn (it may take long); only the
         // install, which is quick, takes it.
@@ -690,9 +692,25 @@ impl Shared {
             }
             Admission::Turn(turn) => turn,
         };
-        if turn.record().is_some() {
-            let _ = drop_scratch(scratch).await;
-            return Err(NodeError::AlreadyExists(record.id));
+        match on_existing(turn.record().as_ref(), epoch) {
+            OnExisting::Restore => {}
+            OnExisting::Keep => {
+                let _ = drop_scratch(scratch).await;
+                return Err(NodeError::AlreadyExists(record.id));
+            }
+            OnExisting::Refuse(refusal) => {
+                let _ = drop_scratch(scratch).await;
+                return Err(refusal.into());
+            }
+            OnExisting::Replace => {
+                let stale = turn.record().map_or(0, |r| r.epoch);
+                tracing::warn!(sandbox_id = %record.id, stale_epoch = stale, epoch,
+                    "a copy from an older epoch is here; replacing it with the snapshot");
+                if let Err(err) = self.lifecycle_now(&turn, epoch, Move::Kill).await {
+                    let _ = drop_scratch(scratch).await;
+                    return Err(err);
+                }
+            }
         }
         record.state = State::Paused;
         record.pgid = 0;
@@ -779,8 +797,14 @@ fn has_command(record: &SandboxRecord) -> bool {
 
 /// Whether an answer is final, and so given again to retries: refusals are; transient
 /// trouble (the state directory, the runtime) is not, so a retry tries again.
+/// Whether an answer is kept for retries of its operation ID. Failures of this host (I/O, the
+/// runtime) and a corrupt snapshot stream are not: the retry brings a fresh stream or finds
+/// the host healthy again, and deserves a fresh attempt.
 fn is_final(answer: &Answer) -> bool {
-    !matches!(answer, Err(NodeError::Io(_) | NodeError::Runtime(_)))
+    !matches!(
+        answer,
+        Err(NodeError::Io(_) | NodeError::Runtime(_) | NodeError::Corrupt(_))
+    )
 }
 
 fn validate_id(id: &str) -> Result<(), NodeError> {

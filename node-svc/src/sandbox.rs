@@ -79,6 +79,34 @@ pub fn fence(record: &SandboxRecord, epoch: u64) -> Result<u64, Refusal> {
     Ok(epoch)
 }
 
+/// What a restore does about a copy of the sandbox this node already has.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OnExisting {
+    /// No copy (or a killed one): restore.
+    Restore,
+    /// A copy under the same epoch: the same owner restored it before (the answer was lost,
+    /// or the node restarted and forgot the operation). One owner per epoch, and the source
+    /// stays paused while it owns the sandbox, so that copy is this snapshot: keep it.
+    Keep,
+    /// A copy under an older epoch: left behind by an earlier move that did not finish here.
+    /// It is not what this owner snapshotted, so it is replaced, never adopted.
+    Replace,
+    /// A copy under a newer epoch: this restore's owner was superseded.
+    Refuse(Refusal),
+}
+
+/// Decides [`OnExisting`] for a restore under `epoch`.
+pub fn on_existing(existing: Option<&SandboxRecord>, epoch: u64) -> OnExisting {
+    let Some(existing) = existing.filter(|r| r.state != State::Killed) else {
+        return OnExisting::Restore;
+    };
+    match fence(existing, epoch) {
+        Err(refusal) => OnExisting::Refuse(refusal),
+        Ok(_) if existing.epoch == epoch => OnExisting::Keep,
+        Ok(_) => OnExisting::Replace,
+    }
+}
+
 /// The state after `action`, or `None` when the sandbox is already there (a repeat is not an
 /// error: pausing a paused sandbox succeeds and does nothing).
 pub fn next_state(record: &SandboxRecord, action: Move) -> Result<Option<State>, Refusal> {

@@ -12,6 +12,7 @@
 //! carry a random tag so stacks running side by side keep their cgroups apart.
 //! [`services`] finds the PostgreSQL and Redis the tests use, failing with what to start.
 
+pub mod fault;
 pub mod services;
 
 use std::net::SocketAddr;

@@ -52,7 +52,7 @@ pub fn pick_up(record: &MoveRecord, manifest: Option<&SandboxDoc>) -> PickUp {
     };
     if doc.lifecycle_owner.as_deref() == Some(record.move_id.as_str()) {
         PickUp::Retake
-    } else if record.step == Step::TargetResumed && doc.node_id == record.to_node {
+    } else if record.step == Step::TargetResumed && switched(record, doc) {
         PickUp::Switched
     } else if record.step == Step::RollingBack {
         PickUp::RolledBack
@@ -61,6 +61,18 @@ pub fn pick_up(record: &MoveRecord, manifest: Option<&SandboxDoc>) -> PickUp {
             owner: doc.lifecycle_owner.clone(),
         }
     }
+}
+
+/// Whether the manifest shows this move's switch landed: unowned, on the target, at the
+/// move's epoch (a later owner would have raised it).
+pub fn switched(record: &MoveRecord, doc: &SandboxDoc) -> bool {
+    doc.lifecycle_owner.is_none() && doc.node_id == record.to_node && doc.epoch == record.epoch
+}
+
+/// Whether the manifest shows this move's release (the end of a rollback) landed: unowned,
+/// on the source, at the move's epoch.
+pub fn released(record: &MoveRecord, doc: &SandboxDoc) -> bool {
+    doc.lifecycle_owner.is_none() && doc.node_id == record.from_node && doc.epoch == record.epoch
 }
 
 /// Where a failed step leads.
@@ -82,6 +94,9 @@ pub fn on_failure(step: Step, err: &MoveError) -> OnFailure {
     match err {
         MoveError::Fenced(_) | MoveError::Halted(_) => OnFailure::Stop,
         MoveError::Gone(_) => OnFailure::Abandon,
+        // The write may have landed: acting as if it had not (rolling back after a switch
+        // that landed) kills the live copy. Read again next cycle instead.
+        MoveError::Unknown(_) => OnFailure::RetryNextCycle,
         _ if step.can_roll_back() => OnFailure::RollBack,
         _ => OnFailure::RetryNextCycle,
     }
@@ -187,6 +202,7 @@ mod tests {
             sandbox_id: "sbx".into(),
             node_id: node.into(),
             lifecycle_owner: owner.map(str::to_string),
+            epoch: 2,
             ..SandboxDoc::default()
         }
     }
@@ -237,6 +253,27 @@ mod tests {
             pick_up(&record(Step::TargetResumed, 2), Some(&manifest(None, "a"))),
             PickUp::LostOwnership { owner: None }
         );
+        // On the target but under a later epoch: someone else took it and moved it there,
+        // not this move's switch.
+        let mut later = manifest(None, "b");
+        later.epoch = 5;
+        assert_eq!(
+            pick_up(&record(Step::TargetResumed, 2), Some(&later)),
+            PickUp::LostOwnership { owner: None }
+        );
+    }
+
+    #[test]
+    fn a_landed_switch_or_release_is_recognised_by_owner_node_and_epoch() {
+        let r = record(Step::TargetResumed, 2);
+        assert!(switched(&r, &manifest(None, "b")));
+        assert!(!switched(&r, &manifest(Some("m1"), "b")));
+        assert!(!switched(&r, &manifest(None, "a")));
+        assert!(released(&r, &manifest(None, "a")));
+        assert!(!released(&r, &manifest(None, "b")));
+        let mut later = manifest(None, "a");
+        later.epoch = 3;
+        assert!(!released(&r, &later));
     }
 
     #[test]
@@ -260,6 +297,14 @@ mod tests {
         }
         for step in [Step::Switched, Step::RollingBack] {
             assert_eq!(on_failure(step, &failed()), OnFailure::RetryNextCycle, "{step:?}");
+        }
+        // An unknown outcome is never rolled back on, at any step.
+        for step in Step::FORWARD.into_iter().chain([Step::RollingBack]) {
+            assert_eq!(
+                on_failure(step, &MoveError::Unknown("x".into())),
+                OnFailure::RetryNextCycle,
+                "{step:?}"
+            );
         }
     }
 

@@ -9,6 +9,10 @@ pub enum MoveError {
     /// Worth trying again shortly (a node or the ledger is unreachable).
     #[error("transient: {0}")]
     Transient(String),
+    /// A write was sent and nothing says whether it landed. Never rolled back on: the move
+    /// keeps its step and the next cycle reads what is true before acting again.
+    #[error("outcome unknown: {0}")]
+    Unknown(String),
     /// The step cannot succeed; roll back if the step allows it.
     #[error("{0}")]
     Failed(String),
@@ -35,10 +39,10 @@ pub(crate) fn from_status(what: &str, status: tonic::Status) -> MoveError {
 
 /// A ledger failure: transient if retrying may help, else the step fails.
 pub(crate) fn from_ledger(err: LedgerError) -> MoveError {
-    if err.is_transient() {
-        MoveError::Transient(err.to_string())
-    } else {
-        MoveError::Failed(err.to_string())
+    match err {
+        LedgerError::OutcomeUnknown(_) => MoveError::Unknown(err.to_string()),
+        _ if err.is_transient() => MoveError::Transient(err.to_string()),
+        _ => MoveError::Failed(err.to_string()),
     }
 }
 
@@ -64,6 +68,14 @@ mod tests {
         assert!(matches!(
             from_status("x", status(Code::NotFound, "no")),
             MoveError::Failed(_)
+        ));
+        assert!(matches!(
+            from_ledger(LedgerError::OutcomeUnknown("lost".into())),
+            MoveError::Unknown(_)
+        ));
+        assert!(matches!(
+            from_ledger(LedgerError::Unavailable("down".into())),
+            MoveError::Transient(_)
         ));
     }
 }

@@ -218,9 +218,12 @@ impl Mover {
                 next.finished_at_unix_ms = Some(now_ms());
             }
             Step::RollingBack => {
-                // Never owned: nothing was touched.
                 if record.epoch > 0 {
                     self.roll_back(record).await?;
+                } else {
+                    // Ownership was never recorded, but the write taking it may have landed
+                    // with its reply lost: release it if it is ours. Nothing else was touched.
+                    self.release(record).await?;
                 }
                 next.finished_at_unix_ms = Some(now_ms());
             }
@@ -295,7 +298,8 @@ impl Mover {
         let txn = Txn::new()
             .update(PLAN_KIND, &plan.plan_id, current.version, plan)
             .map_err(from_ledger)?;
-        match self.ledger.compare(txn).await {
+        // One writer (the lease holder) per plan: a lost reply resolved by reading is ours.
+        match self.ledger.compare_resolving(txn, super::steps::RESOLVE_ATTEMPTS).await {
             Ok(done) => Ok(done.versions.first().copied().unwrap_or(current.version + 1)),
             Err(LedgerError::Conflict { .. }) => Err(MoveError::Fenced(format!(
                 "plan {} was written by another executor",

@@ -9,10 +9,13 @@ use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
 use tonic::Code;
 
-use super::decide::{NodeAction, NodeCall, WhenMissing};
+use super::decide::{self, NodeAction, NodeCall, WhenMissing};
 use super::error::{from_ledger, from_status};
 use super::{MoveError, Mover};
 use crate::record::{MoveRecord, Step};
+
+/// Reads a write of unknown outcome may take to resolve it before the step gives up.
+pub(super) const RESOLVE_ATTEMPTS: usize = 5;
 
 impl Mover {
     pub(super) async fn manifest(&self, record: &MoveRecord) -> Result<Option<Versioned<SandboxDoc>>, MoveError> {
@@ -57,13 +60,17 @@ impl Mover {
         Ok(epoch)
     }
 
+    /// Writes the manifest back at the version it was read. A lost reply is resolved by
+    /// reading (a write that landed counts as done); one that stays unresolved is
+    /// [`MoveError::Unknown`], which no caller rolls back on.
     pub(super) async fn save_manifest(&self, doc: &Versioned<SandboxDoc>) -> Result<(), MoveError> {
         let txn = Txn::new()
             .update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)
             .map_err(from_ledger)?;
-        match self.ledger.compare(txn).await {
+        match self.ledger.compare_resolving(txn, RESOLVE_ATTEMPTS).await {
             Ok(_) => Ok(()),
-            // Someone changed the manifest between read and write: read again next attempt.
+            // Someone changed the manifest between read and write: read again next attempt
+            // (each step's action starts by reading what is true).
             Err(LedgerError::Conflict { .. }) => Err(MoveError::Transient("manifest changed; retrying".into())),
             Err(err) => Err(from_ledger(err)),
         }
@@ -158,18 +165,22 @@ impl Mover {
     /// Points the manifest at the target, releases ownership and starts the cooldown, in one
     /// compare-and-swap guarded by "owned by this move".
     pub(super) async fn switch(&self, record: &MoveRecord) -> Result<(), MoveError> {
+        let Some(mut doc) = self.manifest(record).await? else {
+            return Err(MoveError::Gone(record.sandbox_id.clone()));
+        };
+        // A retry after a lost reply finds its own write: done, not failed.
+        if decide::switched(record, &doc.value) {
+            return Ok(());
+        }
+        if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
+            return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
+        }
         let mut target = self.nodes.get(&record.to_address).await?;
         let info = target
             .info(node_pb::InfoRequest {})
             .await
             .map_err(|s| from_status("target info", s))?
             .into_inner();
-        let Some(mut doc) = self.manifest(record).await? else {
-            return Err(MoveError::Gone(record.sandbox_id.clone()));
-        };
-        if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
-            return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
-        }
         doc.value.node_id = record.to_node.clone();
         doc.value.node_address = record.to_address.clone();
         doc.value.envd_address = info.envd_address;
@@ -178,15 +189,27 @@ impl Mover {
         self.save_manifest(&doc).await
     }
 
-    /// Puts the sandbox back on the source. A target copy that was resumed must be gone
-    /// before the source runs again (never two running copies); one that can only be paused
-    /// (the move failed before resuming it) is removed if the target answers, and otherwise
-    /// left paused there, named in the move's error, rather than keeping the sandbox down.
+    /// Puts the sandbox back on the source. A target copy that may be running (its resume
+    /// was sent, whatever the answer) must be confirmed gone before the source runs again:
+    /// never two running copies, so while the target cannot confirm, the sandbox stays
+    /// paused and owned by this move, and the rollback is tried again every cycle. A copy
+    /// that can only be paused (the move failed before resuming it) is removed if the target
+    /// answers, and otherwise left paused there for the orphan sweep, rather than keeping
+    /// the sandbox down.
     pub(super) async fn roll_back(&self, record: &MoveRecord) -> Result<(), MoveError> {
-        let target_ran = record.failed_at.is_some_and(|s| s == Step::TargetResumed);
+        let target_may_run = record
+            .failed_at
+            .is_some_and(|s| matches!(s, Step::Restored | Step::TargetResumed));
         match self.lifecycle(&record.to_address, record, NodeAction::UndoKill).await {
             Ok(()) => {}
-            Err(err @ MoveError::Transient(_)) if target_ran => return Err(err),
+            Err(err) if target_may_run => {
+                tracing::warn!(sandbox_id = %record.sandbox_id, to = %record.to_node, %err,
+                    "the target may run a copy and does not confirm it stopped; the source stays paused");
+                return Err(match err {
+                    MoveError::Fenced(_) | MoveError::Halted(_) => err,
+                    other => MoveError::Transient(other.to_string()),
+                });
+            }
             Err(err) => {
                 tracing::warn!(sandbox_id = %record.sandbox_id, to = %record.to_node, %err,
                     "target unreachable while rolling back; any copy there stays paused");
@@ -197,15 +220,24 @@ impl Mover {
         self.release(record).await
     }
 
-    /// Rolling back: clears ownership (the epoch stays, so older calls remain fenced).
+    /// Ends a rollback: clears ownership (the epoch stays, so older calls remain fenced) and
+    /// starts the sandbox's cooldown, so the planner does not pick the same move at once.
+    /// Also what rolling back a move that may have taken ownership without recording it does.
     pub(super) async fn release(&self, record: &MoveRecord) -> Result<(), MoveError> {
         let Some(mut doc) = self.manifest(record).await? else {
             return Err(MoveError::Gone(record.sandbox_id.clone()));
         };
         if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
+            // Released already (a retry after a lost reply), or another owner took the sandbox
+            // over under a newer epoch: either way nothing of this move holds it.
+            if !decide::released(record, &doc.value) {
+                tracing::info!(sandbox_id = %record.sandbox_id, owner = ?doc.value.lifecycle_owner,
+                    epoch = doc.value.epoch, "not this move's to release any more");
+            }
             return Ok(());
         }
         doc.value.lifecycle_owner = None;
+        doc.value.last_moved_unix_ms = Some(now_ms());
         self.save_manifest(&doc).await
     }
 

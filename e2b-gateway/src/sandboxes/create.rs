@@ -9,7 +9,7 @@ use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
 use tonic::Code;
 
-use super::{from_status, Failure, Sandboxes};
+use super::{from_status, Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 use crate::intent::CreateIntent;
 
 /// Attempts on different nodes before a create gives up.
@@ -56,15 +56,23 @@ impl Sandboxes {
             last_moved_unix_ms: None,
             trace_context: common::trace::traceparent(),
         };
+        // A lost reply is resolved by reading back; only a ledger that stays unreadable
+        // leaves this create's outcome unknown (a 503; nothing was started).
         let version = self
             .ledger
-            .compare(Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc)?)
+            .compare_resolving(
+                Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc)?,
+                LEDGER_RESOLVE_ATTEMPTS,
+            )
             .await?
             .versions[0];
         let undo_manifest = || async {
             if let Err(err) = self
                 .ledger
-                .compare(Txn::new().delete(SANDBOX_KIND, &sandbox_id, version))
+                .compare_resolving(
+                    Txn::new().delete(SANDBOX_KIND, &sandbox_id, version),
+                    LEDGER_RESOLVE_ATTEMPTS,
+                )
                 .await
             {
                 tracing::error!(%err, "could not delete the manifest of a failed create");
@@ -90,11 +98,20 @@ impl Sandboxes {
                 value: doc.clone(),
             })
             .await;
-        if let Err(err) = saved {
-            // Undo everything: the process, the reservation, the manifest.
-            self.stop_on_node(&doc).await;
-            undo_manifest().await;
-            return Err(err);
+        match saved {
+            Ok(_) => {}
+            // The Running write may have landed: stopping the process now could leave a
+            // Running manifest that points at nothing. Leave both; the caller is told to look.
+            Err(err @ Failure::Unknown(_)) => {
+                tracing::error!(%err, "running write unconfirmed; the sandbox is kept");
+                return Err(err);
+            }
+            Err(err) => {
+                // Undo everything: the process, the reservation, the manifest.
+                self.stop_on_node(&doc).await;
+                undo_manifest().await;
+                return Err(err);
+            }
         }
         tracing::info!(node_id = %doc.node_id, "sandbox running");
         Ok(doc)

@@ -38,14 +38,23 @@ pub enum Failure {
     NoCapacity(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A ledger write whose outcome stayed unknown (answered like `Unavailable`).
+    #[error("{0}")]
+    Unknown(String),
     #[error("{0}")]
     Internal(String),
 }
+
+/// Reads a ledger write of unknown outcome may take to resolve it.
+pub(super) const LEDGER_RESOLVE_ATTEMPTS: usize = 5;
 
 impl From<LedgerError> for Failure {
     fn from(err: LedgerError) -> Self {
         match err {
             LedgerError::Unavailable(m) => Failure::Unavailable(format!("ledger unavailable: {m}")),
+            LedgerError::OutcomeUnknown(m) => Failure::Unknown(format!(
+                "the ledger did not confirm the write ({m}); read the sandbox to see whether it applied"
+            )),
             other => Failure::Internal(other.to_string()),
         }
     }
@@ -128,7 +137,7 @@ impl Sandboxes {
 
     async fn save(&self, doc: &Versioned<SandboxDoc>) -> Result<u64, Failure> {
         let txn = Txn::new().update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)?;
-        match self.ledger.compare(txn).await {
+        match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
             Ok(done) => Ok(done.versions.first().copied().unwrap_or(doc.version + 1)),
             Err(LedgerError::Conflict { .. }) => Err(Failure::Conflict(format!(
                 "sandbox {} changed concurrently; retry",

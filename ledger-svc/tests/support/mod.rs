@@ -9,6 +9,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use ledger_client::LedgerClient;
@@ -119,6 +120,8 @@ pub struct CuttableProxy {
     target: SocketAddr,
     accept: Arc<Mutex<Option<JoinHandle<()>>>>,
     conns: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    /// While set, a connection that sends COMMIT has it delivered and never hears back.
+    stall_commits: Arc<AtomicBool>,
 }
 
 impl CuttableProxy {
@@ -130,6 +133,7 @@ impl CuttableProxy {
             target,
             accept: Arc::new(Mutex::new(None)),
             conns: Arc::new(std::sync::Mutex::new(Vec::new())),
+            stall_commits: Arc::new(AtomicBool::new(false)),
         };
         proxy.serve(listener).await;
         proxy
@@ -138,11 +142,13 @@ impl CuttableProxy {
     async fn serve(&self, listener: TcpListener) {
         let target = self.target;
         let conns = self.conns.clone();
+        let stall = self.stall_commits.clone();
         let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let stall = stall.clone();
                 let conn = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = TcpStream::connect(target).await {
+                        relay(inbound, outbound, stall).await;
                     }
                 });
                 conns.lock().expect("conns").push(conn);
@@ -162,9 +168,58 @@ impl CuttableProxy {
         }
     }
 
+    /// From now on, a COMMIT reaches the database (which commits it) and its answer, and all
+    /// that follows on that connection, is swallowed: the reply lost, the outcome unknown.
+    pub fn stall_commits(&self, on: bool) {
+        self.stall_commits.store(on, Ordering::SeqCst);
+    }
+
     /// Accepts again on the same port.
     pub async fn restore(&self) {
         let listener = TcpListener::bind(self.addr).await.expect("rebind proxy");
         self.serve(listener).await;
     }
+}
+
+/// Copies both ways; once the client sends COMMIT while `stall` is set, the server's answers
+/// on this connection are read and dropped.
+async fn relay(inbound: TcpStream, outbound: TcpStream, stall: Arc<AtomicBool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut client_rx, mut client_tx) = inbound.into_split();
+    let (mut server_rx, mut server_tx) = outbound.into_split();
+    let swallow = Arc::new(AtomicBool::new(false));
+    let to_server = {
+        let swallow = swallow.clone();
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match client_rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if stall.load(Ordering::SeqCst) && buf[..n].windows(6).any(|w| w == b"COMMIT") {
+                    swallow.store(true, Ordering::SeqCst);
+                }
+                if server_tx.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let to_client = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match server_rx.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if swallow.load(Ordering::SeqCst) {
+                continue;
+            }
+            if client_tx.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::join!(to_server, to_client);
 }

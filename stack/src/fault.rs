@@ -1,0 +1,353 @@
+//! Faults on the wire, for tests: gRPC proxies that stand between a service and its caller
+//! and lose replies the way networks do.
+//!
+//! A [`NodeProxy`] or [`LedgerProxy`] forwards every call to the real service. Told to, it
+//! lets a call through and then answers the caller as if the connection had broken — the
+//! request applied, its reply lost — or refuses every call without forwarding (a node that
+//! cannot be reached), or holds a call's reply back. The errors carry no ledger marker, so a
+//! ledger client sees exactly what a broken connection gives it: an unknown outcome.
+//!
+//! Every fault the proxy injects is counted, and [`Faults::await_count`] waits for a count
+//! to be reached, so a test synchronises on the fault having happened rather than on time.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use common::serve::{Grpc, Listener, Serving};
+use futures::{Stream, StreamExt};
+use proto::ledger::v1 as lpb;
+use proto::ledger::v1::ledger_client::LedgerClient;
+use proto::ledger::v1::ledger_server::{Ledger, LedgerServer};
+use proto::node::v1 as npb;
+use proto::node::v1::node_client::NodeClient;
+use proto::node::v1::node_server::{Node, NodeServer};
+use tokio::sync::Notify;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+/// A predicate on a ledger compare, choosing which compares lose their reply.
+pub type CompareMatch = Box<dyn Fn(&lpb::CompareRequest) -> bool + Send + Sync>;
+
+#[derive(Default)]
+struct Rules {
+    /// Calls by method name whose reply is lost after they applied, and how many more times.
+    drop_reply: HashMap<&'static str, u32>,
+    /// Compares whose reply is lost after they applied, and how many more times.
+    drop_compare: Vec<(CompareMatch, u32)>,
+    /// Every call is refused without being forwarded.
+    down: bool,
+    /// The proxy goes down the moment it loses a reply (a node that becomes unreachable
+    /// right after applying a call).
+    down_after_drop: bool,
+    /// Faults injected so far, by kind: "dropped" and "refused".
+    counts: HashMap<&'static str, u64>,
+}
+
+/// The fault rules of one proxy, shared by its handlers and the test.
+#[derive(Clone, Default)]
+pub struct Faults {
+    rules: Arc<Mutex<Rules>>,
+    changed: Arc<Notify>,
+}
+
+impl Faults {
+    fn rules(&self) -> std::sync::MutexGuard<'_, Rules> {
+        self.rules.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next `times` calls of `method` (as named in the proto, e.g. "Resume") apply and
+    /// then lose their reply.
+    pub fn drop_reply(&self, method: &'static str, times: u32) {
+        self.rules().drop_reply.insert(method, times);
+    }
+
+    /// The next `times` compares that `matches` accepts apply and then lose their reply.
+    pub fn drop_compare_reply(
+        &self,
+        matches: impl Fn(&lpb::CompareRequest) -> bool + Send + Sync + 'static,
+        times: u32,
+    ) {
+        self.rules().drop_compare.push((Box::new(matches), times));
+    }
+
+    /// The next `times` calls of `method` apply, lose their reply, and leave the proxy down.
+    pub fn drop_reply_then_down(&self, method: &'static str, times: u32) {
+        let mut rules = self.rules();
+        rules.drop_reply.insert(method, times);
+        rules.down_after_drop = true;
+    }
+
+    /// While down, every call is refused with UNAVAILABLE and not forwarded.
+    pub fn set_down(&self, down: bool) {
+        self.rules().down = down;
+    }
+
+    /// Faults of `kind` ("dropped", "refused") injected so far.
+    pub fn count(&self, kind: &str) -> u64 {
+        self.rules().counts.get(kind).copied().unwrap_or(0)
+    }
+
+    /// Waits until `count(kind) >= at_least`, failing the test after `limit`.
+    pub async fn await_count(&self, kind: &str, at_least: u64, limit: Duration) {
+        let reached = tokio::time::timeout(limit, async {
+            loop {
+                let notified = self.changed.notified();
+                if self.count(kind) >= at_least {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        if reached.is_err() {
+            panic!(
+                "only {} {kind} faults within {limit:?}, expected {at_least}",
+                self.count(kind)
+            );
+        }
+    }
+
+    fn bump(&self, kind: &'static str) {
+        *self.rules().counts.entry(kind).or_default() += 1;
+        self.changed.notify_waiters();
+    }
+
+    /// Refuses the call if the proxy is down.
+    fn gate(&self, method: &str) -> Result<(), Status> {
+        if self.rules().down {
+            self.bump("refused");
+            return Err(Status::unavailable(format!(
+                "{method}: connection refused (fault proxy down)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether this call of `method` loses its reply (and uses up one of the rule's times).
+    fn take_drop(&self, method: &'static str) -> bool {
+        let mut rules = self.rules();
+        match rules.drop_reply.get_mut(method) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn take_compare_drop(&self, request: &lpb::CompareRequest) -> bool {
+        let mut rules = self.rules();
+        for (matches, left) in rules.drop_compare.iter_mut() {
+            if *left > 0 && matches(request) {
+                *left -= 1;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The reply a lost one is replaced with: what a broken connection looks like.
+    fn lost(&self, method: &str) -> Status {
+        {
+            let mut rules = self.rules();
+            if rules.down_after_drop {
+                rules.down = true;
+            }
+        }
+        self.bump("dropped");
+        Status::unavailable(format!("{method}: connection reset (fault proxy lost the reply)"))
+    }
+
+    /// Passes `result` on, unless `method`'s reply is to be lost.
+    fn reply<T>(&self, method: &'static str, result: Result<Response<T>, Status>) -> Result<Response<T>, Status> {
+        if self.take_drop(method) {
+            return Err(self.lost(method));
+        }
+        result
+    }
+}
+
+/// A proxy listening on its own port; stopped by [`Proxy::stop`].
+pub struct Proxy {
+    addr: SocketAddr,
+    serving: Serving,
+    pub faults: Faults,
+}
+
+impl Proxy {
+    /// `http://ADDR` of the proxy: give it to the caller instead of the real service's.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn stop(self) {
+        self.serving.stop().await;
+    }
+}
+
+async fn serve(grpc: Grpc, faults: Faults) -> Proxy {
+    let listener = Listener::bind("127.0.0.1:0".parse().expect("a literal address"))
+        .await
+        .expect("the fault proxy binds a port");
+    let addr = listener.addr();
+    let mut serving = Serving::new();
+    serving.grpc("fault-proxy", listener, grpc);
+    Proxy { addr, serving, faults }
+}
+
+fn channel(endpoint: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .expect("the proxied service's endpoint is a URL")
+        .connect_lazy()
+}
+
+/// Forwards the Node service to one node-svc.
+#[derive(Clone)]
+pub struct NodeProxy {
+    upstream: NodeClient<Channel>,
+    faults: Faults,
+}
+
+impl NodeProxy {
+    /// Starts a proxy in front of the node-svc at `endpoint`.
+    pub async fn start(endpoint: &str) -> Proxy {
+        let faults = Faults::default();
+        let proxy = Self {
+            upstream: NodeClient::new(channel(endpoint)).max_decoding_message_size(64 << 20),
+            faults: faults.clone(),
+        };
+        let grpc = Grpc::new().service(NodeServer::new(proxy)).await.stream_window(8 << 20);
+        serve(grpc, faults).await
+    }
+}
+
+type Chunks = Pin<Box<dyn Stream<Item = Result<npb::SnapshotChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Node for NodeProxy {
+    async fn create(&self, request: Request<npb::CreateRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Create")?;
+        let result = self.upstream.clone().create(request.into_inner()).await;
+        self.faults.reply("Create", result)
+    }
+
+    async fn kill(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Kill")?;
+        let result = self.upstream.clone().kill(request.into_inner()).await;
+        self.faults.reply("Kill", result)
+    }
+
+    async fn pause(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Pause")?;
+        let result = self.upstream.clone().pause(request.into_inner()).await;
+        self.faults.reply("Pause", result)
+    }
+
+    async fn resume(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Resume")?;
+        let result = self.upstream.clone().resume(request.into_inner()).await;
+        self.faults.reply("Resume", result)
+    }
+
+    type SnapshotStream = Chunks;
+
+    async fn snapshot(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<Chunks>, Status> {
+        self.faults.gate("Snapshot")?;
+        let stream = self.upstream.clone().snapshot(request.into_inner()).await?.into_inner();
+        let chunks: Chunks = Box::pin(stream);
+        self.faults.reply("Snapshot", Ok(Response::new(chunks)))
+    }
+
+    async fn restore(
+        &self,
+        request: Request<Streaming<npb::RestoreChunk>>,
+    ) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Restore")?;
+        // Forwarded as it arrives; a broken inbound stream ends the outbound one early, which
+        // the node refuses as incomplete.
+        let inbound = request.into_inner().take_while(|c| futures::future::ready(c.is_ok()));
+        let outbound = inbound.filter_map(|c| futures::future::ready(c.ok()));
+        let result = self.upstream.clone().restore(outbound).await;
+        self.faults.reply("Restore", result)
+    }
+
+    async fn list(&self, request: Request<npb::ListRequest>) -> Result<Response<npb::ListResponse>, Status> {
+        self.faults.gate("List")?;
+        let result = self.upstream.clone().list(request.into_inner()).await;
+        self.faults.reply("List", result)
+    }
+
+    async fn info(&self, request: Request<npb::InfoRequest>) -> Result<Response<npb::NodeInfo>, Status> {
+        self.faults.gate("Info")?;
+        let result = self.upstream.clone().info(request.into_inner()).await;
+        self.faults.reply("Info", result)
+    }
+}
+
+/// Forwards the Ledger service to one ledger-svc.
+#[derive(Clone)]
+pub struct LedgerProxy {
+    upstream: LedgerClient<Channel>,
+    faults: Faults,
+}
+
+impl LedgerProxy {
+    /// Starts a proxy in front of the ledger-svc at `endpoint`.
+    pub async fn start(endpoint: &str) -> Proxy {
+        let faults = Faults::default();
+        let proxy = Self {
+            upstream: LedgerClient::new(channel(endpoint))
+                .max_decoding_message_size(ledger_client::wire::MAX_REPLY_BYTES),
+            faults: faults.clone(),
+        };
+        let grpc = Grpc::new().service(LedgerServer::new(proxy)).await;
+        serve(grpc, faults).await
+    }
+}
+
+type Updates = Pin<Box<dyn Stream<Item = Result<lpb::WatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Ledger for LedgerProxy {
+    async fn get(&self, request: Request<lpb::GetRequest>) -> Result<Response<lpb::GetResponse>, Status> {
+        self.faults.gate("Get")?;
+        let result = self.upstream.clone().get(request.into_inner()).await;
+        self.faults.reply("Get", result)
+    }
+
+    async fn list(&self, request: Request<lpb::ListRequest>) -> Result<Response<lpb::ListResponse>, Status> {
+        self.faults.gate("List")?;
+        let result = self.upstream.clone().list(request.into_inner()).await;
+        self.faults.reply("List", result)
+    }
+
+    async fn compare(&self, request: Request<lpb::CompareRequest>) -> Result<Response<lpb::CompareResponse>, Status> {
+        self.faults.gate("Compare")?;
+        let request = request.into_inner();
+        let lose = self.faults.take_compare_drop(&request);
+        let result = self.upstream.clone().compare(request).await;
+        if lose {
+            return Err(self.faults.lost("Compare"));
+        }
+        self.faults.reply("Compare", result)
+    }
+
+    type WatchStream = Updates;
+
+    async fn watch(&self, request: Request<lpb::WatchRequest>) -> Result<Response<Updates>, Status> {
+        self.faults.gate("Watch")?;
+        let stream = self.upstream.clone().watch(request.into_inner()).await?.into_inner();
+        let updates: Updates = Box::pin(stream);
+        Ok(Response::new(updates))
+    }
+}
+
+/// Whether a compare writes a document of `kind` whose JSON payload contains `needle`.
+pub fn writes(request: &lpb::CompareRequest, kind: &str, needle: &str) -> bool {
+    request.entries.iter().any(|e| {
+        e.kind == kind && matches!(&e.action, Some(lpb::compare_entry::Action::PutJson(json)) if json.contains(needle))
+    })
+}
