@@ -129,8 +129,8 @@ impl Balancer {
 
     /// One cycle. Returns the observation's status label when this replica is the executor.
     pub async fn cycle(&self) -> Result<Option<String>, CycleError> {
-        let leader = self.lease.hold().await?;
-        metrics::gauge!("balance_leader").set(if leader { 1.0 } else { 0.0 });
+        // The lease's keeper takes and renews it; a cycle only asks whether it is held.
+        let leader = self.lease.confirmed();
         self.known.write().await.leader = leader;
         if !leader {
             self.unfinished_may_exist.store(true, Ordering::SeqCst);

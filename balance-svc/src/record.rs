@@ -228,21 +228,37 @@ impl PlanDoc {
     }
 }
 
-/// The executor lease: `balance-lease/executor`. Taken when absent or expired, renewed by its
-/// holder, always by compare-and-swap on this document alone.
+/// The executor lease: `balance-lease/executor`. Taken when absent or left unrenewed for a
+/// full TTL, renewed by its holder, always by compare-and-swap on this document alone.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseDoc {
     pub holder: String,
+    /// For operators reading the document: when the holder's renewal runs out by its own
+    /// clock. No replica compares it with its clock: see [`may_take`].
     pub expires_at_unix_ms: u64,
     /// Bumped on every change of holder, for logs.
     pub term: u64,
 }
 
-/// Whether `holder` may write the lease now, given its current value.
-pub fn may_take(current: Option<&LeaseDoc>, holder: &str, now_ms: u64) -> bool {
+/// Whether `me` may write the lease, given its current value and version, and — when another
+/// replica holds it — the version this replica last saw and how long ago (by this replica's
+/// monotonic clock) it first saw that version.
+///
+/// No wall clocks are compared across machines: another holder's lease counts as lapsed only
+/// once its document has not changed for a full `ttl` as this replica watched it. The holder
+/// stops acting `ttl` after it *sent* its last renewal, which is no later than this replica
+/// first saw it, so the two never act at once (clock rates, not clock readings, must agree).
+pub fn may_take(
+    current: Option<(&LeaseDoc, u64)>,
+    me: &str,
+    seen: Option<(u64, std::time::Duration)>,
+    ttl: std::time::Duration,
+) -> bool {
     match current {
         None => true,
-        Some(lease) => lease.holder == holder || lease.expires_at_unix_ms <= now_ms,
+        // Ours, or given up by its holder on a clean stop.
+        Some((lease, _)) if lease.holder == me || lease.holder.is_empty() => true,
+        Some((_, version)) => seen.is_some_and(|(v, unchanged_for)| v == version && unchanged_for >= ttl),
     }
 }
 
@@ -286,16 +302,32 @@ mod tests {
     }
 
     #[test]
-    fn the_lease_is_taken_only_when_free_expired_or_ours() {
+    fn the_lease_is_taken_only_when_free_ours_or_unchanged_for_a_full_ttl() {
+        use std::time::Duration;
+        let ttl = Duration::from_secs(3);
         let lease = LeaseDoc {
             holder: "a".into(),
-            expires_at_unix_ms: 1_000,
+            expires_at_unix_ms: 0,
             term: 1,
         };
-        assert!(may_take(None, "b", 0));
-        assert!(may_take(Some(&lease), "a", 500));
-        assert!(!may_take(Some(&lease), "b", 999));
-        assert!(may_take(Some(&lease), "b", 1_000));
+        assert!(may_take(None, "b", None, ttl));
+        assert!(may_take(Some((&lease, 7)), "a", None, ttl));
+        let released = LeaseDoc {
+            holder: String::new(),
+            ..lease.clone()
+        };
+        assert!(may_take(Some((&released, 9)), "b", None, ttl));
+        // Never seen before: watch it for a TTL first, whatever its expiry time says.
+        assert!(!may_take(Some((&lease, 7)), "b", None, ttl));
+        assert!(!may_take(
+            Some((&lease, 7)),
+            "b",
+            Some((7, ttl - Duration::from_millis(1))),
+            ttl
+        ));
+        assert!(may_take(Some((&lease, 7)), "b", Some((7, ttl)), ttl));
+        // Renewed since: the wait starts again.
+        assert!(!may_take(Some((&lease, 8)), "b", Some((7, ttl * 10)), ttl));
     }
 
     #[test]

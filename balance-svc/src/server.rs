@@ -18,6 +18,10 @@ use crate::balancer::{BalanceTuning, Balancer};
 use crate::lease::Lease;
 use crate::migrate::{Halt, MoveError, Mover};
 
+/// The executor lease's default time to live. A replica that dies holding it is replaced
+/// after this long (then its moves resume or roll back); renewals go out every third of it.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(3);
+
 /// How balance-svc runs.
 #[derive(Clone, Debug)]
 pub struct BalanceConfig {
@@ -43,7 +47,7 @@ impl BalanceConfig {
             placement_endpoint: None,
             tuning: BalanceTuning::default(),
             concurrency: 1,
-            lease_ttl: Duration::from_secs(15),
+            lease_ttl: DEFAULT_LEASE_TTL,
             holder: None,
             halt: None,
         }
@@ -66,10 +70,10 @@ impl BalanceConfig {
         if self.tuning.interval.is_zero() {
             return Err("interval must be positive".into());
         }
-        if self.lease_ttl <= self.tuning.interval {
+        if self.lease_ttl < Duration::from_millis(300) {
             return Err(format!(
-                "the lease TTL ({:?}) must exceed the interval ({:?}), or the lease lapses between cycles",
-                self.lease_ttl, self.tuning.interval
+                "the lease TTL ({:?}) must be at least 300ms: it is renewed every third of it",
+                self.lease_ttl
             ));
         }
         Ok(())
@@ -146,7 +150,9 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
         .clone()
         .unwrap_or_else(|| format!("balance-{}", uuid::Uuid::new_v4().simple()));
     let lease = Lease::new(ledger.clone(), holder, config.lease_ttl);
-    let mover = Mover::new(ledger.clone(), placement.clone(), config.concurrency).with_halt(config.halt);
+    let mover = Mover::new(ledger.clone(), placement.clone(), config.concurrency)
+        .with_halt(config.halt)
+        .with_lease(lease.clone());
     let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));
     let api = BalanceApi::new(ledger, placement, balancer.known());
 
@@ -170,6 +176,15 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
 /// Cycles every `interval` until stopped. Errors are logged and the next cycle tries again;
 /// only a halt (crash tests) or a fence ends the loop's current work.
 async fn balance_loop(balancer: Arc<Balancer>, interval: Duration, mut stopped: watch::Receiver<bool>) {
+    // The keeper lives exactly as long as this loop: a loop halted by fault injection stops
+    // renewing, as a dead process would.
+    struct Keeper(tokio::task::JoinHandle<()>);
+    impl Drop for Keeper {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _keeper = Keeper(balancer.lease().spawn_keeper());
     let mut ledger_down = false;
     loop {
         match balancer.cycle().await {
@@ -198,6 +213,8 @@ async fn balance_loop(balancer: Arc<Balancer>, interval: Duration, mut stopped: 
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
+            // A replica that just became the executor finishes what the last one left at once.
+            _ = balancer.lease().taken() => {}
             _ = stopped.wait_for(|s| *s) => break,
         }
     }

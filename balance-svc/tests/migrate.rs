@@ -376,3 +376,107 @@ async fn orphaned_paused_copies_are_removed_and_nothing_else() {
     cluster.assert_runs_once("kept", 0).await;
     cluster.stop().await;
 }
+
+/// A user operation holds the sandbox (its claim is in the manifest): a planned move must not
+/// take it, and stands down cleanly — rolled back without touching a node, the claim intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_move_stands_down_for_a_user_claim() {
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "claimed", "sleep 600").await;
+    let doc = cluster
+        .client
+        .get::<SandboxDoc>(SANDBOX_KIND, "claimed")
+        .await
+        .unwrap()
+        .unwrap();
+    let mut claimed = doc.value.clone();
+    claimed.lifecycle_owner = Some("user:pause:test".into());
+    claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms());
+    claimed.epoch += 1;
+    cluster
+        .client
+        .compare(
+            Txn::new()
+                .update(SANDBOX_KIND, "claimed", doc.version, &claimed)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let plan_id = "0000000000000-claimed";
+    cluster.plan_one(plan_id, "claimed", 0, 1).await;
+    let balance = cluster.balance(None).await;
+    let plan = cluster.finished_plan(plan_id).await;
+    balance.stop().await;
+    assert_eq!(plan.moves[0].step, Step::RolledBack, "{plan:?}");
+    assert!(
+        plan.moves[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("user:pause:test")),
+        "{plan:?}"
+    );
+    let after = cluster
+        .client
+        .get::<SandboxDoc>(SANDBOX_KIND, "claimed")
+        .await
+        .unwrap()
+        .unwrap()
+        .value;
+    assert_eq!(after, claimed, "the move changed nothing");
+    assert_eq!(
+        cluster.state_on(0, "claimed").await,
+        Some(node_svc::sandbox::State::Running)
+    );
+    assert_eq!(cluster.state_on(1, "claimed").await, None);
+    cluster.stop().await;
+}
+
+/// An executor dies holding the lease with its sandbox paused mid-move. With the default
+/// lease (3 s, renewed every second) another replica takes over once the lease has been
+/// still for a full TTL by its own clock — no wall clocks compared — and the sandbox runs
+/// again within 5 s of the death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_executors_sandbox_runs_again_within_5_s() {
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "orphaned", "sleep 600").await;
+    let plan_id = "0000000000000-dead";
+    cluster.plan_one(plan_id, "orphaned", 0, 1).await;
+    let config = |halt| {
+        let mut config = cluster.balance_config();
+        config.lease_ttl = balance_svc::server::DEFAULT_LEASE_TTL;
+        config.halt = halt;
+        config
+    };
+    let mut dying = balance_svc::server::start(config(Some(Halt {
+        step: Step::SourcePaused,
+        recorded: true,
+    })))
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), dying.loop_done())
+        .await
+        .expect("the executor reaches its halt");
+    let died = std::time::Instant::now();
+    assert_eq!(
+        cluster.state_on(0, "orphaned").await,
+        Some(node_svc::sandbox::State::Paused)
+    );
+    let successor = balance_svc::server::start(config(None)).await.unwrap();
+    cluster
+        .until("the sandbox runs again", || async {
+            let running = |s| s == Some(node_svc::sandbox::State::Running);
+            (running(cluster.state_on(0, "orphaned").await) || running(cluster.state_on(1, "orphaned").await))
+                .then_some(())
+        })
+        .await;
+    let down = died.elapsed();
+    assert!(
+        down < Duration::from_secs(5),
+        "paused for {down:?} after its executor died"
+    );
+    cluster.finished_plan(plan_id).await;
+    successor.stop().await;
+    dying.stop().await;
+    cluster.assert_runs_once("orphaned", 1).await;
+    cluster.stop().await;
+}

@@ -54,6 +54,8 @@ pub struct NodeDoc {
 
 /// Kind of sandbox manifests (written by the gateway; read by the balancer and the proxy).
 pub const SANDBOX_KIND: &str = "sandbox";
+/// Prefix of the lifecycle owner a user operation (kill, pause, resume) writes while it acts.
+pub const USER_CLAIM_PREFIX: &str = "user:";
 
 /// Where a sandbox's memory estimate came from. Every manifest has one, so the balancer never
 /// meets an `UnknownMemoryEstimate` (a manifest without one could never be moved).
@@ -116,10 +118,17 @@ pub struct SandboxDoc {
     pub end_at_unix_ms: u64,
     #[serde(default)]
     pub auto_pause: bool,
-    /// Set while another operation (a balancer move) owns the sandbox's lifecycle: the proxy
-    /// holds the sandbox's requests until it is running somewhere again.
+    /// Set while an operation owns the sandbox's lifecycle — a balancer move (its move ID) or
+    /// a user's kill, pause or resume (`user:…`, see [`USER_CLAIM_PREFIX`]). Taking it raises
+    /// the epoch, so nodes refuse whatever a former owner still tries; the proxy holds the
+    /// sandbox's requests until it is released.
     #[serde(default)]
     pub lifecycle_owner: Option<String>,
+    /// When the current owner took the lifecycle (unix ms): a user claim older than its time
+    /// to live was left by a gateway that died mid-operation, and the next operation takes
+    /// it over.
+    #[serde(default)]
+    pub lifecycle_claimed_at_unix_ms: Option<u64>,
     /// When the sandbox last moved (unix ms), for the balancer's cooldown.
     #[serde(default)]
     pub last_moved_unix_ms: Option<u64>,

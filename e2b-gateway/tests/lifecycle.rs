@@ -165,3 +165,68 @@ async fn envd_requests_are_held_while_a_sandbox_moves() {
     s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     s.stop().await;
 }
+
+/// Points the manifest of `id` somewhere else (a fault proxy in front of its node).
+async fn route_node_via(ledger: &LedgerClient, id: &str, address: &str) {
+    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.unwrap().unwrap();
+    let mut value = doc.value;
+    value.node_address = address.to_string();
+    ledger
+        .compare(Txn::new().update(SANDBOX_KIND, id, doc.version, &value).unwrap())
+        .await
+        .unwrap();
+}
+
+/// A kill the node does not confirm is not reported as done: the user hears an error, the
+/// sandbox keeps its manifest (unclaimed, so the retry can act), and the retry kills it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_the_node_does_not_confirm_is_not_reported_done() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let node = stack::fault::NodeProxy::start(&s.node().endpoint()).await;
+    route_node_via(&ledger, &id, &node.endpoint()).await;
+    node.faults.set_down(true);
+
+    let refused = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_e2b_error(&refused, 503);
+    assert!(node.faults.count("refused") >= 1);
+    let doc = ledger
+        .get::<SandboxDoc>(SANDBOX_KIND, &id)
+        .await
+        .unwrap()
+        .unwrap()
+        .value;
+    assert_eq!(doc.lifecycle_owner, None, "the failed kill released its claim");
+    assert!(s.node().host().get(&id).await.is_some(), "the sandbox is still there");
+
+    node.faults.set_down(false);
+    let killed = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(killed.0, 204, "{killed:?}");
+    assert!(s.node().host().get(&id).await.is_none());
+    assert!(ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().is_none());
+    node.stop().await;
+    s.stop().await;
+}
+
+/// A claim left by a gateway that died mid-operation is taken over once its time to live has
+/// passed (its epoch raised again, so the dead operation's calls are refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_user_claim_is_taken_over() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
+    let mut claimed = doc.value.clone();
+    claimed.lifecycle_owner = Some("user:pause:dead-gateway".into());
+    claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms() - 10 * 60 * 1000);
+    claimed.epoch += 1;
+    ledger
+        .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &claimed).unwrap())
+        .await
+        .unwrap();
+    let killed = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(killed.0, 204, "{killed:?}");
+    assert!(s.node().host().get(&id).await.is_none());
+    s.stop().await;
+}

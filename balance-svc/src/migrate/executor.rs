@@ -17,6 +17,7 @@ use tracing::Instrument;
 use super::decide::{self, NodeAction, OnFailure, PickUp};
 use super::error::from_ledger;
 use super::{MoveError, NodeClients};
+use crate::lease::Lease;
 use crate::record::{MoveRecord, PlanDoc, Step, PLAN_KIND};
 
 /// Where a crash test stops the executor: after the action of `step` completed, before or
@@ -43,6 +44,9 @@ pub struct Mover {
     halt: Option<Halt>,
     /// Attempts of a step that fails transiently before it counts as failed.
     attempts: u32,
+    /// The executor lease, checked before every action: none in tests that drive a mover
+    /// directly.
+    lease: Option<Lease>,
 }
 
 impl Mover {
@@ -54,6 +58,23 @@ impl Mover {
             concurrency: concurrency.max(1),
             halt: None,
             attempts: 10,
+            lease: None,
+        }
+    }
+
+    /// Acts only while `lease` is confirmed: a step about to start on a lease that is not
+    /// stops the move as fenced (another executor may take over soon).
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    fn check_lease(&self) -> Result<(), MoveError> {
+        match &self.lease {
+            Some(lease) if !lease.confirmed() => Err(MoveError::Fenced(
+                "the executor lease is not confirmed; stopping before the next action".into(),
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -183,6 +204,7 @@ impl Mover {
     async fn retrying(&self, record: &MoveRecord) -> Result<MoveRecord, MoveError> {
         let mut pauses = common::retry::backoff(Duration::from_millis(50), Duration::from_secs(1)).take(self.retries());
         loop {
+            self.check_lease()?;
             match self.advance(record).await {
                 Err(MoveError::Transient(why)) => {
                     let Some(pause) = pauses.next() else {

@@ -14,6 +14,9 @@ use super::error::{from_ledger, from_status};
 use super::{MoveError, Mover};
 use crate::record::{MoveRecord, Step};
 
+/// Longest a pause, resume, kill or info call may take (the lease's default TTL is 3 s).
+pub(super) const NODE_CALL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Reads a write of unknown outcome may take to resolve it before the step gives up.
 pub(super) const RESOLVE_ATTEMPTS: usize = 5;
 
@@ -90,11 +93,23 @@ impl Mover {
             epoch: record.epoch,
             sandbox_id: record.sandbox_id.clone(),
         };
-        let result = match action.call() {
-            NodeCall::Pause => node.pause(request).await,
-            NodeCall::Resume => node.resume(request).await,
-            NodeCall::Kill => node.kill(request).await,
+        let call = async {
+            match action.call() {
+                NodeCall::Pause => node.pause(request).await,
+                NodeCall::Resume => node.resume(request).await,
+                NodeCall::Kill => node.kill(request).await,
+            }
         };
+        // Under a deadline shorter than the lease: a node that never answers must not keep
+        // this executor acting past it. Past the deadline the call may still land, which the
+        // operation ID and the epoch make harmless.
+        let result = tokio::time::timeout(NODE_CALL_DEADLINE, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(tonic::Status::deadline_exceeded(format!(
+                    "no answer within {NODE_CALL_DEADLINE:?}"
+                )))
+            });
         match result {
             Ok(_) => Ok(()),
             Err(status) if status.code() == Code::NotFound => match action.when_missing() {
@@ -176,9 +191,9 @@ impl Mover {
             return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
         }
         let mut target = self.nodes.get(&record.to_address).await?;
-        let info = target
-            .info(node_pb::InfoRequest {})
+        let info = tokio::time::timeout(NODE_CALL_DEADLINE, target.info(node_pb::InfoRequest {}))
             .await
+            .map_err(|_| MoveError::Transient("target info: no answer".into()))?
             .map_err(|s| from_status("target info", s))?
             .into_inner();
         doc.value.node_id = record.to_node.clone();

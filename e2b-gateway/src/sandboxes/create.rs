@@ -7,7 +7,6 @@ use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::{Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
-use tonic::Code;
 
 use super::{from_status, Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 use crate::intent::CreateIntent;
@@ -53,6 +52,7 @@ impl Sandboxes {
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,
             lifecycle_owner: None,
+            lifecycle_claimed_at_unix_ms: None,
             last_moved_unix_ms: None,
             trace_context: common::trace::traceparent(),
         };
@@ -204,23 +204,19 @@ impl Sandboxes {
 
     /// Kills the sandbox on its node and tells placement (errors logged: the manifest goes
     /// regardless, and a heartbeat will correct placement).
+    /// Kills the sandbox's copy on its node if it can (a failure is logged) and tells
+    /// placement: for undoing a create and for the node a hibernated sandbox left.
     pub(super) async fn stop_on_node(&self, doc: &SandboxDoc) {
-        if doc.node_address.is_empty() {
-            return;
+        if let Err(err) = self.kill_on_node(doc).await {
+            tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "kill on node failed");
         }
-        if let Ok(mut node) = self.nodes.client(&doc.node_address).await {
-            let killed = node
-                .kill(node_pb::LifecycleRequest {
-                    operation_id: format!("kill-{}-{}", doc.sandbox_id, doc.epoch),
-                    epoch: doc.epoch,
-                    sandbox_id: doc.sandbox_id.clone(),
-                })
-                .await;
-            if let Err(status) = killed {
-                if status.code() != Code::NotFound {
-                    tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "kill on node failed");
-                }
-            }
+        self.tell_placement_removed(doc).await;
+    }
+
+    /// Placement stops counting the sandbox on its node.
+    pub(super) async fn tell_placement_removed(&self, doc: &SandboxDoc) {
+        if doc.node_id.is_empty() {
+            return;
         }
         let removed = self
             .placement

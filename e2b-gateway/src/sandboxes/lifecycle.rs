@@ -6,7 +6,10 @@ use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::{LedgerError, Txn};
 use proto::node::v1 as node_pb;
 
-use super::{from_status, Failure, Sandboxes};
+use tonic::Code;
+
+use super::claim::released;
+use super::{from_status, Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 
 /// The node calls a pause or resume makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,24 +28,58 @@ impl Freeze {
 }
 
 impl Sandboxes {
-    /// Kills a sandbox and deletes its manifest.
+    /// Kills a sandbox and deletes its manifest. The sandbox is claimed first; a node that
+    /// refuses the kill (anything but "no such sandbox") fails the call and leaves the
+    /// manifest, unclaimed, for a retry — the user never hears "killed" while it runs.
     pub async fn kill(&self, team: &str, id: &str) -> Result<(), Failure> {
-        let doc = self.get_settled(team, id).await?;
+        let mut doc = self.claim(team, id, "kill").await?;
+        if let Err(err) = self.kill_on_node(&doc.value).await {
+            self.unclaim(&mut doc).await;
+            return Err(err);
+        }
         self.routes.forget(id).await;
-        self.stop_on_node(&doc.value).await;
+        self.tell_placement_removed(&doc.value).await;
         let (meta, tar) = self.hibernation_files(id);
         let _ = tokio::fs::remove_file(meta).await;
         let _ = tokio::fs::remove_file(tar).await;
-        match self
+        let deleted = self
             .ledger
-            .compare(Txn::new().delete(SANDBOX_KIND, id, doc.version))
-            .await
-        {
-            Ok(_) | Err(LedgerError::Conflict { .. }) => {}
+            .compare_resolving(
+                Txn::new().delete(SANDBOX_KIND, id, doc.version),
+                LEDGER_RESOLVE_ATTEMPTS,
+            )
+            .await;
+        match deleted {
+            Ok(_) => {}
+            // Only a takeover of this claim (after its time to live) writes meanwhile; the
+            // sandbox is gone from its node either way, and that operation ends the manifest.
+            Err(LedgerError::Conflict { .. }) => {
+                tracing::warn!(sandbox_id = %id, "the manifest changed under the kill's claim; left to its new owner")
+            }
             Err(err) => return Err(err.into()),
         }
         tracing::info!(sandbox_id = %id, "sandbox killed");
         Ok(())
+    }
+
+    /// Kills the sandbox's copy on its node under the claimed epoch; "not there" is done.
+    pub(super) async fn kill_on_node(&self, doc: &SandboxDoc) -> Result<(), Failure> {
+        if doc.node_address.is_empty() {
+            return Ok(());
+        }
+        let mut node = self.nodes.client(&doc.node_address).await?;
+        let killed = node
+            .kill(node_pb::LifecycleRequest {
+                operation_id: format!("kill-{}-{}", doc.sandbox_id, doc.epoch),
+                epoch: doc.epoch,
+                sandbox_id: doc.sandbox_id.clone(),
+            })
+            .await;
+        match killed {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == Code::NotFound => Ok(()),
+            Err(status) => Err(from_status("kill", status)),
+        }
     }
 
     pub(super) async fn node_call(&self, doc: &SandboxDoc, op: Freeze) -> Result<(), Failure> {
@@ -62,15 +99,18 @@ impl Sandboxes {
     /// Pauses a running sandbox: frozen in place with its memory (`memory`), or hibernated:
     /// only its files kept (here, off the node), its processes stopped and the node freed.
     pub async fn pause(&self, team: &str, id: &str, memory: bool) -> Result<(), Failure> {
-        let mut doc = self.get_settled(team, id).await?;
+        let mut doc = self.claim(team, id, "pause").await?;
         if doc.value.phase != SandboxPhase::Running {
+            self.unclaim(&mut doc).await;
             return Err(Failure::Conflict(format!("sandbox {id} is already paused")));
         }
         self.routes.set_running(id, false).await;
         if let Err(err) = self.node_call(&doc.value, Freeze::Pause).await {
             self.routes.set_running(id, true).await;
+            self.unclaim(&mut doc).await;
             return Err(err);
         }
+        released(&mut doc.value);
         if !memory {
             if let Err(err) = self.hibernate(&doc.value).await {
                 tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place");
@@ -93,23 +133,27 @@ impl Sandboxes {
 
     /// Resumes a paused sandbox (true) or finds it running already (false), and sets its end.
     pub async fn resume(&self, team: &str, id: &str, timeout_secs: u64) -> Result<(SandboxDoc, bool), Failure> {
-        let mut doc = self.get_settled(team, id).await?;
+        let mut doc = self.claim(team, id, "resume").await?;
         let resumed = doc.value.phase != SandboxPhase::Running;
-        match doc.value.phase {
-            SandboxPhase::Running => {}
-            SandboxPhase::Hibernated => self.wake(&mut doc).await?,
-            SandboxPhase::Paused | SandboxPhase::Creating => {
-                self.node_call(&doc.value, Freeze::Resume).await?;
-                doc.value.phase = SandboxPhase::Running;
-            }
+        let woken = match doc.value.phase {
+            SandboxPhase::Running => Ok(()),
+            SandboxPhase::Hibernated => self.wake(&mut doc).await,
+            SandboxPhase::Paused | SandboxPhase::Creating => self.node_call(&doc.value, Freeze::Resume).await,
+        };
+        if let Err(err) = woken {
+            self.unclaim(&mut doc).await;
+            return Err(err);
         }
+        doc.value.phase = SandboxPhase::Running;
+        released(&mut doc.value);
         doc.value.end_at_unix_ms = doc.value.end_at_unix_ms.max(now_ms() + timeout_secs * 1000);
         self.save(&doc).await?;
         self.routes.set_running(id, true).await;
         Ok((doc.value, resumed))
     }
 
-    /// Sets when the sandbox ends, `secs` from now.
+    /// Sets when the sandbox ends, `secs` from now: one compare-and-swap on the version read,
+    /// once no operation owns the sandbox.
     pub async fn set_timeout(&self, team: &str, id: &str, secs: u64) -> Result<(), Failure> {
         let mut doc = self.get_settled(team, id).await?;
         doc.value.end_at_unix_ms = now_ms() + secs * 1000;

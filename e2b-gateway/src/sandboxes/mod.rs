@@ -2,10 +2,12 @@
 //!
 //! Layout: `create` is the create saga (manifest, placement, node, running; every step undone
 //! when a later one fails, so no manifest, reservation or process is left behind);
-//! `lifecycle` kills, pauses, resumes and changes timeouts; `hibernation` keeps the files of
+//! `claim` is how a user operation takes a sandbox before acting on it; `lifecycle` kills,
+//! pauses, resumes and changes timeouts; `hibernation` keeps the files of
 //! a sandbox paused without memory off its node and brings them back; `reaper` ends
 //! sandboxes whose time is up; `nodes` pools the gateway's node clients.
 
+mod claim;
 mod create;
 mod hibernation;
 mod lifecycle;
