@@ -8,6 +8,7 @@ mod balance_convergence;
 mod gateway_create;
 mod ledger_cas;
 mod migration;
+mod move_faults;
 mod node;
 mod placement_distribution;
 mod placement_throughput;
@@ -42,6 +43,8 @@ enum Scenario {
     BalanceConvergence(balance_convergence::Args),
     /// One process sandbox with 100 MB of files moved by the balance executor: downtime.
     Migration(migration::Args),
+    /// Moves with a seeded fraction of lost replies and executor deaths: invariants counted.
+    MoveFaults(move_faults::Args),
 }
 
 #[global_allocator]
@@ -58,6 +61,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::GatewayCreate(args) => gateway_create::run(args).await?,
         Scenario::BalanceConvergence(args) => balance_convergence::run(args)?,
         Scenario::Migration(args) => migration::run(args).await?,
+        Scenario::MoveFaults(args) => move_faults::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

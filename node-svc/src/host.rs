@@ -973,7 +973,8 @@ mod tests {
     fn only_final_answers_are_kept() {
         assert!(is_final(&Ok(record("s", State::Running, MIB))));
         assert!(is_final(&Err(NodeError::NotFound("s".into()))));
-        assert!(is_final(&Err(NodeError::Corrupt("x".into()))));
+        // A corrupt stream deserves a fresh attempt with a fresh stream.
+        assert!(!is_final(&Err(NodeError::Corrupt("x".into()))));
         assert!(!is_final(&Err(NodeError::Io("disk".into()))));
         assert!(!is_final(&Err(NodeError::Runtime("stuck".into()))));
     }

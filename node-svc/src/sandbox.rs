@@ -214,6 +214,19 @@ mod tests {
     }
 
     #[test]
+    fn a_restore_keeps_only_a_same_epoch_copy_and_replaces_an_older_one() {
+        assert_eq!(on_existing(None, 3), OnExisting::Restore);
+        assert_eq!(on_existing(Some(&record(State::Killed, 9)), 3), OnExisting::Restore);
+        assert_eq!(on_existing(Some(&record(State::Paused, 3)), 3), OnExisting::Keep);
+        assert_eq!(on_existing(Some(&record(State::Paused, 2)), 3), OnExisting::Replace);
+        assert_eq!(on_existing(Some(&record(State::Running, 1)), 3), OnExisting::Replace);
+        assert!(matches!(
+            on_existing(Some(&record(State::Paused, 4)), 3),
+            OnExisting::Refuse(Refusal::StaleEpoch { got: 3, seen: 4, .. })
+        ));
+    }
+
+    #[test]
     fn fencing() {
         assert_eq!(fence(&record(State::Running, 3), 3), Ok(3));
         assert_eq!(fence(&record(State::Running, 3), 4), Ok(4));
