@@ -14,7 +14,7 @@ use tokio::sync::RwLock;
 use tonic::{Request, Response, Status};
 
 use crate::balancer::Known;
-use crate::record::{ControlDoc, MoveRecord, PlanDoc, CONTROL_ID, CONTROL_KIND, PLAN_KIND};
+use crate::record::{ControlDoc, MoveRecord, PlanDoc, Step, CONTROL_ID, CONTROL_KIND, PLAN_KIND};
 
 fn status(err: LedgerError) -> Status {
     match err {
@@ -148,6 +148,46 @@ impl Balance for BalanceApi {
             Some(p) => Ok(Response::new(plan_view(&p.value))),
             None => Err(Status::not_found(format!("no plan {id}"))),
         }
+    }
+
+    async fn release_target(
+        &self,
+        request: Request<pb::ReleaseTargetRequest>,
+    ) -> Result<Response<pb::PlanView>, Status> {
+        let req = request.into_inner();
+        if req.plan_id.is_empty() {
+            return Err(Status::invalid_argument("plan_id is required"));
+        }
+        let Some(mut plan) = self
+            .ledger
+            .get::<PlanDoc>(PLAN_KIND, &req.plan_id)
+            .await
+            .map_err(status)?
+        else {
+            return Err(Status::not_found(format!("no plan {}", req.plan_id)));
+        };
+        let index = req.move_index as usize;
+        let Some(record) = plan.value.moves.get_mut(index) else {
+            return Err(Status::not_found(format!("plan {} has no move {index}", req.plan_id)));
+        };
+        if record.step != Step::RollingBack || !record.target_may_run() {
+            return Err(Status::failed_precondition(format!(
+                "move {} is {} (failed at {:?}): it does not wait for its target",
+                record.move_id,
+                record.step.name(),
+                record.failed_at
+            )));
+        }
+        record.target_released = true;
+        tracing::warn!(plan_id = %req.plan_id, move_id = %record.move_id, to = %record.to_node,
+            "operator confirmed the target is gone; the rollback resumes the source without it");
+        // The executor writes this document too; if it is acting now it is fenced by this
+        // write and picks the move up again, with the release, in its next cycle.
+        let txn = Txn::new()
+            .update(PLAN_KIND, &req.plan_id, plan.version, &plan.value)
+            .map_err(status)?;
+        self.ledger.compare(txn).await.map_err(status)?;
+        Ok(Response::new(plan_view(&plan.value)))
     }
 
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {

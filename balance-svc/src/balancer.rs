@@ -406,7 +406,9 @@ impl Balancer {
             }
         }
         let request = npb::LifecycleRequest {
-            operation_id: format!("orphan/{sandbox_id}/{}", copy.epoch),
+            // Unique per attempt: a copy left again later under the same epoch must be killed,
+            // not answered from the node's memory of the last sweep.
+            operation_id: format!("orphan/{sandbox_id}/{}/{}", copy.epoch, uuid::Uuid::new_v4().simple()),
             epoch: copy.epoch,
             sandbox_id: sandbox_id.to_string(),
         };

@@ -37,7 +37,7 @@ pub const CONTROL_KIND: &str = "balance-control";
 pub const CONTROL_ID: &str = "cluster";
 
 /// The last completed step of a move.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Step {
     /// Committed with its plan; nothing done yet.
     Planned,
@@ -136,6 +136,10 @@ pub struct MoveRecord {
     /// The last step completed before a failure started the rollback.
     #[serde(default)]
     pub failed_at: Option<Step>,
+    /// An operator confirmed the target node is gone for good: a rollback no longer waits
+    /// for it to confirm its copy stopped.
+    #[serde(default)]
+    pub target_released: bool,
     #[serde(default)]
     pub paused_at_unix_ms: Option<u64>,
     #[serde(default)]
@@ -159,10 +163,19 @@ impl MoveRecord {
             epoch: 0,
             error: None,
             failed_at: None,
+            target_released: false,
             paused_at_unix_ms: None,
             resumed_at_unix_ms: None,
             finished_at_unix_ms: None,
         }
+    }
+
+    /// Whether a rollback must hear from the target that its copy stopped before resuming
+    /// the source: the target's resume was sent (whatever its answer), and no operator has
+    /// confirmed the target gone.
+    pub fn target_may_run(&self) -> bool {
+        let resume_sent = matches!(self.failed_at, Some(Step::Restored | Step::TargetResumed));
+        resume_sent && !self.target_released
     }
 
     /// Paused on the source until running on the target.

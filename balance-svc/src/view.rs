@@ -191,6 +191,7 @@ pub(crate) mod tests {
             epoch: 2,
             error: None,
             failed_at: None,
+            target_released: false,
             paused_at_unix_ms: None,
             resumed_at_unix_ms: None,
             finished_at_unix_ms: None,

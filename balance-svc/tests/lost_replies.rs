@@ -134,3 +134,103 @@ async fn an_ownership_write_whose_reply_is_lost_is_released_by_the_rollback() {
     ledger.stop().await;
     cluster.stop().await;
 }
+
+/// Found by the model of the protocol (`balance-svc/src/migrate/model.rs`): a pause the
+/// executor gave up on is stuck in the network and arrives after the rollback resumed the
+/// source. Under the move's epoch it would freeze the sandbox with nobody owning it; the
+/// rollback acts under a new epoch, so the node refuses the late pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pause_arriving_after_the_rollback_is_refused() {
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "late", "sleep 600").await;
+    let source = NodeProxy::start(&cluster.node(0).endpoint()).await;
+    source.faults.hold_next("Pause");
+    let plan_id = "0000000000000-late-pause";
+    cluster
+        .plan_one_between(
+            plan_id,
+            "late",
+            (0, &source.endpoint()),
+            (1, &cluster.node(1).endpoint()),
+        )
+        .await;
+    let balance = cluster.balance(None).await;
+    source.faults.await_count("held", 1, Duration::from_secs(30)).await;
+    // Every retry of the pause is refused: the move gives up and rolls back.
+    source.faults.refuse("Pause", 1_000);
+    let plan = cluster.finished_plan(plan_id).await;
+    balance.stop().await;
+    assert_eq!(plan.moves[0].step, Step::RolledBack, "{plan:?}");
+
+    source.faults.release_held();
+    source
+        .faults
+        .await_count("delivered late", 1, Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        cluster.state_on(0, "late").await,
+        Some(State::Running),
+        "the late pause froze the sandbox"
+    );
+    cluster.assert_runs_once("late", 0).await;
+    source.stop().await;
+    cluster.stop().await;
+}
+
+/// The target applied the resume and then died for good: the rollback waits (never two
+/// running copies) until an operator, having stopped the target's host, releases it with
+/// `ReleaseTarget`; then the source runs again. The call refuses moves that do not wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_releases_a_dead_target_and_the_rollback_finishes() {
+    use proto::balance::v1 as bpb;
+    use proto::balance::v1::balance_client::BalanceClient;
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "stuck", "sleep 600").await;
+    let target = NodeProxy::start(&cluster.node(1).endpoint()).await;
+    target.faults.drop_reply_then_down("Resume", 1);
+    let plan_id = "0000000000000-dead-target";
+    cluster.plan_one_via(plan_id, "stuck", 0, 1, &target.endpoint()).await;
+    let balance = cluster.balance(None).await;
+    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    cluster
+        .until("the move waits for its target", || async {
+            let plan = cluster.client.get::<PlanDoc>(PLAN_KIND, plan_id).await.ok()??;
+            (plan.value.moves[0].step == Step::RollingBack).then_some(())
+        })
+        .await;
+    assert_eq!(cluster.state_on(0, "stuck").await, Some(State::Paused));
+
+    // Refused: no such move, and a move that does not wait for its target.
+    let missing = api
+        .release_target(bpb::ReleaseTargetRequest {
+            plan_id: plan_id.into(),
+            move_index: 3,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound, "{missing:?}");
+
+    // The operator stops the target's host (here: its copy goes), then releases it.
+    cluster.node(1).kill_all().await.unwrap();
+    api.release_target(bpb::ReleaseTargetRequest {
+        plan_id: plan_id.into(),
+        move_index: 0,
+    })
+    .await
+    .unwrap();
+    let plan = cluster.finished_plan(plan_id).await;
+    assert_eq!(plan.moves[0].step, Step::RolledBack, "{plan:?}");
+    assert!(plan.moves[0].target_released);
+    let again = api
+        .release_target(bpb::ReleaseTargetRequest {
+            plan_id: plan_id.into(),
+            move_index: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition, "{again:?}");
+    balance.stop().await;
+    cluster.assert_runs_once("stuck", 0).await;
+    target.stop().await;
+    cluster.stop().await;
+}

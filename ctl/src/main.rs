@@ -93,6 +93,14 @@ enum Command {
         #[arg(value_parser = ["pause", "resume"])]
         action: String,
     },
+    /// Confirm that a move's target node is gone for good (stop its host first), so a
+    /// rollback waiting for that target to confirm its copy stopped resumes the source. A
+    /// target that still runs its copy would make two.
+    ReleaseTarget {
+        plan_id: String,
+        #[arg(long, default_value_t = 0)]
+        move_index: u32,
+    },
 }
 
 fn failed(what: &str) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
@@ -381,6 +389,19 @@ async fn main() -> anyhow::Result<()> {
             if wait {
                 wait_for_drain(&cli.ledger, &node_id, total, Duration::from_secs(timeout_secs)).await?;
             }
+        }
+        Command::ReleaseTarget { plan_id, move_index } => {
+            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let plan = balance
+                .release_target(bpb::ReleaseTargetRequest {
+                    plan_id: plan_id.clone(),
+                    move_index,
+                })
+                .await
+                .map_err(failed("balance-svc"))?
+                .into_inner();
+            println!("move {move_index} of {plan_id}: target released; the rollback resumes the source");
+            plan_rows(&[plan]).print(cli.json);
         }
         Command::Balancing { action } => {
             let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);

@@ -42,6 +42,11 @@ struct Rules {
     /// The proxy goes down the moment it loses a reply (a node that becomes unreachable
     /// right after applying a call).
     down_after_drop: bool,
+    /// Calls by method name refused (not forwarded), and how many more times.
+    refuse: HashMap<&'static str, u32>,
+    /// Methods whose next call is held back (not forwarded) until released, then delivered
+    /// even though its caller has given up: a request stuck in the network, arriving late.
+    hold: Vec<&'static str>,
     /// Faults injected so far, by kind: "dropped" and "refused".
     counts: HashMap<&'static str, u64>,
 }
@@ -51,6 +56,7 @@ struct Rules {
 pub struct Faults {
     rules: Arc<Mutex<Rules>>,
     changed: Arc<Notify>,
+    released: Arc<Notify>,
 }
 
 impl Faults {
@@ -78,6 +84,22 @@ impl Faults {
         let mut rules = self.rules();
         rules.drop_reply.insert(method, times);
         rules.down_after_drop = true;
+    }
+
+    /// The next `times` calls of `method` are refused without being forwarded.
+    pub fn refuse(&self, method: &'static str, times: u32) {
+        self.rules().refuse.insert(method, times);
+    }
+
+    /// The next call of `method` is held back until [`Faults::release_held`], then delivered
+    /// whether or not its caller still waits.
+    pub fn hold_next(&self, method: &'static str) {
+        self.rules().hold.push(method);
+    }
+
+    /// Delivers every held call now.
+    pub fn release_held(&self) {
+        self.released.notify_waiters();
     }
 
     /// While down, every call is refused with UNAVAILABLE and not forwarded.
@@ -115,15 +137,58 @@ impl Faults {
         self.changed.notify_waiters();
     }
 
-    /// Refuses the call if the proxy is down.
-    fn gate(&self, method: &str) -> Result<(), Status> {
-        if self.rules().down {
+    /// Refuses the call if the proxy is down, or told to refuse this method.
+    fn gate(&self, method: &'static str) -> Result<(), Status> {
+        let refused = {
+            let mut rules = self.rules();
+            let by_rule = match rules.refuse.get_mut(method) {
+                Some(left) if *left > 0 => {
+                    *left -= 1;
+                    true
+                }
+                _ => false,
+            };
+            rules.down || by_rule
+        };
+        if refused {
             self.bump("refused");
             return Err(Status::unavailable(format!(
-                "{method}: connection refused (fault proxy down)"
+                "{method}: connection refused (fault proxy)"
             )));
         }
         Ok(())
+    }
+
+    /// Runs `forward`, or — if `method`'s next call is to be held — runs it on a task of its
+    /// own once released, so it lands even after its caller gave up.
+    async fn deliver<T: Send + 'static>(
+        &self,
+        method: &'static str,
+        forward: impl std::future::Future<Output = Result<T, Status>> + Send + 'static,
+    ) -> Result<T, Status> {
+        let held = {
+            let mut rules = self.rules();
+            let at = rules.hold.iter().position(|m| *m == method);
+            at.map(|i| rules.hold.remove(i)).is_some()
+        };
+        if !held {
+            return forward.await;
+        }
+        let faults = self.clone();
+        // Registered before the task is counted as holding, so a release right after the
+        // count is seen is not missed.
+        let task = tokio::spawn(async move {
+            let wake = faults.released.notified();
+            tokio::pin!(wake);
+            wake.as_mut().enable();
+            faults.bump("held");
+            wake.await;
+            let result = forward.await;
+            faults.bump("delivered late");
+            result
+        });
+        task.await
+            .unwrap_or_else(|e| Err(Status::internal(format!("held call failed: {e}"))))
     }
 
     /// Whether this call of `method` loses its reply (and uses up one of the rule's times).
@@ -230,25 +295,41 @@ type Chunks = Pin<Box<dyn Stream<Item = Result<npb::SnapshotChunk, Status>> + Se
 impl Node for NodeProxy {
     async fn create(&self, request: Request<npb::CreateRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
         self.faults.gate("Create")?;
-        let result = self.upstream.clone().create(request.into_inner()).await;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("Create", async move { upstream.create(request).await })
+            .await;
         self.faults.reply("Create", result)
     }
 
     async fn kill(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
         self.faults.gate("Kill")?;
-        let result = self.upstream.clone().kill(request.into_inner()).await;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("Kill", async move { upstream.kill(request).await })
+            .await;
         self.faults.reply("Kill", result)
     }
 
     async fn pause(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
         self.faults.gate("Pause")?;
-        let result = self.upstream.clone().pause(request.into_inner()).await;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("Pause", async move { upstream.pause(request).await })
+            .await;
         self.faults.reply("Pause", result)
     }
 
     async fn resume(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
         self.faults.gate("Resume")?;
-        let result = self.upstream.clone().resume(request.into_inner()).await;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("Resume", async move { upstream.resume(request).await })
+            .await;
         self.faults.reply("Resume", result)
     }
 

@@ -122,7 +122,7 @@ pub enum NodeAction {
 }
 
 /// The node RPC an action is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NodeCall {
     Pause,
     Resume,

@@ -241,7 +241,7 @@ impl Mover {
             }
             Step::RollingBack => {
                 if record.epoch > 0 {
-                    self.roll_back(record).await?;
+                    next.epoch = self.roll_back(record).await?;
                 } else {
                     // Ownership was never recorded, but the write taking it may have landed
                     // with its reply lost: release it if it is ours. Nothing else was touched.

@@ -20,6 +20,7 @@
 pub mod decide;
 pub mod error;
 mod executor;
+mod model;
 pub mod nodes;
 mod steps;
 

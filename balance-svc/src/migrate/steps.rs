@@ -211,10 +211,23 @@ impl Mover {
     /// that can only be paused (the move failed before resuming it) is removed if the target
     /// answers, and otherwise left paused there for the orphan sweep, rather than keeping
     /// the sandbox down.
-    pub(super) async fn roll_back(&self, record: &MoveRecord) -> Result<(), MoveError> {
-        let target_may_run = record
-            .failed_at
-            .is_some_and(|s| matches!(s, Step::Restored | Step::TargetResumed));
+    ///
+    /// Every attempt first takes a new epoch: calls of the failed attempt still in flight
+    /// under the old one (a pause that was given up on, then delivered late) are refused once
+    /// the nodes see the new one, and cannot freeze the source after it runs again. Returns
+    /// the epoch the rollback acted under.
+    pub(super) async fn roll_back(&self, record: &MoveRecord) -> Result<u64, MoveError> {
+        let Some(doc) = self.manifest(record).await? else {
+            return Err(MoveError::Gone(record.sandbox_id.clone()));
+        };
+        if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
+            // Released already (its answer was lost), or taken over: nothing to undo here.
+            return Ok(record.epoch);
+        }
+        let mut record = record.clone();
+        record.epoch = self.take_epoch(&record, doc).await?;
+        let record = &record;
+        let target_may_run = record.target_may_run();
         match self.lifecycle(&record.to_address, record, NodeAction::UndoKill).await {
             Ok(()) => {}
             Err(err) if target_may_run => {
@@ -232,7 +245,8 @@ impl Mover {
         }
         self.lifecycle(&record.from_address, record, NodeAction::UndoResume)
             .await?;
-        self.release(record).await
+        self.release(record).await?;
+        Ok(record.epoch)
     }
 
     /// Ends a rollback: clears ownership (the epoch stays, so older calls remain fenced) and

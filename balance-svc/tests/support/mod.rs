@@ -112,11 +112,18 @@ impl Cluster {
     /// Commits a plan of one move whose executor reaches the target at `to_address` (a fault
     /// proxy in front of node `to`).
     pub async fn plan_one_via(&self, plan_id: &str, sandbox: &str, from: usize, to: usize, to_address: &str) {
+        self.plan_one_between(plan_id, sandbox, (from, &self.node(from).endpoint()), (to, to_address))
+            .await;
+    }
+
+    /// Commits a plan of one move whose executor reaches source and target at the given
+    /// addresses (fault proxies in front of them).
+    pub async fn plan_one_between(&self, plan_id: &str, sandbox: &str, from: (usize, &str), to: (usize, &str)) {
         let doc = PlanDoc::one_move(
             plan_id,
             sandbox,
-            (&self.node_id(from), &self.node(from).endpoint()),
-            (&self.node_id(to), to_address),
+            (&self.node_id(from.0), from.1),
+            (&self.node_id(to.0), to.1),
             64 << 20,
         );
         self.client

@@ -24,14 +24,22 @@ use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS, WAIT_FOR_MOVE};
 /// than any kill, pause or resume takes, hibernation of a large sandbox included.
 pub(super) const CLAIM_TTL: Duration = Duration::from_secs(120);
 
-/// Whether the manifest's owner may be displaced by a new user operation at `now`.
-pub(super) fn claim_expired(doc: &SandboxDoc, now: u64) -> bool {
-    let by_user = doc
-        .lifecycle_owner
-        .as_deref()
-        .is_some_and(|o| o.starts_with(USER_CLAIM_PREFIX));
+/// The operation name of a kill's claim.
+pub(super) const KILL: &str = "kill";
+
+/// Whether user operation `op` may displace the manifest's owner at `now`: a user claim past
+/// its time to live, or — for a kill — another kill's claim at once (kills are idempotent,
+/// and one whose node did not answer leaves its claim for the next to finish).
+pub(super) fn may_take_over(doc: &SandboxDoc, op: &str, now: u64) -> bool {
+    let Some(owner) = doc.lifecycle_owner.as_deref() else {
+        return true;
+    };
+    let Some(claim) = owner.strip_prefix(USER_CLAIM_PREFIX) else {
+        return false;
+    };
+    let kill_after_kill = op == KILL && claim.split(':').next() == Some(KILL);
     let since = doc.lifecycle_claimed_at_unix_ms.unwrap_or(0);
-    by_user && now.saturating_sub(since) >= CLAIM_TTL.as_millis() as u64
+    kill_after_kill || now.saturating_sub(since) >= CLAIM_TTL.as_millis() as u64
 }
 
 impl Sandboxes {
@@ -45,7 +53,7 @@ impl Sandboxes {
             let changed = self.routes.changed();
             let mut doc = self.get(team, id).await?;
             if let Some(current) = &doc.value.lifecycle_owner {
-                if !claim_expired(&doc.value, now_ms()) {
+                if !may_take_over(&doc.value, op, now_ms()) {
                     if tokio::time::timeout_at(deadline, changed).await.is_err() {
                         return Err(Failure::Conflict(format!(
                             "sandbox {id} is busy ({current}); retry in a few seconds"
@@ -53,7 +61,7 @@ impl Sandboxes {
                     }
                     continue;
                 }
-                tracing::warn!(sandbox_id = %id, stale = %current, "taking over a user claim left by a gateway that stopped");
+                tracing::warn!(sandbox_id = %id, previous = %current, "taking over a user claim (expired, or an unconfirmed kill)");
             }
             doc.value.lifecycle_owner = Some(owner.clone());
             doc.value.lifecycle_claimed_at_unix_ms = Some(now_ms());
@@ -96,17 +104,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_user_claims_past_their_time_to_live_are_taken_over() {
+    fn user_claims_are_taken_over_when_expired_or_by_a_kill_after_a_kill() {
         let ttl = CLAIM_TTL.as_millis() as u64;
         let doc = |owner: Option<&str>, since: u64| SandboxDoc {
             lifecycle_owner: owner.map(str::to_string),
             lifecycle_claimed_at_unix_ms: Some(since),
             ..SandboxDoc::default()
         };
-        assert!(!claim_expired(&doc(None, 0), ttl * 10));
-        assert!(!claim_expired(&doc(Some("user:kill:1"), 1_000), 1_000 + ttl - 1));
-        assert!(claim_expired(&doc(Some("user:kill:1"), 1_000), 1_000 + ttl));
+        assert!(may_take_over(&doc(None, 0), "pause", 0));
+        assert!(!may_take_over(
+            &doc(Some("user:pause:1"), 1_000),
+            "kill",
+            1_000 + ttl - 1
+        ));
+        assert!(may_take_over(&doc(Some("user:pause:1"), 1_000), "pause", 1_000 + ttl));
+        // An unconfirmed kill is finished by the next kill at once; nothing else jumps in.
+        assert!(may_take_over(&doc(Some("user:kill:1"), 1_000), "kill", 1_000));
+        assert!(!may_take_over(&doc(Some("user:kill:1"), 1_000), "resume", 1_000));
         // A move's ownership is the balancer's to resolve, never taken over here.
-        assert!(!claim_expired(&doc(Some("plan.0"), 0), ttl * 10));
+        assert!(!may_take_over(&doc(Some("plan.0"), 0), "kill", ttl * 10));
     }
 }

@@ -8,7 +8,7 @@ use proto::node::v1 as node_pb;
 
 use tonic::Code;
 
-use super::claim::released;
+use super::claim::{released, KILL};
 use super::{from_status, Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 
 /// The node calls a pause or resume makes.
@@ -28,14 +28,24 @@ impl Freeze {
 }
 
 impl Sandboxes {
-    /// Kills a sandbox and deletes its manifest. The sandbox is claimed first; a node that
-    /// refuses the kill (anything but "no such sandbox") fails the call and leaves the
-    /// manifest, unclaimed, for a retry — the user never hears "killed" while it runs.
+    /// Kills a sandbox and deletes its manifest. The sandbox is claimed first, and the user
+    /// never hears "killed" while it may run: a node that refuses the kill fails the call and
+    /// gives the claim back (nothing changed); a node that does not answer fails the call
+    /// and keeps the claim — the kill may have landed, so the sandbox stays "being killed",
+    /// and the next kill takes the claim over at once and tries again.
     pub async fn kill(&self, team: &str, id: &str) -> Result<(), Failure> {
-        let mut doc = self.claim(team, id, "kill").await?;
-        if let Err(err) = self.kill_on_node(&doc.value).await {
-            self.unclaim(&mut doc).await;
-            return Err(err);
+        let mut doc = self.claim(team, id, KILL).await?;
+        match self.kill_on_node(&doc.value).await {
+            Ok(()) => {}
+            Err(Failure::Unavailable(why)) => {
+                return Err(Failure::Unavailable(format!(
+                    "the node did not confirm the kill ({why}); it may have landed: kill again"
+                )));
+            }
+            Err(err) => {
+                self.unclaim(&mut doc).await;
+                return Err(err);
+            }
         }
         self.routes.forget(id).await;
         self.tell_placement_removed(&doc.value).await;
