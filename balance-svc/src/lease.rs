@@ -103,7 +103,7 @@ impl Lease {
             term: if ours { term } else { term + 1 },
         };
         let txn = match &current {
-            Some(c) => Txn::new().update(LEASE_KIND, LEASE_ID, c.version, &next)?,
+            Some(c) => Txn::new().update_read(c, &next)?,
             None => Txn::new().create(LEASE_KIND, LEASE_ID, &next)?,
         };
         match self.ledger.compare_resolving(txn, 2).await {
@@ -157,7 +157,7 @@ impl Lease {
                     expires_at_unix_ms: now_ms(),
                     term: current.value.term,
                 };
-                if let Ok(txn) = Txn::new().update(LEASE_KIND, LEASE_ID, current.version, &released) {
+                if let Ok(txn) = Txn::new().update_read(&current, &released) {
                     let _ = self.ledger.compare(txn).await;
                 }
             }

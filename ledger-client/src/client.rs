@@ -171,6 +171,7 @@ impl Txn {
             id: id.to_string(),
             expected_version,
             action: Some(action),
+            expected_create_revision: 0,
         });
         self
     }
@@ -192,6 +193,18 @@ impl Txn {
     pub fn update<T: Serialize>(self, kind: &str, id: &str, version: u64, value: &T) -> Result<Self, LedgerError> {
         let json = Self::json(kind, id, value)?;
         Ok(self.push(kind, id, version, pb::compare_entry::Action::PutJson(json)))
+    }
+
+    /// Replaces the document read as `read` if it is still that document at that version:
+    /// also guards its create revision, so a document deleted and created again since (whose
+    /// version restarted) does not match.
+    pub fn update_read<T: Serialize, R>(self, read: &Versioned<R>, value: &T) -> Result<Self, LedgerError> {
+        let (kind, id) = (read.key.kind.as_str(), read.key.id.as_str());
+        let mut txn = self.update(kind, id, read.version, value)?;
+        if let Some(entry) = txn.entries.last_mut() {
+            entry.expected_create_revision = read.create_revision;
+        }
+        Ok(txn)
     }
 
     /// Writes raw JSON text at `expected_version` (0: create).
@@ -263,6 +276,9 @@ pub struct WatchUpdate {
 #[derive(Clone)]
 pub struct LedgerClient {
     grpc: GrpcClient<TracedChannel>,
+    /// Longest a get, list or compare may take (sent to the ledger as the call's deadline too);
+    /// none by default. A compare past it is an unknown outcome.
+    deadline: Option<Duration>,
 }
 
 impl LedgerClient {
@@ -284,7 +300,23 @@ impl LedgerClient {
     pub fn from_channel(channel: Channel) -> Self {
         Self {
             grpc: GrpcClient::new(common::trace::traced(channel)).max_decoding_message_size(wire::MAX_REPLY_BYTES),
+            deadline: None,
         }
+    }
+
+    /// The same client, with every get, list and compare under `deadline`: for callers that
+    /// must not wait longer than a lease they hold.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(deadline) = self.deadline {
+            request.set_timeout(deadline);
+        }
+        request
     }
 
     /// One document as stored, or `None`.
@@ -293,7 +325,7 @@ impl LedgerClient {
             kind: kind.to_string(),
             id: id.to_string(),
         };
-        match self.grpc.clone().get(request).await {
+        match self.grpc.clone().get(self.request(request)).await {
             Ok(reply) => Ok(reply.into_inner().document.map(document_from_pb)),
             Err(status) if status.code() == Code::NotFound => Ok(None),
             Err(status) => Err(status.into()),
@@ -319,7 +351,7 @@ impl LedgerClient {
             limit,
             page_token: page_token.to_string(),
         };
-        let reply = self.grpc.clone().list(request).await?.into_inner();
+        let reply = self.grpc.clone().list(self.request(request)).await?.into_inner();
         let docs = reply.documents.into_iter().map(document_from_pb).collect();
         Ok((docs, reply.next_page_token, reply.revision))
     }
@@ -355,7 +387,7 @@ impl LedgerClient {
         let reply = self
             .grpc
             .clone()
-            .compare(pb::CompareRequest { entries: txn.entries })
+            .compare(self.request(pb::CompareRequest { entries: txn.entries }))
             .await
             .map_err(LedgerError::from_write)?
             .into_inner();

@@ -116,6 +116,7 @@ fn entry_from_pb(entry: pb::CompareEntry) -> Result<Entry, Invalid> {
     Ok(Entry {
         key,
         expected_version: entry.expected_version,
+        expected_create_revision: entry.expected_create_revision,
         action,
     })
 }

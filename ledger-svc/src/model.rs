@@ -37,6 +37,9 @@ pub struct Entry {
     pub key: DocKey,
     /// 0 means "must not exist".
     pub expected_version: u64,
+    /// When non-zero, the revision the document must have been created at (a document
+    /// deleted and created again restarts its version at 1; this tells the two apart).
+    pub expected_create_revision: u64,
     pub action: Action,
 }
 
@@ -206,8 +209,11 @@ pub fn plan_batch(current: &HashMap<DocKey, Current>, compares: &[Vec<Entry>], h
         let conflicts: Vec<Conflict> = entries
             .iter()
             .filter_map(|entry| {
-                let now = version_of(&state, &entry.key).map_or(0, |c| c.version);
-                (now != entry.expected_version).then(|| Conflict {
+                let found = version_of(&state, &entry.key);
+                let now = found.map_or(0, |c| c.version);
+                let recreated = entry.expected_create_revision != 0
+                    && found.is_some_and(|c| c.create_revision != entry.expected_create_revision);
+                (now != entry.expected_version || recreated).then(|| Conflict {
                     key: entry.key.clone(),
                     expected_version: entry.expected_version,
                     current_version: now,
@@ -289,6 +295,7 @@ mod tests {
         Entry {
             key: key(id),
             expected_version: expected,
+            expected_create_revision: 0,
             action: Action::Put(Arc::from(json)),
         }
     }
@@ -363,6 +370,7 @@ mod tests {
         let delete = Entry {
             key: key("a"),
             expected_version: 4,
+            expected_create_revision: 0,
             action: Action::Delete,
         };
         let plan = plan_batch(&current, &[vec![delete], vec![put("a", 0, "[]")]], 9);
@@ -385,6 +393,7 @@ mod tests {
         let check = Entry {
             key: key("lease"),
             expected_version: 2,
+            expected_create_revision: 0,
             action: Action::Check,
         };
         let plan = plan_batch(&current, &[vec![check]], 5);
@@ -419,6 +428,7 @@ mod tests {
         let delete_absent = Entry {
             key: key("a"),
             expected_version: 0,
+            expected_create_revision: 0,
             action: Action::Delete,
         };
         assert!(validate_entries(&[delete_absent]).is_err());

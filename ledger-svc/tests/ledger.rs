@@ -40,6 +40,7 @@ for_both_backends!(
     compacted_revisions_are_out_of_range,
     a_lost_reply_is_an_unknown_outcome_resolved_by_reading,
     watch_and_list_replies_stay_under_the_client_limit,
+    a_recreated_document_refuses_a_writer_of_the_old_one,
 );
 
 fn expect_conflict(result: Result<ledger_client::Committed, LedgerError>) -> Vec<ledger_client::Conflict> {
@@ -638,6 +639,37 @@ async fn watch_and_list_replies_stay_under_the_client_limit(backend: Backend) {
     }
     let (docs, _) = c.list::<Value>("blob", "").await.unwrap();
     assert_eq!(docs.len(), 12);
+    ledger.stop().await;
+    db.cleanup().await;
+}
+
+/// Deleted and created again, a document's version restarts; a writer still holding the old
+/// document at the same version number must not overwrite the new one (ABA). `update_read`
+/// guards the create revision too; a bare version compare would let it through.
+async fn a_recreated_document_refuses_a_writer_of_the_old_one(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let ledger = db.start_ledger().await;
+    let c = client(&ledger);
+    c.compare(Txn::new().create("lease", "x", &json!({"holder": "a"})).unwrap())
+        .await
+        .unwrap();
+    let old = c.get::<Value>("lease", "x").await.unwrap().unwrap();
+    c.compare(Txn::new().delete("lease", "x", old.version)).await.unwrap();
+    c.compare(Txn::new().create("lease", "x", &json!({"holder": "b"})).unwrap())
+        .await
+        .unwrap();
+    let new = c.get::<Value>("lease", "x").await.unwrap().unwrap();
+    assert_eq!(
+        new.version, old.version,
+        "the version restarted: a bare compare cannot tell"
+    );
+    expect_conflict(
+        c.compare(Txn::new().update_read(&old, &json!({"holder": "a"})).unwrap())
+            .await,
+    );
+    c.compare(Txn::new().update_read(&new, &json!({"holder": "b2"})).unwrap())
+        .await
+        .unwrap();
     ledger.stop().await;
     db.cleanup().await;
 }

@@ -47,6 +47,8 @@ pub struct Mover {
     /// The executor lease, checked before every action: none in tests that drive a mover
     /// directly.
     lease: Option<Lease>,
+    /// Longest a pause, resume, kill or info call may take.
+    pub(super) call_deadline: Duration,
 }
 
 impl Mover {
@@ -59,12 +61,18 @@ impl Mover {
             halt: None,
             attempts: 10,
             lease: None,
+            call_deadline: Duration::from_secs(2),
         }
     }
 
     /// Acts only while `lease` is confirmed: a step about to start on a lease that is not
-    /// stops the move as fenced (another executor may take over soon).
-    pub fn with_lease(mut self, lease: Lease) -> Self {
+    /// stops the move as fenced (another executor may take over soon). Every node call and
+    /// ledger call then runs under a deadline of two thirds of the lease's TTL (at least
+    /// 500 ms), so no call outlives the lease it was made under by much.
+    pub fn with_lease(mut self, lease: Lease, ttl: Duration) -> Self {
+        let deadline = (ttl * 2 / 3).max(Duration::from_millis(500));
+        self.ledger = self.ledger.with_deadline(deadline);
+        self.call_deadline = deadline;
         self.lease = Some(lease);
         self
     }

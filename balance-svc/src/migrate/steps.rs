@@ -14,9 +14,6 @@ use super::error::{from_ledger, from_status};
 use super::{MoveError, Mover};
 use crate::record::{MoveRecord, Step};
 
-/// Longest a pause, resume, kill or info call may take (the lease's default TTL is 3 s).
-pub(super) const NODE_CALL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// Reads a write of unknown outcome may take to resolve it before the step gives up.
 pub(super) const RESOLVE_ATTEMPTS: usize = 5;
 
@@ -67,9 +64,7 @@ impl Mover {
     /// reading (a write that landed counts as done); one that stays unresolved is
     /// [`MoveError::Unknown`], which no caller rolls back on.
     pub(super) async fn save_manifest(&self, doc: &Versioned<SandboxDoc>) -> Result<(), MoveError> {
-        let txn = Txn::new()
-            .update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)
-            .map_err(from_ledger)?;
+        let txn = Txn::new().update_read(doc, &doc.value).map_err(from_ledger)?;
         match self.ledger.compare_resolving(txn, RESOLVE_ATTEMPTS).await {
             Ok(_) => Ok(()),
             // Someone changed the manifest between read and write: read again next attempt
@@ -103,13 +98,12 @@ impl Mover {
         // Under a deadline shorter than the lease: a node that never answers must not keep
         // this executor acting past it. Past the deadline the call may still land, which the
         // operation ID and the epoch make harmless.
-        let result = tokio::time::timeout(NODE_CALL_DEADLINE, call)
-            .await
-            .unwrap_or_else(|_| {
-                Err(tonic::Status::deadline_exceeded(format!(
-                    "no answer within {NODE_CALL_DEADLINE:?}"
-                )))
-            });
+        let deadline = self.call_deadline;
+        let result = tokio::time::timeout(deadline, call).await.unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "no answer within {deadline:?}"
+            )))
+        });
         match result {
             Ok(_) => Ok(()),
             Err(status) if status.code() == Code::NotFound => match action.when_missing() {
@@ -191,7 +185,7 @@ impl Mover {
             return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
         }
         let mut target = self.nodes.get(&record.to_address).await?;
-        let info = tokio::time::timeout(NODE_CALL_DEADLINE, target.info(node_pb::InfoRequest {}))
+        let info = tokio::time::timeout(self.call_deadline, target.info(node_pb::InfoRequest {}))
             .await
             .map_err(|_| MoveError::Transient("target info: no answer".into()))?
             .map_err(|s| from_status("target info", s))?

@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use common::clock::now_ms;
-use common::docs::{SandboxDoc, SANDBOX_KIND, USER_CLAIM_PREFIX};
+use common::docs::{SandboxDoc, USER_CLAIM_PREFIX};
 use ledger_client::{LedgerError, Txn, Versioned};
 
 use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS, WAIT_FOR_MOVE};
@@ -66,7 +66,7 @@ impl Sandboxes {
             doc.value.lifecycle_owner = Some(owner.clone());
             doc.value.lifecycle_claimed_at_unix_ms = Some(now_ms());
             doc.value.epoch += 1;
-            let txn = Txn::new().update(SANDBOX_KIND, id, doc.version, &doc.value)?;
+            let txn = Txn::new().update_read(&doc, &doc.value)?;
             match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
                 Ok(done) => {
                     doc.version = done.versions.first().copied().unwrap_or(doc.version + 1);

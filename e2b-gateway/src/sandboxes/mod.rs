@@ -138,7 +138,7 @@ impl Sandboxes {
     }
 
     async fn save(&self, doc: &Versioned<SandboxDoc>) -> Result<u64, Failure> {
-        let txn = Txn::new().update(SANDBOX_KIND, &doc.value.sandbox_id, doc.version, &doc.value)?;
+        let txn = Txn::new().update_read(doc, &doc.value)?;
         match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
             Ok(done) => Ok(done.versions.first().copied().unwrap_or(doc.version + 1)),
             Err(LedgerError::Conflict { .. }) => Err(Failure::Conflict(format!(
