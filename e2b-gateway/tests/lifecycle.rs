@@ -236,3 +236,35 @@ async fn a_stale_user_claim_is_taken_over() {
     assert!(s.node().host().get(&id).await.is_none());
     s.stop().await;
 }
+
+/// A create whose gateway stopped after starting the sandbox but before writing where it
+/// runs leaves a `creating` manifest naming no node. The reaper ends it once abandoned: the
+/// process goes from the node that started it, and the manifest goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_ends_a_create_abandoned_half_way() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
+    let mut half = doc.value.clone();
+    half.phase = SandboxPhase::Creating;
+    half.node_id.clear();
+    half.node_address.clear();
+    half.envd_address.clear();
+    half.started_at_unix_ms = common::clock::now_ms() - 10 * 60 * 1000;
+    ledger
+        .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &half).unwrap())
+        .await
+        .unwrap();
+    let mut gone = false;
+    for _ in 0..100 {
+        if ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the abandoned create's manifest is still there");
+    assert!(s.node().host().get(&id).await.is_none(), "its process survived");
+    s.stop().await;
+}
