@@ -63,14 +63,7 @@ async fn postgres_outage_is_unavailable_then_recovers() {
     let db = TestDb::new(Backend::Postgres).await;
     // Create the schema directly, then run the ledger through the proxy.
     db.start_ledger().await.stop().await;
-    let target = support::postgres_base_url()
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .expect("host:port in the PostgreSQL url")
-        .parse()
-        .expect("PostgreSQL address must be HOST:PORT with an IP");
-    let proxy = CuttableProxy::start(target).await;
+    let proxy = CuttableProxy::start(support::postgres_addr()).await;
     let url = db.url_via(proxy.addr);
     let ledger = ledger_svc::start(ledger_svc::LedgerConfig::new("127.0.0.1:0".parse().unwrap(), url))
         .await
@@ -121,14 +114,7 @@ async fn postgres_outage_is_unavailable_then_recovers() {
 async fn a_commit_that_never_answers_is_an_unknown_outcome() {
     let db = TestDb::new(Backend::Postgres).await;
     db.start_ledger().await.stop().await;
-    let target = support::postgres_base_url()
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .expect("host:port in the PostgreSQL url")
-        .parse()
-        .expect("PostgreSQL address must be HOST:PORT with an IP");
-    let proxy = CuttableProxy::start(target).await;
+    let proxy = CuttableProxy::start(support::postgres_addr()).await;
     let mut config = ledger_svc::LedgerConfig::new("127.0.0.1:0".parse().unwrap(), db.url_via(proxy.addr));
     config.commit_deadline = Duration::from_secs(1);
     let ledger = ledger_svc::start(config).await.expect("ledger starts");

@@ -29,6 +29,17 @@ pub fn postgres_base_url() -> String {
     stack::services::postgres_url()
 }
 
+/// The PostgreSQL server's address, for a proxy in front of it.
+pub fn postgres_addr() -> SocketAddr {
+    postgres_base_url()
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("host:port in the PostgreSQL url")
+        .parse()
+        .expect("PostgreSQL address must be HOST:PORT with an IP")
+}
+
 /// A database of one's own for one test.
 pub struct TestDb {
     pub backend: Backend,
