@@ -74,6 +74,7 @@ fn request_from_pb(req: pb::PlaceRequest) -> Result<core::Request, ApiError> {
         resources,
         selector: req.node_selector.into_iter().collect::<BTreeMap<_, _>>(),
         exclude: req.exclude_nodes.into_iter().collect::<HashSet<_>>(),
+        only: (!req.only_node.is_empty()).then_some(req.only_node),
     })
 }
 

@@ -414,11 +414,18 @@ impl Run {
                 exclude.insert("node-that-never-was".to_string());
             }
         }
+        // Some requests are a balancer move's target: pinned to one node (or one never seen).
+        let only = match self.rng.random_range(0..20) {
+            0..=1 => Some(self.nodes[self.rng.random_range(0..self.nodes.len())].id.clone()),
+            2 => Some("node-that-never-was".to_string()),
+            _ => None,
+        };
         Request {
             sandbox_id,
             resources,
             selector,
             exclude,
+            only,
         }
     }
 
@@ -1371,7 +1378,7 @@ async fn several_missing_labels_name_the_first_in_key_order() {
     assert_eq!(
         mp,
         Placement::NoFit {
-            reason: "no node fits (1 nodes: 1 label arch=arm missing)".to_string()
+            reason: "node n1 cannot take it: label arch=arm missing".to_string()
         }
     );
     assert_eq!(mp, rp);

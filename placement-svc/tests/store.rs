@@ -170,6 +170,7 @@ for_both_stores!(
     labels_and_exclusions_steer_the_choice,
     gauges_count_reservations_by_phase,
     unknown_node_is_an_error,
+    a_pinned_place_checks_and_reserves_only_that_node,
 );
 
 async fn accounting_follows_sandbox_ids(stores: Stores) {
@@ -394,6 +395,41 @@ async fn unknown_node_is_an_error(stores: Stores) {
     ));
     match call!(s, place(&request("s"), 1_000)).unwrap() {
         Placement::NoFit { reason } => assert!(reason.contains("no nodes"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+}
+
+/// A balancer move's target: placed only there, under the same checks, reserved like a
+/// create; refused with that node's own reason, and for a node placement does not know.
+async fn a_pinned_place_checks_and_reserves_only_that_node(stores: Stores) {
+    let s = stores();
+    for node in ["n1", "n2"] {
+        call!(s, heartbeat(&heartbeat(node, 1, &[]), 1_000)).unwrap();
+    }
+    let mut pinned = request("moving");
+    pinned.only = Some("n2".into());
+    for _ in 0..3 {
+        match call!(s, place(&pinned, 1_000)).unwrap() {
+            Placement::Placed { node_id, .. } => assert_eq!(node_id, "n2"),
+            other => panic!("expected n2, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        view(&s, "n2").await.believed().vcpus,
+        1,
+        "one reservation, however often asked"
+    );
+    assert_eq!(view(&s, "n1").await.believed().vcpus, 0);
+    call!(s, set_admin("n2", AdminState::Draining)).unwrap();
+    let mut refused = request("other");
+    refused.only = Some("n2".into());
+    match call!(s, place(&refused, 1_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("n2") && reason.contains("draining"), "{reason}"),
+        other => panic!("expected no fit, got {other:?}"),
+    }
+    refused.only = Some("nowhere".into());
+    match call!(s, place(&refused, 1_000)).unwrap() {
+        Placement::NoFit { reason } => assert!(reason.contains("unknown node"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
 }

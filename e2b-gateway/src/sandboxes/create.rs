@@ -130,8 +130,8 @@ impl Sandboxes {
                         vcpus: doc.vcpus,
                         memory_bytes: doc.memory_bytes,
                     }),
-                    node_selector: Default::default(),
                     exclude_nodes: exclude.clone(),
+                    ..Default::default()
                 })
                 .await
                 .map_err(|s| from_status("placement", s))?

@@ -19,6 +19,8 @@ pub struct Request {
     pub selector: BTreeMap<String, String>,
     /// Nodes not to use for this request (a create there failed).
     pub exclude: HashSet<String>,
+    /// Only this node (a balancer move's target): the same checks, no sampling.
+    pub only: Option<String>,
 }
 
 /// Tunables of the decision.
@@ -201,6 +203,10 @@ impl Decision {
         if self.evaluated.is_empty() {
             return "no nodes have registered (no heartbeats yet)".to_string();
         }
+        if let [only] = self.evaluated.as_slice() {
+            let reason = only.rejected.as_deref().unwrap_or("feasible");
+            return format!("node {} cannot take it: {reason}", only.node_id);
+        }
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for e in &self.evaluated {
             let reason = e.rejected.as_deref().unwrap_or("feasible");
@@ -278,6 +284,9 @@ impl Ranker {
     /// Only when the sample holds no feasible node are all nodes scanned, so a full cluster
     /// is told apart from an unlucky sample and the error can say why nothing fit.
     pub fn decide(&self, nodes: &[NodeView], req: &Request, now_ms: u64, rng: &mut impl Rng) -> Decision {
+        if let Some(only) = &req.only {
+            return self.decide_on(nodes.iter().position(|n| n.node_id == *only), nodes, req, now_ms);
+        }
         let mut evaluated = Vec::with_capacity(self.k);
         let mut best: Option<(usize, f64)> = None;
         let mut feasible = 0;
@@ -314,6 +323,35 @@ impl Ranker {
             evaluated: all,
             scanned_all: true,
         }
+    }
+}
+
+impl Ranker {
+    /// The decision for a request pinned to one node (`at`: its index, if placement knows it).
+    fn decide_on(&self, at: Option<usize>, nodes: &[NodeView], req: &Request, now_ms: u64) -> Decision {
+        let Some(i) = at else {
+            return Decision {
+                chosen: None,
+                evaluated: vec![unknown_node(req.only.as_deref().unwrap_or_default())],
+                scanned_all: true,
+            };
+        };
+        let eval = self.evaluate(&nodes[i], req, now_ms);
+        Decision {
+            chosen: eval.rejected.is_none().then_some((i, eval.score)),
+            evaluated: vec![eval],
+            scanned_all: true,
+        }
+    }
+}
+
+/// The evaluation of a node placement has never heard from.
+pub fn unknown_node(node_id: &str) -> Evaluation {
+    Evaluation {
+        node_id: node_id.to_string(),
+        rejected: Some("unknown node: no heartbeat received from it".to_string()),
+        score: 0.0,
+        terms: Vec::new(),
     }
 }
 

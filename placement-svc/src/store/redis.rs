@@ -259,6 +259,23 @@ impl RedisStore {
         now_ms: u64,
         commit: bool,
     ) -> Result<(Option<Chosen>, Vec<Scored>), StoreError> {
+        if let Some(only) = &req.only {
+            // Pinned (a move's target): that node alone, through the same script.
+            if !self.node_ids(true).await?.contains(only) {
+                let unknown = crate::core::rank::unknown_node(only);
+                let scored = Scored {
+                    node_id: unknown.node_id,
+                    reason: unknown.rejected.unwrap_or_default(),
+                    score: 0.0,
+                    cpu: 0.0,
+                    memory: 0.0,
+                };
+                return Ok((None, vec![scored]));
+            }
+            let candidate = [only.clone()];
+            let (chosen, scored) = self.run_place(req, now_ms, &candidate, 1, commit).await?;
+            return Ok((chosen.map(|(_, score, address)| (only.clone(), score, address)), scored));
+        }
         let ids = self.node_ids(false).await?;
         let k = self.rank.k.max(1);
         let sample: Vec<String> = self
