@@ -228,6 +228,23 @@ struct Shared {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     /// Answers to recent operation IDs.
     answers: Mutex<Answers<Answer>>,
+    /// Per sandbox: held shared by envd requests that touch its files, exclusively by a
+    /// pause, so a pause (and the snapshot a move takes after it) never races a write that
+    /// was accepted before it. See [`Host::file_access`].
+    files: Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>,
+}
+
+impl Shared {
+    fn files_lock(&self, id: &str) -> Arc<tokio::sync::RwLock<()>> {
+        lock(&self.files).entry(id.to_string()).or_default().clone()
+    }
+}
+
+/// Access to a running sandbox's files for one envd request; a pause waits until it is
+/// dropped.
+pub struct FileAccess {
+    pub record: SandboxRecord,
+    _held: tokio::sync::OwnedRwLockReadGuard<()>,
 }
 
 /// Runs an operation that changes sandboxes in a task of its own and waits for it. A caller
@@ -268,6 +285,7 @@ impl Host {
                 dir,
                 slots: Mutex::new(slots),
                 answers: Mutex::new(Answers::new(ANSWERS_KEPT)),
+                files: Mutex::new(HashMap::new()),
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
@@ -323,6 +341,15 @@ impl Host {
     }
 
     /// One sandbox, as last committed (never waits for an operation on it).
+    /// The running sandbox `sandbox_id` with its files held for one request: waits while a
+    /// pause is under way, and answers `None` unless the sandbox runs once it may go on. A
+    /// write accepted here completes before any pause of the sandbox takes effect.
+    pub async fn file_access(&self, sandbox_id: &str) -> Option<FileAccess> {
+        let held = self.shared.files_lock(sandbox_id).read_owned().await;
+        let record = self.shared.committed(sandbox_id)?;
+        (record.state == State::Running).then_some(FileAccess { record, _held: held })
+    }
+
     pub async fn get(&self, sandbox_id: &str) -> Option<SandboxRecord> {
         self.shared.committed(sandbox_id)
     }
@@ -559,6 +586,12 @@ impl Shared {
             return Ok(next);
         };
         next.state = state;
+        // A pause waits for envd requests already touching the files, and holds new ones
+        // back until it is done (they then find the sandbox paused).
+        let _quiet = match action {
+            Move::Pause => Some(self.files_lock(id).write_owned().await),
+            Move::Resume | Move::Kill => None,
+        };
         let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
         // The runtime call and the record's persistence in one trip to a blocking thread.
         let next = blocking(move || {
@@ -587,6 +620,7 @@ impl Shared {
             // Gone for everyone from here; the turn is held until its files are too, so a
             // create of the same ID waits for them.
             turn.commit(None);
+            lock(&self.files).remove(id);
             let (dir, gone) = (self.dir.clone(), id.to_string());
             blocking(move || dir.remove(&gone).map_err(io)).await?;
             tracing::info!(sandbox_id = %id, "sandbox killed");

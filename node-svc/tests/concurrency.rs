@@ -504,3 +504,34 @@ async fn a_kill_whose_caller_went_away_still_finishes_first() {
     assert!(!node.runtime.overlapped.load(Ordering::SeqCst));
     node.cleanup().await;
 }
+
+/// A pause waits for a file change accepted before it, and a change that arrives while the
+/// pause is under way is turned away: a move's snapshot (taken after the pause) never races a
+/// write the user was told succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_waits_for_file_changes_accepted_before_it() {
+    let node = Node::start("nobody").await;
+    node.create("w", "sleep 600").await;
+    let access = node.host.file_access("w").await.expect("a running sandbox's files");
+    let host = node.host.clone();
+    let mut pause = tokio::spawn(async move { host.lifecycle("pause-w", 1, "w", Move::Pause).await });
+    // Nothing can tell when the pause has started waiting: give it time to go ahead if the
+    // host let it (a pause takes about a millisecond).
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut pause).await;
+    assert!(early.is_err(), "the pause went ahead of a write in flight: {early:?}");
+    assert_eq!(
+        node.host.get("w").await.unwrap().state,
+        node_svc::sandbox::State::Running
+    );
+    drop(access);
+    let paused = promptly("the pause, once the write is done", pause)
+        .await
+        .expect("pause task")
+        .expect("paused");
+    assert_eq!(paused.state, node_svc::sandbox::State::Paused);
+    assert!(
+        node.host.file_access("w").await.is_none(),
+        "a paused sandbox's files are not open to writes"
+    );
+    node.cleanup().await;
+}

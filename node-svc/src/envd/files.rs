@@ -128,9 +128,11 @@ pub async fn upload_raw(home: &Path, path: Option<&str>, body: Bytes) -> Respons
     }
 }
 
-/// A multipart upload: one file goes to `path` (or its part's file name); several go each to
-/// their part's file name.
-pub async fn upload_multipart(home: &Path, path: Option<&str>, mut multipart: Multipart) -> Response {
+/// One part of a multipart upload: its file name, if any, and its bytes.
+pub type Part = (Option<String>, Bytes);
+
+/// Reads every part of a multipart upload (before anything is written).
+pub async fn read_parts(mut multipart: Multipart) -> Result<Vec<Part>, Response> {
     let mut parts = Vec::new();
     loop {
         match multipart.next_field().await {
@@ -138,13 +140,18 @@ pub async fn upload_multipart(home: &Path, path: Option<&str>, mut multipart: Mu
                 let name = field.file_name().map(str::to_string);
                 match field.bytes().await {
                     Ok(data) => parts.push((name, data)),
-                    Err(e) => return rest_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+                    Err(e) => return Err(rest_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}"))),
                 }
             }
-            Ok(None) => break,
-            Err(e) => return rest_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+            Ok(None) => return Ok(parts),
+            Err(e) => return Err(rest_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}"))),
         }
     }
+}
+
+/// Writes a multipart upload: one file goes to `path` (or its part's file name); several go
+/// each to their part's file name.
+pub async fn upload_parts(home: &Path, path: Option<&str>, parts: Vec<Part>) -> Response {
     let single = parts.len() == 1;
     let mut done = Vec::with_capacity(parts.len());
     for (name, data) in parts {

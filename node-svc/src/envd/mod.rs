@@ -80,6 +80,18 @@ impl Envd {
         Ok(record)
     }
 
+    /// The running sandbox a request that touches its files is for, held so that a pause
+    /// waits for the request to finish (see [`crate::host::Host::file_access`]).
+    async fn files_of(&self, headers: &HeaderMap) -> Result<crate::host::FileAccess, RpcError> {
+        let record = self.sandbox(headers).await?;
+        self.host.file_access(&record.id).await.ok_or_else(|| {
+            RpcError::new(
+                Code::Unavailable,
+                format!("sandbox {} was paused; resume it first", record.id),
+            )
+        })
+    }
+
     /// The sandbox named by `E2b-Sandbox-Id`, whatever its state.
     async fn record(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
         let id = headers
@@ -154,11 +166,15 @@ async fn download(State(envd): State<Envd>, headers: HeaderMap, Query(q): Query<
     }
 }
 
+/// An upload: the body is read first, then the files are written while the sandbox's files
+/// are held, so a pause waits for the write (never for a slow client) and a pause under way
+/// turns the upload away rather than letting it write into a frozen sandbox.
 async fn upload(State(envd): State<Envd>, Query(q): Query<HashMap<String, String>>, request: Request) -> Response {
     let record = match envd.sandbox(request.headers()).await {
         Ok(record) => record,
         Err(err) => return files::rest_from_rpc(err),
     };
+    let headers = request.headers().clone();
     let home = envd.host.home(&record.id);
     let path = q.get("path").map(String::as_str);
     let multipart = request
@@ -166,16 +182,32 @@ async fn upload(State(envd): State<Envd>, Query(q): Query<HashMap<String, String
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("multipart/form-data"));
-    if multipart {
+    /// What the request carried, read in full before anything is written.
+    enum Body {
+        Parts(Vec<files::Part>),
+        Raw(Bytes),
+    }
+    let body = if multipart {
         match axum::extract::Multipart::from_request(request, &()).await {
-            Ok(parts) => files::upload_multipart(&home, path, parts).await,
-            Err(e) => files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
+            Ok(multipart) => match files::read_parts(multipart).await {
+                Ok(parts) => Body::Parts(parts),
+                Err(response) => return response,
+            },
+            Err(e) => return files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
         }
     } else {
         match Bytes::from_request(request, &()).await {
-            Ok(body) => files::upload_raw(&home, path, body).await,
-            Err(e) => files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
+            Ok(bytes) => Body::Raw(bytes),
+            Err(e) => return files::rest_error(StatusCode::BAD_REQUEST, e.body_text()),
         }
+    };
+    let _access = match envd.files_of(&headers).await {
+        Ok(access) => access,
+        Err(err) => return files::rest_from_rpc(err),
+    };
+    match body {
+        Body::Parts(parts) => files::upload_parts(&home, path, parts).await,
+        Body::Raw(bytes) => files::upload_raw(&home, path, bytes).await,
     }
 }
 
@@ -306,6 +338,15 @@ async fn filesystem_rpc(
     let record = match envd.sandbox(&headers).await {
         Ok(record) => record,
         Err(err) => return err.into_response(),
+    };
+    // Changes to the files are held against a pause, as uploads are (streams are not: a
+    // watch may last for ever).
+    let _access = match method.as_str() {
+        "MakeDir" | "Move" | "Remove" => match envd.files_of(&headers).await {
+            Ok(access) => Some(access),
+            Err(err) => return err.into_response(),
+        },
+        _ => None,
     };
     let home = envd.host.home(&record.id);
     match method.as_str() {
