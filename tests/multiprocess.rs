@@ -479,8 +479,9 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             format!("127.0.0.1:{}", free_port()),
             "--ledger".into(),
             ledger_endpoint.clone(),
+            // No placement in this test: the nodes report to none, so none can reserve.
             "--placement".into(),
-            "http://127.0.0.1:1".into(),
+            String::new(),
             "--interval-ms".into(),
             "100".into(),
             "--lease-ttl-secs".into(),

@@ -24,7 +24,8 @@ struct Args {
     metrics_listen: SocketAddr,
     #[arg(long, env = "BALANCE_LEDGER", default_value = "http://127.0.0.1:7001")]
     ledger: String,
-    /// placement-svc, told about drains and moves.
+    /// placement-svc: checks and reserves each move's target, hears of drains and moves.
+    /// Empty: none (moves reserve nothing; placement learns of them from heartbeats only).
     #[arg(long, env = "BALANCE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
     placement: String,
     /// Milliseconds between observations.
@@ -82,7 +83,7 @@ async fn main() -> anyhow::Result<()> {
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = BalanceConfig::new(args.listen, args.ledger);
-    config.placement_endpoint = Some(args.placement);
+    config.placement_endpoint = (!args.placement.is_empty()).then_some(args.placement);
     config.tuning.interval = Duration::from_millis(args.interval_ms);
     config.tuning.plan.threshold = args.threshold;
     config.tuning.plan.target = args.target;
