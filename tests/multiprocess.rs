@@ -479,7 +479,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             format!("127.0.0.1:{}", free_port()),
             "--ledger".into(),
             ledger_endpoint.clone(),
-            // No placement in this test: the nodes report to none, so none can reserve.
+            // No placement in this test: the nodes report to none.
             "--placement".into(),
             String::new(),
             "--interval-ms".into(),

@@ -24,8 +24,8 @@ struct Args {
     metrics_listen: SocketAddr,
     #[arg(long, env = "BALANCE_LEDGER", default_value = "http://127.0.0.1:7001")]
     ledger: String,
-    /// placement-svc: checks and reserves each move's target, hears of drains and moves.
-    /// Empty: none (moves reserve nothing; placement learns of them from heartbeats only).
+    /// placement-svc, told about drains and moves. Empty: none (placement then learns of
+    /// moves from heartbeats only).
     #[arg(long, env = "BALANCE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
     placement: String,
     /// Milliseconds between observations.
