@@ -1,7 +1,7 @@
 //! The executor lease: only one balance-svc replica plans and moves at a time.
 //!
 //! One document, `balance-lease/executor`, names its holder. A keeper task in every replica
-//! visits it every third of the TTL: the holder renews it (compare-and-swap on its version),
+//! visits it every sixth of the TTL: the holder renews it (compare-and-swap on its version),
 //! the others watch it, and take it only once it has not changed for a full TTL by their own
 //! clock ([`may_take`]). The holder may act only while its renewal is confirmed: until a TTL
 //! after it *sent* the last successful renewal, less a margin ([`Lease::confirmed`]); the
@@ -127,12 +127,14 @@ impl Lease {
         }
     }
 
-    /// Visits the lease every third of the TTL until aborted: renews it while held, takes it
+    /// Visits the lease every sixth of the TTL until aborted (so a lapsed lease is taken at
+    /// most a sixth of a TTL late, and a holder renews several times within its margin):
+    /// renews it while held, takes it
     /// once it lapses. A failed visit leaves the holder's confirmation to run out by itself.
     pub fn spawn_keeper(&self) -> JoinHandle<()> {
         let lease = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(lease.ttl / 3);
+            let mut tick = tokio::time::interval(lease.ttl / 6);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;

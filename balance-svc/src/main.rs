@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, env = "BALANCE_CONCURRENCY", default_value_t = 1)]
     concurrency: usize,
     /// The executor lease's time to live: a replica that dies holding it is replaced after
-    /// this long; renewals go out every third of it.
+    /// this long; renewals go out every sixth of it.
     #[arg(long, env = "BALANCE_LEASE_TTL_SECS", default_value_t = 3)]
     lease_ttl_secs: u64,
     /// Seconds between sweeps for orphaned copies (paused copies no manifest points at).

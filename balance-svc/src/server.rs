@@ -19,7 +19,7 @@ use crate::lease::Lease;
 use crate::migrate::{Halt, MoveError, Mover};
 
 /// The executor lease's default time to live. A replica that dies holding it is replaced
-/// after this long (then its moves resume or roll back); renewals go out every third of it.
+/// after this long (then its moves resume or roll back); renewals go out every sixth of it.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(3);
 
 /// How balance-svc runs.
@@ -72,7 +72,7 @@ impl BalanceConfig {
         }
         if self.lease_ttl < Duration::from_millis(300) {
             return Err(format!(
-                "the lease TTL ({:?}) must be at least 300ms: it is renewed every third of it",
+                "the lease TTL ({:?}) must be at least 300ms: it is renewed every sixth of it",
                 self.lease_ttl
             ));
         }

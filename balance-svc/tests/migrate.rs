@@ -432,7 +432,7 @@ async fn a_move_stands_down_for_a_user_claim() {
 }
 
 /// An executor dies holding the lease with its sandbox paused mid-move. With the default
-/// lease (3 s, renewed every second) another replica takes over once the lease has been
+/// lease (3 s, visited every half second) another replica takes over once the lease has been
 /// still for a full TTL by its own clock — no wall clocks compared — and the sandbox runs
 /// again within 5 s of the death.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
