@@ -55,6 +55,10 @@ impl Lease {
         &self.holder
     }
 
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     fn knowledge(&self) -> std::sync::MutexGuard<'_, Knowledge> {
         self.knowledge.lock().unwrap_or_else(PoisonError::into_inner)
     }

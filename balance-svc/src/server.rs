@@ -152,7 +152,7 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     let lease = Lease::new(ledger.clone(), holder, config.lease_ttl);
     let mover = Mover::new(ledger.clone(), placement.clone(), config.concurrency)
         .with_halt(config.halt)
-        .with_lease(lease.clone(), config.lease_ttl);
+        .with_lease(lease.clone());
     let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));
     let api = BalanceApi::new(ledger, placement, balancer.known());
 

@@ -5,6 +5,7 @@
 //! machine is shared and noisy.
 
 mod balance_convergence;
+mod fixture;
 mod gateway_create;
 mod ledger_cas;
 mod migration;

@@ -7,11 +7,8 @@ use std::time::Instant;
 use anyhow::Context;
 use balance_svc::migrate::Mover;
 use balance_svc::record::{PlanDoc, Step, PLAN_KIND};
-use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::Txn;
 use node_svc::server::RunningNode;
-use proto::node::v1 as pb;
-use proto::node::v1::node_client::NodeClient;
 
 use crate::report::Report;
 
@@ -40,19 +37,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let client = stack.ledger_client.clone();
     let nodes: Vec<(String, &RunningNode)> = stack.nodes.iter().map(|n| (n.id.clone(), &n.running)).collect();
     let id = "moving";
-    let mut a = NodeClient::connect(nodes[0].1.endpoint()).await?;
-    a.create(pb::CreateRequest {
-        operation_id: "create".into(),
-        epoch: 1,
-        sandbox_id: id.into(),
-        template: "base".into(),
-        resources: Some(pb::Resources {
-            vcpus: 1,
-            memory_bytes: 256 << 20,
-        }),
-        start_command: "sleep 3600".into(),
-        ..Default::default()
-    })
+    crate::fixture::running_sandbox(
+        &client,
+        nodes[0].1,
+        (&nodes[0].0, &nodes[0].1.endpoint()),
+        id,
+        256 << 20,
+    )
     .await?;
     let block: Vec<u8> = (0..1 << 20)
         .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -61,22 +52,6 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     for f in 0..args.mb {
         std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
     }
-    let manifest = SandboxDoc {
-        sandbox_id: id.into(),
-        team_id: "bench".into(),
-        template: "base".into(),
-        vcpus: 1,
-        memory_bytes: 256 << 20,
-        memory_source: EstimateSource::Request,
-        phase: SandboxPhase::Running,
-        node_id: nodes[0].0.clone(),
-        node_address: nodes[0].1.endpoint(),
-        envd_address: nodes[0].1.envd_endpoint(),
-        epoch: 1,
-        end_at_unix_ms: u64::MAX / 2,
-        ..SandboxDoc::default()
-    };
-    client.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
 
     let mover = Mover::new(client.clone(), None, 1);
     let (mut downtime, mut total, mut rate) = (Vec::new(), Vec::new(), Vec::new());

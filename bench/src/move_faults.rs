@@ -16,11 +16,9 @@ use std::time::Duration;
 use anyhow::Context;
 use balance_svc::migrate::{Halt, Mover};
 use balance_svc::record::{PlanDoc, Step, PLAN_KIND};
-use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::docs::{SandboxDoc, SANDBOX_KIND};
 use ledger_client::{LedgerClient, Txn};
 use node_svc::sandbox::State;
-use proto::node::v1 as pb;
-use proto::node::v1::node_client::NodeClient;
 use rand::{Rng, SeedableRng};
 use stack::fault::{LedgerProxy, NodeProxy, Proxy};
 
@@ -253,39 +251,12 @@ async fn finish(
     anyhow::bail!("plan {plan_id} did not finish in 20 executor runs")
 }
 
+/// A running sandbox on node 0 with a marker file, its manifest naming node 0 through its
+/// proxy.
 async fn create(stack: &stack::Stack, ledger: &LedgerClient, id: &str, node: &(String, Proxy)) -> anyhow::Result<()> {
     let running = &stack.nodes[0].running;
-    let mut grpc = NodeClient::connect(running.endpoint()).await?;
-    grpc.create(pb::CreateRequest {
-        operation_id: format!("create-{id}"),
-        epoch: 1,
-        sandbox_id: id.into(),
-        template: "base".into(),
-        resources: Some(pb::Resources {
-            vcpus: 1,
-            memory_bytes: 64 << 20,
-        }),
-        start_command: "sleep 3600".into(),
-        ..Default::default()
-    })
-    .await?;
+    crate::fixture::running_sandbox(ledger, running, (&node.0, &node.1.endpoint()), id, 64 << 20).await?;
     std::fs::write(running.host().home(id).join("marker.txt"), id)?;
-    let manifest = SandboxDoc {
-        sandbox_id: id.into(),
-        team_id: "bench".into(),
-        template: "base".into(),
-        vcpus: 1,
-        memory_bytes: 64 << 20,
-        memory_source: EstimateSource::Request,
-        phase: SandboxPhase::Running,
-        node_id: node.0.clone(),
-        node_address: node.1.endpoint(),
-        envd_address: running.envd_endpoint(),
-        epoch: 1,
-        end_at_unix_ms: u64::MAX / 2,
-        ..SandboxDoc::default()
-    };
-    ledger.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
     Ok(())
 }
 

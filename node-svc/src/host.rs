@@ -153,6 +153,10 @@ struct Slot {
     turn: Arc<tokio::sync::Mutex<()>>,
     /// The sandbox as last committed; `None` while it is being created or once it is gone.
     record: Mutex<Option<SandboxRecord>>,
+    /// Held shared by envd requests that touch the sandbox's files, exclusively by a pause,
+    /// so a pause (and the snapshot a move takes after it) never races a write accepted
+    /// before it. See [`Host::file_access`].
+    files: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// One operation's exclusive turn on a sandbox ID. Dropping it ends the turn; a slot left
@@ -228,16 +232,6 @@ struct Shared {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     /// Answers to recent operation IDs.
     answers: Mutex<Answers<Answer>>,
-    /// Per sandbox: held shared by envd requests that touch its files, exclusively by a
-    /// pause, so a pause (and the snapshot a move takes after it) never races a write that
-    /// was accepted before it. See [`Host::file_access`].
-    files: Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>,
-}
-
-impl Shared {
-    fn files_lock(&self, id: &str) -> Arc<tokio::sync::RwLock<()>> {
-        lock(&self.files).entry(id.to_string()).or_default().clone()
-    }
 }
 
 /// Access to a running sandbox's files for one envd request; a pause waits until it is
@@ -285,7 +279,6 @@ impl Host {
                 dir,
                 slots: Mutex::new(slots),
                 answers: Mutex::new(Answers::new(ANSWERS_KEPT)),
-                files: Mutex::new(HashMap::new()),
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
@@ -340,16 +333,17 @@ impl Host {
         to_completion(async move { shared.lifecycle(&operation_id, epoch, &sandbox_id, action).await }).await
     }
 
-    /// One sandbox, as last committed (never waits for an operation on it).
     /// The running sandbox `sandbox_id` with its files held for one request: waits while a
     /// pause is under way, and answers `None` unless the sandbox runs once it may go on. A
     /// write accepted here completes before any pause of the sandbox takes effect.
     pub async fn file_access(&self, sandbox_id: &str) -> Option<FileAccess> {
-        let held = self.shared.files_lock(sandbox_id).read_owned().await;
-        let record = self.shared.committed(sandbox_id)?;
+        let slot = lock(&self.shared.slots).get(sandbox_id).cloned()?;
+        let held = slot.files.clone().read_owned().await;
+        let record = lock(&slot.record).clone()?;
         (record.state == State::Running).then_some(FileAccess { record, _held: held })
     }
 
+    /// One sandbox, as last committed (never waits for an operation on it).
     pub async fn get(&self, sandbox_id: &str) -> Option<SandboxRecord> {
         self.shared.committed(sandbox_id)
     }
@@ -589,7 +583,7 @@ impl Shared {
         // A pause waits for envd requests already touching the files, and holds new ones
         // back until it is done (they then find the sandbox paused).
         let _quiet = match action {
-            Move::Pause => Some(self.files_lock(id).write_owned().await),
+            Move::Pause => Some(turn.slot.files.clone().write_owned().await),
             Move::Resume | Move::Kill => None,
         };
         let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
@@ -620,7 +614,6 @@ impl Shared {
             // Gone for everyone from here; the turn is held until its files are too, so a
             // create of the same ID waits for them.
             turn.commit(None);
-            lock(&self.files).remove(id);
             let (dir, gone) = (self.dir.clone(), id.to_string());
             blocking(move || dir.remove(&gone).map_err(io)).await?;
             tracing::info!(sandbox_id = %id, "sandbox killed");

@@ -69,8 +69,8 @@ impl Mover {
     /// stops the move as fenced (another executor may take over soon). Every node call and
     /// ledger call then runs under a deadline of two thirds of the lease's TTL (at least
     /// 500 ms), so no call outlives the lease it was made under by much.
-    pub fn with_lease(mut self, lease: Lease, ttl: Duration) -> Self {
-        let deadline = (ttl * 2 / 3).max(Duration::from_millis(500));
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        let deadline = (lease.ttl() * 2 / 3).max(Duration::from_millis(500));
         self.ledger = self.ledger.with_deadline(deadline);
         self.call_deadline = deadline;
         self.lease = Some(lease);

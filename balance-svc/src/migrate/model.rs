@@ -475,9 +475,8 @@ impl State {
                 let answer = t.send(wire, call);
                 match Self::node_result(NodeAction::UndoResume, answer) {
                     Ok(()) => t.release(next, "release"),
-                    Err(err @ MoveError::Transient(_)) => {
+                    Err(MoveError::Transient(_)) => {
                         t.fresh = true;
-                        let _ = err;
                         next.push(("undo-resume retried next cycle".into(), t));
                     }
                     Err(err) => next.push(("undo-resume failed".into(), t.fail(err))),

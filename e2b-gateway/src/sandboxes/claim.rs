@@ -84,8 +84,7 @@ impl Sandboxes {
     /// anything). The epoch stays raised: calls made under the claim's epoch stay valid, older
     /// ones stay refused.
     pub(super) async fn unclaim(&self, doc: &mut Versioned<SandboxDoc>) {
-        doc.value.lifecycle_owner = None;
-        doc.value.lifecycle_claimed_at_unix_ms = None;
+        released(&mut doc.value);
         if let Err(err) = self.save(doc).await {
             tracing::error!(sandbox_id = %doc.value.sandbox_id, %err,
                 "could not release the claim; the next operation takes it over after its time to live");

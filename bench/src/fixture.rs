@@ -1,0 +1,47 @@
+//! What several benchmarks set up the same way: a running process sandbox on a node with its
+//! manifest in the ledger, as the gateway would leave it, for the balance executor to move.
+
+use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use ledger_client::{LedgerClient, Txn};
+use node_svc::server::RunningNode;
+use proto::node::v1 as pb;
+use proto::node::v1::node_client::NodeClient;
+
+/// Creates sandbox `id` (`sleep 3600`, 1 vCPU, `memory_bytes`) on `node` and writes its
+/// manifest naming `node_id`, reached at `address` (the node's own endpoint, or a proxy's).
+pub async fn running_sandbox(
+    ledger: &LedgerClient,
+    node: &RunningNode,
+    (node_id, address): (&str, &str),
+    id: &str,
+    memory_bytes: u64,
+) -> anyhow::Result<()> {
+    let mut grpc = NodeClient::connect(node.endpoint()).await?;
+    grpc.create(pb::CreateRequest {
+        operation_id: format!("create-{id}"),
+        epoch: 1,
+        sandbox_id: id.into(),
+        template: "base".into(),
+        resources: Some(pb::Resources { vcpus: 1, memory_bytes }),
+        start_command: "sleep 3600".into(),
+        ..Default::default()
+    })
+    .await?;
+    let manifest = SandboxDoc {
+        sandbox_id: id.into(),
+        team_id: "bench".into(),
+        template: "base".into(),
+        vcpus: 1,
+        memory_bytes,
+        memory_source: EstimateSource::Request,
+        phase: SandboxPhase::Running,
+        node_id: node_id.into(),
+        node_address: address.into(),
+        envd_address: node.envd_endpoint(),
+        epoch: 1,
+        end_at_unix_ms: u64::MAX / 2,
+        ..SandboxDoc::default()
+    };
+    ledger.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
+    Ok(())
+}
