@@ -24,8 +24,8 @@ struct Args {
     metrics_listen: SocketAddr,
     #[arg(long, env = "BALANCE_LEDGER", default_value = "http://127.0.0.1:7001")]
     ledger: String,
-    /// placement-svc, told about drains and moves. Empty: none (placement then learns of
-    /// moves from heartbeats only).
+    /// placement-svc: checks and reserves each move's target, hears of drains and moves.
+    /// Empty: none (moves reserve nothing; placement learns of them from heartbeats only).
     #[arg(long, env = "BALANCE_PLACEMENT", default_value = "http://127.0.0.1:7002")]
     placement: String,
     /// Milliseconds between observations.
@@ -37,6 +37,10 @@ struct Args {
     /// Plan down to this (below the threshold: hysteresis).
     #[arg(long, env = "BALANCE_TARGET", default_value_t = 0.05)]
     target: f64,
+    /// Placement's CPU over-commit R, for the allocation rule moves are planned with. The same
+    /// environment variable as placement-svc's, so one setting serves both.
+    #[arg(long, env = "PLACEMENT_CPU_OVERCOMMIT", default_value_t = common::fit::DEFAULT_CPU_OVERCOMMIT)]
+    cpu_overcommit: f64,
     /// A moved sandbox is not moved again for this long.
     #[arg(long, env = "BALANCE_COOLDOWN_SECS", default_value_t = 300)]
     cooldown_secs: u64,
@@ -88,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
     config.tuning.plan.threshold = args.threshold;
     config.tuning.plan.target = args.target;
     config.tuning.plan.cooldown_ms = args.cooldown_secs * 1000;
+    config.tuning.plan.cpu_overcommit = args.cpu_overcommit;
     config.concurrency = args.concurrency;
     config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
     config.tuning.sweep_every = Duration::from_secs(args.sweep_every_secs);

@@ -5,7 +5,8 @@
 //!
 //! The moves follow the planner's rules: only sandboxes on ready nodes that may move now
 //! (see [`Skip`](crate::plan::Skip)), each at most once, onto ready nodes that are not draining,
-//! in an order where every move fits its target when it runs. `max_moves` is not applied.
+//! in an order where every move fits its target when it runs: its measured memory, and its ask
+//! under placement's allocation rule ([`common::fit`]). `max_moves` is not applied.
 //!
 //! The search deepens the number of moves k = 1, 2, …: it assigns each sandbox, largest
 //! first, to its node or another, with at most k moved, and prunes a branch when the bytes the
@@ -14,6 +15,9 @@
 //! (a search over subsets of moves already made).
 
 use std::collections::HashMap;
+
+use common::docs::Capacity;
+use common::fit::{self, Allocation};
 
 use crate::plan::{skip_reason, Move, Snapshot, Tuning};
 
@@ -50,13 +54,13 @@ pub fn search(snapshot: &Snapshot, tuning: &Tuning, budget: u64) -> Optimum {
         return Optimum::Unknown;
     }
     let index: HashMap<&str, usize> = ready.iter().enumerate().map(|(i, n)| (n.node_id.as_str(), i)).collect();
-    let mut pieces: Vec<(i64, usize, &str)> = snapshot
+    let mut pieces: Vec<(i64, usize, &str, Capacity)> = snapshot
         .sandboxes
         .iter()
         .filter(|c| skip_reason(c, Some((snapshot.now_ms, tuning.cooldown_ms))).is_none())
         .filter_map(|c| {
             let home = *index.get(c.node_id.as_str())?;
-            Some((c.memory_bytes as i64, home, c.sandbox_id.as_str()))
+            Some((c.memory_bytes as i64, home, c.sandbox_id.as_str(), c.requested))
         })
         .collect();
     if pieces.len() > MAX_MOVABLE {
@@ -68,7 +72,17 @@ pub fn search(snapshot: &Snapshot, tuning: &Tuning, budget: u64) -> Optimum {
         target_ok: ready.iter().map(|n| !n.draining).collect(),
         initial: ready.iter().map(|n| n.available_bytes as i64).collect(),
         available: ready.iter().map(|n| n.available_bytes as i64).collect(),
+        resources: ready
+            .iter()
+            .map(|n| Capacity {
+                vcpus: n.vcpus,
+                memory_bytes: n.capacity_bytes,
+            })
+            .collect(),
+        allocated: ready.iter().map(|n| n.allocated).collect(),
+        cpu_overcommit: tuning.cpu_overcommit,
         dest: pieces.iter().map(|p| p.1).collect(),
+        asks: pieces.iter().map(|p| p.3).collect(),
         pieces: pieces.iter().map(|p| (p.0, p.1)).collect(),
         target: tuning.target,
         spent: 0,
@@ -111,6 +125,11 @@ struct Search {
     pieces: Vec<(i64, usize)>,
     /// Each sandbox's destination (its home while unassigned or staying).
     dest: Vec<usize>,
+    /// Each sandbox's ask, and each node's resources and initial allocation (placement's rule).
+    asks: Vec<Capacity>,
+    resources: Vec<Capacity>,
+    allocated: Vec<Allocation>,
+    cpu_overcommit: f64,
     target: f64,
     spent: u64,
     budget: u64,
@@ -211,8 +230,9 @@ impl Search {
     fn order(&mut self, moving: &[usize]) -> Result<Option<Vec<(usize, usize)>>, OutOfSteps> {
         let mut dead = vec![false; 1 << moving.len()];
         let mut available = self.initial.clone();
+        let mut allocated = self.allocated.clone();
         let mut sequence = Vec::with_capacity(moving.len());
-        if self.extend(moving, 0, &mut dead, &mut available, &mut sequence)? {
+        if self.extend(moving, 0, &mut dead, (&mut available, &mut allocated), &mut sequence)? {
             Ok(Some(sequence.into_iter().map(|p| (p, self.dest[p])).collect()))
         } else {
             Ok(None)
@@ -224,7 +244,7 @@ impl Search {
         moving: &[usize],
         done: usize,
         dead: &mut [bool],
-        available: &mut [i64],
+        (available, allocated): (&mut [i64], &mut [Allocation]),
         sequence: &mut Vec<usize>,
     ) -> Result<bool, OutOfSteps> {
         self.step()?;
@@ -237,18 +257,32 @@ impl Search {
         for (t, &p) in moving.iter().enumerate() {
             let (bytes, home) = self.pieces[p];
             let to = self.dest[p];
-            if done & (1 << t) != 0 || available[to] < bytes {
+            let ask = self.asks[p];
+            if done & (1 << t) != 0
+                || available[to] < bytes
+                || fit::check(&self.resources[to], allocated[to], &ask, self.cpu_overcommit).is_err()
+            {
                 continue;
             }
             available[to] -= bytes;
             available[home] += bytes;
+            allocated[to].add(&ask);
+            allocated[home].sub(&ask);
             sequence.push(p);
-            if self.extend(moving, done | (1 << t), dead, available, sequence)? {
+            if self.extend(
+                moving,
+                done | (1 << t),
+                dead,
+                (&mut *available, &mut *allocated),
+                sequence,
+            )? {
                 return Ok(true);
             }
             sequence.pop();
             available[to] += bytes;
             available[home] -= bytes;
+            allocated[to].sub(&ask);
+            allocated[home].add(&ask);
         }
         dead[done] = true;
         Ok(false)

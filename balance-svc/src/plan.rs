@@ -57,6 +57,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use common::docs::Capacity;
+use common::fit::{self, Allocation};
+
 use crate::optimum::{self, Optimum};
 
 /// One node as the last heartbeat (via its node document) describes it.
@@ -69,6 +72,10 @@ pub struct NodeMemory {
     pub draining: bool,
     pub capacity_bytes: u64,
     pub available_bytes: u64,
+    /// vCPUs, for the allocation rule ([`common::fit`]).
+    pub vcpus: u32,
+    /// What the node's sandboxes asked for, as its heartbeat reported.
+    pub allocated: Allocation,
 }
 
 impl NodeMemory {
@@ -91,6 +98,9 @@ pub struct Candidate {
     pub last_moved_ms: Option<u64>,
     /// Paused, being created, or otherwise not to be moved.
     pub movable: bool,
+    /// What it asked for (vCPUs, memory): a target must have that much allocation left under
+    /// placement's rule ([`common::fit`]), whatever the sandbox measures.
+    pub requested: Capacity,
 }
 
 /// What the balancer sees at one moment.
@@ -112,6 +122,9 @@ pub struct Tuning {
     pub cooldown_ms: u64,
     /// Most moves in one plan.
     pub max_moves: usize,
+    /// Placement's CPU over-commit R: a target's allocation is judged by the same rule, with
+    /// the same R, as placement's (see [`common::fit`]).
+    pub cpu_overcommit: f64,
 }
 
 impl Default for Tuning {
@@ -121,6 +134,7 @@ impl Default for Tuning {
             target: 0.05,
             cooldown_ms: 5 * 60 * 1000,
             max_moves: 1000,
+            cpu_overcommit: fit::DEFAULT_CPU_OVERCOMMIT,
         }
     }
 }
@@ -296,7 +310,11 @@ pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     if ready < 2 || plan.spread_before <= tuning.threshold {
         return plan;
     }
-    let field = Field::new(snapshot, Some((snapshot.now_ms, tuning.cooldown_ms)));
+    let field = Field::new(
+        snapshot,
+        Some((snapshot.now_ms, tuning.cooldown_ms)),
+        tuning.cpu_overcommit,
+    );
     plan.skips = field.skips.clone();
     let width = band_width(tuning);
     let (_, low) = field.fewest_moves_band(width, Count::Plan);
@@ -339,6 +357,8 @@ enum Count {
 struct Piece<'a> {
     id: &'a str,
     bytes: u64,
+    /// What it asked for, which its target must be able to allocate.
+    ask: Capacity,
 }
 
 /// The ready nodes and what may move off them, indexed once per plan.
@@ -349,6 +369,10 @@ struct Field<'a> {
     available: Vec<u64>,
     /// Ready and not draining: may take sandboxes.
     target: Vec<bool>,
+    /// vCPUs and memory, as the allocation rule sees them.
+    resources: Vec<Capacity>,
+    allocated: Vec<Allocation>,
+    cpu_overcommit: f64,
     /// Each node's movable sandboxes, ascending by (size, id).
     pieces: Vec<Vec<Piece<'a>>>,
     /// `shed[i][k]`: the bytes of node i's k largest movable sandboxes.
@@ -364,7 +388,7 @@ struct Field<'a> {
 
 impl<'a> Field<'a> {
     /// `cooldown` is (now, cooldown) in ms, or `None` to treat cooling sandboxes as movable.
-    fn new(snapshot: &'a Snapshot, cooldown: Option<(u64, u64)>) -> Self {
+    fn new(snapshot: &'a Snapshot, cooldown: Option<(u64, u64)>, cpu_overcommit: f64) -> Self {
         let ready: Vec<&NodeMemory> = snapshot.nodes.iter().filter(|n| n.ready).collect();
         let index: HashMap<&str, usize> = ready.iter().enumerate().map(|(i, n)| (n.node_id.as_str(), i)).collect();
         let mut pieces: Vec<Vec<Piece>> = vec![Vec::new(); ready.len()];
@@ -387,6 +411,7 @@ impl<'a> Field<'a> {
                 None => pieces[i].push(Piece {
                     id: &c.sandbox_id,
                     bytes: c.memory_bytes,
+                    ask: c.requested,
                 }),
             }
         }
@@ -411,6 +436,15 @@ impl<'a> Field<'a> {
             capacity: ready.iter().map(|n| n.capacity_bytes.max(1)).collect(),
             available: ready.iter().map(|n| n.available_bytes).collect(),
             target: ready.iter().map(|n| !n.draining).collect(),
+            resources: ready
+                .iter()
+                .map(|n| Capacity {
+                    vcpus: n.vcpus,
+                    memory_bytes: n.capacity_bytes,
+                })
+                .collect(),
+            allocated: ready.iter().map(|n| n.allocated).collect(),
+            cpu_overcommit,
             pieces,
             shed,
             held,
@@ -418,6 +452,11 @@ impl<'a> Field<'a> {
             largest,
             mean: total_available / total_capacity.max(1.0),
         }
+    }
+
+    /// Whether node d, having `allocated`, can take `ask` under placement's rule.
+    fn admits(&self, d: usize, allocated: Allocation, ask: &Capacity) -> bool {
+        fit::check(&self.resources[d], allocated, ask, self.cpu_overcommit).is_ok()
     }
 
     fn ratio(&self, i: usize, available: u64) -> f64 {
@@ -546,6 +585,7 @@ impl<'a> Field<'a> {
             floor,
             ceiling,
             available: self.available.clone(),
+            allocated: self.allocated.clone(),
             taken: self.pieces.iter().map(|p| vec![false; p.len()]).collect(),
             left: self.pieces.iter().map(Vec::len).collect(),
             blocked: vec![None; n],
@@ -722,6 +762,7 @@ struct Levelling<'f, 'a> {
     floor: Vec<u64>,
     ceiling: Vec<u64>,
     available: Vec<u64>,
+    allocated: Vec<Allocation>,
     taken: Vec<Vec<bool>>,
     left: Vec<usize>,
     /// Why and at which move count a node was found blocked.
@@ -773,17 +814,16 @@ impl Levelling<'_, '_> {
         }
     }
 
-    /// The largest untaken piece of node i of at most `limit` bytes.
-    fn largest_at_most(&self, i: usize, limit: u64) -> Option<usize> {
+    /// The largest untaken pieces of node i of at most `limit` bytes, largest first.
+    fn untaken_at_most(&self, i: usize, limit: u64) -> impl Iterator<Item = usize> + '_ {
         let pieces = &self.field.pieces[i];
-        let mut k = pieces.partition_point(|p| p.bytes <= limit);
-        while k > 0 {
-            k -= 1;
-            if !self.taken[i][k] {
-                return Some(k);
-            }
-        }
-        None
+        let end = pieces.partition_point(|p| p.bytes <= limit);
+        (0..end).rev().filter(move |&k| !self.taken[i][k])
+    }
+
+    /// Whether node d can take piece k of node s under placement's allocation rule now.
+    fn admits(&self, d: usize, s: usize, k: usize) -> bool {
+        self.field.admits(d, self.allocated[d], &self.field.pieces[s][k].ask)
     }
 
     fn block(&mut self, i: usize, reason: Skip) {
@@ -801,27 +841,35 @@ impl Levelling<'_, '_> {
         dominant(&self.field.held[i])
     }
 
-    /// Short node s sheds one sandbox, or is found blocked.
+    /// Short node s sheds one sandbox, or is found blocked. Its largest piece that fits goes
+    /// first; when no target can allocate it (placement's rule), a few smaller ones are tried.
     fn shed_from(&mut self, s: usize) {
+        /// Pieces tried before the node counts as blocked: enough to get past a piece whose
+        /// CPU ask no target can allocate, few enough that a blocked node costs little.
+        const TRIES: usize = 8;
         let room = self.room.last().map_or(0, |&(r, _)| r);
         let limit = (self.ceiling[s] - self.available[s]).min(room);
-        let Some(k) = self.largest_at_most(s, limit) else {
+        let candidates: Vec<usize> = self.untaken_at_most(s, limit).take(TRIES).collect();
+        if candidates.is_empty() {
             self.block(s, self.shed_blocker(s));
             return;
-        };
-        let bytes = self.field.pieces[s][k].bytes;
-        // The least pressured node that stays on or above its floor with it; the roomiest node
-        // qualifies, so there is one.
-        let to = self
-            .order
-            .iter()
-            .rev()
-            .map(|&(_, d)| d)
-            .find(|&d| d != s && self.field.target[d] && self.available[d] >= self.floor[d].saturating_add(bytes));
-        match to {
-            Some(d) => self.apply(s, k, d),
-            None => self.block(s, Skip::NoFit),
         }
+        for k in candidates {
+            let bytes = self.field.pieces[s][k].bytes;
+            // The least pressured node that stays on or above its floor with it and can
+            // allocate it.
+            let to = self.order.iter().rev().map(|&(_, d)| d).find(|&d| {
+                d != s
+                    && self.field.target[d]
+                    && self.available[d] >= self.floor[d].saturating_add(bytes)
+                    && self.admits(d, s, k)
+            });
+            if let Some(d) = to {
+                self.apply(s, k, d);
+                return;
+            }
+        }
+        self.block(s, Skip::NoFit);
     }
 
     /// Over node d takes in one sandbox, or is found blocked.
@@ -844,7 +892,7 @@ impl Levelling<'_, '_> {
             }
             any_movable = true;
             let limit = (self.ceiling[s] - self.available[s]).min(room);
-            if let Some(k) = self.largest_at_most(s, limit) {
+            if let Some(k) = self.untaken_at_most(s, limit).find(|&k| self.admits(d, s, k)) {
                 found = Some((s, k));
                 break;
             }
@@ -865,11 +913,14 @@ impl Levelling<'_, '_> {
     }
 
     fn apply(&mut self, s: usize, k: usize, d: usize) {
-        let bytes = self.field.pieces[s][k].bytes;
+        let piece = self.field.pieces[s][k];
+        let bytes = piece.bytes;
         self.leave(s);
         self.leave(d);
         self.available[s] += bytes;
         self.available[d] -= bytes;
+        self.allocated[s].sub(&piece.ask);
+        self.allocated[d].add(&piece.ask);
         self.taken[s][k] = true;
         self.left[s] -= 1;
         self.enter(s);
@@ -883,6 +934,15 @@ fn dominant(held: &BTreeMap<Skip, usize>) -> Skip {
     held.iter()
         .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
         .map_or(Skip::NotMovable, |(reason, _)| *reason)
+}
+
+/// Whether `node` can allocate `ask` under placement's rule ([`common::fit`]).
+pub(crate) fn admits(node: &NodeMemory, ask: &Capacity, tuning: &Tuning) -> bool {
+    let resources = Capacity {
+        vcpus: node.vcpus,
+        memory_bytes: node.capacity_bytes,
+    };
+    fit::check(&resources, node.allocated, ask, tuning.cpu_overcommit).is_ok()
 }
 
 /// Moves everything movable off draining nodes: largest first, each onto the ready node with
@@ -921,13 +981,14 @@ pub fn plan_drain(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
         }
         let best = ready
             .iter_mut()
-            .filter(|n| n.available_bytes >= c.memory_bytes)
+            .filter(|n| n.available_bytes >= c.memory_bytes && admits(n, &c.requested, tuning))
             .max_by(|a, b| a.ratio().total_cmp(&b.ratio()));
         let Some(to) = best else {
             *plan.skips.entry(Skip::NoFit).or_default() += 1;
             continue;
         };
         to.available_bytes -= c.memory_bytes;
+        to.allocated.add(&c.requested);
         plan.moves.push(Move {
             sandbox_id: c.sandbox_id.clone(),
             from: c.node_id.clone(),
@@ -962,7 +1023,7 @@ pub fn moves_lower_bound(snapshot: &Snapshot, tuning: &Tuning) -> usize {
     if ready < 2 || spread(&snapshot.nodes) <= tuning.threshold {
         return 0;
     }
-    Field::new(snapshot, None)
+    Field::new(snapshot, None, tuning.cpu_overcommit)
         .fewest_moves_band(tuning.target, Count::Bound)
         .0
 }
@@ -983,6 +1044,8 @@ mod tests {
             draining: false,
             capacity_bytes: capacity_gib * GIB,
             available_bytes: available_gib * GIB,
+            vcpus: 1024,
+            allocated: Allocation::default(),
         }
     }
 
@@ -994,6 +1057,40 @@ mod tests {
             lifecycle_owned: false,
             last_moved_ms: None,
             movable: true,
+            requested: Capacity {
+                vcpus: 1,
+                memory_bytes: 0,
+            },
+        }
+    }
+
+    /// Gives every sandbox an ask of 1-`cpus` vCPUs and its measured memory times 1-`grow`
+    /// (what it asked for is at least what it uses), every node `vcpus_per_gib` vCPUs per GiB
+    /// of memory (at least one), and allocates each node what its sandboxes ask: placement's
+    /// rule then binds where asks crowd a node that measures room.
+    fn allocate(snap: &mut Snapshot, rng: &mut Rng, cpus: u64, grow: f64, vcpus_per_gib: f64) {
+        let index: HashMap<String, usize> = snap
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.node_id.clone(), i))
+            .collect();
+        for n in &mut snap.nodes {
+            n.vcpus = ((n.capacity_bytes as f64 / GIB as f64) * vcpus_per_gib).max(1.0) as u32;
+            n.allocated = Allocation::default();
+        }
+        for c in &mut snap.sandboxes {
+            let factor = 1.0 + (grow - 1.0) * rng.range(0, 100) as f64 / 100.0;
+            c.requested = Capacity {
+                vcpus: rng.range(1, cpus) as u32,
+                memory_bytes: (c.memory_bytes.max(MIB) as f64 * factor) as u64,
+            };
+            let n = &mut snap.nodes[index[&c.node_id]];
+            n.allocated.add(&c.requested);
+        }
+        // A node whose asks exceed its memory is one placement refused to fill: trim its asks.
+        for n in &mut snap.nodes {
+            n.allocated.memory_bytes = n.allocated.memory_bytes.min(n.capacity_bytes as i64);
         }
     }
 
@@ -1062,11 +1159,19 @@ mod tests {
             assert_ne!(from, to);
             assert!(nodes[to].ready && !nodes[to].draining, "target {} not ready", m.to);
             assert!(nodes[to].available_bytes >= m.memory_bytes, "overfilled {}", m.to);
+            assert!(
+                admits(&nodes[to], &c.requested, tuning),
+                "{} cannot allocate {:?} (placement would refuse)",
+                m.to,
+                c.requested
+            );
             let before = p
                 .band
                 .map(|band| outside(&nodes[from], band) + outside(&nodes[to], band));
             nodes[from].available_bytes += m.memory_bytes;
             nodes[to].available_bytes -= m.memory_bytes;
+            nodes[from].allocated.sub(&c.requested);
+            nodes[to].allocated.add(&c.requested);
             // Only the two nodes change: their distance from the band must shrink.
             if let (Some(band), Some(before)) = (p.band, before) {
                 let after = outside(&nodes[from], band) + outside(&nodes[to], band);
@@ -1096,7 +1201,8 @@ mod tests {
     /// A random cluster: capacities of 8-256 GiB, a skew from one node to half of them filled
     /// to 80-97%, the rest 15-70%; sandbox sizes up to 1/150, 1/50 or 1/12 of 64 GiB; some
     /// sandboxes paused, lifecycle-owned, cooling or of unknown size; some nodes not ready or
-    /// draining.
+    /// draining; asks of 1-2 vCPUs on nodes of 2-8 vCPUs per GiB, and of up to 1.25× the
+    /// measured memory.
     fn random_cluster(rng: &mut Rng, nodes: usize) -> Snapshot {
         let now = 100_000_000;
         let hot = rng.range(1, (nodes as u64 / 2).max(1));
@@ -1126,6 +1232,7 @@ mod tests {
                     lifecycle_owned: rng.chance(0.03),
                     last_moved_ms: None,
                     movable: !rng.chance(0.04),
+                    requested: Capacity::default(),
                 };
                 if rng.chance(0.05) {
                     c.last_moved_ms = Some(now - 1_000);
@@ -1144,6 +1251,8 @@ mod tests {
                 draining,
                 capacity_bytes: capacity,
                 available_bytes: capacity - used,
+                vcpus: 0,
+                allocated: Allocation::default(),
             });
         }
         // Hot nodes anywhere in the list, not only first.
@@ -1151,11 +1260,14 @@ mod tests {
             let j = rng.range(0, i as u64) as usize;
             out.swap(i, j);
         }
-        Snapshot {
+        let mut snap = Snapshot {
             nodes: out,
             sandboxes,
             now_ms: now,
-        }
+        };
+        let per_gib = rng.range(2, 8) as f64;
+        allocate(&mut snap, rng, 2, 1.25, per_gib);
+        snap
     }
 
     #[test]
@@ -1254,6 +1366,74 @@ mod tests {
         check(&snap, &Tuning::default(), &plan);
         assert!(plan.blocked.contains_key(&Skip::NoFit), "{plan:?}");
         assert!(plan.skips.contains_key(&Skip::NoFit), "{plan:?}");
+    }
+
+    /// Placement counts what sandboxes ask for; the planner plans with placement's rule. A
+    /// target that measures plenty of room but whose allocation is full (memory or CPU) is not
+    /// chosen: the move goes to a node that can allocate it, and with none the hot node is
+    /// blocked as `NoFit`, never planned onto a target placement would refuse.
+    #[test]
+    fn targets_are_chosen_by_placements_allocation_rule_too() {
+        let ask = |vcpus, gib| Capacity {
+            vcpus,
+            memory_bytes: gib * GIB,
+        };
+        let allocated = |vcpus, gib: u64| Allocation {
+            vcpus,
+            memory_bytes: (gib * GIB) as i64,
+        };
+        let hot_sandboxes = || -> Vec<Candidate> {
+            (0..6)
+                .map(|i| {
+                    let mut c = sandbox(&format!("s{i}"), "hot", 6);
+                    c.requested = ask(2, 8);
+                    c
+                })
+                .collect()
+        };
+        // "roomy" measures 60 GiB free, but its sandboxes asked for 60 of its 64 GiB.
+        let mut hot = node("hot", 64, 28);
+        hot.allocated = allocated(12, 48);
+        let mut roomy = node("roomy", 64, 60);
+        roomy.allocated = allocated(4, 60);
+        let mut spare = node("spare", 64, 50);
+        spare.allocated = allocated(4, 14);
+        let snap = Snapshot {
+            nodes: vec![hot.clone(), roomy.clone(), spare],
+            sandboxes: hot_sandboxes(),
+            now_ms: 0,
+        };
+        let p = plan(&snap, &Tuning::default());
+        check(&snap, &Tuning::default(), &p);
+        assert!(!p.moves.is_empty(), "{p:?}");
+        assert!(p.moves.iter().all(|m| m.to == "spare"), "{:?}", p.moves);
+
+        // Only CPU is short: 8 vCPUs at R=4 hold 32, and 31 are allocated.
+        let mut busy = node("busy", 64, 60);
+        busy.vcpus = 8;
+        busy.allocated = allocated(31, 4);
+        let snap = Snapshot {
+            nodes: vec![hot, busy, roomy],
+            sandboxes: hot_sandboxes(),
+            now_ms: 0,
+        };
+        let p = plan(&snap, &Tuning::default());
+        check(&snap, &Tuning::default(), &p);
+        assert!(p.moves.is_empty(), "{p:?}");
+        assert_eq!(p.result, ScanResult::NoImprovingMove);
+        assert!(p.blocked.contains_key(&Skip::NoFit), "{p:?}");
+        // The exhaustive search, which the planner falls back on here, obeys the rule as well.
+        assert_eq!(
+            crate::optimum::optimum(&snap, &Tuning::default()),
+            crate::optimum::Optimum::Unreachable
+        );
+        // A drain follows the same rule.
+        let mut snap = snap;
+        snap.nodes[0].ready = false;
+        snap.nodes[0].draining = true;
+        let p = plan_drain(&snap, &Tuning::default());
+        assert!(p.moves.is_empty(), "{p:?}");
+        assert_eq!(p.result, ScanResult::NoFitForDrain);
     }
 
     #[test]
@@ -1476,7 +1656,7 @@ mod tests {
                 continue;
             }
             reached += 1;
-            let field = Field::new(&snap, None);
+            let field = Field::new(&snap, None, tuning.cpu_overcommit);
             let smallest = field.capacity.iter().copied().min().unwrap_or(1);
             if field.largest as f64 <= tuning.target * smallest as f64 {
                 tight += 1;
@@ -1495,7 +1675,9 @@ mod tests {
     }
 
     /// A cluster of at most 6 nodes and 12 movable sandboxes (and a few that may not move),
-    /// some nodes draining or not ready, coarse sizes so that the band is hard to hit.
+    /// some nodes draining or not ready, coarse sizes so that the band is hard to hit, and
+    /// asks of 1-2 vCPUs on nodes of 1-4 vCPUs per 8 GiB, so that CPU often decides where a
+    /// sandbox may go.
     fn small_cluster(rng: &mut Rng) -> Snapshot {
         let nodes = rng.range(2, 6) as usize;
         let capacity: Vec<u64> = (0..nodes)
@@ -1539,11 +1721,14 @@ mod tests {
                 n
             })
             .collect();
-        Snapshot {
+        let mut snap = Snapshot {
             nodes,
             sandboxes,
             now_ms: 10_000,
-        }
+        };
+        let per_gib = rng.range(1, 4) as f64 / 8.0;
+        allocate(&mut snap, rng, 2, 1.25, per_gib);
+        snap
     }
 
     #[test]
@@ -1680,6 +1865,11 @@ mod tests {
                     draining: false,
                     capacity_bytes: 64 * GIB,
                     available_bytes: (64 * GIB).saturating_sub(used[i]),
+                    vcpus: 64,
+                    allocated: Allocation {
+                        vcpus: placed.iter().filter(|(n, _)| *n == i).count() as i64,
+                        memory_bytes: used[i] as i64,
+                    },
                 })
                 .collect(),
             sandboxes: placed
@@ -1692,6 +1882,10 @@ mod tests {
                     lifecycle_owned: false,
                     last_moved_ms: moved.get(i).copied().flatten(),
                     movable: true,
+                    requested: Capacity {
+                        vcpus: 1,
+                        memory_bytes: *m,
+                    },
                 })
                 .collect(),
             now_ms,

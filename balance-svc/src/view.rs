@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use common::docs::{NodeDoc, NodeState, SandboxDoc, SandboxPhase};
+use common::docs::{Capacity, NodeDoc, NodeState, SandboxDoc, SandboxPhase};
+use common::fit::Allocation;
 
 use crate::plan::{Candidate, NodeMemory, Snapshot};
 use crate::record::{ControlDoc, MoveRecord, Step};
@@ -43,6 +44,11 @@ pub fn snapshot(
                 draining,
                 capacity_bytes: n.capacity.memory_bytes,
                 available_bytes: n.memory_available_bytes,
+                vcpus: n.capacity.vcpus,
+                allocated: Allocation {
+                    vcpus: i64::from(n.allocated.vcpus),
+                    memory_bytes: i64::try_from(n.allocated.memory_bytes).unwrap_or(i64::MAX),
+                },
             }
         })
         .collect();
@@ -61,6 +67,10 @@ pub fn snapshot(
                 lifecycle_owned: m.lifecycle_owner.is_some(),
                 last_moved_ms: m.last_moved_unix_ms,
                 movable: m.phase == SandboxPhase::Running,
+                requested: Capacity {
+                    vcpus: m.vcpus.max(1),
+                    memory_bytes: m.memory_bytes,
+                },
             }
         })
         .collect();

@@ -480,3 +480,52 @@ async fn a_dead_executors_sandbox_runs_again_within_5_s() {
     cluster.assert_runs_once("orphaned", 1).await;
     cluster.stop().await;
 }
+
+/// A move's target passes placement's own rules before anything is touched: placement
+/// refuses a draining target (as it would a create), and the move rolls back untouched,
+/// saying why. An accepted target is reserved there as a create would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn placement_checks_and_reserves_a_moves_target() {
+    use proto::placement::v1 as ppb;
+    use proto::placement::v1::placement_client::PlacementClient;
+    let cluster = cluster(&[4096, 4096]).await;
+    cluster.sandbox(0, "refused", "sleep 600").await;
+    let mut placement = PlacementClient::connect(cluster.stack.placement_endpoint())
+        .await
+        .unwrap();
+    placement
+        .set_node_state(ppb::SetNodeStateRequest {
+            node_id: cluster.node_id(1),
+            state: ppb::NodeState::Draining as i32,
+        })
+        .await
+        .unwrap();
+    cluster.plan_one("0000000000000-refused", "refused", 0, 1).await;
+    let balance = cluster.balance(None).await;
+    let plan = cluster.finished_plan("0000000000000-refused").await;
+    balance.stop().await;
+    assert_eq!(plan.moves[0].step, Step::RolledBack, "{plan:?}");
+    let error = plan.moves[0].error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("placement refused the target") && error.contains("draining"),
+        "{error}"
+    );
+    assert_eq!(plan.moves[0].epoch, 0, "nothing was touched");
+    cluster.assert_runs_once("refused", 0).await;
+
+    // Ready again: the next move reserves there, and runs.
+    placement
+        .set_node_state(ppb::SetNodeStateRequest {
+            node_id: cluster.node_id(1),
+            state: ppb::NodeState::Ready as i32,
+        })
+        .await
+        .unwrap();
+    cluster.plan_one("0000000000001-accepted", "refused", 0, 1).await;
+    let balance = cluster.balance(None).await;
+    let plan = cluster.finished_plan("0000000000001-accepted").await;
+    balance.stop().await;
+    assert_eq!(plan.moves[0].step, Step::Done, "{plan:?}");
+    cluster.assert_runs_once("refused", 1).await;
+    cluster.stop().await;
+}

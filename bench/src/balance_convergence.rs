@@ -12,6 +12,8 @@ use std::time::Instant;
 
 use balance_svc::optimum::{self, Optimum};
 use balance_svc::plan::{self, Candidate, NodeMemory, ScanResult, Snapshot, Status, Tuning};
+use common::docs::Capacity;
+use common::fit::Allocation;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -63,10 +65,24 @@ const MAX_CYCLES: usize = 10;
 /// Each sandbox's node, memory and when it last moved, by ID.
 type Placement = HashMap<String, (usize, u64, Option<u64>)>;
 
+/// vCPUs of every simulated node: with one vCPU asked per sandbox and placement's over-commit,
+/// CPU never binds here, so the figures are about memory.
+const NODE_VCPUS: u32 = 64;
+
+/// A simulated sandbox asks for one vCPU and the memory it uses.
+fn ask(memory: u64) -> Capacity {
+    Capacity {
+        vcpus: 1,
+        memory_bytes: memory,
+    }
+}
+
 fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
     let mut used = vec![0u64; capacity.len()];
+    let mut allocated = vec![Allocation::default(); capacity.len()];
     for (node, memory, _) in placement.values() {
         used[*node] += memory;
+        allocated[*node].add(&ask(*memory));
     }
     Snapshot {
         nodes: capacity
@@ -78,6 +94,8 @@ fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
                 draining: false,
                 capacity_bytes: *cap,
                 available_bytes: cap.saturating_sub(used[i]),
+                vcpus: NODE_VCPUS,
+                allocated: allocated[i],
             })
             .collect(),
         sandboxes: placement
@@ -89,6 +107,7 @@ fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
                 lifecycle_owned: false,
                 last_moved_ms: *moved,
                 movable: true,
+                requested: ask(*memory),
             })
             .collect(),
         now_ms,
@@ -471,6 +490,7 @@ fn small_clusters(count: usize, seed: u64) -> Small {
         let nodes = rng.random_range(2..=optimum::MAX_NODES);
         let capacity: Vec<u64> = (0..nodes).map(|_| [8, 16, 32][rng.random_range(0..3)] * GIB).collect();
         let mut used: Vec<u64> = capacity.iter().map(|c| c / 20).collect();
+        let mut allocated_cpus = vec![0u64; nodes];
         let mut sandboxes = Vec::new();
         let hot = rng.random_range(0..nodes);
         let movable = rng.random_range(2..=optimum::MAX_MOVABLE);
@@ -485,6 +505,7 @@ fn small_clusters(count: usize, seed: u64) -> Small {
                 continue;
             }
             used[node] += bytes;
+            allocated_cpus[node] += 1;
             sandboxes.push(Candidate {
                 sandbox_id: format!("s{j}"),
                 node_id: format!("n{node}"),
@@ -492,6 +513,7 @@ fn small_clusters(count: usize, seed: u64) -> Small {
                 lifecycle_owned: false,
                 last_moved_ms: None,
                 movable: j < movable,
+                requested: ask(bytes),
             });
         }
         let snap = Snapshot {
@@ -502,6 +524,11 @@ fn small_clusters(count: usize, seed: u64) -> Small {
                     draining: false,
                     capacity_bytes: capacity[i],
                     available_bytes: capacity[i] - used[i],
+                    vcpus: NODE_VCPUS,
+                    allocated: Allocation {
+                        vcpus: i64::try_from(allocated_cpus[i]).unwrap_or(i64::MAX),
+                        memory_bytes: i64::try_from(used[i]).unwrap_or(i64::MAX),
+                    },
                 })
                 .collect(),
             sandboxes,

@@ -8,6 +8,7 @@
 pub mod clock;
 pub mod config;
 pub mod docs;
+pub mod fit;
 pub mod metrics;
 pub mod net;
 pub mod resources;

@@ -37,7 +37,7 @@ struct Args {
     #[arg(long, env = "PLACEMENT_K", default_value_t = 3)]
     k: usize,
     /// CPU over-commit ratio R.
-    #[arg(long, env = "PLACEMENT_CPU_OVERCOMMIT", default_value_t = 4.0)]
+    #[arg(long, env = "PLACEMENT_CPU_OVERCOMMIT", default_value_t = common::fit::DEFAULT_CPU_OVERCOMMIT)]
     cpu_overcommit: f64,
     /// Weight of measured CPU usage in the CPU term.
     #[arg(long, env = "PLACEMENT_ALPHA", default_value_t = 0.5)]

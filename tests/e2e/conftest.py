@@ -80,12 +80,14 @@ def stack():
 
 @pytest.fixture(scope="module")
 def balanced_stack():
-    """Three small nodes (1 GiB each, so a few hundred MB of real use is a clear skew) with
-    balance-svc observing every second; its log is where observations and plans show."""
+    """Three small nodes (2 GiB each, so a few hundred MB of real use is a clear skew, and four
+    sandboxes of 512 MiB fit one node: placement, which counts what sandboxes ask for, leaves
+    room on every node for a moved one) with balance-svc observing every second; its log is
+    where observations and plans show."""
     proc, data, log, exports = _start(
         3,
         "info",
-        SANDBOXSCHED_NODE_MEMORY_MB="1024",
+        SANDBOXSCHED_NODE_MEMORY_MB="2048",
         SANDBOXSCHED_BALANCE_INTERVAL_MS="1000",
     )
     saved = {k: os.environ.get(k) for k in exports}

@@ -13,10 +13,10 @@ from collections import Counter
 
 from e2b import Sandbox
 
-# Each hog is below threshold x capacity (90 MB of 1 GiB): moving one can only ever lower the
+# Each hog is below threshold x capacity (150 MB of 2 GiB): moving one can only ever lower the
 # spread. A single sandbox larger than that is (rightly) never moved: under the planner's model,
 # where a sandbox's memory travels with it, swapping it between nodes cannot improve anything.
-HOG = "python3 -c \"import time; b = b'x' * (90 << 20); time.sleep(900)\""
+HOG = "python3 -c \"import time; b = b'x' * (150 << 20); time.sleep(900)\""
 
 
 def _nodes_of_sandboxes(exports):

@@ -248,6 +248,7 @@ impl Mover {
                 next.finished_at_unix_ms = Some(now_ms());
             }
             Step::RollingBack => {
+                self.release_target(record).await;
                 if record.epoch > 0 {
                     next.epoch = self.roll_back(record).await?;
                 } else {

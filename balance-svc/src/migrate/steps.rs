@@ -43,7 +43,58 @@ impl Mover {
             }
             None => {}
         }
+        self.reserve_target(record, &doc.value).await?;
         self.take_epoch(record, doc).await
+    }
+
+    /// Asks placement to hold the sandbox's resources on the target, under the same rules as
+    /// any create there (ready, not draining, CPU with over-commit, memory, creates in
+    /// flight): creates and moves then cannot overfill a node together. The reservation lasts
+    /// until the target's heartbeat lists the sandbox, or the move releases it when it rolls
+    /// back or is abandoned. Without placement (tests, benchmarks) nothing is reserved.
+    ///
+    /// It reserves what the sandbox asked for (its manifest), not what it measures: placement
+    /// counts asks, and the target's heartbeat, once it lists the sandbox, counts its ask too.
+    /// The planner chose the target under the same rule ([`common::fit`]), so a refusal here
+    /// means something changed in between (a burst of creates, a drain, a missed heartbeat).
+    async fn reserve_target(&self, record: &MoveRecord, doc: &SandboxDoc) -> Result<(), MoveError> {
+        let Some(placement) = &self.placement else {
+            return Ok(());
+        };
+        let request = pl::PlaceRequest {
+            sandbox_id: record.sandbox_id.clone(),
+            resources: Some(pl::Resources {
+                vcpus: doc.vcpus.max(1),
+                memory_bytes: doc.memory_bytes.max(1),
+            }),
+            only_node: record.to_node.clone(),
+            ..Default::default()
+        };
+        match placement.clone().place(request).await {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == Code::ResourceExhausted => Err(MoveError::Failed(format!(
+                "placement refused the target: {}",
+                status.message()
+            ))),
+            Err(status) => Err(from_status("placement reserve", status)),
+        }
+    }
+
+    /// Gives the target's reservation back (a rollback or an abandon); placement forgets it by
+    /// itself later if this call is lost.
+    pub(super) async fn release_target(&self, record: &MoveRecord) {
+        let Some(placement) = &self.placement else { return };
+        let released = placement
+            .clone()
+            .release(pl::SandboxRef {
+                sandbox_id: record.sandbox_id.clone(),
+                node_id: record.to_node.clone(),
+                resources: None,
+            })
+            .await;
+        if let Err(status) = released {
+            tracing::debug!(sandbox_id = %record.sandbox_id, %status, "placement did not hear the reservation released; it expires");
+        }
     }
 
     /// Owner := this move, epoch + 1, guarded by the manifest's version.
@@ -267,7 +318,8 @@ impl Mover {
     /// The user killed the sandbox mid-move: remove whatever copy this move made or paused.
     pub(super) async fn abandon(&self, mut record: MoveRecord) -> Result<MoveRecord, MoveError> {
         tracing::warn!(sandbox_id = %record.sandbox_id, "sandbox deleted while moving; removing its copies");
-        // Never owned: the move touched nothing.
+        self.release_target(&record).await;
+        // Never owned: the move touched nothing but the reservation.
         let copies = if record.epoch == 0 { 0 } else { 2 };
         for (address, action) in [
             (&record.to_address, NodeAction::AbandonKillTarget),
@@ -288,9 +340,21 @@ impl Mover {
         Ok(record)
     }
 
-    /// Placement subtracts the source's share until a heartbeat stops listing it.
+    /// Placement confirms the target's reservation (the sandbox runs there; its heartbeat
+    /// will list it) and subtracts the source's share until a heartbeat stops listing it.
     pub(super) async fn tell_placement(&self, record: &MoveRecord) {
         let Some(placement) = &self.placement else { return };
+        let confirmed = placement
+            .clone()
+            .created(pl::SandboxRef {
+                sandbox_id: record.sandbox_id.clone(),
+                node_id: record.to_node.clone(),
+                resources: None,
+            })
+            .await;
+        if let Err(status) = confirmed {
+            tracing::debug!(sandbox_id = %record.sandbox_id, %status, "placement did not hear of the arrival; a heartbeat corrects it");
+        }
         let removed = placement
             .clone()
             .removed(pl::SandboxRef {

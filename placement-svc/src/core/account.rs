@@ -22,6 +22,15 @@ pub struct Resources {
     pub memory_bytes: u64,
 }
 
+impl From<Resources> for common::docs::Capacity {
+    fn from(r: Resources) -> Self {
+        common::docs::Capacity {
+            vcpus: r.vcpus,
+            memory_bytes: r.memory_bytes,
+        }
+    }
+}
+
 /// Signed totals: optimistic accounting can transiently go below zero.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Totals {

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use common::fit;
 use rand::Rng;
 
 use super::account::{AdminState, NodeView, Resources};
@@ -44,7 +45,7 @@ impl Default for RankConfig {
     fn default() -> Self {
         Self {
             k: 3,
-            overcommit: 4.0,
+            overcommit: fit::DEFAULT_CPU_OVERCOMMIT,
             alpha: 0.5,
             cpu_weight: 1.0,
             memory_weight: 1.0,
@@ -104,7 +105,8 @@ impl Feasibility for LabelsMatch {
     }
 }
 
-/// CPU fits with over-commit R; memory fits without over-commit.
+/// CPU fits with over-commit R; memory fits without over-commit: [`common::fit`], the rule the
+/// balancer also plans its moves with.
 pub struct Fits {
     pub overcommit: f64,
 }
@@ -112,23 +114,13 @@ pub struct Fits {
 impl Feasibility for Fits {
     fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<String> {
         let believed = node.believed();
-        let cpu_limit = f64::from(node.capacity.vcpus) * self.overcommit;
-        let cpu_after = believed.vcpus as f64 + f64::from(req.resources.vcpus);
-        if cpu_after > cpu_limit {
-            return Some(format!(
-                "cpu: {cpu_after} vCPU would exceed {cpu_limit} (R={})",
-                self.overcommit
-            ));
-        }
-        let mem_after = believed.memory_bytes as f64 + req.resources.memory_bytes as f64;
-        if mem_after > node.capacity.memory_bytes as f64 {
-            return Some(format!(
-                "memory: {} MiB would exceed {} MiB",
-                (mem_after / 1048576.0) as u64,
-                node.capacity.memory_bytes >> 20
-            ));
-        }
-        None
+        let allocated = fit::Allocation {
+            vcpus: believed.vcpus,
+            memory_bytes: believed.memory_bytes,
+        };
+        fit::check(&node.capacity.into(), allocated, &req.resources.into(), self.overcommit)
+            .err()
+            .map(|misfit| misfit.to_string())
     }
 }
 
