@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use balance_svc::migrate::Halt;
+use balance_svc::migrate::{Budget, Halt};
 use balance_svc::record::Step;
 use balance_svc::server::BalanceConfig;
 use clap::Parser;
@@ -44,9 +44,12 @@ struct Args {
     /// A moved sandbox is not moved again for this long.
     #[arg(long, env = "BALANCE_COOLDOWN_SECS", default_value_t = 300)]
     cooldown_secs: u64,
-    /// Moves at once.
-    #[arg(long, env = "BALANCE_CONCURRENCY", default_value_t = 1)]
+    /// Moves at once, in all.
+    #[arg(long, env = "BALANCE_CONCURRENCY", default_value_t = Budget::DEFAULT.concurrency)]
     concurrency: usize,
+    /// Moves a node takes part in at once, as source or target.
+    #[arg(long, env = "BALANCE_MOVES_PER_NODE", default_value_t = Budget::DEFAULT.per_node)]
+    moves_per_node: usize,
     /// The executor lease's time to live: a replica that dies holding it is replaced after
     /// this long; renewals go out every sixth of it.
     #[arg(long, env = "BALANCE_LEASE_TTL_SECS", default_value_t = 3)]
@@ -93,7 +96,10 @@ async fn main() -> anyhow::Result<()> {
     config.tuning.plan.target = args.target;
     config.tuning.plan.cooldown_ms = args.cooldown_secs * 1000;
     config.tuning.plan.cpu_overcommit = args.cpu_overcommit;
-    config.concurrency = args.concurrency;
+    config.budget = Budget {
+        concurrency: args.concurrency,
+        per_node: args.moves_per_node,
+    };
     config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
     config.tuning.sweep_every = Duration::from_secs(args.sweep_every_secs);
     config.tuning.orphan_grace = Duration::from_secs(args.orphan_grace_secs);

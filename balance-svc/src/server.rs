@@ -16,7 +16,7 @@ use tonic::transport::Endpoint;
 use crate::api::BalanceApi;
 use crate::balancer::{BalanceTuning, Balancer};
 use crate::lease::Lease;
-use crate::migrate::{Halt, MoveError, Mover};
+use crate::migrate::{Budget, Halt, MoveError, Mover};
 
 /// The executor lease's default time to live. A replica that dies holding it is replaced
 /// after this long (then its moves resume or roll back); renewals go out every sixth of it.
@@ -30,8 +30,8 @@ pub struct BalanceConfig {
     /// placement-svc, told about drains and moved sandboxes (optional).
     pub placement_endpoint: Option<String>,
     pub tuning: BalanceTuning,
-    /// Moves at once.
-    pub concurrency: usize,
+    /// Moves at once, in all and per node.
+    pub budget: Budget,
     pub lease_ttl: Duration,
     /// This replica's name in the lease (default: a fresh UUID).
     pub holder: Option<String>,
@@ -46,7 +46,7 @@ impl BalanceConfig {
             ledger_endpoint,
             placement_endpoint: None,
             tuning: BalanceTuning::default(),
-            concurrency: 1,
+            budget: Budget::DEFAULT,
             lease_ttl: DEFAULT_LEASE_TTL,
             holder: None,
             halt: None,
@@ -64,8 +64,8 @@ impl BalanceConfig {
                 p.threshold, p.target
             ));
         }
-        if self.concurrency == 0 {
-            return Err("concurrency must be at least 1".into());
+        if self.budget.concurrency == 0 || self.budget.per_node == 0 {
+            return Err("concurrency and moves per node must be at least 1".into());
         }
         if self.tuning.interval.is_zero() {
             return Err("interval must be positive".into());
@@ -150,7 +150,7 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
         .clone()
         .unwrap_or_else(|| format!("balance-{}", uuid::Uuid::new_v4().simple()));
     let lease = Lease::new(ledger.clone(), holder, config.lease_ttl);
-    let mover = Mover::new(ledger.clone(), placement.clone(), config.concurrency)
+    let mover = Mover::new(ledger.clone(), placement.clone(), config.budget)
         .with_halt(config.halt)
         .with_lease(lease.clone());
     let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));

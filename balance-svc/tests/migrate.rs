@@ -188,7 +188,7 @@ async fn plan_commits_land_while_node_documents_change_every_100ms() {
         let balancer = balance_svc::balancer::Balancer::new(
             cluster.client.clone(),
             balance_svc::lease::Lease::new(cluster.client.clone(), "t".into(), Duration::from_secs(5)),
-            balance_svc::migrate::Mover::new(cluster.client.clone(), None, 1),
+            balance_svc::migrate::Mover::new(cluster.client.clone(), None, balance_svc::migrate::Budget::SERIAL),
             Default::default(),
         );
         balancer

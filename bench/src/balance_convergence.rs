@@ -1,6 +1,12 @@
 //! `bench balance-convergence`: the planner on a simulated cluster (100 nodes, 10,000
-//! sandboxes, seeded) with an injected skew. Each cycle observes, plans and applies the plan
-//! (moves land at once in the simulation), until the observation says Satisfied.
+//! sandboxes, seeded) with an injected skew. Each cycle observes, plans and applies the plan,
+//! until the observation says Satisfied.
+//!
+//! Time is simulated too: each plan's moves run as the executor's [`schedule::Schedule`] lets them (at
+//! most `--concurrency` at once, each node in at most `--moves-per-node`), each taking
+//! `--move-ms` (what `bench migration` measures for a whole move); the next observation comes
+//! an interval after the plan finishes. `time_to_threshold_s` is when the spread first drops
+//! under the threshold as moves land.
 //!
 //! `--scenario grid` runs that for every cluster size, hot-node count and seed given (by
 //! default 100 × 10k and 1,000 × 100k; 5, 20, 50 and 200 hot nodes, skipping counts above half
@@ -10,6 +16,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use balance_svc::migrate::schedule::{self, Budget};
 use balance_svc::optimum::{self, Optimum};
 use balance_svc::plan::{self, Candidate, NodeMemory, ScanResult, Snapshot, Status, Tuning};
 use common::docs::Capacity;
@@ -47,7 +54,29 @@ pub struct Args {
     /// Grid: random small clusters planned and solved exactly.
     #[arg(long, default_value_t = 400)]
     small: usize,
+    /// Milliseconds one move takes, start to source deleted (`bench migration`'s `move_ms`).
+    #[arg(long, default_value_t = MOVE_MS)]
+    move_ms: f64,
+    /// Moves at once (balance-svc's `--concurrency`).
+    #[arg(long, default_value_t = Budget::DEFAULT.concurrency)]
+    concurrency: usize,
+    /// Moves a node takes part in at once (balance-svc's `--moves-per-node`).
+    #[arg(long, default_value_t = Budget::DEFAULT.per_node)]
+    moves_per_node: usize,
 }
+
+impl Args {
+    fn budget(&self) -> Budget {
+        Budget {
+            concurrency: self.concurrency,
+            per_node: self.moves_per_node,
+        }
+    }
+}
+
+/// A whole move as `bench migration` measured it (`move_ms`: 394 ms with 100 MB of files,
+/// release build, on the development machine), rounded up: the simulation's default.
+const MOVE_MS: f64 = 400.0;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -57,7 +86,7 @@ enum Mode {
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-/// Seconds between observations (the balancer's interval).
+/// Milliseconds between observations (the balancer's interval).
 const CYCLE_MS: u64 = 5_000;
 /// Cycles simulated before giving up.
 const MAX_CYCLES: usize = 10;
@@ -171,6 +200,11 @@ struct Outcome {
     /// Nodes some plan filled beyond their capacity (must be 0).
     overfilled: usize,
     results: Vec<String>,
+    /// Simulated seconds from the first observation until the spread was first under the
+    /// threshold; `None` if it never was.
+    time_to_threshold_s: Option<f64>,
+    /// Simulated seconds until the last plan's last move finished.
+    execution_s: f64,
 }
 
 impl Outcome {
@@ -185,7 +219,24 @@ impl Outcome {
     }
 }
 
-fn simulate(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> anyhow::Result<Outcome> {
+/// Max - min available ratio of nodes with `capacity` and `used` bytes.
+fn spread_of(capacity: &[u64], used: &[u64]) -> f64 {
+    let ratios = capacity
+        .iter()
+        .zip(used)
+        .map(|(c, u)| c.saturating_sub(*u) as f64 / (*c).max(1) as f64);
+    let (lo, hi) = ratios.fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(r), hi.max(r)));
+    hi - lo
+}
+
+/// How long the timed part of a run takes.
+#[derive(Clone, Copy)]
+struct Timing {
+    budget: Budget,
+    move_ms: f64,
+}
+
+fn simulate(nodes: usize, sandboxes: usize, hot: usize, seed: u64, timing: Timing) -> anyhow::Result<Outcome> {
     let (capacity, mut placement) = cluster(nodes, sandboxes, hot, seed);
     let tuning = Tuning::default();
     let first = snapshot(&capacity, &placement, 0);
@@ -206,6 +257,17 @@ fn simulate(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> anyhow::Re
     let mut cycles = None;
     let mut overfilled = 0;
     let mut results = Vec::new();
+    // Simulated time: when this cycle observes, and when the spread was under the threshold.
+    let mut clock_ms = 0.0;
+    let mut threshold_at: Option<f64> = None;
+    let mut execution_ms = 0.0;
+    let mut used = vec![0u64; capacity.len()];
+    for (node, memory, _) in placement.values() {
+        used[*node] += memory;
+    }
+    if spread_of(&capacity, &used) <= tuning.threshold {
+        threshold_at = Some(0.0);
+    }
     for cycle in 1..=MAX_CYCLES {
         let snap = snapshot(&capacity, &placement, now);
         let (status, _) = plan::observe(&snap, &tuning, false);
@@ -226,18 +288,34 @@ fn simulate(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> anyhow::Re
         if p.result != ScanResult::PlanFound {
             break;
         }
-        for m in &p.moves {
+        // The moves land as the executor's schedule would finish them.
+        let ends: Vec<(usize, String, String)> = p
+            .moves
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (i, m.from.clone(), m.to.clone()))
+            .collect();
+        let started_ms = clock_ms + took;
+        let mut finished_ms = started_ms;
+        for (i, at) in schedule::simulate(timing.budget, &ends, timing.move_ms) {
+            let m = &p.moves[i];
+            let from: usize = m.from.trim_start_matches("node-").parse()?;
             let to: usize = m.to.trim_start_matches("node-").parse()?;
             if let Some(entry) = placement.get_mut(&m.sandbox_id) {
                 *entry = (to, entry.1, Some(now));
             }
+            used[from] -= m.memory_bytes;
+            used[to] += m.memory_bytes;
+            overfilled += usize::from(used[to] > capacity[to]);
+            finished_ms = started_ms + at;
+            if threshold_at.is_none() && spread_of(&capacity, &used) <= tuning.threshold {
+                threshold_at = Some(finished_ms);
+            }
         }
-        let mut used = vec![0u64; capacity.len()];
-        for (node, memory, _) in placement.values() {
-            used[*node] += memory;
-        }
-        overfilled += used.iter().zip(&capacity).filter(|(u, c)| u > c).count();
+        execution_ms = finished_ms;
         moves += p.moves.len();
+        // The next observation: an interval after the plan finished.
+        clock_ms = finished_ms + CYCLE_MS as f64;
         now += CYCLE_MS;
     }
     let last = snapshot(&capacity, &placement, now);
@@ -258,6 +336,8 @@ fn simulate(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> anyhow::Re
         lost: sandboxes.saturating_sub(placement.len()),
         overfilled,
         results,
+        time_to_threshold_s: threshold_at.map(|ms| ms / 1000.0),
+        execution_s: execution_ms / 1000.0,
     })
 }
 
@@ -274,7 +354,11 @@ pub fn run(args: Args) -> anyhow::Result<Report> {
 }
 
 fn single(args: &Args) -> anyhow::Result<Report> {
-    let o = simulate(args.nodes, args.sandboxes, args.hot, args.seed)?;
+    let timing = Timing {
+        budget: args.budget(),
+        move_ms: args.move_ms,
+    };
+    let o = simulate(args.nodes, args.sandboxes, args.hot, args.seed, timing)?;
     let mut report = Report::new(format!(
         "balance-convergence: {} nodes, {} sandboxes, {} hot nodes, seed {}",
         args.nodes, args.sandboxes, args.hot, args.seed
@@ -299,11 +383,32 @@ fn single(args: &Args) -> anyhow::Result<Report> {
         .figure("max_plan_ms", round(o.max_plan_ms, 2), "ms for the slowest plan")
         .figure("lost_sandboxes", o.lost as u64, "")
         .figure("overfilled_nodes", o.overfilled as u64, "")
-        .figure("scan_results", o.results.join(","), "");
+        .figure("scan_results", o.results.join(","), "")
+        .figure(
+            "time_to_threshold_s",
+            round(o.time_to_threshold_s.unwrap_or(-1.0), 1),
+            "simulated s until under the threshold (-1: never)",
+        )
+        .figure(
+            "execution_s",
+            round(o.execution_s, 1),
+            "simulated s until the last move ended",
+        )
+        .figure("concurrency", args.concurrency as u64, "moves at once")
+        .figure(
+            "moves_per_node",
+            args.moves_per_node as u64,
+            "moves a node is in at once",
+        )
+        .figure("move_ms", args.move_ms, "simulated ms per move");
     Ok(report)
 }
 
 fn grid(args: &Args) -> anyhow::Result<Report> {
+    let timing = Timing {
+        budget: args.budget(),
+        move_ms: args.move_ms,
+    };
     let mut outcomes = Vec::new();
     for size in &args.sizes {
         let (nodes, sandboxes) = size
@@ -312,11 +417,43 @@ fn grid(args: &Args) -> anyhow::Result<Report> {
             .ok_or_else(|| anyhow::anyhow!("--sizes wants NODESxSANDBOXES, got {size}"))?;
         for &hot in args.hots.iter().filter(|&&h| h <= nodes / 2) {
             for &seed in &args.seeds {
-                outcomes.push(simulate(nodes, sandboxes, hot, seed)?);
+                outcomes.push(simulate(nodes, sandboxes, hot, seed, timing)?);
             }
         }
     }
     let small = small_clusters(args.small, args.seed);
+    // The execution case: 1,000 nodes, 50 hot (a 5 % skew), worst over the seeds, and
+    // how the time to the threshold falls with the executor's concurrency (first seed only).
+    let five_percent: Vec<&Outcome> = outcomes.iter().filter(|o| o.nodes == 1_000 && o.hot == 50).collect();
+    let time_5pct = five_percent
+        .iter()
+        .map(|o| o.time_to_threshold_s.unwrap_or(f64::INFINITY))
+        .fold(None, |worst: Option<f64>, t| Some(worst.map_or(t, |w| w.max(t))));
+    let mut sweep = Vec::new();
+    if let Some(o) = five_percent.first() {
+        for concurrency in [1, 2, 4, 8, 16, 32, 64] {
+            let budget = Budget {
+                concurrency,
+                per_node: args.moves_per_node,
+            };
+            let run = simulate(
+                o.nodes,
+                o.sandboxes,
+                o.hot,
+                o.seed,
+                Timing {
+                    budget,
+                    move_ms: args.move_ms,
+                },
+            )?;
+            sweep.push(json!({
+                "concurrency": concurrency,
+                "moves_per_node": args.moves_per_node,
+                "time_to_threshold_s": run.time_to_threshold_s.map(|s| round(s, 1)),
+                "execution_s": round(run.execution_s, 1),
+            }));
+        }
+    }
 
     let mut report = Report::new(format!(
         "balance-convergence grid: {} runs, {} small clusters against the optimum",
@@ -373,6 +510,8 @@ fn grid(args: &Args) -> anyhow::Result<Report> {
             "overfilled_nodes": o.overfilled,
             "lost_sandboxes": o.lost,
             "scan_results": o.results.join(","),
+            "time_to_threshold_s": o.time_to_threshold_s.map(|s| round(s, 1)),
+            "execution_s": round(o.execution_s, 1),
         }));
     }
     let worst = |f: &dyn Fn(&Outcome) -> f64| outcomes.iter().map(f).fold(0.0, f64::max);
@@ -418,6 +557,18 @@ fn grid(args: &Args) -> anyhow::Result<Report> {
             outcomes.iter().map(|o| o.lost).sum::<usize>() as u64,
             "",
         )
+        .figure(
+            "time_to_threshold_s",
+            round(time_5pct.filter(|t| t.is_finite()).unwrap_or(-1.0), 1),
+            "simulated s, 1,000 nodes 50 hot, worst seed (-1: never or not run)",
+        )
+        .figure("concurrency", args.concurrency as u64, "moves at once")
+        .figure(
+            "moves_per_node",
+            args.moves_per_node as u64,
+            "moves a node is in at once",
+        )
+        .figure("move_ms", args.move_ms, "simulated ms per move")
         .figure("small_clusters_solved", small.solved as u64, "optimum computed")
         .figure(
             "small_clusters_reachable",
@@ -450,7 +601,7 @@ fn grid(args: &Args) -> anyhow::Result<Report> {
             round(small.mean_levelled, 3),
             "× the optimum, plans not searched",
         )
-        .merge(json!({ "rows": rows }));
+        .merge(json!({ "rows": rows, "concurrency_sweep": sweep }));
     Ok(report)
 }
 

@@ -53,7 +53,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
     }
 
-    let mover = Mover::new(client.clone(), None, 1);
+    let mover = Mover::new(client.clone(), None, balance_svc::migrate::Budget::SERIAL);
     let (mut downtime, mut total, mut rate) = (Vec::new(), Vec::new(), Vec::new());
     for n in 0..args.moves {
         let (from, to) = if n.is_multiple_of(2) { (0, 1) } else { (1, 0) };

@@ -242,7 +242,7 @@ async fn finish(
         if plan.value.moves[0].step.is_final() {
             return Ok(plan.value.moves[0].clone());
         }
-        let mover = Mover::new(ledger.clone(), None, 1).with_halt(halt.take());
+        let mover = Mover::new(ledger.clone(), None, balance_svc::migrate::Budget::SERIAL).with_halt(halt.take());
         // A stop (a death, or a step left for the next cycle) is picked up by a fresh one.
         if mover.execute(plan).await.is_err() {
             tokio::time::sleep(Duration::from_millis(50)).await;

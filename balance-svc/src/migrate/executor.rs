@@ -1,5 +1,5 @@
 //! Drives a plan's moves: each move's steps in order, each recorded in the plan document
-//! before the next, several moves at once within the concurrency budget; transient failures
+//! before the next, several moves at once within the [`Budget`] (in all and per node); transient failures
 //! retried with a growing pause, other failures routed by [`super::decide::on_failure`].
 
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::clock::now_ms;
 use common::docs::SandboxDoc;
 use common::trace::TracedChannel;
+use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::placement::v1::placement_client::PlacementClient;
@@ -16,6 +17,7 @@ use tracing::Instrument;
 
 use super::decide::{self, NodeAction, OnFailure, PickUp};
 use super::error::from_ledger;
+use super::schedule::{Budget, Schedule};
 use super::{MoveError, NodeClients};
 use crate::lease::Lease;
 use crate::record::{MoveRecord, PlanDoc, Step, PLAN_KIND};
@@ -39,8 +41,8 @@ pub struct Mover {
     pub(super) ledger: LedgerClient,
     pub(super) nodes: NodeClients,
     pub(super) placement: Option<PlacementClient<TracedChannel>>,
-    /// Moves at once.
-    concurrency: usize,
+    /// Moves at once, in all and per node.
+    budget: Budget,
     halt: Option<Halt>,
     /// Attempts of a step that fails transiently before it counts as failed.
     attempts: u32,
@@ -52,12 +54,12 @@ pub struct Mover {
 }
 
 impl Mover {
-    pub fn new(ledger: LedgerClient, placement: Option<PlacementClient<TracedChannel>>, concurrency: usize) -> Self {
+    pub fn new(ledger: LedgerClient, placement: Option<PlacementClient<TracedChannel>>, budget: Budget) -> Self {
         Self {
             ledger,
             nodes: NodeClients::default(),
             placement,
-            concurrency: concurrency.max(1),
+            budget,
             halt: None,
             attempts: 10,
             lease: None,
@@ -104,17 +106,31 @@ impl Mover {
         let pending: Vec<usize> = (0..plan.value.moves.len())
             .filter(|&i| !plan.value.moves[i].step.is_final())
             .collect();
+        let mut schedule = Schedule::new(
+            self.budget,
+            pending.iter().map(|&i| {
+                let m = &plan.value.moves[i];
+                (i, m.from_node.clone(), m.to_node.clone())
+            }),
+        );
         let shared = Arc::new(Mutex::new(Shared { plan }));
-        let results: Vec<Result<(), MoveError>> = futures::stream::iter(pending)
-            .map(|i| {
+        let mut running = FuturesUnordered::new();
+        let mut results: Vec<Result<(), MoveError>> = Vec::with_capacity(pending.len());
+        loop {
+            for i in schedule.start() {
                 let shared = shared.clone();
                 // Each move is its own trace (linked to its sandbox's creation in run_move).
                 let span = tracing::info_span!(parent: None, "balance.move", plan_id = %plan_id, move_index = i);
-                async move { self.run_move(&shared, i).await }.instrument(span)
-            })
-            .buffer_unordered(self.concurrency)
-            .collect()
-            .await;
+                running.push(async move { (i, self.run_move(&shared, i).await) }.instrument(span));
+            }
+            let Some((i, result)) = running.next().await else { break };
+            schedule.finish(i);
+            if matches!(result, Err(MoveError::Fenced(_) | MoveError::Halted(_))) {
+                // This executor must stop acting: start nothing more, let running moves end.
+                schedule.stop();
+            }
+            results.push(result);
+        }
         // A fence or halt outranks anything else: the caller must stop.
         for result in &results {
             if let Err(err @ (MoveError::Fenced(_) | MoveError::Halted(_))) = result {

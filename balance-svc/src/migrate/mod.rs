@@ -14,7 +14,7 @@
 //!
 //! Layout: [`decide`] is the pure part (what a picked-up move resumes at, where a failure
 //! leads, what each node action means); [`error`] maps node and ledger answers to
-//! [`MoveError`]; [`nodes`] pools node clients; `executor` drives a plan's moves and records
+//! [`MoveError`]; [`nodes`] pools node clients; [`schedule`] says which moves may run at once; `executor` drives a plan's moves and records
 //! each step; `steps` does each step's I/O.
 
 pub mod decide;
@@ -22,8 +22,10 @@ pub mod error;
 mod executor;
 mod model;
 pub mod nodes;
+pub mod schedule;
 mod steps;
 
 pub use error::MoveError;
 pub use executor::{Halt, Mover};
 pub use nodes::NodeClients;
+pub use schedule::Budget;
