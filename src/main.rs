@@ -57,6 +57,15 @@ struct UpArgs {
     /// Address of the E2B REST API and envd proxy.
     #[arg(long, env = "SANDBOXSCHED_GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
     gateway_listen: SocketAddr,
+    /// How sandboxes run: `container` (each an OCI container: its own root filesystem, user,
+    /// PID, mount and network namespaces) or `unisolated` (processes on this host as its root:
+    /// for developing the control plane only).
+    #[arg(long, env = "SANDBOXSCHED_RUNTIME", default_value = "container", value_parser = ["container", "unisolated"])]
+    runtime: String,
+    /// A runc-compatible OCI runtime for `container` (runc, runsc for gVisor, ...); default:
+    /// the built-in one.
+    #[arg(long, env = "SANDBOXSCHED_OCI_RUNTIME")]
+    oci_runtime: Option<std::path::PathBuf>,
     /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
     #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
     node_memory_mb: Option<u64>,
@@ -76,8 +85,17 @@ struct UpArgs {
     api_keys: Vec<String>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
+    // This binary hosts node-svc, so it is also envd inside each sandbox and the container
+    // runtime (`sandboxsched envd ...`, `sandboxsched jail ...`): those run first, alone.
+    if let Some(code) = node_svc::multicall() {
+        return Ok(code);
+    }
+    tokio::runtime::Runtime::new()?.block_on(launch())?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+async fn launch() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("sandboxsched");
     let result = match common::config::parse::<Cli>("sandboxsched").command {
         Command::Up(args) => up(args).await,
@@ -151,7 +169,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             memory_bytes: args.node_memory_mb.map_or(host.memory_bytes / share, |mb| mb << 20),
         };
         let templates_dir = templates_dir.is_dir().then(|| templates_dir.clone());
+        let runtime = match args.runtime.as_str() {
+            "unisolated" => node_svc::server::RuntimeKind::Unisolated { cgroups: true },
+            _ => node_svc::server::RuntimeKind::Container {
+                oci_runtime: args.oci_runtime.clone(),
+            },
+        };
         builder = builder.named_node(format!("node-{i}"), move |c| {
+            c.runtime = runtime;
             c.listen = listen;
             c.envd_listen = envd_listen;
             c.host.capacity = capacity;

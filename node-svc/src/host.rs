@@ -348,6 +348,11 @@ impl Host {
         self.shared.committed(sandbox_id)
     }
 
+    /// The IDs of every sandbox of this node.
+    pub async fn list_ids(&self) -> Vec<String> {
+        self.shared.records().into_iter().map(|r| r.id).collect()
+    }
+
     /// Every sandbox with the memory it uses now.
     pub async fn list(&self) -> Vec<(SandboxRecord, u64)> {
         let records = self.shared.records();
@@ -595,7 +600,7 @@ impl Shared {
                     // Thaw first: commands started through envd live in the sandbox's cgroups
                     // too, whether or not it has a start command.
                     runtime.resume(&record)?;
-                    if record.pgid == 0 && has_command(&record) {
+                    if record.pgid == 0 && has_process(runtime.as_ref(), &record) {
                         // Its start command was not preserved (restored from a snapshot, or
                         // the host restarted while it was paused): start it afresh, files
                         // intact.
@@ -778,7 +783,7 @@ fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, 
         }
         runtime.adopt(&record)?;
         let alive = runtime.alive(&record);
-        match readoption(record.state, alive, has_command(&record)) {
+        match readoption(record.state, alive, has_process(runtime, &record)) {
             Readoption::AsFound => {}
             Readoption::Restart => {
                 record.pgid = runtime.start(&record, &dir.home(&record.id))?;
@@ -816,6 +821,12 @@ fn readoption(state: State, alive: bool, has_command: bool) -> Readoption {
         State::Running => Readoption::Restart,
         State::Paused | State::Killed => Readoption::Stopped,
     }
+}
+
+/// Whether the sandbox has a process of its own to (re)start: envd, in a runtime that runs it
+/// inside every sandbox, or else its start command.
+fn has_process(runtime: &dyn Runtime, record: &SandboxRecord) -> bool {
+    runtime.runs_envd() || has_command(record)
 }
 
 fn has_command(record: &SandboxRecord) -> bool {

@@ -22,3 +22,16 @@ pub mod snapshot;
 pub mod state_dir;
 pub mod template;
 pub mod usage;
+
+/// When this process was started as envd (`BINARY envd ARGS`, how the container runtime runs
+/// envd inside each sandbox) or as the OCI runtime (`BINARY jail ARGS`), runs that and returns
+/// its exit code; `None` for any other command line. Binaries that host node-svc call it first
+/// thing in `main`, before any runtime or thread starts.
+pub fn multicall() -> Option<std::process::ExitCode> {
+    let mut args = std::env::args_os().skip(1);
+    match args.next()?.to_str()? {
+        "envd" => Some(::envd::main(args)),
+        "jail" => Some(jail::main(args)),
+        _ => None,
+    }
+}

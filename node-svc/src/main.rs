@@ -51,16 +51,30 @@ struct Args {
     /// Memory to offer, in MiB (default: this host's).
     #[arg(long, env = "NODE_MEMORY_MB")]
     memory_mb: Option<u64>,
-    /// `process` (real) or `sim`.
-    #[arg(long, env = "NODE_RUNTIME", default_value = "process", value_parser = ["process", "sim"])]
+    /// `container` (each sandbox an OCI container), `unisolated` (processes on the host as
+    /// its root: development only) or `sim` (numbers only).
+    #[arg(long, env = "NODE_RUNTIME", default_value = "container", value_parser = ["container", "unisolated", "sim"])]
     runtime: String,
+    /// The runc-compatible OCI runtime for `container` (runc, runsc, crun...); default: the
+    /// node's own.
+    #[arg(long, env = "NODE_OCI_RUNTIME")]
+    oci_runtime: Option<std::path::PathBuf>,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
+    // The node's binary is also envd (inside sandboxes) and the container runtime: those run
+    // before anything else, in a process of their own.
+    if let Some(code) = node_svc::multicall() {
+        return Ok(code);
+    }
+    tokio::runtime::Runtime::new()?.block_on(serve())?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+async fn serve() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("node-svc");
     let args = common::config::parse::<Args>("node-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
@@ -78,8 +92,11 @@ async fn main() -> anyhow::Result<()> {
     }
     config.runtime = match args.runtime.as_str() {
         "sim" => RuntimeKind::Sim { used_share: 0.5 },
-        _ => RuntimeKind::Process {
+        "unisolated" => RuntimeKind::Unisolated {
             cgroups: !args.no_cgroups,
+        },
+        _ => RuntimeKind::Container {
+            oci_runtime: args.oci_runtime,
         },
     };
     config.placement = Some(args.placement);

@@ -10,6 +10,7 @@ use proto::node::v1::node_server::NodeServer;
 use crate::api::NodeApi;
 use crate::heartbeat::{self, HeartbeatConfig};
 use crate::host::{Host, HostConfig, NodeError};
+use crate::runtime::container::{ContainerConfig, ContainerRuntime};
 use crate::runtime::process::ProcessRuntime;
 use crate::runtime::sim::SimRuntime;
 use crate::runtime::Runtime;
@@ -18,8 +19,12 @@ use crate::sandbox::Resources;
 /// Which runtime runs the sandboxes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RuntimeKind {
-    /// Real processes; cgroups where the host allows (and `cgroups` is true).
-    Process { cgroups: bool },
+    /// OCI containers (the default): `oci_runtime` is a runc-compatible binary, or `None`
+    /// for the node's own `jail`.
+    Container { oci_runtime: Option<std::path::PathBuf> },
+    /// Unisolated: processes on the host, as its root; cgroups where the host allows (and
+    /// `cgroups` is true). Only for development and the control plane's own tests.
+    Unisolated { cgroups: bool },
     /// Numbers only; each sandbox uses this share of its memory.
     Sim { used_share: f64 },
 }
@@ -53,7 +58,7 @@ impl NodeConfig {
                 templates_dir: None,
                 capacity: host_capacity(),
             },
-            runtime: RuntimeKind::Process { cgroups: true },
+            runtime: RuntimeKind::Container { oci_runtime: None },
             placement: None,
             heartbeat_interval: Duration::from_secs(2),
             labels: Default::default(),
@@ -142,7 +147,15 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         return Err(StartError::Config("capacity must be positive".into()));
     }
     let runtime: Arc<dyn Runtime> = match config.runtime {
-        RuntimeKind::Process { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),
+        RuntimeKind::Container { oci_runtime } => Arc::new(ContainerRuntime::new(
+            &config.host.node_id,
+            ContainerConfig {
+                state_dir: config.host.state_dir.clone(),
+                oci_runtime,
+                envd_binary: None,
+            },
+        )),
+        RuntimeKind::Unisolated { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),
         RuntimeKind::Sim { used_share } => Arc::new(SimRuntime { used_share }),
     };
     let host = Arc::new(Host::open(config.host.clone(), runtime).await?);

@@ -81,7 +81,13 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
 /// (blocking).
 pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), NodeError> {
     let mut reader = ChunkReader::new(data);
-    tar::Archive::new(&mut reader)
+    let mut archive = tar::Archive::new(&mut reader);
+    // A container's files belong to the ids its user namespace maps (and overlayfs marks
+    // deletions as 0:0 character devices): both must arrive as they left.
+    archive.set_preserve_ownerships(true);
+    archive.set_preserve_permissions(true);
+    archive.set_preserve_mtime(true);
+    archive
         .unpack(into)
         .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
     // Drain what follows the archive's end (tar padding) up to the trailer.

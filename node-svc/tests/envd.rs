@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use node_svc::server::{NodeConfig, RunningNode};
+use node_svc::server::{NodeConfig, RunningNode, RuntimeKind};
 use proto::node::v1 as pb;
 use proto::node::v1::node_client::NodeClient;
 use serde_json::{json, Value};
@@ -19,9 +19,11 @@ struct Env {
 async fn env() -> Env {
     let id = format!("e{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("envd-test-{id}"));
-    let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir))
-        .await
-        .unwrap();
+    // The node hosting envd itself (the unisolated runtime): envd inside containers is
+    // tested in container.rs.
+    let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
+    config.runtime = RuntimeKind::Unisolated { cgroups: true };
+    let node = node_svc::server::start(config).await.unwrap();
     Env {
         node,
         dir,

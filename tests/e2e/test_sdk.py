@@ -71,6 +71,32 @@ def test_a_sandbox_through_its_whole_life(stack):
     assert sbx.is_running() is False
 
 
+def test_a_sandbox_is_a_container_of_its_own(stack):
+    """What E2B users do every day works (files anywhere, root when asked), and what untrusted
+    code must not reach stays out of reach: the host's files and every port of the host."""
+    sbx = Sandbox.create(timeout=120)
+    try:
+        assert sbx.commands.run("id -u").stdout == "1000\n"
+        assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+        sbx.files.write("/tmp/scratch.txt", "anywhere")
+        sbx.files.write("/opt/app/config.json", "{}", user="root")
+        assert sbx.files.read("/tmp/scratch.txt") == "anywhere"
+        assert sbx.commands.run("cat /opt/app/config.json").stdout == "{}"
+        assert sbx.commands.run("hostname").stdout.strip() == sbx.sandbox_id
+        # The host's filesystem is not the sandbox's.
+        with pytest.raises(CommandExitException):
+            sbx.commands.run("ls /work || cat /etc/shadow", user="root")
+        # The gateway this test talks to listens on the host's loopback: not from inside.
+        port = httpx.URL(stack["E2B_API_URL"]).port
+        probe = (f"python3 -c \"import socket; s = socket.socket(); s.settimeout(2); "
+                 f"s.connect(('127.0.0.1', {port})); print('reached')\"")
+        with pytest.raises(CommandExitException) as refused:
+            sbx.commands.run(probe)
+        assert "reached" not in refused.value.stdout
+    finally:
+        sbx.kill()
+
+
 def test_the_sdk_error_paths(stack):
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="e2b_not_a_key")

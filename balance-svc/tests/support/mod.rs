@@ -66,9 +66,10 @@ impl Cluster {
             epoch: 1,
             sandbox_id: id.to_string(),
             template: "base".into(),
+            // Room for envd and a hog's 60 MB: the container's memory limit counts both.
             resources: Some(npb::Resources {
                 vcpus: 1,
-                memory_bytes: 64 << 20,
+                memory_bytes: 256 << 20,
             }),
             start_command: start_command.to_string(),
             ..Default::default()

@@ -1,6 +1,9 @@
-//! How sandboxes actually run. Two runtimes behind one trait:
-//! - [`process::ProcessRuntime`] (the default, real): a process group per sandbox, a memory
-//!   cgroup for accounting and limits and a freezer cgroup for pause, where the host allows;
+//! How sandboxes actually run. Three runtimes behind one trait:
+//! - [`container::ContainerRuntime`] (the default): each sandbox an OCI container with its
+//!   own root filesystem and user, PID, mount, network, IPC and UTS namespaces, envd inside;
+//! - [`process::ProcessRuntime`] (*unisolated*, only when asked for by name): a process group
+//!   per sandbox on the host, as the host's root, in memory and freezer cgroups and PID and
+//!   mount namespaces where the host allows; it reports itself degraded everywhere;
 //! - [`sim::SimRuntime`]: sandboxes that are only numbers, so one process can host many nodes
 //!   and thousands of sandboxes for scale tests and capacity planning.
 //!
@@ -8,10 +11,11 @@
 //! `spawn_blocking`.
 
 pub mod cgroup;
+pub mod container;
 pub mod process;
 pub mod sim;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::sandbox::SandboxRecord;
 
@@ -38,7 +42,7 @@ pub struct Features {
 }
 
 pub trait Runtime: Send + Sync + 'static {
-    /// "process" or "sim".
+    /// "container", "unisolated" or "sim".
     fn kind(&self) -> &'static str;
     fn features(&self) -> Features;
     /// Starts the sandbox's start command (if any) with `home` as its working directory;
@@ -73,4 +77,13 @@ pub trait Runtime: Send + Sync + 'static {
         cwd: &Path,
         command: &mut std::process::Command,
     ) -> Result<(), RuntimeError>;
+    /// Where the sandbox's own envd listens, when it runs inside the sandbox (`home` is the
+    /// sandbox's writable folder); `None` when the node hosts envd for it.
+    fn envd_socket(&self, _home: &Path) -> Option<PathBuf> {
+        None
+    }
+    /// Whether every sandbox has envd running inside it (so always a process to start).
+    fn runs_envd(&self) -> bool {
+        false
+    }
 }

@@ -1,4 +1,5 @@
-//! The real runtime: each sandbox's start command runs as `sh -c` in its own process group,
+//! The unisolated runtime (for developing the control plane, never for untrusted code): each
+//! sandbox's start command runs as `sh -c` in its own process group on the host, as its root,
 //! in the sandbox's memory and freezer cgroups when the host has them.
 //!
 //! - pause: the freezer stops every process of the cgroup, forks included; without a freezer,
@@ -111,11 +112,16 @@ fn rss_bytes(pid: i32) -> u64 {
 impl ProcessRuntime {
     /// A runtime for node `node_id`, using cgroups where the host allows.
     pub fn new(node_id: &str, use_cgroups: bool) -> Self {
-        let (cgroups, mut degraded) = if use_cgroups {
+        let (cgroups, mut found) = if use_cgroups {
             Cgroups::probe(node_id)
         } else {
             (Cgroups::none(), vec!["cgroups disabled by configuration".to_string()])
         };
+        // First in every list that shows this runtime, so no one mistakes it for isolation.
+        let mut degraded = vec![
+            "unisolated runtime: sandboxes run on the host as its root and can reach everything it can".to_string(),
+        ];
+        degraded.append(&mut found);
         if !cgroups.has_freezer() {
             degraded.push("no freezer: pause sends SIGSTOP to the process group".to_string());
         }
@@ -213,7 +219,7 @@ impl ProcessRuntime {
 
 impl Runtime for ProcessRuntime {
     fn kind(&self) -> &'static str {
-        "process"
+        "unisolated"
     }
 
     fn cpu_time_ns(&self) -> Option<u64> {

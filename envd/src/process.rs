@@ -1,10 +1,10 @@
 //! `process.Process`: commands inside a sandbox, as the E2B SDK's `commands.*` calls them.
 //!
-//! A command runs in the sandbox's cgroups (so pause freezes it too) and its own process
-//! group, with the sandbox's env vars and its home as the default working directory. Its
+//! A command runs as the requesting user (uid, gid, `HOME`), in its own process group, with
+//! the sandbox's env vars and the user's home as the default working directory. Its
 //! output goes to a broadcast channel: the `Start` stream that launched it and any `Connect`
 //! stream that attaches later each follow it from where they joined. With `pty` the command
-//! runs on a pseudo-terminal instead of pipes (see [`super::pty`]).
+//! runs on a pseudo-terminal instead of pipes (see [`crate::pty`]).
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -16,13 +16,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::ChildStdin;
 use tokio::sync::{broadcast, Mutex};
 
-use super::connect::{Code, RpcError};
-use super::paths::resolve;
-use super::pty::{PtyMaster, DEFAULT_SIZE};
-use super::wire::{
+use crate::connect::{Code, RpcError};
+use crate::paths::Scope;
+use crate::pty::{PtyMaster, DEFAULT_SIZE};
+use crate::wire::{
     DataEvent, EndEvent, EventResponse, ListResponse, ProcessEvent, ProcessInfo, ProcessSelector, Pty, StartRequest,
 };
-use crate::sandbox::SandboxRecord;
 
 /// How often an idle stream says it is alive (E2B's SDK expects keepalives on long streams).
 const KEEPALIVE: Duration = Duration::from_secs(30);
@@ -39,10 +38,23 @@ struct Running {
     events: broadcast::Sender<ProcessEvent>,
 }
 
-/// Every command running in every sandbox of this node.
+/// Every command running in the sandbox, by PID.
 #[derive(Default)]
 pub struct Commands {
-    by_sandbox: Mutex<HashMap<String, HashMap<u32, Arc<Running>>>>,
+    running: Mutex<HashMap<u32, Arc<Running>>>,
+}
+
+/// Puts a command into its sandbox when envd is hosted by the node rather than running inside
+/// (cgroups, namespaces, the home seen at `/home/user`, its own process group); the path is
+/// the host directory it starts in. Sets the working directory and `HOME` itself.
+pub type Enclose = Arc<dyn Fn(&mut std::process::Command, &std::path::Path) -> Result<(), String> + Send + Sync>;
+
+/// What every command of the sandbox gets besides its own request.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxEnv {
+    pub sandbox_id: String,
+    /// The sandbox's env vars (its create request's `envVars`).
+    pub vars: std::collections::BTreeMap<String, String>,
 }
 
 fn status_of(status: std::process::ExitStatus) -> EndEvent {
@@ -146,32 +158,32 @@ fn pty_size(pty: &Pty) -> (u16, u16) {
 }
 
 impl Commands {
-    async fn find(&self, sandbox: &str, selector: &ProcessSelector) -> Result<Arc<Running>, RpcError> {
-        let table = self.by_sandbox.lock().await;
-        let processes = table.get(sandbox);
-        let found = processes.and_then(|p| match (&selector.pid, &selector.tag) {
-            (Some(pid), _) => p.get(pid).cloned(),
-            (None, Some(tag)) => p.values().find(|r| r.info.tag.as_deref() == Some(tag)).cloned(),
+    async fn find(&self, selector: &ProcessSelector) -> Result<Arc<Running>, RpcError> {
+        let table = self.running.lock().await;
+        let found = match (&selector.pid, &selector.tag) {
+            (Some(pid), _) => table.get(pid).cloned(),
+            (None, Some(tag)) => table.values().find(|r| r.info.tag.as_deref() == Some(tag)).cloned(),
             (None, None) => None,
-        });
+        };
         found.ok_or_else(|| RpcError::new(Code::NotFound, format!("process {selector:?} not found")))
     }
 
     /// Starts a command and returns the stream of its events.
     pub async fn start(
         self: &Arc<Self>,
-        record: &SandboxRecord,
-        home: &std::path::Path,
-        runtime: &Arc<dyn crate::runtime::Runtime>,
+        sandbox: &SandboxEnv,
+        scope: &Scope<'_>,
+        enclose: Option<&Enclose>,
         req: StartRequest,
     ) -> Result<impl Stream<Item = Result<EventResponse, RpcError>> + Send, RpcError> {
         if req.process.cmd.is_empty() {
             return Err(RpcError::new(Code::InvalidArgument, "process.cmd is empty"));
         }
         let cwd = match &req.process.cwd {
-            Some(cwd) if !cwd.is_empty() => resolve(home, cwd)?,
-            _ => home.to_path_buf(),
+            Some(cwd) if !cwd.is_empty() => scope.resolve(cwd)?,
+            _ => scope.home(),
         };
+        let user = scope.user;
         if !cwd.is_dir() {
             return Err(RpcError::new(
                 Code::InvalidArgument,
@@ -184,7 +196,7 @@ impl Commands {
         let terminal = match &req.pty {
             Some(pty) => {
                 let (cols, rows) = pty_size(pty);
-                let (master, slave) = super::pty::open(cols, rows)
+                let (master, slave) = crate::pty::open(cols, rows)
                     .map_err(|e| RpcError::new(Code::Internal, format!("cannot open a terminal: {e}")))?;
                 Some((Arc::new(master), slave))
             }
@@ -195,22 +207,46 @@ impl Commands {
             .args(&req.process.args)
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("USER", "user")
+            .env("USER", &user.name)
+            .env("LOGNAME", &user.name)
             .env("E2B_SANDBOX", "true")
-            .env("E2B_SANDBOX_ID", &record.id);
+            .env("E2B_SANDBOX_ID", &sandbox.sandbox_id);
         if terminal.is_some() {
             std_cmd.env("TERM", "xterm-256color");
         }
-        std_cmd.envs(&record.env).envs(&req.process.envs);
-        runtime
-            .enclose(record, home, &cwd, &mut std_cmd)
-            .map_err(|e| RpcError::new(Code::Unavailable, e.to_string()))?;
-        if terminal.is_some() {
-            // SAFETY: take_terminal makes only async-signal-safe system calls. It runs after
-            // the runtime's own pre_exec (closures run in the order they were added), so in
-            // the process that execs the command.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut std_cmd, || super::pty::take_terminal());
+        std_cmd.envs(&sandbox.vars).envs(&req.process.envs);
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: geteuid cannot fail and touches no memory.
+            let me = unsafe { libc::geteuid() };
+            if let Some(enclose) = enclose {
+                enclose(&mut std_cmd, &cwd).map_err(|e| RpcError::new(Code::Unavailable, e))?;
+            } else {
+                std_cmd.env("HOME", &user.home).current_dir(&cwd);
+            }
+            if enclose.is_some() {
+                // Hosted: commands run as the node runs them (the unisolated runtime).
+            } else if me == 0 && user.uid != 0 {
+                // std also drops supplementary groups when root changes the uid.
+                std_cmd.uid(user.uid).gid(user.gid);
+            } else if me != user.uid {
+                return Err(RpcError::new(
+                    Code::PermissionDenied,
+                    format!("envd runs as uid {me} and cannot act as {}", user.name),
+                ));
+            }
+            match &terminal {
+                // SAFETY: take_terminal makes only async-signal-safe system calls, in the
+                // forked child before exec; it runs after any pre_exec the enclosing added
+                // (closures run in the order they were added), so in the process that execs.
+                Some(_) => unsafe {
+                    std_cmd.pre_exec(|| crate::pty::take_terminal());
+                },
+                // Its own process group, so a signal reaches what it started too.
+                None if enclose.is_none() => {
+                    std_cmd.process_group(0);
+                }
+                None => {}
             }
         }
         let mut cmd = tokio::process::Command::from(std_cmd);
@@ -256,17 +292,11 @@ impl Commands {
             pty: pty.clone(),
             events: events.clone(),
         });
-        self.by_sandbox
-            .lock()
-            .await
-            .entry(record.id.clone())
-            .or_default()
-            .insert(pid, running);
-        tracing::debug!(sandbox_id = %record.id, pid, cmd = %req.process.cmd, "command started");
+        self.running.lock().await.insert(pid, running);
+        tracing::debug!(pid, user = %user.name, cmd = %req.process.cmd, "command started");
 
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let this = self.clone();
-        let sandbox = record.id.clone();
         tokio::spawn(async move {
             let status = match pty {
                 Some(pty) => {
@@ -301,9 +331,7 @@ impl Commands {
                     error: Some(err.to_string()),
                 },
             };
-            if let Some(table) = this.by_sandbox.lock().await.get_mut(&sandbox) {
-                table.remove(&pid);
-            }
+            this.running.lock().await.remove(&pid);
             let _ = events.send(ProcessEvent::End(end));
         });
         Ok(follow(pid, first))
@@ -312,25 +340,21 @@ impl Commands {
     /// Attaches to a running command.
     pub async fn connect(
         &self,
-        sandbox: &str,
         selector: &ProcessSelector,
     ) -> Result<impl Stream<Item = Result<EventResponse, RpcError>> + Send, RpcError> {
-        let running = self.find(sandbox, selector).await?;
+        let running = self.find(selector).await?;
         Ok(follow(running.info.pid, running.events.subscribe()))
     }
 
-    pub async fn list(&self, sandbox: &str) -> ListResponse {
-        let table = self.by_sandbox.lock().await;
-        let mut processes: Vec<ProcessInfo> = table
-            .get(sandbox)
-            .map(|p| p.values().map(|r| r.info.clone()).collect())
-            .unwrap_or_default();
+    pub async fn list(&self) -> ListResponse {
+        let table = self.running.lock().await;
+        let mut processes: Vec<ProcessInfo> = table.values().map(|r| r.info.clone()).collect();
         processes.sort_by_key(|p| p.pid);
         ListResponse { processes }
     }
 
-    pub async fn send_input(&self, sandbox: &str, selector: &ProcessSelector, data: &[u8]) -> Result<(), RpcError> {
-        let running = self.find(sandbox, selector).await?;
+    pub async fn send_input(&self, selector: &ProcessSelector, data: &[u8]) -> Result<(), RpcError> {
+        let running = self.find(selector).await?;
         if let Some(pty) = &running.pty {
             return pty
                 .write_all(data)
@@ -349,8 +373,8 @@ impl Commands {
             .map_err(|e| RpcError::new(Code::Internal, e.to_string()))
     }
 
-    pub async fn close_stdin(&self, sandbox: &str, selector: &ProcessSelector) -> Result<(), RpcError> {
-        let running = self.find(sandbox, selector).await?;
+    pub async fn close_stdin(&self, selector: &ProcessSelector) -> Result<(), RpcError> {
+        let running = self.find(selector).await?;
         if running.pty.is_some() {
             return Err(RpcError::new(
                 Code::FailedPrecondition,
@@ -362,8 +386,8 @@ impl Commands {
     }
 
     /// Resizes a command's terminal.
-    pub async fn resize(&self, sandbox: &str, selector: &ProcessSelector, pty: &Pty) -> Result<(), RpcError> {
-        let running = self.find(sandbox, selector).await?;
+    pub async fn resize(&self, selector: &ProcessSelector, pty: &Pty) -> Result<(), RpcError> {
+        let running = self.find(selector).await?;
         let terminal = running
             .pty
             .as_ref()
@@ -375,12 +399,7 @@ impl Commands {
     }
 
     /// Sends `signal` to the command's whole process group.
-    pub async fn signal(
-        &self,
-        sandbox: &str,
-        selector: &ProcessSelector,
-        signal: &serde_json::Value,
-    ) -> Result<(), RpcError> {
+    pub async fn signal(&self, selector: &ProcessSelector, signal: &serde_json::Value) -> Result<(), RpcError> {
         let number = match signal {
             serde_json::Value::String(s) if s == "SIGNAL_SIGKILL" => libc::SIGKILL,
             serde_json::Value::String(s) if s == "SIGNAL_SIGTERM" => libc::SIGTERM,
@@ -393,7 +412,7 @@ impl Commands {
                 ))
             }
         };
-        let running = self.find(sandbox, selector).await?;
+        let running = self.find(selector).await?;
         let pid = i32::try_from(running.info.pid).map_err(|_| RpcError::new(Code::Internal, "pid out of range"))?;
         // SAFETY: kill has no memory-safety preconditions.
         unsafe {

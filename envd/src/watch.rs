@@ -11,7 +11,7 @@ use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use super::connect::{Code, RpcError};
+use crate::connect::{Code, RpcError};
 
 /// Events kept per polled watcher before the oldest are dropped.
 const BUFFERED: usize = 10_000;
@@ -78,7 +78,6 @@ pub fn stream(dir: &Path, recursive: bool) -> Result<(RecommendedWatcher, mpsc::
 }
 
 struct Polled {
-    sandbox: String,
     events: Arc<Mutex<Vec<FsEvent>>>,
     _watcher: RecommendedWatcher,
 }
@@ -90,7 +89,7 @@ pub struct Watchers {
 }
 
 impl Watchers {
-    pub fn create(&self, sandbox: &str, dir: &Path, recursive: bool) -> Result<String, RpcError> {
+    pub fn create(&self, dir: &Path, recursive: bool) -> Result<String, RpcError> {
         let events = Arc::new(Mutex::new(Vec::new()));
         let buffer = events.clone();
         let watcher = watch(dir, recursive, move |e| {
@@ -106,7 +105,6 @@ impl Watchers {
             map.insert(
                 id.clone(),
                 Polled {
-                    sandbox: sandbox.to_string(),
                     events,
                     _watcher: watcher,
                 },
@@ -116,14 +114,13 @@ impl Watchers {
     }
 
     /// Takes the events gathered since the last call.
-    pub fn take(&self, sandbox: &str, id: &str) -> Result<Vec<FsEvent>, RpcError> {
+    pub fn take(&self, id: &str) -> Result<Vec<FsEvent>, RpcError> {
         let map = self
             .by_id
             .lock()
             .map_err(|_| RpcError::new(Code::Internal, "watcher registry poisoned"))?;
         let polled = map
             .get(id)
-            .filter(|p| p.sandbox == sandbox)
             .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher {id} not found")))?;
         let events = polled
             .events
@@ -133,17 +130,13 @@ impl Watchers {
         Ok(events)
     }
 
-    pub fn remove(&self, sandbox: &str, id: &str) -> Result<(), RpcError> {
+    pub fn remove(&self, id: &str) -> Result<(), RpcError> {
         let mut map = self
             .by_id
             .lock()
             .map_err(|_| RpcError::new(Code::Internal, "watcher registry poisoned"))?;
-        match map.get(id) {
-            Some(p) if p.sandbox == sandbox => {
-                map.remove(id);
-                Ok(())
-            }
-            _ => Err(RpcError::new(Code::NotFound, format!("watcher {id} not found"))),
-        }
+        map.remove(id)
+            .map(|_| ())
+            .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher {id} not found")))
     }
 }

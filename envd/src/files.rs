@@ -1,0 +1,233 @@
+//! `GET /files` and `POST /files`: download and upload, as envd serves them
+//! (`multipart/form-data` or `application/octet-stream`), answering errors as
+//! `{"code": <http status>, "message": ...}`.
+//!
+//! Both stream: a download is read from the file as the client takes it, an upload is written
+//! as it arrives, chunk by chunk, so a file of any size costs a few buffers of memory. What an
+//! upload creates (the file and any missing parent directories) belongs to the requesting user,
+//! as on E2B.
+
+use std::path::{Path, PathBuf};
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Multipart, Request};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::{Stream, StreamExt};
+use serde::Serialize;
+use tokio::io::AsyncWriteExt;
+
+use crate::connect::{Code, RpcError};
+use crate::paths::Scope;
+use crate::users::User;
+
+/// envd's REST error body.
+pub fn rest_error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({"code": status.as_u16(), "message": message.into()});
+    let mut response = (status, body.to_string()).into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// An RPC-style refusal as a REST error.
+pub fn rest_from_rpc(err: RpcError) -> Response {
+    if err.missing {
+        return err.into_response();
+    }
+    let status = match err.code {
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::PermissionDenied | Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::Internal | Code::Unimplemented | Code::Unavailable => StatusCode::INTERNAL_SERVER_ERROR,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    rest_error(status, err.message)
+}
+
+fn io_status(e: &std::io::Error) -> StatusCode {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => StatusCode::NOT_FOUND,
+        std::io::ErrorKind::PermissionDenied => StatusCode::UNAUTHORIZED,
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => StatusCode::INSUFFICIENT_STORAGE,
+        _ => StatusCode::BAD_REQUEST,
+    }
+}
+
+#[derive(Serialize)]
+struct Written {
+    path: String,
+    name: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// The file's bytes, streamed.
+pub async fn download(scope: &Scope<'_>, path: Option<&str>) -> Response {
+    let Some(path) = path.filter(|p| !p.is_empty()) else {
+        return rest_error(StatusCode::BAD_REQUEST, "the path query parameter is required");
+    };
+    let target = match scope.resolve(path) {
+        Ok(target) => target,
+        Err(err) => return rest_from_rpc(err),
+    };
+    if target.is_dir() {
+        return rest_error(StatusCode::BAD_REQUEST, format!("path '{path}' is a directory"));
+    }
+    match tokio::fs::File::open(&target).await {
+        Ok(file) => {
+            let length = file.metadata().await.ok().map(|m| m.len());
+            let mut response =
+                Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024)).into_response();
+            let headers = response.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            if let Some(length) = length.and_then(|l| HeaderValue::from_str(&l.to_string()).ok()) {
+                headers.insert(header::CONTENT_LENGTH, length);
+            }
+            response
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            rest_error(StatusCode::NOT_FOUND, format!("file '{path}' does not exist"))
+        }
+        Err(e) => rest_error(io_status(&e), format!("reading '{path}': {e}")),
+    }
+}
+
+/// Gives `path` to `user` when envd runs as root and the user is someone else.
+pub(crate) fn own(path: &Path, user: &User) -> std::io::Result<()> {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    if unsafe { libc::geteuid() } != 0 || user.uid == 0 {
+        return Ok(());
+    }
+    std::os::unix::fs::lchown(path, Some(user.uid), Some(user.gid))
+}
+
+/// Creates `dir` and any missing parents, each owned by `user`.
+pub(crate) fn make_dirs(dir: &Path, user: &User) -> std::io::Result<()> {
+    let mut missing = Vec::new();
+    let mut at = Some(dir);
+    while let Some(d) = at {
+        if d.exists() {
+            break;
+        }
+        missing.push(d.to_path_buf());
+        at = d.parent();
+    }
+    std::fs::create_dir_all(dir)?;
+    for d in missing.iter().rev() {
+        own(d, user)?;
+    }
+    Ok(())
+}
+
+/// Writes `chunks` to `path` (as the SDK named it), creating parents as needed.
+async fn write<S, E>(scope: &Scope<'_>, path: &str, mut chunks: S) -> Result<Written, Response>
+where
+    S: Stream<Item = Result<axum::body::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let target: PathBuf = scope.resolve(path).map_err(rest_from_rpc)?;
+    let user = scope.user;
+    if target.is_dir() {
+        return Err(rest_error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{path}' is a directory"),
+        ));
+    }
+    if let Some(parent) = target.parent() {
+        make_dirs(parent, user).map_err(|e| rest_error(io_status(&e), format!("creating parents of '{path}': {e}")))?;
+    }
+    let failed = |e: std::io::Error| rest_error(io_status(&e), format!("writing '{path}': {e}"));
+    let mut file = tokio::fs::File::create(&target).await.map_err(failed)?;
+    own(&target, user).map_err(failed)?;
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| rest_error(StatusCode::BAD_REQUEST, format!("reading the upload: {e}")))?;
+        file.write_all(&chunk).await.map_err(failed)?;
+    }
+    file.flush().await.map_err(failed)?;
+    Ok(Written {
+        path: scope.shown(&target),
+        name: target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        kind: "file",
+    })
+}
+
+fn written(files: Vec<Written>) -> Response {
+    let mut response = (
+        StatusCode::OK,
+        serde_json::to_string(&files).unwrap_or_else(|_| "[]".into()),
+    )
+        .into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// An upload: one raw body to `path`, or a multipart body whose single part goes to `path`
+/// (or its file name) and whose several parts go each to their file name.
+pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> Response {
+    let path = path.filter(|p| !p.is_empty());
+    let multipart = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("multipart/form-data"));
+    if !multipart {
+        let Some(path) = path else {
+            return rest_error(
+                StatusCode::BAD_REQUEST,
+                "the path query parameter is required for octet-stream uploads",
+            );
+        };
+        let body = request.into_body().into_data_stream();
+        return match write(scope, path, body).await {
+            Ok(w) => written(vec![w]),
+            Err(response) => response,
+        };
+    }
+    let mut parts = match Multipart::from_request(request, &()).await {
+        Ok(parts) => parts,
+        Err(e) => return rest_error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    let mut done = Vec::new();
+    loop {
+        let field = match parts.next_field().await {
+            Ok(Some(field)) => field,
+            Ok(None) => break,
+            Err(e) => return rest_error(StatusCode::BAD_REQUEST, format!("bad multipart body: {e}")),
+        };
+        // A path applies to the first part only: several parts are named by their file names.
+        let target = match (done.is_empty().then_some(path).flatten(), field.file_name()) {
+            (Some(path), _) => path.to_string(),
+            (None, Some(name)) if !name.is_empty() => name.to_string(),
+            _ => {
+                return rest_error(
+                    StatusCode::BAD_REQUEST,
+                    "each uploaded part needs a file name or a path",
+                )
+            }
+        };
+        let chunks = futures::stream::unfold(field, |mut field| async move {
+            match field.chunk().await {
+                Ok(Some(chunk)) => Some((Ok(chunk), field)),
+                Ok(None) => None,
+                Err(e) => Some((Err(e), field)),
+            }
+        });
+        match write(scope, &target, Box::pin(chunks)).await {
+            Ok(w) => done.push(w),
+            Err(response) => return response,
+        }
+    }
+    if done.is_empty() {
+        return rest_error(StatusCode::BAD_REQUEST, "the multipart body has no parts");
+    }
+    written(done)
+}

@@ -1,0 +1,228 @@
+//! envd: E2B's in-sandbox API, served from inside the sandbox it belongs to.
+//!
+//! The node starts this program as the sandbox's first process (PID 1 in a container). As PID 1
+//! it forks once: the parent stays PID 1 and only reaps whatever is orphaned to it (a command's
+//! background jobs), the child serves the API ([`init`]). It listens on a Unix socket the node
+//! created and handed in as an open file descriptor, so the only way in is the node, which
+//! checks the sandbox's access token first ([`server`]).
+//!
+//! Because it runs inside, every path means what it means in the sandbox, commands are plain
+//! children started as the requesting user ([`users`], [`process`], [`pty`]), and the kernel,
+//! not this code, keeps the sandbox's files and processes apart from the host's.
+//!
+//! Modules: [`connect`] and [`wire`] are the Connect protocol and its JSON messages;
+//! [`process`], [`pty`], [`filesystem`], [`watch`] and [`files`] the services; [`paths`]
+//! and [`users`] how a request's user and paths are read.
+
+pub mod connect;
+pub mod files;
+pub mod filesystem;
+pub mod init;
+pub mod paths;
+pub mod process;
+pub mod pty;
+pub mod server;
+pub mod users;
+pub mod watch;
+pub mod wire;
+
+use std::ffi::OsString;
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+pub use process::SandboxEnv;
+pub use server::Envd;
+pub use users::Users;
+
+/// The environment variable carrying the sandbox's ID to envd (removed from envd's own
+/// environment once read, so commands do not inherit it twice).
+pub const SANDBOX_ID_VAR: &str = "ENVD_SANDBOX_ID";
+/// The environment variable carrying the sandbox's env vars to envd, as a JSON object.
+pub const VARS_VAR: &str = "ENVD_VARS";
+/// The environment variable carrying the sandbox's start command (its template's or its
+/// create request's), which envd starts once it serves.
+pub const START_COMMAND_VAR: &str = "ENVD_START_COMMAND";
+
+/// Where envd listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listen {
+    /// A listening Unix socket inherited as this file descriptor (the node's way).
+    Fd(i32),
+    /// A socket path envd binds itself (tests, manual runs).
+    Path(PathBuf),
+}
+
+/// How envd runs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: Listen,
+    pub sandbox: SandboxEnv,
+    pub users: Users,
+    /// Run by `sh -c` as the default user once envd serves.
+    pub start_command: Option<String>,
+}
+
+const USAGE: &str = "usage: envd (--listen-fd N | --listen PATH) [--passwd FILE] [--fallback-home DIR]
+  The sandbox's ID and env vars come from ENVD_SANDBOX_ID and ENVD_VARS (a JSON object).";
+
+/// Reads the command line (without the program name) and the environment.
+pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String> {
+    let mut listen = None;
+    let mut passwd = PathBuf::from("/etc/passwd");
+    let mut fallback_home = None;
+    let mut args = args.into_iter().map(|a| a.to_string_lossy().into_owned());
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
+        match arg.as_str() {
+            "--listen-fd" => {
+                let fd = value()?;
+                listen = Some(Listen::Fd(
+                    fd.parse().map_err(|_| format!("--listen-fd {fd:?} is not a number"))?,
+                ));
+            }
+            "--listen" => listen = Some(Listen::Path(value()?.into())),
+            "--passwd" => passwd = value()?.into(),
+            "--fallback-home" => fallback_home = Some(PathBuf::from(value()?)),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    let listen = listen.ok_or_else(|| format!("where to listen is required\n{USAGE}"))?;
+    let vars = match std::env::var(VARS_VAR) {
+        Ok(json) => {
+            serde_json::from_str(&json).map_err(|e| format!("{VARS_VAR} is not a JSON object of strings: {e}"))?
+        }
+        Err(_) => Default::default(),
+    };
+    Ok(Config {
+        listen,
+        sandbox: SandboxEnv {
+            sandbox_id: std::env::var(SANDBOX_ID_VAR).unwrap_or_default(),
+            vars,
+        },
+        users: Users::new(passwd, fallback_home),
+        start_command: std::env::var(START_COMMAND_VAR).ok().filter(|c| !c.trim().is_empty()),
+    })
+}
+
+/// Starts the sandbox's start command in the background as the default user, its output
+/// appended to `~/.start.log`; reaped when it ends.
+fn boot(config: &Config) {
+    let Some(command) = config.start_command.clone() else {
+        return;
+    };
+    let user = match config.users.lookup(users::DEFAULT_USER) {
+        Ok(user) => user,
+        Err(err) => {
+            tracing::error!(message = %err.message, "start command not started");
+            return;
+        }
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(user.home.join(".start.log"));
+    let mut cmd = tokio::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(&command)
+        .env_clear()
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("HOME", &user.home)
+        .env("USER", &user.name)
+        .env("E2B_SANDBOX", "true")
+        .env("E2B_SANDBOX_ID", &config.sandbox.sandbox_id)
+        .envs(&config.sandbox.vars)
+        .current_dir(&user.home)
+        .stdin(std::process::Stdio::null())
+        .process_group(0);
+    if let Ok(log) = log {
+        let _ = files::own(&user.home.join(".start.log"), &user);
+        if let Ok(err) = log.try_clone() {
+            cmd.stdout(log).stderr(err);
+        }
+    }
+    // SAFETY: geteuid cannot fail and touches no memory.
+    if unsafe { libc::geteuid() } == 0 && user.uid != 0 {
+        cmd.uid(user.uid).gid(user.gid);
+    }
+    match cmd.spawn() {
+        Ok(mut child) => {
+            tokio::spawn(async move {
+                let status = child.wait().await;
+                tracing::info!(?status, "start command ended");
+            });
+        }
+        Err(err) => tracing::error!(%err, "start command not started"),
+    }
+}
+
+/// Serves until the listener fails.
+pub async fn serve(listener: tokio::net::UnixListener, envd: Envd) -> std::io::Result<()> {
+    axum::serve(listener, envd.router()).await
+}
+
+/// The program: `sandboxsched-envd ARGS`, or `node-svc envd ARGS` (the node's binary carries
+/// envd too and runs itself inside each sandbox).
+pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
+    let config = match config(args) {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("envd: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    // SAFETY: removing variables before any thread exists.
+    unsafe {
+        std::env::remove_var(SANDBOX_ID_VAR);
+        std::env::remove_var(VARS_VAR);
+        std::env::remove_var(START_COMMAND_VAR);
+    }
+    // Forks when PID 1: must happen before the runtime starts threads.
+    if let Err(e) = init::become_init_if_pid1() {
+        eprintln!("envd: cannot start as init: {e}");
+        return ExitCode::FAILURE;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ENVD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("envd: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let served = runtime.block_on(async move {
+        let listener = match &config.listen {
+            Listen::Fd(fd) => {
+                // SAFETY: the node handed this descriptor in for exactly this; nothing else
+                // in this process owns it.
+                let std = unsafe { std::os::unix::net::UnixListener::from_raw_fd(*fd) };
+                std.set_nonblocking(true)?;
+                tokio::net::UnixListener::from_std(std)?
+            }
+            Listen::Path(path) => {
+                let _ = std::fs::remove_file(path);
+                tokio::net::UnixListener::bind(path)?
+            }
+        };
+        tracing::info!(sandbox_id = %config.sandbox.sandbox_id, "envd serving");
+        boot(&config);
+        serve(listener, Envd::new(config.sandbox, config.users)).await
+    });
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("envd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Who a request acts as. E2B's SDK names the user in `Authorization: Basic base64("name:")`
+//! (RPCs) or the `username` query parameter (`/files`); without one, the sandbox's default
+//! user (`user`, uid 1000, home `/home/user`) applies. The user decides a command's uid, gid
+//! and `HOME`, where relative paths start, and who owns the files and directories envd makes.
+//!
+//! Users come from the sandbox's own `/etc/passwd`, read on every lookup (a sandbox may add
+//! users), parsed here rather than through the C library's NSS so that a statically linked envd
+//! works in any image.
+
+use std::path::{Path, PathBuf};
+
+use axum::http::HeaderMap;
+use base64::Engine;
+
+use crate::connect::{Code, RpcError};
+
+/// The default user of an E2B sandbox.
+pub const DEFAULT_USER: &str = "user";
+
+/// One account.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct User {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+}
+
+/// Where accounts come from.
+#[derive(Clone, Debug)]
+pub struct Users {
+    passwd: PathBuf,
+    /// For envd run outside a container (the node's explicitly unisolated mode, tests): when
+    /// the default user is not in the passwd file, requests act as envd's own uid with this home.
+    fallback_home: Option<PathBuf>,
+}
+
+impl Users {
+    pub fn new(passwd: impl Into<PathBuf>, fallback_home: Option<PathBuf>) -> Self {
+        Self {
+            passwd: passwd.into(),
+            fallback_home,
+        }
+    }
+
+    /// The user a request names, or the default one.
+    pub fn of_request(&self, headers: &HeaderMap, query_user: Option<&str>) -> Result<User, RpcError> {
+        let named = query_user
+            .filter(|u| !u.is_empty())
+            .map(str::to_string)
+            .or_else(|| basic_user(headers));
+        self.lookup(named.as_deref().unwrap_or(DEFAULT_USER))
+    }
+
+    /// The account called `name`.
+    pub fn lookup(&self, name: &str) -> Result<User, RpcError> {
+        let text = std::fs::read_to_string(&self.passwd).unwrap_or_default();
+        if let Some(user) = parse(&text).into_iter().find(|u| u.name == name) {
+            return Ok(user);
+        }
+        match &self.fallback_home {
+            Some(home) if name == DEFAULT_USER => Ok(User {
+                name: name.to_string(),
+                // SAFETY: getuid/getgid cannot fail and touch no memory.
+                uid: unsafe { libc::getuid() },
+                gid: unsafe { libc::getgid() },
+                home: home.clone(),
+            }),
+            _ => Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("user {name:?} does not exist in this sandbox"),
+            )),
+        }
+    }
+
+    /// The name of `uid` (for file listings), or the number.
+    pub fn name_of(&self, uid: u32) -> String {
+        let text = std::fs::read_to_string(&self.passwd).unwrap_or_default();
+        parse(&text).into_iter().find(|u| u.uid == uid).map_or_else(
+            || if uid == 0 { "root".to_string() } else { uid.to_string() },
+            |u| u.name,
+        )
+    }
+}
+
+/// The user of `Authorization: Basic base64("name:")`, if the header is there and well formed.
+fn basic_user(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
+    let encoded = value.strip_prefix("Basic ")?;
+    let decoded = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let name = text.split(':').next()?;
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// Accounts of a passwd file (`name:x:uid:gid:gecos:home:shell`); malformed lines are skipped.
+fn parse(text: &str) -> Vec<User> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            if fields.len() < 7 {
+                return None;
+            }
+            Some(User {
+                name: fields[0].to_string(),
+                uid: fields[2].parse().ok()?,
+                gid: fields[3].parse().ok()?,
+                home: Path::new(fields[5]).to_path_buf(),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accounts_come_from_passwd_and_requests_name_them() {
+        let dir = std::env::temp_dir().join(format!("envd-users-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let passwd = dir.join("passwd");
+        std::fs::write(
+            &passwd,
+            "root:x:0:0:root:/root:/bin/bash\n# comment\nbroken line\nuser:x:1000:1000::/home/user:/bin/bash\n",
+        )
+        .unwrap();
+        let users = Users::new(&passwd, None);
+        let user = users.lookup("user").unwrap();
+        assert_eq!(
+            (user.uid, user.gid, user.home.as_path()),
+            (1000, 1000, Path::new("/home/user"))
+        );
+        assert_eq!(users.name_of(0), "root");
+        assert_eq!(users.name_of(4242), "4242");
+
+        let mut headers = HeaderMap::new();
+        assert_eq!(users.of_request(&headers, None).unwrap().name, "user");
+        let root = base64::engine::general_purpose::STANDARD.encode("root:");
+        headers.insert(
+            axum::http::header::AUTHORIZATION,
+            format!("Basic {root}").parse().unwrap(),
+        );
+        assert_eq!(users.of_request(&headers, None).unwrap().uid, 0);
+        assert_eq!(
+            users.of_request(&headers, Some("user")).unwrap().uid,
+            1000,
+            "the query wins"
+        );
+        let err = users.lookup("mallory").unwrap_err();
+        assert_eq!(err.code, Code::InvalidArgument);
+
+        let unisolated = Users::new(dir.join("missing"), Some(dir.clone()));
+        assert_eq!(unisolated.lookup("user").unwrap().home, dir);
+        assert!(unisolated.lookup("root").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

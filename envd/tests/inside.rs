@@ -1,0 +1,244 @@
+//! envd as it runs inside a sandbox: the real binary, listening on a Unix socket, with its own
+//! passwd file naming `root` and `user` (uid 1000). Paths are the sandbox's own (here the test
+//! machine's, under a temporary directory), requests act as the user they name, what envd
+//! creates belongs to that user, and files stream both ways. Needs root (to act as uid 1000),
+//! as these machines and CI run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use base64::Engine;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use serde_json::{json, Value};
+
+struct Envd {
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Drop for Envd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start(name: &str) -> Envd {
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "these tests act as uid 1000 and need root (run them as root, as CI does)"
+    );
+    let dir = std::env::temp_dir().join(format!("envd-inside-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let home = dir.join("home/user");
+    std::fs::create_dir_all(&home).unwrap();
+    std::os::unix::fs::chown(&home, Some(1000), Some(1000)).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let passwd = dir.join("passwd");
+    std::fs::write(
+        &passwd,
+        format!(
+            "root:x:0:0:root:{}:/bin/sh\nuser:x:1000:1000::{}:/bin/sh\n",
+            dir.display(),
+            home.display()
+        ),
+    )
+    .unwrap();
+    let socket = dir.join("envd.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_sandboxsched-envd"))
+        .args([
+            "--listen".as_ref(),
+            socket.as_os_str(),
+            "--passwd".as_ref(),
+            passwd.as_os_str(),
+        ])
+        .env(envd::SANDBOX_ID_VAR, "sbx-inside")
+        .env(envd::VARS_VAR, r#"{"GREETING":"hello"}"#)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "envd did not listen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Envd { child, socket, dir }
+}
+
+/// One HTTP/1.1 request over the socket: (status, body).
+async fn call(socket: &Path, method: &str, path: &str, headers: &[(&str, String)], body: Vec<u8>) -> (u16, Vec<u8>) {
+    let stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "envd");
+    for (k, v) in headers {
+        request = request.header(*k, v);
+    }
+    let response = sender
+        .send_request(request.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, bytes.to_vec())
+}
+
+fn as_user(name: &str) -> (&'static str, String) {
+    let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{name}:"));
+    ("authorization", format!("Basic {encoded}"))
+}
+
+async fn unary(socket: &Path, method: &str, body: Value, user: &str) -> (u16, Value) {
+    let (status, bytes) = call(
+        socket,
+        "POST",
+        &format!("/{method}"),
+        &[("content-type", "application/json".into()), as_user(user)],
+        body.to_string().into_bytes(),
+    )
+    .await;
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+/// Runs a command to its end: (stdout, exit code).
+async fn run(socket: &Path, process: Value, user: &str) -> (String, i64) {
+    let payload = json!({"process": process, "stdin": false}).to_string().into_bytes();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&payload);
+    let (status, bytes) = call(
+        socket,
+        "POST",
+        "/process.Process/Start",
+        &[("content-type", "application/connect+json".into()), as_user(user)],
+        framed,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (mut stdout, mut code, mut at) = (String::new(), i64::MIN, 0);
+    while at + 5 <= bytes.len() {
+        let len = u32::from_be_bytes([bytes[at + 1], bytes[at + 2], bytes[at + 3], bytes[at + 4]]) as usize;
+        let msg: Value = serde_json::from_slice(&bytes[at + 5..at + 5 + len]).unwrap();
+        if let Some(data) = msg["event"]["data"]["stdout"].as_str() {
+            let raw = base64::engine::general_purpose::STANDARD.decode(data).unwrap();
+            stdout.push_str(&String::from_utf8_lossy(&raw));
+        }
+        if let Some(end) = msg["event"]["end"].as_object() {
+            code = end.get("exitCode").and_then(Value::as_i64).unwrap_or(0);
+        }
+        at += 5 + len;
+    }
+    (stdout, code)
+}
+
+#[tokio::test]
+async fn commands_run_as_the_user_they_name_with_its_home_and_the_sandboxs_vars() {
+    let envd = start("users");
+    let home = envd.dir.join("home/user");
+    let (out, code) = run(
+        &envd.socket,
+        json!({"cmd": "/bin/sh", "args": ["-c", "id -u; pwd; echo $HOME $GREETING $E2B_SANDBOX_ID"]}),
+        "user",
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(out, format!("1000\n{0}\n{0} hello sbx-inside\n", home.display()));
+    let (out, _) = run(&envd.socket, json!({"cmd": "id", "args": ["-u"]}), "root").await;
+    assert_eq!(out, "0\n");
+    // A user the sandbox does not have is refused, not run as someone else.
+    let (status, body) = unary(
+        &envd.socket,
+        "filesystem.Filesystem/Stat",
+        json!({"path": "/"}),
+        "mallory",
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("mallory"), "{body}");
+    let (status, vars) = call(&envd.socket, "GET", "/envs", &[], Vec::new()).await;
+    assert_eq!(
+        (status, serde_json::from_slice::<Value>(&vars).unwrap()),
+        (200, json!({"GREETING": "hello"}))
+    );
+}
+
+#[tokio::test]
+async fn any_absolute_path_is_the_sandboxs_and_what_envd_makes_belongs_to_the_user() {
+    use std::os::unix::fs::MetadataExt;
+    let envd = start("paths");
+    // Outside the home (E2B users write /tmp, /opt, /code every day).
+    let target = envd.dir.join("opt/tool/config.txt");
+    let (status, body) = call(
+        &envd.socket,
+        "POST",
+        &format!("/files?path={}", target.display()),
+        &[("content-type", "application/octet-stream".into())],
+        b"settings".to_vec(),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(std::fs::read(&target).unwrap(), b"settings");
+    let meta = std::fs::metadata(&target).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (1000, 1000), "the default user owns the file");
+    assert_eq!(
+        std::fs::metadata(envd.dir.join("opt/tool")).unwrap().uid(),
+        1000,
+        "and the parents it made"
+    );
+    let (_, stat) = unary(
+        &envd.socket,
+        "filesystem.Filesystem/Stat",
+        json!({"path": target}),
+        "user",
+    )
+    .await;
+    assert_eq!(stat["entry"]["owner"], "user");
+    assert_eq!(stat["entry"]["path"], target.display().to_string());
+    // Relative paths start at the requesting user's home; root's files stay root's.
+    let (status, _) = unary(
+        &envd.socket,
+        "filesystem.Filesystem/MakeDir",
+        json!({"path": "made"}),
+        "root",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(std::fs::metadata(envd.dir.join("made")).unwrap().uid(), 0);
+}
+
+#[tokio::test]
+async fn a_large_file_streams_both_ways() {
+    let envd = start("stream");
+    let data: Vec<u8> = (0..64u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let path = envd.dir.join("big.bin");
+    let (status, _) = call(
+        &envd.socket,
+        "POST",
+        &format!("/files?path={}", path.display()),
+        &[("content-type", "application/octet-stream".into())],
+        data.clone(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, back) = call(
+        &envd.socket,
+        "GET",
+        &format!("/files?path={}", path.display()),
+        &[],
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(back == data, "the file came back different ({} bytes)", back.len());
+}

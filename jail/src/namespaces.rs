@@ -1,0 +1,164 @@
+//! Namespaces: creating the container's process inside new ones, and the bits of setup
+//! that belong to each (id maps, hostname, loopback, cgroup namespace).
+//!
+//! **One clone, all namespaces, user namespace first.** The container's init is created
+//! with a single `clone(2)` carrying every `CLONE_NEW*` flag the spec asks for (except
+//! cgroup, see below). When `CLONE_NEWUSER` is combined with other flags in one call, the
+//! kernel creates the user namespace *first* and makes it the owner of the others. That
+//! ownership is what runc's ordering (unshare the user namespace, then the rest) achieves,
+//! and it is what lets root-in-the-container mount `proc`, `sysfs` and `mqueue`: those
+//! mounts are allowed only to a user namespace that owns the pid, network and ipc
+//! namespaces in question.
+//!
+//! runc needs a second fork because a process cannot enter a PID namespace it unshared
+//! (only its children do) and because it must also join existing namespaces by path. We
+//! only create new namespaces, so the process `clone` returns is already PID 1 of its new
+//! PID namespace: one process less, one round trip less, and the parent learns the host PID
+//! directly from `clone`. When `jail` exits, the container is reparented to the nearest
+//! subreaper (the node), exactly as with runc's intermediate process.
+//!
+//! **Id maps.** A process in a new user namespace has no uid until `/proc/PID/uid_map` and
+//! `gid_map` are written, and only once. The parent (host root) writes them while the child
+//! waits on a pipe, so any ranges are allowed and `setgroups` stays permitted. The child then
+//! switches to uid/gid 0 of its namespace.
+//!
+//! **The cgroup namespace** is the exception: it captures the cgroup its creator is in at
+//! that moment, so the child unshares it only after the parent has moved it into the
+//! container's cgroup; the container then sees its own cgroup as `/`.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+
+use oci_spec::runtime::LinuxIdMapping;
+
+use crate::sys::{check, check_long, Errno, IoDisplay};
+
+/// Errors from namespace setup.
+#[derive(Debug, thiserror::Error)]
+pub enum NamespaceError {
+    /// Creating the process failed (parent side).
+    #[error("clone: {0}")]
+    Clone(Errno),
+    #[error("write {path}: {}", IoDisplay(source))]
+    IdMap { path: PathBuf, source: io::Error },
+    // The rest happen in the container's init.
+    #[error("become root in the user namespace: {0}")]
+    BecomeRoot(Errno),
+    #[error("unshare the cgroup namespace: {0}")]
+    CgroupNs(Errno),
+    #[error("sethostname: {0}")]
+    Hostname(Errno),
+    #[error("setdomainname: {0}")]
+    Domainname(Errno),
+    #[error("bring up the loopback interface: {0}")]
+    Loopback(Errno),
+}
+
+/// Creates the child process with `flags` (`CLONE_NEW*`). Returns the child's host PID in
+/// the parent and 0 in the child, like `fork`.
+///
+/// This is the raw system call without a new stack, which behaves as `fork` does at the
+/// kernel level. glibc's `fork()` wrapper would not let us pass namespace flags; its
+/// `clone()` wrapper needs a separate stack for a callback. The child must only use
+/// memory prepared before the call (see `init`).
+pub fn clone_process(flags: libc::c_int) -> Result<libc::pid_t, NamespaceError> {
+    let flags = (flags | libc::SIGCHLD) as libc::c_ulong;
+    // SAFETY: clone without CLONE_VM or a new stack duplicates the address space, so both
+    // processes continue on their own copy of this stack, as after fork().
+    let rc = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
+    check_long(rc).map(|p| p as libc::pid_t).map_err(NamespaceError::Clone)
+}
+
+/// The text of a `uid_map`/`gid_map` file: one `inside outside count` line per range.
+pub fn id_map_text(maps: &[LinuxIdMapping]) -> String {
+    let mut s = String::new();
+    for m in maps {
+        let _ = writeln!(s, "{} {} {}", m.container_id(), m.host_id(), m.size());
+    }
+    s
+}
+
+/// Writes the child's uid and gid maps (parent side; each file takes one write).
+pub fn write_id_maps(pid: libc::pid_t, uids: &[LinuxIdMapping], gids: &[LinuxIdMapping]) -> Result<(), NamespaceError> {
+    for (file, maps) in [("uid_map", uids), ("gid_map", gids)] {
+        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+        fs::write(&path, id_map_text(maps)).map_err(|source| NamespaceError::IdMap { path, source })?;
+    }
+    Ok(())
+}
+
+/// Child: become uid/gid 0 of the new user namespace (until now the child's ids are
+/// unmapped and show as the overflow id). Capabilities are kept: they are relative to the
+/// namespace, and uid 0 there is its root.
+pub fn become_root() -> Result<(), NamespaceError> {
+    // SAFETY: plain id-changing system calls.
+    unsafe {
+        check(libc::setresgid(0, 0, 0)).map_err(NamespaceError::BecomeRoot)?;
+        check(libc::setresuid(0, 0, 0)).map_err(NamespaceError::BecomeRoot)?;
+    }
+    Ok(())
+}
+
+/// Child: a new cgroup namespace rooted at the cgroup we were just moved into.
+pub fn unshare_cgroup() -> Result<(), NamespaceError> {
+    // SAFETY: unshare with a flag.
+    check(unsafe { libc::unshare(libc::CLONE_NEWCGROUP) })
+        .map(drop)
+        .map_err(NamespaceError::CgroupNs)
+}
+
+/// Child: set the hostname of the new UTS namespace.
+pub fn set_hostname(name: &std::ffi::CStr) -> Result<(), NamespaceError> {
+    let b = name.to_bytes();
+    // SAFETY: pointer and length of a valid buffer.
+    check(unsafe { libc::sethostname(b.as_ptr().cast(), b.len()) })
+        .map(drop)
+        .map_err(NamespaceError::Hostname)
+}
+
+/// Child: set the NIS domain name of the new UTS namespace.
+pub fn set_domainname(name: &std::ffi::CStr) -> Result<(), NamespaceError> {
+    let b = name.to_bytes();
+    // SAFETY: pointer and length of a valid buffer.
+    check(unsafe { libc::setdomainname(b.as_ptr().cast(), b.len()) })
+        .map(drop)
+        .map_err(NamespaceError::Domainname)
+}
+
+/// Child: a new network namespace starts with `lo` down; bring it up as runc does, so that
+/// 127.0.0.1 works inside the container. (One ioctl pair on a throwaway socket; no netlink.)
+pub fn loopback_up() -> Result<(), NamespaceError> {
+    // SAFETY: socket/ioctl/close on a descriptor we own, with a zeroed ifreq naming "lo".
+    unsafe {
+        let fd = check(libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0))
+            .map_err(NamespaceError::Loopback)?;
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (i, b) in b"lo".iter().enumerate() {
+            req.ifr_name[i] = *b as libc::c_char;
+        }
+        let mut r = check(libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req));
+        if r.is_ok() {
+            req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            r = check(libc::ioctl(fd, libc::SIOCSIFFLAGS, &req));
+        }
+        libc::close(fd);
+        r.map(drop).map_err(NamespaceError::Loopback)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_map_lines() {
+        let maps: Vec<LinuxIdMapping> = serde_json::from_value(serde_json::json!([
+            {"containerID": 0, "hostID": 100000, "size": 65536},
+            {"containerID": 65536, "hostID": 5000, "size": 1}
+        ]))
+        .unwrap();
+        assert_eq!(id_map_text(&maps), "0 100000 65536\n65536 5000 1\n");
+    }
+}

@@ -1,0 +1,205 @@
+//! The parent side of starting the container's init.
+//!
+//! [`spawn`] clones the init into its namespaces and then, while the init waits on the sync
+//! pipe, does the things that need host privileges or must precede anything the init does:
+//!
+//! 1. write the uid/gid maps (only a process outside the new user namespace may);
+//! 2. move the init into the container's cgroup, before it can fork (on cgroup v1 the init
+//!    joins by itself, first thing, which avoids a slow global lock; see `cgroup`);
+//! 3. set rlimits with `prlimit` — raising a hard limit needs CAP_SYS_RESOURCE in the
+//!    *initial* user namespace, which the init no longer has, so runc's approach of doing it
+//!    from inside fails in a user namespace while it works from here;
+//! 4. set `oom_score_adj` (lowering it has the same requirement);
+//! 5. record the init's start time (for PID-reuse detection).
+//!
+//! Then it releases the init and waits for the report pipe to close: empty means the init
+//! reached `execve`, anything else is the init's error message. On any failure the init is
+//! killed and reaped before returning, so nothing is left running.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use oci_spec::runtime::PosixRlimitType;
+
+use crate::cgroup::{Cgroup, CgroupError};
+use crate::init::{self, InitError, InitFds, InitPlan};
+use crate::namespaces::{self, NamespaceError};
+use crate::rootfs::RootfsPlan;
+use crate::seccomp::Program;
+use crate::spec::Config;
+use crate::sys::{self, Errno};
+
+/// Errors from starting the init.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("create pipe: {0}")]
+    Pipe(Errno),
+    #[error(transparent)]
+    Plan(#[from] InitError),
+    #[error(transparent)]
+    Namespace(#[from] NamespaceError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("set rlimit {name}: {errno}")]
+    Rlimit { name: String, errno: Errno },
+    #[error("set oom_score_adj: {0}")]
+    OomScore(std::io::Error),
+    #[error("container init exited before it could be inspected")]
+    Vanished,
+    #[error("release container init: {0}")]
+    Sync(Errno),
+    #[error("read container init's report: {0}")]
+    Report(std::io::Error),
+    /// The init's own message, e.g. `exec: "/nope": no such file or directory`.
+    #[error("{0}")]
+    Init(String),
+}
+
+/// The started init.
+#[derive(Debug, Clone, Copy)]
+pub struct Spawned {
+    pub pid: libc::pid_t,
+    pub start_time: u64,
+}
+
+/// Kills and reaps the init unless disarmed (used on every failure path).
+struct ChildGuard {
+    pid: libc::pid_t,
+    armed: bool,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            // SAFETY: signalling and reaping our own child.
+            unsafe {
+                libc::kill(self.pid, libc::SIGKILL);
+                let mut status = 0;
+                while libc::waitpid(self.pid, &mut status, 0) < 0 && Errno::last().0 == libc::EINTR {}
+            }
+        }
+    }
+}
+
+fn rlimit_resource(t: PosixRlimitType) -> libc::__rlimit_resource_t {
+    use PosixRlimitType::*;
+    match t {
+        RlimitCpu => libc::RLIMIT_CPU,
+        RlimitFsize => libc::RLIMIT_FSIZE,
+        RlimitData => libc::RLIMIT_DATA,
+        RlimitStack => libc::RLIMIT_STACK,
+        RlimitCore => libc::RLIMIT_CORE,
+        RlimitRss => libc::RLIMIT_RSS,
+        RlimitNproc => libc::RLIMIT_NPROC,
+        RlimitNofile => libc::RLIMIT_NOFILE,
+        RlimitMemlock => libc::RLIMIT_MEMLOCK,
+        RlimitAs => libc::RLIMIT_AS,
+        RlimitLocks => libc::RLIMIT_LOCKS,
+        RlimitSigpending => libc::RLIMIT_SIGPENDING,
+        RlimitMsgqueue => libc::RLIMIT_MSGQUEUE,
+        RlimitNice => libc::RLIMIT_NICE,
+        RlimitRtprio => libc::RLIMIT_RTPRIO,
+        RlimitRttime => libc::RLIMIT_RTTIME,
+    }
+}
+
+/// Everything the parent does between the clone and releasing the init; returns the
+/// init's start time.
+fn prepare(
+    config: &Config,
+    pid: libc::pid_t,
+    cgroup: &Cgroup,
+    add_to_cgroup: bool,
+    sync_w: &OwnedFd,
+) -> Result<u64, ProcessError> {
+    if config.namespaces.user {
+        namespaces::write_id_maps(pid, &config.uid_mappings, &config.gid_mappings)?;
+    }
+    if add_to_cgroup {
+        cgroup.add_process(pid)?;
+    }
+    for r in config.process.rlimits().iter().flatten() {
+        let lim = libc::rlimit {
+            rlim_cur: r.soft(),
+            rlim_max: r.hard(),
+        };
+        // SAFETY: prlimit on our child with a valid new limit and no old-limit pointer.
+        if unsafe { libc::prlimit(pid, rlimit_resource(r.typ()), &lim, std::ptr::null_mut()) } != 0 {
+            return Err(ProcessError::Rlimit {
+                name: r.typ().to_string(),
+                errno: Errno::last(),
+            });
+        }
+    }
+    if let Some(adj) = config.process.oom_score_adj() {
+        std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj.to_string()).map_err(ProcessError::OomScore)?;
+    }
+    let start_time = crate::state::proc_stat(pid).ok_or(ProcessError::Vanished)?.start_time;
+    sys::write_all(sync_w.as_raw_fd(), &[1]).map_err(ProcessError::Sync)?;
+    Ok(start_time)
+}
+
+/// Reads the init's report until end of file (its exec, or its exit).
+fn read_report(r: OwnedFd) -> std::io::Result<String> {
+    let mut report = Vec::new();
+    std::fs::File::from(r).read_to_end(&mut report)?;
+    Ok(String::from_utf8_lossy(&report).replace('\n', " "))
+}
+
+/// Clones the init, prepares it from the outside, releases it and waits for its exec.
+pub fn spawn(
+    config: &Config,
+    rootfs: RootfsPlan,
+    seccomp: Option<Program>,
+    preserve_fds: u32,
+    cgroup: &Cgroup,
+) -> Result<Spawned, ProcessError> {
+    // Our descriptors must sit above the range the caller asked us to pass through.
+    let min_fd = 3 + preserve_fds as i32;
+    let (sync_r, sync_w) = sys::pipe_above(min_fd).map_err(ProcessError::Pipe)?;
+    let (report_r, report_w) = sys::pipe_above(min_fd).map_err(ProcessError::Pipe)?;
+    // v1: the init joins its cgroup itself (fast path, see `Cgroup::self_join_files`);
+    // v2: we move it below.
+    let self_join = cgroup.self_join_files();
+    let mut plan = InitPlan::new(
+        config,
+        rootfs,
+        seccomp,
+        self_join.as_deref().unwrap_or(&[]),
+        preserve_fds,
+        InitFds {
+            sync: sync_r.as_raw_fd(),
+            report: report_w.as_raw_fd(),
+            parent: [sync_w.as_raw_fd(), report_r.as_raw_fd()],
+        },
+    )?;
+
+    let pid = namespaces::clone_process(config.namespaces.clone_flags())?;
+    if pid == 0 {
+        init::run(&mut plan);
+    }
+    drop(plan);
+    drop(sync_r);
+    drop(report_w);
+    let mut child = ChildGuard { pid, armed: true };
+
+    let prepared = prepare(config, pid, cgroup, self_join.is_none(), &sync_w);
+    drop(sync_w);
+    let start_time = match prepared {
+        Ok(t) => t,
+        Err(e) => {
+            // The init may have failed first (it joins its cgroup on its own) and the error
+            // here is only a consequence, such as EPIPE on the sync pipe. Once it is dead its
+            // report is complete; prefer that message, it names the cause.
+            drop(child);
+            let msg = read_report(report_r).unwrap_or_default();
+            return Err(if msg.is_empty() { e } else { ProcessError::Init(msg) });
+        }
+    };
+    let msg = read_report(report_r).map_err(ProcessError::Report)?;
+    if !msg.is_empty() {
+        return Err(ProcessError::Init(msg));
+    }
+    child.armed = false;
+    Ok(Spawned { pid, start_time })
+}

@@ -1,0 +1,235 @@
+//! The node's envd endpoint: what the gateway's proxy forwards an SDK's envd calls to, for
+//! every sandbox of this node, told apart by the `E2b-Sandbox-Id` header.
+//!
+//! The API itself is the `envd` crate's. Here the node does what only it can:
+//! - lets a request through only with the sandbox's access token (`X-Access-Token`, or a
+//!   `/files` URL signed with it), checked by one layer in front of every route so no route
+//!   can forget it; a sandbox created without a token answers nobody; `/health` passes;
+//! - answers for sandboxes that are not running (unknown here, paused) in the route's own
+//!   error shape;
+//! - holds a request that changes the sandbox's files against a pause (uploads, MakeDir,
+//!   Move, Remove), so a snapshot never catches a half-written file
+//!   ([`crate::host::Host::file_access`]);
+//! - hosts one envd per sandbox of the unisolated process runtime, whose commands it puts into
+//!   the sandbox's cgroups and namespaces ([`crate::runtime::Runtime::enclose`]).
+//!
+//! Served over HTTP/1.1 and h2c on one port.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use envd::connect::{Code, RpcError};
+use envd::files::rest_from_rpc;
+use envd_wire::access;
+use tokio::sync::Mutex;
+use tower::ServiceExt;
+
+use crate::host::Host;
+use crate::sandbox::{SandboxRecord, State as SandboxState};
+
+/// The endpoint's state.
+#[derive(Clone)]
+pub struct Envd {
+    host: Arc<Host>,
+    /// Each sandbox's envd, with the creation time of the sandbox it serves (a sandbox ID
+    /// reused after a kill gets a fresh one).
+    hosted: Arc<Mutex<HashMap<String, (u64, envd::Envd)>>>,
+}
+
+impl Envd {
+    pub fn new(host: Arc<Host>) -> Self {
+        Self {
+            host,
+            hosted: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The HTTP routes: every path goes to the sandbox's envd, behind the token check.
+    pub fn router(self) -> Router {
+        Router::new()
+            .fallback(forward)
+            .layer(axum::middleware::from_fn_with_state(self.clone(), authorized))
+            .with_state(self)
+    }
+
+    /// The sandbox named by `E2b-Sandbox-Id`, whatever its state.
+    async fn record(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
+        let id = headers
+            .get(envd_wire::headers::SANDBOX_ID)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| RpcError::new(Code::InvalidArgument, "the E2b-Sandbox-Id header is required"))?;
+        self.host.get(id).await.ok_or_else(|| RpcError::missing(id))
+    }
+
+    /// The running sandbox a request is for.
+    async fn running(&self, headers: &HeaderMap) -> Result<SandboxRecord, RpcError> {
+        let record = self.record(headers).await?;
+        if record.state != SandboxState::Running {
+            return Err(RpcError::new(
+                Code::Unavailable,
+                format!("sandbox {} is {:?}; resume it first", record.id, record.state),
+            ));
+        }
+        Ok(record)
+    }
+
+    /// The envd serving `record`, made on first use; instances of sandboxes gone from this
+    /// node are dropped then too (with the commands they still track).
+    async fn instance(&self, record: &SandboxRecord) -> envd::Envd {
+        let mut hosted = self.hosted.lock().await;
+        if let Some((created, instance)) = hosted.get(&record.id) {
+            if *created == record.created_at_unix_ms {
+                return instance.clone();
+            }
+        }
+        let live: Vec<String> = self.host.list_ids().await;
+        hosted.retain(|id, _| live.contains(id));
+        let runtime = self.host.runtime().clone();
+        let (for_enclose, home) = (record.clone(), self.host.home(&record.id));
+        let enclose_home = home.clone();
+        let instance = envd::Envd::hosted(
+            envd::SandboxEnv {
+                sandbox_id: record.id.clone(),
+                vars: record.env.clone(),
+            },
+            envd::server::Hosted {
+                home,
+                enclose: Arc::new(move |cmd, cwd| {
+                    runtime
+                        .enclose(&for_enclose, &enclose_home, cwd, cmd)
+                        .map_err(|e| e.to_string())
+                }),
+            },
+        );
+        hosted.insert(record.id.clone(), (record.created_at_unix_ms, instance.clone()));
+        instance
+    }
+}
+
+/// Whether a request changes the sandbox's files (and so must not overlap a pause). Streams
+/// (watches) are not held: a watch may last for ever.
+fn changes_files(method: &Method, path: &str) -> bool {
+    (method == Method::POST && path == "/files")
+        || matches!(
+            path,
+            "/filesystem.Filesystem/MakeDir" | "/filesystem.Filesystem/Move" | "/filesystem.Filesystem/Remove"
+        )
+}
+
+/// An error in the shape of the route's protocol: Connect's JSON for RPCs, `{code, message}`
+/// for the REST routes.
+fn refusal(path: &str, err: RpcError) -> Response {
+    if path.starts_with("/process.") || path.starts_with("/filesystem.") {
+        err.into_response()
+    } else {
+        rest_from_rpc(err)
+    }
+}
+
+/// Lets a request through only with the sandbox's access token (or a `/files` URL signed
+/// with it); `/health` passes as it is.
+async fn authorized(State(envd): State<Envd>, request: Request, next: axum::middleware::Next) -> Response {
+    let path = request.uri().path().to_string();
+    if path == access::HEALTH_PATH {
+        return next.run(request).await;
+    }
+    let record = match envd.record(request.headers()).await {
+        Ok(record) => record,
+        Err(err) => return refusal(&path, err),
+    };
+    let presented = access::Presented {
+        path: &path,
+        method: request.method().as_str(),
+        query: request.uri().query(),
+        token: request
+            .headers()
+            .get(envd_wire::headers::ACCESS_TOKEN)
+            .map(axum::http::HeaderValue::as_bytes),
+    };
+    let now = common::clock::now_ms() / 1000;
+    if let Err(denied) = access::authorize(record.access_token.as_deref(), &presented, now) {
+        metrics::counter!("node_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
+        tracing::info!(sandbox_id = %record.id, why = ?denied, "envd request refused");
+        return refusal(&path, RpcError::new(Code::Unauthenticated, denied.message()));
+    }
+    next.run(request).await
+}
+
+/// Hands the request to its sandbox's envd; `/health` without a sandbox is the node's own.
+async fn forward(State(envd): State<Envd>, request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    let health = path == access::HEALTH_PATH;
+    if health && !request.headers().contains_key(envd_wire::headers::SANDBOX_ID) {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    let record = match envd.running(request.headers()).await {
+        Ok(record) => record,
+        Err(err) => return refusal(&path, err),
+    };
+    if health {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    // Held until envd has answered (an upload is written by then).
+    let _access = if changes_files(request.method(), &path) {
+        match envd.host.file_access(&record.id).await {
+            Some(access) => Some(access),
+            None => {
+                return refusal(
+                    &path,
+                    RpcError::new(
+                        Code::Unavailable,
+                        format!("sandbox {} was paused; resume it first", record.id),
+                    ),
+                )
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(socket) = envd.host.runtime().envd_socket(&envd.host.home(&record.id)) {
+        return match through_socket(&socket, request).await {
+            Ok(response) => response,
+            Err(reason) => {
+                tracing::warn!(sandbox_id = %record.id, %reason, "envd inside the sandbox did not answer");
+                refusal(
+                    &path,
+                    RpcError::new(
+                        Code::Unavailable,
+                        format!("envd of sandbox {} did not answer: {reason}", record.id),
+                    ),
+                )
+            }
+        };
+    }
+    let instance = envd.instance(&record).await;
+    match instance.router().oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// Sends `request` to the envd listening on `socket` (inside its sandbox) and streams its
+/// answer back: bodies flow through as they come, in both directions.
+async fn through_socket(socket: &std::path::Path, request: Request) -> Result<Response, String> {
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("connecting: {e}"))?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            tracing::debug!(%err, "envd connection ended");
+        }
+    });
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    Ok(response.map(axum::body::Body::new))
+}

@@ -1,0 +1,332 @@
+//! Sandboxes as OCI containers: the default runtime.
+//!
+//! Each sandbox is a container with its own root filesystem ([`rootfs`]: the template's
+//! read-only layers under the sandbox's writable layer), user namespace (root inside is an
+//! unprivileged host uid), PID, mount, network (loopback only), IPC and UTS namespaces, a
+//! container capability set, `no_new_privs`, a seccomp filter and cgroup limits, as
+//! [`spec`] writes them. envd runs inside as PID 1 and listens on a Unix socket the node opens
+//! and hands in, so the node reaches it without any network route and nothing inside can
+//! replace that socket. An OCI runtime does the work ([`oci`]): the node's own `jail` by
+//! default, or any runc-compatible binary.
+//!
+//! Namespaces are not a VM: a kernel bug reachable from inside a sandbox reaches the host. An
+//! operator who needs VM-grade isolation points `--oci-runtime` at gVisor's `runsc` or Kata's
+//! runtime; nothing else changes.
+//!
+//! The sandbox's folder on the host holds `home/` (the writable layer: what snapshots carry),
+//! `work/` (overlayfs's), `rootfs/` (the mounted root), `config.json` (the bundle's spec),
+//! `envd.sock` and `container.log` (envd's output and the runtime's errors).
+
+pub mod oci;
+pub mod rootfs;
+pub mod spec;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::cgroup::Cgroups;
+use super::{Features, Runtime, RuntimeError};
+use crate::sandbox::SandboxRecord;
+use crate::state_dir::StateDir;
+
+/// Where a sandbox's parts live, beside its writable layer (`home`).
+struct Parts {
+    bundle: PathBuf,
+    rootfs: PathBuf,
+    work: PathBuf,
+    socket: PathBuf,
+    pid_file: PathBuf,
+    log: PathBuf,
+}
+
+fn parts(home: &Path) -> Parts {
+    let dir = home.parent().unwrap_or(home).to_path_buf();
+    Parts {
+        rootfs: dir.join("rootfs"),
+        work: dir.join("work"),
+        socket: dir.join("envd.sock"),
+        pid_file: dir.join("container.pid"),
+        log: dir.join("container.log"),
+        bundle: dir,
+    }
+}
+
+/// How the container runtime is set up.
+#[derive(Clone, Debug)]
+pub struct ContainerConfig {
+    /// The node's state directory (the base layer and the runtime's state live under it).
+    pub state_dir: PathBuf,
+    /// A runc-compatible runtime binary; `None` runs the node's own `jail`.
+    pub oci_runtime: Option<PathBuf>,
+    /// The program that carries envd and jail (`PROGRAM envd ...`, `PROGRAM jail ...`); by
+    /// default [`multicall_binary`].
+    pub envd_binary: Option<PathBuf>,
+}
+
+/// Binaries that answer `envd ...` and `jail ...` (see `node_svc::multicall`).
+const MULTICALL: [&str; 2] = ["node-svc", "sandboxsched"];
+
+/// The binary that carries envd and jail: this executable when it is node-svc or the launcher,
+/// else one of them beside it or one folder up (a test or benchmark executable in
+/// `target/*/deps` finds `target/*/node-svc`).
+pub fn multicall_binary() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let name = exe.file_name()?.to_str()?;
+    if MULTICALL.contains(&name) {
+        return Some(exe);
+    }
+    let dir = exe.parent()?;
+    let found = [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .flat_map(|d| MULTICALL.iter().map(move |name| d.join(name)))
+        .find(|candidate| candidate.is_file());
+    found
+}
+
+pub struct ContainerRuntime {
+    node_id: String,
+    dirs: StateDir,
+    cli: oci::Cli,
+    base: PathBuf,
+    host_dirs: Vec<PathBuf>,
+    envd_binary: PathBuf,
+    /// For measuring: the runtime creates each sandbox's groups under the node's parents.
+    cgroups: Cgroups,
+    /// Why this host cannot run isolated sandboxes, if it cannot: every start is refused.
+    missing: Vec<String>,
+    degraded: Vec<String>,
+}
+
+fn start_error(record: &SandboxRecord, reason: impl ToString) -> RuntimeError {
+    RuntimeError::Start {
+        sandbox: record.id.clone(),
+        reason: reason.to_string(),
+    }
+}
+
+fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) -> RuntimeError {
+    RuntimeError::Control {
+        sandbox: record.id.clone(),
+        action,
+        reason: reason.to_string(),
+    }
+}
+
+/// What this host lacks to isolate sandboxes.
+fn probe_host() -> Vec<String> {
+    let mut missing = Vec::new();
+    let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    if userns == 0 {
+        missing.push("user namespaces (/proc/sys/user/max_user_namespaces is 0 or missing)".to_string());
+    }
+    let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !filesystems.lines().any(|l| l.trim_end().ends_with("overlay")) {
+        missing.push("overlayfs (not in /proc/filesystems)".to_string());
+    }
+    // SAFETY: geteuid cannot fail and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        missing.push("root (the node maps user namespaces and mounts root filesystems)".to_string());
+    }
+    missing
+}
+
+/// Makes `dir` and its ancestors searchable (`o+x`, not readable) where they are not: the
+/// runtime mounts a sandbox's root filesystem from inside its user namespace, as an
+/// unprivileged host uid that must be able to walk the path to it.
+fn searchable(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::fs::canonicalize(dir)?;
+    for ancestor in dir.ancestors() {
+        let mode = std::fs::metadata(ancestor)?.permissions().mode();
+        if mode & 0o001 == 0 {
+            tracing::warn!(path = %ancestor.display(), "adding o+x so sandboxes' mapped root can reach the state directory");
+            std::fs::set_permissions(ancestor, std::fs::Permissions::from_mode((mode & 0o7777) | 0o001))?;
+        }
+    }
+    Ok(())
+}
+
+impl ContainerRuntime {
+    pub fn new(node_id: &str, config: ContainerConfig) -> Self {
+        let (cgroups, mut degraded) = Cgroups::probe(node_id);
+        let mut missing = probe_host();
+        if !cgroups.has_memory() || !cgroups.has_freezer() {
+            missing.push("memory and freezer cgroups".to_string());
+        }
+        let root = config.state_dir.join("container");
+        let base = root.join("base");
+        if let Err(e) = std::fs::create_dir_all(&config.state_dir).and_then(|()| searchable(&config.state_dir)) {
+            missing.push(format!("a state directory the sandboxes' root can reach: {e}"));
+        }
+        let host_dirs = match std::fs::create_dir_all(&root).and_then(|()| rootfs::ensure_base(&base)) {
+            Ok(dirs) => dirs,
+            Err(e) => {
+                missing.push(format!("the base template's layer at {}: {e}", base.display()));
+                Vec::new()
+            }
+        };
+        let carrier = config.envd_binary.clone().or_else(multicall_binary).unwrap_or_else(|| {
+            missing.push("a node-svc or sandboxsched binary to run envd and jail from".to_string());
+            PathBuf::from("/nonexistent/node-svc")
+        });
+        let cli = match &config.oci_runtime {
+            Some(program) => oci::Cli::new(program.clone(), Vec::new(), root.join("runtime")),
+            None => oci::Cli::new(carrier.clone(), vec!["jail".into()], root.join("runtime")),
+        };
+        let envd_binary = carrier;
+        if !missing.is_empty() {
+            degraded.push(format!("sandboxes refused: this host lacks {}", missing.join(", ")));
+        }
+        for line in &degraded {
+            tracing::warn!(node_id, "container runtime: {line}");
+        }
+        tracing::info!(node_id, runtime = %cli.describe(), "sandboxes are OCI containers");
+        Self {
+            node_id: node_id.to_string(),
+            dirs: StateDir::new(&config.state_dir),
+            cli,
+            base,
+            host_dirs,
+            envd_binary,
+            cgroups,
+            missing,
+            degraded,
+        }
+    }
+
+    fn cgroups_path(&self, record: &SandboxRecord) -> String {
+        format!("/sandboxsched-{}/{}", self.node_id, record.id)
+    }
+
+    fn write_spec(&self, record: &SandboxRecord, parts: &Parts) -> Result<(), String> {
+        let inputs = spec::Inputs {
+            rootfs: &parts.rootfs,
+            envd_binary: &self.envd_binary,
+            cgroups_path: self.cgroups_path(record),
+            host_dirs: &self.host_dirs,
+        };
+        let spec = spec::spec(record, &inputs)?;
+        let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
+        std::fs::write(parts.bundle.join("config.json"), json).map_err(|e| format!("writing config.json: {e}"))
+    }
+
+    fn bind_socket(parts: &Parts) -> io::Result<std::os::unix::net::UnixListener> {
+        match std::fs::remove_file(&parts.socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::os::unix::net::UnixListener::bind(&parts.socket)
+    }
+}
+
+impl Runtime for ContainerRuntime {
+    fn kind(&self) -> &'static str {
+        "container"
+    }
+
+    fn features(&self) -> Features {
+        Features {
+            cgroup_memory: self.cgroups.has_memory(),
+            freezer: self.cgroups.has_freezer(),
+            namespaces: self.missing.is_empty(),
+            degraded: self.degraded.clone(),
+        }
+    }
+
+    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError> {
+        if !self.missing.is_empty() {
+            return Err(start_error(
+                record,
+                format!(
+                    "this host cannot isolate sandboxes: it lacks {}",
+                    self.missing.join(", ")
+                ),
+            ));
+        }
+        let parts = parts(home);
+        // A container of this ID left from before (a restore over a dead copy) goes first.
+        self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
+        rootfs::prepare_upper(home, &parts.work).map_err(|e| start_error(record, format!("writable layer: {e}")))?;
+        rootfs::mount_overlay(std::slice::from_ref(&self.base), home, &parts.work, &parts.rootfs)
+            .map_err(|e| start_error(record, e))?;
+        let started = (|| -> Result<u32, String> {
+            self.write_spec(record, &parts)?;
+            let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
+            self.cli
+                .run(&record.id, &parts.bundle, &parts.pid_file, &parts.log, &listener)?;
+            let pid = std::fs::read_to_string(&parts.pid_file).map_err(|e| format!("reading the pid file: {e}"))?;
+            pid.trim().parse::<u32>().map_err(|e| format!("pid file {pid:?}: {e}"))
+        })();
+        started.map_err(|e| {
+            let _ = rootfs::unmount(&parts.rootfs);
+            start_error(record, e)
+        })
+    }
+
+    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+        self.cli.pause(&record.id).map_err(|e| control(record, "pause", e))
+    }
+
+    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+        match self.cli.state(&record.id).map_err(|e| control(record, "resume", e))? {
+            Some(oci::Status::Paused) => self.cli.resume(&record.id).map_err(|e| control(record, "resume", e)),
+            Some(oci::Status::Running) => Ok(()),
+            // Restored from a snapshot (or its container died): nothing to thaw; the host
+            // starts it afresh.
+            Some(oci::Status::Stopped) | None => Ok(()),
+        }
+    }
+
+    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+        self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
+        // Unmounted before anyone deletes the sandbox's folder, or the deletion would walk
+        // into the mounted root.
+        rootfs::unmount(&parts(&self.dirs.home(&record.id)).rootfs).map_err(|e| control(record, "kill", e))
+    }
+
+    fn memory_used(&self, record: &SandboxRecord) -> u64 {
+        self.cgroups.memory_usage(&record.id).unwrap_or(0)
+    }
+
+    fn alive(&self, record: &SandboxRecord) -> bool {
+        matches!(
+            self.cli.state(&record.id),
+            Ok(Some(oci::Status::Running | oci::Status::Paused))
+        )
+    }
+
+    fn adopt(&self, _record: &SandboxRecord) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    fn cpu_time_ns(&self) -> Option<u64> {
+        self.cgroups.cpu_time_ns()
+    }
+
+    fn enclose(
+        &self,
+        record: &SandboxRecord,
+        _home: &Path,
+        _cwd: &Path,
+        _command: &mut std::process::Command,
+    ) -> Result<(), RuntimeError> {
+        Err(control(
+            record,
+            "run a command in",
+            "commands run through envd inside the container",
+        ))
+    }
+
+    fn envd_socket(&self, home: &Path) -> Option<PathBuf> {
+        Some(parts(home).socket)
+    }
+
+    fn runs_envd(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,285 @@
+//! A sandbox's root filesystem: an overlay of its template's read-only layers under the
+//! sandbox's own writable layer (the only part that is the sandbox's data: what a snapshot
+//! carries), mounted by the node before the runtime starts the container.
+//!
+//! The built-in `base` template is assembled from the host's own userland so it works offline
+//! on a fresh machine: one small generated layer (directories, the merged-`/usr` symlinks, an
+//! `/etc` of its own with `root` and `user` (uid 1000, home `/home/user`) and a few read-only
+//! copies of the host's `/etc` files the userland needs), with the host's `/usr` bind-mounted
+//! read-only by the spec. Everything in the generated layer is owned by the ids the sandbox's
+//! user namespace maps, so inside it is root's (or `user`'s), and nothing of it is the host's
+//! secrets: `/etc/shadow`, keys and the host's accounts are not copied.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::fs::{chown, lchown, symlink, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::spec::{HOST_ID_BASE, SANDBOX_USER_ID};
+
+/// Bumped whenever the generated layer changes, so nodes rebuild it.
+const BASE_VERSION: &str = "1";
+
+/// Host `/etc` entries the host userland needs inside (dynamic linker cache, alternatives
+/// symlinks, certificates, shell profiles, time zone, protocol tables).
+const HOST_ETC: [&str; 20] = [
+    "alternatives",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "ssl/certs",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "localtime",
+    "timezone",
+    "bash.bashrc",
+    "profile",
+    "profile.d",
+    "inputrc",
+    "os-release",
+    "debian_version",
+    "mime.types",
+    "protocols",
+    "services",
+    "environment",
+    "skel",
+];
+
+/// Top-level directories that on a merged-`/usr` host are symlinks into `/usr`.
+const USR_LINKS: [&str; 6] = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+
+/// The host uid (or gid) of `inside` in a sandbox.
+fn host_id(inside: u32) -> u32 {
+    HOST_ID_BASE + inside
+}
+
+/// Builds the `base` template's generated layer at `dir` unless a complete one is there.
+/// Returns the top-level host directories that are real directories rather than symlinks into
+/// `/usr` (a host without merged `/usr`): the spec must bind those read-only as well.
+pub fn ensure_base(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut binds = Vec::new();
+    for name in USR_LINKS {
+        let host = Path::new("/").join(name);
+        if let Ok(meta) = std::fs::symlink_metadata(&host) {
+            if meta.is_dir() {
+                binds.push(host);
+            }
+        }
+    }
+    let marker = dir.join(".sandboxsched-base");
+    if std::fs::read_to_string(&marker).is_ok_and(|v| v == BASE_VERSION) {
+        return Ok(binds);
+    }
+    let scratch = dir.with_extension(format!("new-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    build_base(&scratch)?;
+    std::fs::write(scratch.join(".sandboxsched-base"), BASE_VERSION)?;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::rename(&scratch, dir)?;
+    Ok(binds)
+}
+
+fn build_base(root: &Path) -> io::Result<()> {
+    let root_id = host_id(0);
+    let user_id = host_id(SANDBOX_USER_ID);
+    let dir = |rel: &str, mode: u32, owner: u32| -> io::Result<()> {
+        let path = root.join(rel);
+        std::fs::create_dir_all(&path)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+        chown(&path, Some(owner), Some(owner))
+    };
+    dir("", 0o755, root_id)?;
+    for rel in [
+        "usr",
+        "proc",
+        "sys",
+        "dev",
+        "run",
+        "etc",
+        "var",
+        "var/log",
+        "var/lib",
+        "opt",
+        "mnt",
+        "srv",
+        ".sandboxsched",
+    ] {
+        dir(rel, 0o755, root_id)?;
+    }
+    dir("tmp", 0o1777, root_id)?;
+    dir("var/tmp", 0o1777, root_id)?;
+    dir("root", 0o700, root_id)?;
+    dir("home", 0o755, root_id)?;
+    dir("home/user", 0o755, user_id)?;
+    dir("code", 0o755, user_id)?;
+    for name in USR_LINKS {
+        if let Ok(target) = std::fs::read_link(Path::new("/").join(name)) {
+            symlink(&target, root.join(name))?;
+            lchown(root.join(name), Some(root_id), Some(root_id))?;
+        }
+    }
+    // envd's binary is bind-mounted here: the mount point must exist as a file.
+    let envd = root.join(".sandboxsched/envd");
+    std::fs::write(&envd, b"")?;
+    chown(&envd, Some(root_id), Some(root_id))?;
+    let etc_file = |name: &str, text: &str| -> io::Result<()> {
+        let path = root.join("etc").join(name);
+        std::fs::write(&path, text)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        chown(&path, Some(root_id), Some(root_id))
+    };
+    etc_file(
+        "passwd",
+        "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    )?;
+    etc_file(
+        "group",
+        "root:x:0:\ntty:x:5:\nusers:x:100:user\nuser:x:1000:\nnogroup:x:65534:\n",
+    )?;
+    etc_file(
+        "hosts",
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    )?;
+    etc_file("resolv.conf", "")?;
+    etc_file(
+        "nsswitch.conf",
+        "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
+    )?;
+    for rel in HOST_ETC {
+        let from = Path::new("/etc").join(rel);
+        if std::fs::symlink_metadata(&from).is_ok() {
+            copy_owned(&from, &root.join("etc").join(rel), root_id)?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies `from` (file, directory tree or symlink, never following one) to `to`, owned by
+/// `owner`, modes kept but set-id bits dropped.
+fn copy_owned(from: &Path, to: &Path, owner: u32) -> io::Result<()> {
+    let meta = std::fs::symlink_metadata(from)?;
+    if let Some(parent) = to.parent() {
+        if !parent.exists() {
+            std::fs::create_dir_all(parent)?;
+            chown(parent, Some(owner), Some(owner))?;
+        }
+    }
+    let mode = meta.permissions().mode() & 0o1777;
+    if meta.file_type().is_symlink() {
+        symlink(std::fs::read_link(from)?, to)?;
+    } else if meta.is_dir() {
+        std::fs::create_dir_all(to)?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            copy_owned(&entry.path(), &to.join(entry.file_name()), owner)?;
+        }
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode))?;
+    } else if meta.is_file() {
+        std::fs::copy(from, to)?;
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode))?;
+    } else {
+        return Ok(());
+    }
+    lchown(to, Some(owner), Some(owner))
+}
+
+/// Prepares `upper` (the sandbox's writable layer) to be the root of a sandbox: owned by the
+/// sandbox's root, so what root inside creates at `/` is its own.
+pub fn prepare_upper(upper: &Path, work: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(upper)?;
+    chown(upper, Some(host_id(0)), Some(host_id(0)))?;
+    std::fs::set_permissions(upper, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::create_dir_all(work)
+}
+
+fn cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
+}
+
+/// Whether `path` is a mount point (its device differs from its parent's).
+fn mounted(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(here), Some(Ok(parent))) = (std::fs::metadata(path), path.parent().map(std::fs::metadata)) else {
+        return false;
+    };
+    here.dev() != parent.dev()
+}
+
+/// Mounts the overlay of `lower` layers (topmost first) under `upper` at `target`, unless
+/// something is mounted there already (a restarted node finds its sandboxes' roots mounted).
+pub fn mount_overlay(lower: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(target)?;
+    if mounted(target) {
+        return Ok(());
+    }
+    let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lowers.join(":"),
+        upper.display(),
+        work.display()
+    );
+    let (source, fstype, target_c, data) = (
+        CString::new("overlay").map_err(io::Error::other)?,
+        CString::new("overlay").map_err(io::Error::other)?,
+        cstring(target)?,
+        CString::new(options).map_err(io::Error::other)?,
+    );
+    // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target_c.as_ptr(),
+            fstype.as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::other(format!(
+            "mounting the overlay at {}: {}",
+            target.display(),
+            io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// Unmounts the overlay at `target` if one is mounted there.
+pub fn unmount(target: &Path) -> io::Result<()> {
+    if !mounted(target) {
+        return Ok(());
+    }
+    let c = cstring(target)?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn the_base_layer_has_its_own_accounts_and_none_of_the_hosts_secrets() {
+        let dir = std::env::temp_dir().join(format!("base-layer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        ensure_base(&dir).unwrap();
+        let passwd = std::fs::read_to_string(dir.join("etc/passwd")).unwrap();
+        assert!(passwd.contains("user:x:1000:1000::/home/user"));
+        assert!(!dir.join("etc/shadow").exists());
+        assert!(!dir.join("etc/ssl/private").exists());
+        let home = std::fs::metadata(dir.join("home/user")).unwrap();
+        assert_eq!(home.uid(), HOST_ID_BASE + 1000, "user's home is user's inside");
+        assert_eq!(std::fs::metadata(dir.join("tmp")).unwrap().mode() & 0o7777, 0o1777);
+        // Built once: a second call finds it complete.
+        let before = std::fs::metadata(dir.join("etc/passwd")).unwrap().ino();
+        ensure_base(&dir).unwrap();
+        assert_eq!(std::fs::metadata(dir.join("etc/passwd")).unwrap().ino(), before);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

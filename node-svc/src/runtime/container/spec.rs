@@ -1,0 +1,270 @@
+//! The OCI runtime spec (`config.json`) of one sandbox. Pure: a function of the sandbox's
+//! record and where things are, so what a sandbox may do is read and tested in one place.
+//!
+//! What it asks the runtime for, and why:
+//! - namespaces: user (root inside is host uid [`HOST_ID_BASE`], files a sandbox writes are
+//!   never host-root files), pid, mount, network (only loopback: no route to the host or
+//!   anywhere else), ipc, uts (hostname = sandbox ID), cgroup;
+//! - the root filesystem the node mounted (an overlay of the template's read-only layers and
+//!   the sandbox's own writable layer), plus the host's `/usr` read-only (the built-in `base`
+//!   template's userland) and envd's binary read-only at [`ENVD_PATH`];
+//! - envd as PID 1, root in the sandbox, listening on the socket the node hands in as fd 3;
+//! - a container default capability set, `no_new_privs`, a seccomp filter refusing the system
+//!   calls a sandbox has no business making (kernel keyrings, BPF, perf, module loading,
+//!   namespace creation, mounting), masked and read-only paths as runc masks them;
+//! - cgroup limits: memory = the sandbox's memory, CPU = its vCPUs as a quota, a pids limit.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use oci_spec::runtime::Spec;
+use serde_json::{json, Value};
+
+use crate::sandbox::SandboxRecord;
+
+/// Host uid and gid that root inside every sandbox maps to.
+pub const HOST_ID_BASE: u32 = 100_000;
+/// How many ids each sandbox maps (0-65535 inside).
+pub const ID_RANGE: u32 = 65_536;
+/// uid and gid of E2B's default user inside a sandbox.
+pub const SANDBOX_USER_ID: u32 = 1000;
+/// Where envd's binary appears inside a sandbox.
+pub const ENVD_PATH: &str = "/.sandboxsched/envd";
+/// Processes a sandbox may have at once.
+pub const PIDS_LIMIT: i64 = 8192;
+/// CFS period for the CPU quota.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// What the spec points at outside the record.
+pub struct Inputs<'a> {
+    /// The mounted root filesystem.
+    pub rootfs: &'a Path,
+    /// The program that is envd (the node's own binary, run as `BINARY envd ...`).
+    pub envd_binary: &'a Path,
+    /// The cgroup the runtime creates for the sandbox (`/sandboxsched-NODE/ID`).
+    pub cgroups_path: String,
+    /// Host top-level directories to bind read-only besides `/usr` (a host without merged
+    /// `/usr`, where `/bin` or `/lib` are real directories).
+    pub host_dirs: &'a [std::path::PathBuf],
+}
+
+const CAPABILITIES: [&str; 14] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// System calls refused with EPERM. Most need capabilities a sandbox does not have anyway;
+/// the filter is the second wall, and it also closes what a user namespace would otherwise
+/// open to unprivileged code (new namespaces of its own, mounts inside them).
+const REFUSED: [&str; 30] = [
+    "add_key",
+    "request_key",
+    "keyctl",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "syslog",
+    "acct",
+    "quotactl",
+    "lookup_dcookie",
+    "iopl",
+    "ioperm",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "setns",
+    "unshare",
+    "fsopen",
+    "fsmount",
+    "move_mount",
+];
+
+/// The spec for `record`.
+pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
+    let vars: BTreeMap<&str, &str> = record.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut env = vec![
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+        format!("{}={}", envd::SANDBOX_ID_VAR, record.id),
+        format!(
+            "{}={}",
+            envd::VARS_VAR,
+            serde_json::to_string(&vars).map_err(|e| e.to_string())?
+        ),
+    ];
+    if let Some(command) = record.start_command.as_deref().filter(|c| !c.trim().is_empty()) {
+        env.push(format!("{}={command}", envd::START_COMMAND_VAR));
+    }
+    let caps: Vec<&str> = CAPABILITIES.to_vec();
+    let vcpus = u64::from(record.resources.vcpus.max(1));
+    let memory = i64::try_from(record.resources.memory_bytes).unwrap_or(i64::MAX);
+    let no_sandbox_user_namespaces = json!({
+        "names": ["clone"],
+        "action": "SCMP_ACT_ERRNO",
+        "errnoRet": libc::EPERM,
+        "args": [{
+            "index": 0,
+            "value": libc::CLONE_NEWUSER as u64,
+            "valueTwo": libc::CLONE_NEWUSER as u64,
+            "op": "SCMP_CMP_MASKED_EQ"
+        }]
+    });
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
+        json!({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]}),
+    ];
+    for dir in inputs.host_dirs {
+        mounts.push(
+            json!({"destination": dir, "type": "bind", "source": dir, "options": ["rbind", "ro", "nosuid", "nodev"]}),
+        );
+    }
+    mounts.push(json!({"destination": ENVD_PATH, "type": "bind", "source": inputs.envd_binary, "options": ["bind", "ro", "nosuid", "nodev"]}));
+    let value: Value = json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": [ENVD_PATH, "envd", "--listen-fd", "3"],
+            "env": env,
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps,
+                "effective": caps,
+                "permitted": caps,
+            },
+            "noNewPrivileges": true,
+            "oomScoreAdj": 500
+        },
+        "root": {"path": inputs.rootfs, "readonly": false},
+        "hostname": record.id,
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [
+                {"type": "user"}, {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}
+            ],
+            "uidMappings": [{"containerID": 0, "hostID": HOST_ID_BASE, "size": ID_RANGE}],
+            "gidMappings": [{"containerID": 0, "hostID": HOST_ID_BASE, "size": ID_RANGE}],
+            "cgroupsPath": inputs.cgroups_path,
+            "resources": {
+                "memory": {"limit": memory, "swap": memory},
+                "cpu": {"quota": (vcpus * CPU_PERIOD_US) as i64, "period": CPU_PERIOD_US},
+                "pids": {"limit": PIDS_LIMIT}
+            },
+            "seccomp": {
+                "defaultAction": "SCMP_ACT_ALLOW",
+                "architectures": ["SCMP_ARCH_X86_64"],
+                "syscalls": [
+                    {"names": REFUSED, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
+                    // clone3 cannot be filtered by its flags (they are behind a pointer): say it
+                    // does not exist, and the C library falls back to clone, which can be.
+                    {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS},
+                    no_sandbox_user_namespaces
+                ]
+            },
+            "maskedPaths": [
+                "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+                "/sys/firmware", "/sys/devices/virtual/powercap"
+            ],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+        }
+    });
+    serde_json::from_value(value).map_err(|e| format!("building the OCI spec: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::{Resources, State};
+
+    fn record() -> SandboxRecord {
+        SandboxRecord {
+            id: "sbx1".into(),
+            template: "base".into(),
+            resources: Resources {
+                vcpus: 2,
+                memory_bytes: 512 << 20,
+            },
+            env: [("A".to_string(), "1".to_string())].into(),
+            metadata: Default::default(),
+            start_command: Some("sleep 9".into()),
+            access_token: None,
+            state: State::Running,
+            epoch: 0,
+            pgid: 0,
+            created_at_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_sandbox_is_namespaced_mapped_limited_and_filtered() {
+        let inputs = Inputs {
+            rootfs: Path::new("/state/sbx1/rootfs"),
+            envd_binary: Path::new("/bin/node-svc"),
+            cgroups_path: "/sandboxsched-n1/sbx1".into(),
+            host_dirs: &[],
+        };
+        let spec = spec(&record(), &inputs).unwrap();
+        let json = serde_json::to_value(&spec).unwrap();
+        let kinds: Vec<&str> = json["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["type"].as_str().unwrap())
+            .collect();
+        for kind in ["user", "pid", "network", "ipc", "uts", "mount"] {
+            assert!(kinds.contains(&kind), "{kind} missing: {kinds:?}");
+        }
+        assert_eq!(json["linux"]["uidMappings"][0]["hostID"], HOST_ID_BASE);
+        assert_eq!(json["hostname"], "sbx1");
+        assert_eq!(json["process"]["noNewPrivileges"], true);
+        assert_eq!(json["linux"]["resources"]["memory"]["limit"], 512 << 20);
+        assert_eq!(json["linux"]["resources"]["cpu"]["quota"], 200_000);
+        let bounding = json["process"]["capabilities"]["bounding"].as_array().unwrap();
+        assert!(!bounding.iter().any(|c| c == "CAP_SYS_ADMIN" || c == "CAP_NET_ADMIN"));
+        let env: Vec<&str> = json["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert!(env.contains(&"ENVD_VARS={\"A\":\"1\"}"), "{env:?}");
+        assert!(env.contains(&"ENVD_START_COMMAND=sleep 9"), "{env:?}");
+        // envd's binary and /usr are read-only; nothing else of the host is mounted.
+        let binds: Vec<&str> = json["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["type"] == "bind")
+            .map(|m| m["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(binds, vec!["/usr", "/bin/node-svc"]);
+    }
+}
