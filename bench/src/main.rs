@@ -51,8 +51,17 @@ enum Scenario {
 #[global_allocator]
 static ALLOCATOR: common::Allocator = common::Allocator;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
+    // The benchmarks start node-svcs in this process, whose containers run envd and the
+    // runtime from this very binary (`bench envd ...`, `bench jail ...`).
+    if let Some(code) = node_svc::multicall() {
+        return Ok(code);
+    }
+    tokio::runtime::Runtime::new()?.block_on(run())?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let report = match cli.scenario {
         Scenario::LedgerCas(args) => ledger_cas::run(args).await?,

@@ -1,10 +1,14 @@
-//! `bench node`: lifecycle latency of the process runtime through gRPC, and moving a sandbox
-//! holding 100 MB of files from one node-svc to another (snapshot streamed into restore).
+//! `bench node`: sandboxes as containers (the default runtime, the node's own `jail`) through
+//! gRPC: create, pause, resume and kill latency; what an idle sandbox costs the host; a command
+//! (`true`) through envd from the node's endpoint; every sandbox answering at once (density);
+//! Debian's runc creating the same sandboxes in the same run, for comparison; and moving a
+//! sandbox holding 100 MB of files from one node-svc to another (snapshot streamed into
+//! restore).
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use node_svc::server::{NodeConfig, RunningNode};
+use node_svc::server::{NodeConfig, RunningNode, RuntimeKind};
 use proto::node::v1 as pb;
 use proto::node::v1::node_client::NodeClient;
 use tokio_stream::StreamExt;
@@ -14,11 +18,17 @@ use crate::report::Report;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Sandboxes created (and paused, resumed, killed) for the latency figures.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 100)]
     sandboxes: usize,
     /// Megabytes of files in the sandbox that is moved.
     #[arg(long, default_value_t = 100)]
     snapshot_mb: usize,
+    /// Sandboxes created with runc (`--runc`) for comparison.
+    #[arg(long, default_value_t = 50)]
+    runc_sandboxes: usize,
+    /// The runc binary compared against.
+    #[arg(long, default_value = "/usr/sbin/runc")]
+    runc: std::path::PathBuf,
 }
 
 struct Scratch {
@@ -27,11 +37,67 @@ struct Scratch {
     id: String,
 }
 
-async fn node(tag: &str) -> anyhow::Result<Scratch> {
+async fn node(tag: &str, oci_runtime: Option<std::path::PathBuf>) -> anyhow::Result<Scratch> {
     let id = format!("bench-{tag}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let dir = std::env::temp_dir().join(&id);
-    let node = node_svc::server::start(NodeConfig::new("127.0.0.1:0".parse()?, &id, &dir)).await?;
+    let mut config = NodeConfig::new("127.0.0.1:0".parse()?, &id, &dir);
+    config.runtime = RuntimeKind::Container { oci_runtime };
+    let node = node_svc::server::start(config).await?;
+    let features = node.host().features();
+    anyhow::ensure!(
+        features.namespaces,
+        "this host cannot isolate sandboxes: {:?}",
+        features.degraded
+    );
     Ok(Scratch { node, dir, id })
+}
+
+fn create_request(i: usize, id: &str) -> pb::CreateRequest {
+    pb::CreateRequest {
+        operation_id: format!("c{i}"),
+        epoch: 1,
+        sandbox_id: id.to_string(),
+        template: "base".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 128 << 20,
+        }),
+        access_token: format!("token-{id}"),
+        ..Default::default()
+    }
+}
+
+/// Runs `true` in `sandbox` through the node's envd endpoint, as the gateway forwards an SDK's
+/// `commands.run`; `Ok` once the command ended with exit code 0.
+async fn exec_true(http: &reqwest::Client, envd: &str, sandbox: &str) -> anyhow::Result<()> {
+    let payload = br#"{"process":{"cmd":"true"},"stdin":false}"#;
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(payload);
+    let response = http
+        .post(format!("{envd}/process.Process/Start"))
+        .header("E2b-Sandbox-Id", sandbox)
+        .header("X-Access-Token", format!("token-{sandbox}"))
+        .header("Content-Type", "application/connect+json")
+        .body(framed)
+        .send()
+        .await?;
+    anyhow::ensure!(response.status().is_success(), "envd answered {}", response.status());
+    let body = response.bytes().await?;
+    let text = String::from_utf8_lossy(&body);
+    anyhow::ensure!(text.contains("\"exitCode\":0"), "true did not exit 0: {text}");
+    Ok(())
+}
+
+/// Resident memory of this process, in bytes.
+fn own_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 impl Scratch {
@@ -61,8 +127,8 @@ fn round2(x: f64) -> f64 {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
-    let a = node("a").await?;
-    let b = node("b").await?;
+    let a = node("a", None).await?;
+    let b = node("b", None).await?;
     // The same HTTP/2 windows as the balance executor's clients: a snapshot is one long stream.
     let client = |endpoint: String| async move {
         let channel = tonic::transport::Endpoint::from_shared(endpoint)?
@@ -76,24 +142,43 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let mut cb = client(b.node.endpoint()).await?;
 
     let (mut create, mut pause, mut resume, mut kill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let rss_before = own_rss();
     for i in 0..args.sandboxes {
         let id = format!("s{i}");
         let started = Instant::now();
-        ca.create(pb::CreateRequest {
-            operation_id: format!("c{i}"),
-            epoch: 1,
-            sandbox_id: id.clone(),
-            template: "base".into(),
-            resources: Some(pb::Resources {
-                vcpus: 1,
-                memory_bytes: 128 << 20,
-            }),
-            start_command: "sleep 600".into(),
-            ..Default::default()
-        })
-        .await?;
+        ca.create(create_request(i, &id)).await?;
         create.push(started.elapsed());
     }
+    // Every sandbox idle at once: each answers a command, and costs what its memory cgroup
+    // (envd and the kernel objects charged to it) and the node's own growth say.
+    let http = reqwest::Client::new();
+    let envd = a.node.envd_endpoint();
+    let (mut exec, mut answering) = (Vec::new(), 0usize);
+    for i in 0..args.sandboxes {
+        let started = Instant::now();
+        if exec_true(&http, &envd, &format!("s{i}")).await.is_ok() {
+            answering += 1;
+            exec.push(started.elapsed());
+        }
+    }
+    let listed = a.node.host().list().await;
+    let charged: u64 = listed.iter().map(|(_, used)| *used).sum();
+    let node_growth = own_rss().saturating_sub(rss_before);
+    let idle_mib = (charged + node_growth) as f64 / listed.len().max(1) as f64 / f64::from(1 << 20);
+
+    // The same sandboxes with runc, in the same run.
+    let runc_node = node("runc", Some(args.runc.clone())).await?;
+    let mut cr = client(runc_node.node.endpoint()).await?;
+    let mut runc_create = Vec::new();
+    for i in 0..args.runc_sandboxes {
+        let started = Instant::now();
+        cr.create(create_request(i, &format!("r{i}"))).await?;
+        runc_create.push(started.elapsed());
+    }
+    for i in 0..args.runc_sandboxes {
+        cr.kill(lifecycle(&format!("r{i}"), format!("rk{i}"))).await?;
+    }
+    runc_node.remove().await;
     for (label, samples, method) in [("p", &mut pause, 0), ("r", &mut resume, 1), ("k", &mut kill, 2)] {
         for i in 0..args.sandboxes {
             let req = lifecycle(&format!("s{i}"), format!("{label}{i}"));
@@ -160,12 +245,33 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     b.remove().await;
 
     let mut report = Report::new(format!(
-        "node: process runtime over gRPC, {} sandboxes; move of {} MB",
+        "node: containers over gRPC (own runtime), {} sandboxes; runc for comparison; move of {} MB",
         args.sandboxes, args.snapshot_mb
     ));
     report
         .figure("create_p50_ms", round2(percentile(&mut create, 0.5)), "ms")
         .figure("create_p99_ms", round2(percentile(&mut create, 0.99)), "ms")
+        .figure(
+            "runc_run_p50_ms",
+            round2(percentile(&mut runc_create, 0.5)),
+            "ms, the same create with Debian's runc",
+        )
+        .figure(
+            "exec_p50_ms",
+            round2(percentile(&mut exec, 0.5)),
+            "ms, `true` through envd",
+        )
+        .figure("exec_p99_ms", round2(percentile(&mut exec, 0.99)), "ms")
+        .figure(
+            "idle_overhead_mib",
+            (idle_mib * 100.0).round() / 100.0,
+            "MiB an idle sandbox costs",
+        )
+        .figure(
+            "density",
+            answering as u64,
+            &format!("of {} idle sandboxes answering", args.sandboxes),
+        )
         .figure("pause_p50_ms", round2(percentile(&mut pause, 0.5)), "ms")
         .figure("pause_p99_ms", round2(percentile(&mut pause, 0.99)), "ms")
         .figure("resume_p50_ms", round2(percentile(&mut resume, 0.5)), "ms")

@@ -195,7 +195,15 @@ impl Serving {
     pub fn http(&mut self, name: &'static str, listener: Listener, router: axum::Router, on_stop: OnStop) {
         let mut stopped = self.stopping();
         let task = tokio::spawn(async move {
-            let result = axum::serve(listener.listener, router)
+            use axum::serve::ListenerExt;
+            // Small writes go out at once: a streamed answer (a command's start, then its end)
+            // would otherwise wait out the client's delayed ACK behind Nagle's algorithm.
+            let listener = listener.listener.tap_io(|tcp| {
+                if let Err(err) = tcp.set_nodelay(true) {
+                    tracing::debug!(%err, "TCP_NODELAY not set");
+                }
+            });
+            let result = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
                     let _ = stopped.wait_for(|stop| *stop).await;
                 })

@@ -28,6 +28,7 @@ pub mod usage;
 /// its exit code; `None` for any other command line. Binaries that host node-svc call it first
 /// thing in `main`, before any runtime or thread starts.
 pub fn multicall() -> Option<std::process::ExitCode> {
+    runtime::container::MULTICALL_HERE.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut args = std::env::args_os().skip(1);
     match args.next()?.to_str()? {
         "envd" => Some(::envd::main(args)),

@@ -66,13 +66,15 @@ pub struct ContainerConfig {
 /// Binaries that answer `envd ...` and `jail ...` (see `node_svc::multicall`).
 const MULTICALL: [&str; 2] = ["node-svc", "sandboxsched"];
 
-/// The binary that carries envd and jail: this executable when it is node-svc or the launcher,
-/// else one of them beside it or one folder up (a test or benchmark executable in
-/// `target/*/deps` finds `target/*/node-svc`).
+/// Set by `node_svc::multicall`: this executable answers `envd ...` and `jail ...`.
+pub static MULTICALL_HERE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The binary that carries envd and jail: this executable when its `main` calls
+/// `node_svc::multicall` (node-svc, the launcher, the bench), else node-svc or the launcher
+/// beside it or one folder up (a test executable in `target/*/deps` finds `target/*/node-svc`).
 pub fn multicall_binary() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
-    let name = exe.file_name()?.to_str()?;
-    if MULTICALL.contains(&name) {
+    if MULTICALL_HERE.load(std::sync::atomic::Ordering::Relaxed) {
         return Some(exe);
     }
     let dir = exe.parent()?;
@@ -249,8 +251,11 @@ impl Runtime for ContainerRuntime {
             ));
         }
         let parts = parts(home);
-        // A container of this ID left from before (a restore over a dead copy) goes first.
-        self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
+        // A container of this ID left from before (a restore over a dead copy) goes first; the
+        // runtime keeps a folder per container under its root, so a new ID costs no call.
+        if self.cli.knows(&record.id) {
+            self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
+        }
         rootfs::prepare_upper(home, &parts.work).map_err(|e| start_error(record, format!("writable layer: {e}")))?;
         rootfs::mount_overlay(std::slice::from_ref(&self.base), home, &parts.work, &parts.rootfs)
             .map_err(|e| start_error(record, e))?;

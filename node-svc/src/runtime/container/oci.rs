@@ -123,6 +123,12 @@ impl Cli {
         }
     }
 
+    /// Whether the runtime may know container `id`: runc-compatible runtimes keep a folder per
+    /// container under their root (a stale one is cleaned by `delete`).
+    pub fn knows(&self, id: &str) -> bool {
+        self.root.join(id).exists()
+    }
+
     /// The container's status; `None` when the runtime does not know it.
     pub fn state(&self, id: &str) -> Result<Option<Status>, String> {
         match self.simple("state", &[], id) {
