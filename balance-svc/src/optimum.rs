@@ -72,13 +72,7 @@ pub fn search(snapshot: &Snapshot, tuning: &Tuning, budget: u64) -> Optimum {
         target_ok: ready.iter().map(|n| !n.draining).collect(),
         initial: ready.iter().map(|n| n.available_bytes as i64).collect(),
         available: ready.iter().map(|n| n.available_bytes as i64).collect(),
-        resources: ready
-            .iter()
-            .map(|n| Capacity {
-                vcpus: n.vcpus,
-                memory_bytes: n.capacity_bytes,
-            })
-            .collect(),
+        resources: ready.iter().map(|n| n.resources()).collect(),
         allocated: ready.iter().map(|n| n.allocated).collect(),
         cpu_overcommit: tuning.cpu_overcommit,
         dest: pieces.iter().map(|p| p.1).collect(),

@@ -82,6 +82,14 @@ impl NodeMemory {
     pub fn ratio(&self) -> f64 {
         self.available_bytes as f64 / self.capacity_bytes.max(1) as f64
     }
+
+    /// Its vCPUs and memory, as the allocation rule sees them.
+    pub fn resources(&self) -> Capacity {
+        Capacity {
+            vcpus: self.vcpus,
+            memory_bytes: self.capacity_bytes,
+        }
+    }
 }
 
 /// One sandbox a plan may move.
@@ -436,13 +444,7 @@ impl<'a> Field<'a> {
             capacity: ready.iter().map(|n| n.capacity_bytes.max(1)).collect(),
             available: ready.iter().map(|n| n.available_bytes).collect(),
             target: ready.iter().map(|n| !n.draining).collect(),
-            resources: ready
-                .iter()
-                .map(|n| Capacity {
-                    vcpus: n.vcpus,
-                    memory_bytes: n.capacity_bytes,
-                })
-                .collect(),
+            resources: ready.iter().map(|n| n.resources()).collect(),
             allocated: ready.iter().map(|n| n.allocated).collect(),
             cpu_overcommit,
             pieces,
@@ -938,11 +940,7 @@ fn dominant(held: &BTreeMap<Skip, usize>) -> Skip {
 
 /// Whether `node` can allocate `ask` under placement's rule ([`common::fit`]).
 pub(crate) fn admits(node: &NodeMemory, ask: &Capacity, tuning: &Tuning) -> bool {
-    let resources = Capacity {
-        vcpus: node.vcpus,
-        memory_bytes: node.capacity_bytes,
-    };
-    fit::check(&resources, node.allocated, ask, tuning.cpu_overcommit).is_ok()
+    fit::check(&node.resources(), node.allocated, ask, tuning.cpu_overcommit).is_ok()
 }
 
 /// Moves everything movable off draining nodes: largest first, each onto the ready node with
