@@ -529,7 +529,7 @@ impl Shared {
             let made = (|| -> Result<(), NodeError> {
                 std::fs::create_dir_all(&home).map_err(io)?;
                 if let Some(files) = files {
-                    template::copy_tree(&files, &home).map_err(io)?;
+                    runtime.seed(&home, &files).map_err(io)?;
                 }
                 record.pgid = runtime.start(&record, &home)?;
                 if let Err(err) = dir.persist(&record) {

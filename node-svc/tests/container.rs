@@ -32,10 +32,15 @@ struct Node {
 }
 
 async fn node(oci_runtime: Option<PathBuf>) -> Node {
+    node_with_templates(oci_runtime, None).await
+}
+
+async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<PathBuf>) -> Node {
     let id = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("container-test-{id}"));
     let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
     config.runtime = RuntimeKind::Container { oci_runtime };
+    config.host.templates_dir = templates;
     let node = node_svc::server::start(config).await.unwrap();
     let features = node.host().features();
     assert!(
@@ -338,4 +343,26 @@ async fn a_snapshot_carries_the_sandboxs_own_layer_to_another_node() {
         a.stop().await;
         b.stop().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templates_files_are_in_the_users_home_and_the_users() {
+    let templates = std::env::temp_dir().join(format!("container-templates-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(templates.join("base/files/src")).unwrap();
+    std::fs::write(templates.join("base/files/src/main.py"), "print('hi')\n").unwrap();
+    for runtime in runtimes() {
+        let n = node_with_templates(runtime.clone(), Some(templates.clone())).await;
+        n.create("seeded", 256 << 20).await;
+        let (out, code) = n
+            .sh(
+                "seeded",
+                "user",
+                "python3 ~/src/main.py && stat -c '%U %a' ~ ~/src/main.py /home && touch ~/src/new",
+            )
+            .await;
+        assert_eq!(code, 0, "{runtime:?}: {out}");
+        assert_eq!(out, "hi\nuser 755\nuser 644\nroot 755\n", "{runtime:?}");
+        n.stop().await;
+    }
+    std::fs::remove_dir_all(&templates).unwrap();
 }

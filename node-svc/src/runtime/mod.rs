@@ -82,6 +82,12 @@ pub trait Runtime: Send + Sync + 'static {
     fn envd_socket(&self, _home: &Path) -> Option<PathBuf> {
         None
     }
+    /// Copies a template's `files/` into a new sandbox whose writable folder is `home`, where
+    /// its user finds them (before [`Runtime::start`]).
+    fn seed(&self, home: &Path, files: &Path) -> std::io::Result<()> {
+        crate::template::copy_tree(files, home)
+    }
+
     /// Whether every sandbox has envd running inside it (so always a process to start).
     fn runs_envd(&self) -> bool {
         false

@@ -361,4 +361,10 @@ impl Runtime for ContainerRuntime {
     fn runs_envd(&self) -> bool {
         true
     }
+
+    /// Into `/home/user` of the sandbox's own layer, owned by its user (and `/home` as the
+    /// base layer has it: the upper layer's folders are what the sandbox sees).
+    fn seed(&self, home: &Path, files: &Path) -> io::Result<()> {
+        rootfs::seed_user_files(home, files)
+    }
 }

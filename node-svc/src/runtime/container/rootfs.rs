@@ -183,6 +183,35 @@ fn copy_owned(from: &Path, to: &Path, owner: u32) -> io::Result<()> {
     lchown(to, Some(owner), Some(owner))
 }
 
+/// Copies a template's files into `/home/user` of the writable layer `upper`, owned by the
+/// sandbox's `user`; `/home` and `/home/user` get the base layer's owners and modes, since an
+/// upper folder's own attributes are what the sandbox sees.
+pub fn seed_user_files(upper: &Path, files: &Path) -> io::Result<()> {
+    let (root_id, user_id) = (host_id(0), host_id(SANDBOX_USER_ID));
+    for (rel, owner) in [("", root_id), ("home", root_id), ("home/user", user_id)] {
+        let dir = upper.join(rel);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+        chown(&dir, Some(owner), Some(owner))?;
+    }
+    let home = upper.join("home/user");
+    crate::template::copy_tree(files, &home)?;
+    own_tree(&home, user_id)
+}
+
+/// Gives everything under `dir` to `owner` (never following a symlink).
+fn own_tree(dir: &Path, owner: u32) -> io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            own_tree(&path, owner)?;
+        }
+        lchown(&path, Some(owner), Some(owner))?;
+    }
+    Ok(())
+}
+
 /// Prepares `upper` (the sandbox's writable layer) to be the root of a sandbox: owned by the
 /// sandbox's root, so what root inside creates at `/` is its own.
 pub fn prepare_upper(upper: &Path, work: &Path) -> io::Result<()> {
