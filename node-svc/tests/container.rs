@@ -26,9 +26,19 @@ fn runtimes() -> Vec<Option<PathBuf>> {
 }
 
 struct Node {
-    node: RunningNode,
+    node: Option<RunningNode>,
     dir: PathBuf,
+    runtime: Option<PathBuf>,
     http: reqwest::Client,
+}
+
+impl Drop for Node {
+    /// A test that fails half-way leaves no sandbox running to load the machine for the tests
+    /// after it.
+    fn drop(&mut self) {
+        node_svc::runtime::container::destroy_all(&self.dir, self.runtime.as_deref());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 async fn node(oci_runtime: Option<PathBuf>) -> Node {
@@ -39,7 +49,9 @@ async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<Pat
     let id = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("container-test-{id}"));
     let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
-    config.runtime = RuntimeKind::Container { oci_runtime };
+    config.runtime = RuntimeKind::Container {
+        oci_runtime: oci_runtime.clone(),
+    };
     config.host.templates_dir = templates;
     let node = node_svc::server::start(config).await.unwrap();
     let features = node.host().features();
@@ -49,8 +61,9 @@ async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<Pat
         features.degraded
     );
     Node {
-        node,
+        node: Some(node),
         dir,
+        runtime: oci_runtime,
         http: reqwest::Client::new(),
     }
 }
@@ -61,7 +74,7 @@ fn token_of(sandbox: &str) -> String {
 
 impl Node {
     async fn create(&self, sandbox: &str, memory_bytes: u64) {
-        let mut c = NodeClient::connect(self.node.endpoint()).await.unwrap();
+        let mut c = NodeClient::connect(self.running().endpoint()).await.unwrap();
         c.create(pb::CreateRequest {
             operation_id: format!("c-{sandbox}"),
             epoch: 1,
@@ -76,7 +89,7 @@ impl Node {
     }
 
     async fn lifecycle(&self, sandbox: &str, action: &str) {
-        let mut c = NodeClient::connect(self.node.endpoint()).await.unwrap();
+        let mut c = NodeClient::connect(self.running().endpoint()).await.unwrap();
         let request = pb::LifecycleRequest {
             operation_id: format!("{action}-{sandbox}"),
             epoch: 1,
@@ -101,7 +114,7 @@ impl Node {
         let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
         let response = self
             .http
-            .post(format!("{}/process.Process/Start", self.node.envd_endpoint()))
+            .post(format!("{}/process.Process/Start", self.running().envd_endpoint()))
             .header("E2b-Sandbox-Id", sandbox)
             .header("X-Access-Token", token_of(sandbox))
             .header("Authorization", format!("Basic {basic}"))
@@ -112,7 +125,7 @@ impl Node {
             .unwrap();
         let status = response.status().as_u16();
         if status != 200 {
-            let log = std::fs::read_to_string(self.node.host().home(sandbox).with_file_name("container.log"));
+            let log = std::fs::read_to_string(self.running().host().home(sandbox).with_file_name("container.log"));
             panic!(
                 "{status}: {} (container log: {log:?})",
                 response.text().await.unwrap_or_default()
@@ -146,9 +159,15 @@ impl Node {
         (out, code)
     }
 
-    async fn stop(self) {
-        self.node.stop().await;
-        let _ = std::fs::remove_dir_all(&self.dir);
+    /// Stops the node; Drop then removes its sandboxes and folder.
+    async fn stop(mut self) {
+        if let Some(node) = self.node.take() {
+            node.stop().await;
+        }
+    }
+
+    fn running(&self) -> &RunningNode {
+        self.node.as_ref().expect("the node runs until stop")
     }
 }
 
@@ -180,13 +199,13 @@ async fn root_inside_is_nobody_outside_and_the_hosts_files_are_out_of_sight() {
             !std::path::Path::new("/tmp").join(&marker).exists(),
             "{runtime:?}: wrote the host's /tmp"
         );
-        let layer = n.node.host().home("iso").join("tmp").join(&marker);
+        let layer = n.running().host().home("iso").join("tmp").join(&marker);
         let owner = std::fs::metadata(&layer).unwrap().uid();
         assert_eq!(owner, 100_000, "{runtime:?}: root's file is host uid 100000");
         // The default user is uid 1000 inside, 101000 outside, at home in /home/user.
         let (out, _) = n.sh("iso", "user", "id -u; pwd; touch mine").await;
         assert_eq!(out, "1000\n/home/user\n", "{runtime:?}");
-        let mine = n.node.host().home("iso").join("home/user/mine");
+        let mine = n.running().host().home("iso").join("home/user/mine");
         assert_eq!(std::fs::metadata(mine).unwrap().uid(), 101_000, "{runtime:?}");
         // The user cannot become root again (no_new_privs; /usr is nosuid anyway).
         let (out, _) = n.sh("iso", "user", "grep NoNewPrivs /proc/self/status").await;
@@ -278,11 +297,11 @@ async fn pause_freezes_resume_continues_and_kill_leaves_nothing() {
         assert_eq!(out, "kept\n", "{runtime:?}");
         n.lifecycle("life", "kill").await;
         assert!(
-            !n.node.host().home("life").exists(),
+            !n.running().host().home("life").exists(),
             "{runtime:?}: the sandbox's folder is gone"
         );
         let cgroup = PathBuf::from("/sys/fs/cgroup/memory")
-            .join(format!("sandboxsched-{}", n.node.host().node_id()))
+            .join(format!("sandboxsched-{}", n.running().host().node_id()))
             .join("life");
         assert!(!cgroup.exists(), "{runtime:?}: {} is left", cgroup.display());
         n.stop().await;
@@ -291,8 +310,8 @@ async fn pause_freezes_resume_continues_and_kill_leaves_nothing() {
 
 /// Moves `sandbox` from `a` to `b` as the balancer does: pause, snapshot, restore, resume.
 async fn move_sandbox(a: &Node, b: &Node, sandbox: &str) {
-    let mut ca = NodeClient::connect(a.node.endpoint()).await.unwrap();
-    let mut cb = NodeClient::connect(b.node.endpoint()).await.unwrap();
+    let mut ca = NodeClient::connect(a.running().endpoint()).await.unwrap();
+    let mut cb = NodeClient::connect(b.running().endpoint()).await.unwrap();
     let at = |op: &str, epoch| pb::LifecycleRequest {
         operation_id: format!("{op}-{sandbox}"),
         epoch,

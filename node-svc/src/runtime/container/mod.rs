@@ -115,6 +115,26 @@ fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) 
     }
 }
 
+/// Kills every container a node with state directory `state_dir` left running and unmounts
+/// their roots: for cleaning up after a node that will not come back (a test that failed
+/// half-way, a host being retired). `oci_runtime` is the runtime that node used.
+pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
+    let root = state_dir.join("container").join("runtime");
+    let cli = match (oci_runtime, multicall_binary()) {
+        (Some(program), _) => oci::Cli::new(program.to_path_buf(), Vec::new(), root.clone()),
+        (None, Some(carrier)) => oci::Cli::new(carrier, vec!["jail".into()], root.clone()),
+        (None, None) => return,
+    };
+    let dirs = StateDir::new(state_dir);
+    for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+        let id = entry.file_name().to_string_lossy().into_owned();
+        if let Err(err) = cli.delete(&id) {
+            tracing::warn!(sandbox_id = %id, %err, "left-over container not deleted");
+        }
+        let _ = rootfs::unmount(&parts(&dirs.home(&id)).rootfs);
+    }
+}
+
 /// Reaps the sandbox's init (this node's child, as subreaper) as soon as it dies, on a thread
 /// of its own, so the runtime's `delete` finds the sandbox's cgroup empty. Waits for that one
 /// PID only: children someone else waits for are left alone. A PID that is not our child
