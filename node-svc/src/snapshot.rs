@@ -9,6 +9,12 @@
 //! unpacks them into a scratch folder, and compares what arrived with the trailer the sender
 //! stated. Only a verified folder is installed as a sandbox; [`verify`] is that decision.
 //!
+//! A container's writable layer holds overlayfs's own marks: a deleted file of a lower layer
+//! is a 0:0 character device, a directory that replaced a lower one carries the
+//! `trusted.overlay.opaque` attribute. The archive carries them as OCI layers do, as empty
+//! `.wh.NAME` and `.wh..wh..opq` entries, and unpacking turns them back into overlay marks,
+//! so what was deleted inside a sandbox stays deleted where it is restored.
+//!
 //! Archiving and unpacking are blocking: they run on `spawn_blocking` threads and talk to the
 //! async side through the channels.
 
@@ -58,7 +64,7 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
     let written = (|| -> std::io::Result<()> {
         let mut archive = tar::Builder::new(&mut writer);
         archive.follow_symlinks(false);
-        archive.append_dir_all("home", home)?;
+        append_tree(&mut archive, home, Path::new("home"))?;
         archive.finish()?;
         drop(archive);
         writer.flush()
@@ -77,6 +83,95 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
     let _ = tx.blocking_send(last);
 }
 
+/// OCI's name for a whiteout of `name`, and for an opaque directory's mark.
+const WHITEOUT_PREFIX: &str = ".wh.";
+const OPAQUE_MARK: &str = ".wh..wh..opq";
+const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+
+fn cpath(path: &Path) -> std::io::Result<std::ffi::CString> {
+    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)
+}
+
+/// Whether overlayfs marked directory `dir` opaque.
+fn opaque(dir: &Path) -> bool {
+    let (Ok(path), Ok(name)) = (cpath(dir), std::ffi::CString::new(OPAQUE_XATTR)) else {
+        return false;
+    };
+    let mut value = [0u8; 1];
+    // SAFETY: valid C strings and a buffer of the stated length.
+    let n = unsafe { libc::lgetxattr(path.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), 1) };
+    n == 1 && value[0] == b'y'
+}
+
+/// An empty entry named `name` (a whiteout or an opaque mark).
+fn append_mark<W: Write>(archive: &mut tar::Builder<W>, name: &Path) -> std::io::Result<()> {
+    let mut header = tar::Header::new_gnu();
+    header.set_entry_type(tar::EntryType::Regular);
+    header.set_size(0);
+    header.set_mode(0o600);
+    archive.append_data(&mut header, name, std::io::empty())
+}
+
+/// Appends `dir` as `name` and everything below it (never following a symlink), with
+/// overlayfs's marks as OCI whiteouts.
+fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    archive.append_path_with_name(dir, name)?;
+    if opaque(dir) {
+        append_mark(archive, &name.join(OPAQUE_MARK))?;
+    }
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let (path, file_name) = (entry.path(), entry.file_name());
+        let meta = std::fs::symlink_metadata(&path)?;
+        let file_type = meta.file_type();
+        if file_type.is_char_device() && meta.rdev() == 0 {
+            let mut whiteout = std::ffi::OsString::from(WHITEOUT_PREFIX);
+            whiteout.push(&file_name);
+            append_mark(archive, &name.join(whiteout))?;
+        } else if file_type.is_dir() {
+            append_tree(archive, &path, &name.join(&file_name))?;
+        } else {
+            archive.append_path_with_name(&path, name.join(&file_name))?;
+        }
+    }
+    Ok(())
+}
+
+/// Turns an OCI whiteout entry at `relative` (under `into`) back into overlayfs's mark;
+/// `false` when the entry is an ordinary one.
+fn restore_mark(into: &Path, relative: &Path) -> std::io::Result<bool> {
+    let Some(name) = relative.file_name().and_then(|n| n.to_str()) else {
+        return Ok(false);
+    };
+    let Some(deleted) = name.strip_prefix(WHITEOUT_PREFIX) else {
+        return Ok(false);
+    };
+    let parent = into.join(relative.parent().unwrap_or(Path::new("")));
+    std::fs::create_dir_all(&parent)?;
+    if name == OPAQUE_MARK {
+        let (path, key) = (
+            cpath(&parent)?,
+            std::ffi::CString::new(OPAQUE_XATTR).map_err(std::io::Error::other)?,
+        );
+        // SAFETY: valid C strings and a one-byte value.
+        if unsafe { libc::lsetxattr(path.as_ptr(), key.as_ptr(), b"y".as_ptr().cast(), 1, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        return Ok(true);
+    }
+    if deleted.is_empty() || deleted.contains('/') || deleted == "." || deleted == ".." {
+        return Err(std::io::Error::other(format!("bad whiteout {name:?}")));
+    }
+    let target = cpath(&parent.join(deleted))?;
+    // SAFETY: a valid C string; a 0:0 character device is overlayfs's whiteout.
+    if unsafe { libc::mknod(target.as_ptr(), libc::S_IFCHR, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
 /// Unpacks the archive arriving on `data` into `into` and checks it against the trailer
 /// (blocking).
 pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), NodeError> {
@@ -87,9 +182,23 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
     archive.set_preserve_ownerships(true);
     archive.set_preserve_permissions(true);
     archive.set_preserve_mtime(true);
-    archive
-        .unpack(into)
-        .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
+    let corrupt = |e: std::io::Error| NodeError::Corrupt(format!("unpacking: {e}"));
+    for entry in archive.entries().map_err(corrupt)? {
+        let mut entry = entry.map_err(corrupt)?;
+        let relative = entry.path().map_err(corrupt)?.into_owned();
+        if relative
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(NodeError::Corrupt(format!(
+                "unpacking: entry {} leaves the archive",
+                relative.display()
+            )));
+        }
+        if !restore_mark(into, &relative).map_err(corrupt)? {
+            entry.unpack_in(into).map_err(corrupt)?;
+        }
+    }
     // Drain what follows the archive's end (tar padding) up to the trailer.
     std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
     let got = reader.checksum();

@@ -344,20 +344,21 @@ async fn a_snapshot_carries_the_sandboxs_own_layer_to_another_node() {
     for runtime in runtimes() {
         let (a, b) = (node(runtime.clone()).await, node(runtime.clone()).await);
         a.create("mover", 256 << 20).await;
-        let script = "echo notes > ~/notes.txt && echo scratch > /tmp/scratch && mkdir -p /opt/tool \
-                      && rm /etc/hosts && ln -s /home/user/notes.txt /tmp/link";
+        let script = "echo notes > /home/user/notes.txt && echo scratch > /tmp/scratch && mkdir -p /opt/tool \
+                      && rm /etc/hosts && rm -r /etc/profile.d && mkdir /etc/profile.d \
+                      && ln -s /home/user/notes.txt /tmp/link";
         let (out, code) = a.sh("mover", "root", script).await;
         assert_eq!(code, 0, "{runtime:?}: {out}");
         let (_, code) = a.sh("mover", "user", "echo mine > ~/mine.txt").await;
         assert_eq!(code, 0);
         move_sandbox(&a, &b, "mover").await;
         let (out, code) = b
-            .sh("mover", "user", "cat ~/notes.txt /tmp/scratch /tmp/link ~/mine.txt; ls -d /opt/tool; stat -c %u ~/mine.txt; test -e /etc/hosts || echo deleted")
+            .sh("mover", "user", "cat ~/notes.txt /tmp/scratch /tmp/link ~/mine.txt; ls -d /opt/tool; stat -c %u ~/mine.txt; test -e /etc/hosts || echo deleted; ls -A /etc/profile.d | wc -l")
             .await;
         assert_eq!(code, 0, "{runtime:?}: {out}");
         assert_eq!(
-            out, "notes\nscratch\nnotes\nmine\n/opt/tool\n1000\ndeleted\n",
-            "{runtime:?}: files, ownership, links and deletions moved"
+            out, "notes\nscratch\nnotes\nmine\n/opt/tool\n1000\ndeleted\n0\n",
+            "{runtime:?}: files, ownership, links, deletions and a replaced directory moved"
         );
         a.stop().await;
         b.stop().await;
