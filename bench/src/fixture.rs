@@ -1,4 +1,4 @@
-//! What several benchmarks set up the same way: a running process sandbox on a node with its
+//! What several benchmarks set up the same way: a running sandbox (a container) on a node with its
 //! manifest in the ledger, as the gateway would leave it, for the balance executor to move.
 
 use common::docs::{EstimateSource, SandboxDoc, SandboxPhase, SANDBOX_KIND};

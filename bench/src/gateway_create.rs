@@ -1,6 +1,6 @@
 //! `bench gateway-create`: creates through the REST API until the sandbox runs (201), then a
-//! kill, against the whole stack in this process on the embedded default with the process
-//! runtime: latency with one client at a time, and throughput with 64 concurrent clients.
+//! kill, against the whole stack in this process on the embedded default (each sandbox a
+//! container): latency with one client at a time, and throughput with 64 concurrent clients.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -108,7 +108,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(
-        "gateway-create: REST create until running, then kill; embedded default, process runtime ({} sequential, {} concurrent clients)",
+        "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients)",
         args.creates, args.clients
     ));
     report

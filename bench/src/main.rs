@@ -35,14 +35,15 @@ enum Scenario {
     PlacementDistribution(placement_distribution::Args),
     /// placement-svc on Redis with 1,000 nodes: closed-loop rate, open-loop latency, pure decisions.
     PlacementThroughput(placement_throughput::Args),
-    /// node-svc lifecycle latency (process runtime) and a 100 MB snapshot+restore.
+    /// node-svc with containers: lifecycle latency, runc compared, a command through envd,
+    /// idle cost, density, and a 100 MB snapshot+restore.
     Node(node::Args),
     /// Creates through the E2B REST API until running (then a kill): latency and throughput.
     GatewayCreate(gateway_create::Args),
     /// The balance planner on a simulated, skewed cluster (or a grid of them): moves against a
     /// lower bound, cycles to converge, and small clusters against the exact optimum.
     BalanceConvergence(balance_convergence::Args),
-    /// One process sandbox with 100 MB of files moved by the balance executor: downtime.
+    /// One sandbox (a container) with 100 MB of files moved by the balance executor: downtime.
     Migration(migration::Args),
     /// Moves with a seeded fraction of lost replies and executor deaths: invariants counted.
     MoveFaults(move_faults::Args),

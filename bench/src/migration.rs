@@ -1,4 +1,4 @@
-//! `bench migration`: one process sandbox holding 100 MB of files moved between two
+//! `bench migration`: one sandbox (a container) holding 100 MB of files moved between two
 //! node-svcs by balance-svc's executor (own, pause, stream snapshot into restore, resume,
 //! switch, delete the source), on a ledger in SQLite. `downtime_ms` is paused-to-resumed.
 
@@ -91,7 +91,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     stack.shut_down().await;
 
     let mut report = Report::new(format!(
-        "migration: one process sandbox with {} MB of files, {} moves between two node-svcs (medians)",
+        "migration: one container with {} MB of files, {} moves between two node-svcs (medians)",
         args.mb, args.moves
     ));
     report

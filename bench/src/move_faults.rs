@@ -1,7 +1,7 @@
 //! `bench move-faults`: moves under lost replies and executor deaths.
 //!
 //! Two node-svcs and the ledger each sit behind a fault proxy ([`stack::fault`]). Sandboxes
-//! (process runtime, a file each) are moved back and forth by balance-svc's executor, driven
+//! (containers, a file each) are moved back and forth by balance-svc's executor, driven
 //! directly. Before each move a seeded draw picks its fault: none, a lost reply of one node
 //! call (pause or kill on the source, restore or resume on the target), a lost reply of one
 //! ledger write (the manifest's or the plan's), or the executor dying after a random step
