@@ -44,6 +44,55 @@ pub struct NewSandbox {
     pub cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
     pub memory_mb: Option<u64>,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    pub network: Option<NetworkConfig>,
+}
+
+/// `SandboxNetworkConfig`: egress rules. Every sandbox here has loopback only (no egress at
+/// all yet), so a request that denies egress is satisfied as it is, and one that asks for any
+/// egress is refused, saying so, rather than silently run without it.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkConfig {
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    pub egress_proxy: Option<serde_json::Value>,
+    pub rules: Option<serde_json::Value>,
+    pub mask_request_host: Option<String>,
+    pub allow_public_traffic: Option<bool>,
+}
+
+/// Refuses what this cluster cannot give a sandbox's network: any egress (sandboxes have
+/// loopback only), proxies, per-domain rules and host masks. Denials, and
+/// `allow_internet_access: false`, are what every sandbox has anyway.
+fn check_network(req: &NewSandbox) -> Result<(), Refusal> {
+    let unsupported = |what: &str| {
+        Err(Refusal::Invalid(format!(
+            "{what} is not supported: sandboxes on this cluster have no egress yet (loopback only)"
+        )))
+    };
+    if req.allow_internet_access == Some(true) {
+        return unsupported("allow_internet_access: true");
+    }
+    let Some(network) = &req.network else { return Ok(()) };
+    if network.allow_out.as_ref().is_some_and(|a| !a.is_empty()) {
+        return unsupported("network.allowOut");
+    }
+    if network.egress_proxy.as_ref().is_some_and(|p| !p.is_null()) {
+        return unsupported("network.egressProxy");
+    }
+    if network
+        .rules
+        .as_ref()
+        .is_some_and(|r| r.as_object().is_some_and(|o| !o.is_empty()))
+    {
+        return unsupported("network.rules (per-domain transforms)");
+    }
+    if network.mask_request_host.as_ref().is_some_and(|m| !m.is_empty()) {
+        return unsupported("network.maskRequestHost");
+    }
+    Ok(())
 }
 
 /// Why a create request is refused before anything happens.
@@ -116,6 +165,7 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         .get(name)
         .ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
     let timeout_secs = timeout(req.timeout)?;
+    check_network(&req)?;
     let env_vars = req.env_vars.unwrap_or_default();
     let metadata = req.metadata.unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, true)?;
@@ -178,6 +228,38 @@ mod tests {
             template_id: template.into(),
             ..NewSandbox::default()
         }
+    }
+
+    #[test]
+    fn egress_that_cannot_be_given_is_refused_and_denials_are_accepted() {
+        let mut closed = req("base");
+        closed.allow_internet_access = Some(false);
+        closed.network = Some(NetworkConfig {
+            deny_out: Some(vec!["0.0.0.0/0".into()]),
+            allow_public_traffic: Some(true),
+            ..NetworkConfig::default()
+        });
+        assert!(normalise(closed, &templates()).is_ok());
+        assert!(normalise(req("base"), &templates()).is_ok(), "unset: the default");
+        let refused = |r: NewSandbox| match normalise(r, &templates()) {
+            Err(Refusal::Invalid(message)) => message,
+            other => panic!("{other:?}"),
+        };
+        let mut open = req("base");
+        open.allow_internet_access = Some(true);
+        assert!(refused(open).contains("allow_internet_access"));
+        let mut allow = req("base");
+        allow.network = Some(NetworkConfig {
+            allow_out: Some(vec!["example.com".into()]),
+            ..NetworkConfig::default()
+        });
+        assert!(refused(allow).contains("network.allowOut"));
+        let mut rules = req("base");
+        rules.network = Some(NetworkConfig {
+            rules: Some(serde_json::json!({"api.example.com": [{"transform": {"headers": {"x": "y"}}}]})),
+            ..NetworkConfig::default()
+        });
+        assert!(refused(rules).contains("per-domain"));
     }
 
     #[test]

@@ -95,6 +95,12 @@ def test_a_sandbox_is_a_container_of_its_own(stack):
         assert "reached" not in refused.value.stdout
     finally:
         sbx.kill()
+    # Egress this cluster cannot give is refused up front, never silently dropped; a sandbox
+    # that asks for none gets what every sandbox has.
+    with pytest.raises(SandboxException) as refused:
+        Sandbox.create(allow_internet_access=True, timeout=30)
+    assert "no egress" in str(refused.value)
+    Sandbox.create(allow_internet_access=False, timeout=30).kill()
 
 
 def test_the_sdk_error_paths(stack):
