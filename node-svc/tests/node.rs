@@ -176,10 +176,11 @@ async fn snapshot_on_one_node_restores_on_another_with_its_files() {
     let a = TestNode::start(None, None, None).await;
     let b = TestNode::start(None, None, None).await;
     let (mut ca, mut cb) = (a.client().await, b.client().await);
-    ca.create(create("mover", COUNTER)).await.unwrap();
+    // The sandbox writes its own notes: folders the host made in a running sandbox's layer
+    // would be the host's, and its user could not write beside them.
+    let start = format!("mkdir -p work && printf 'keep me' > work/notes.txt; {COUNTER}");
+    ca.create(create("mover", &start)).await.unwrap();
     let home = a.home("mover");
-    std::fs::create_dir_all(home.join("work")).unwrap();
-    std::fs::write(home.join("work/notes.txt"), "keep me").unwrap();
     await_count_above(&home, 1);
 
     // A snapshot needs a paused sandbox.
