@@ -22,6 +22,12 @@ pub struct Cgroups {
     cpuacct: Option<PathBuf>,
 }
 
+/// The name of node `node_id`'s parent group under each controller. The container runtime's
+/// spec names the same group, so what the node measures is what the runtime created.
+pub fn parent_name(node_id: &str) -> String {
+    format!("sandboxsched-{node_id}")
+}
+
 /// The v1 controllers a sandbox's processes join.
 const CONTROLLERS: [&str; 3] = ["memory", "freezer", "cpuacct"];
 
@@ -36,7 +42,7 @@ impl Cgroups {
                 degraded.push(format!("{controller} cgroup (v1) not mounted at {}", base.display()));
                 return None;
             }
-            let parent = base.join(format!("sandboxsched-{node_id}"));
+            let parent = base.join(parent_name(node_id));
             match fs::create_dir_all(&parent) {
                 Ok(()) => Some(parent),
                 Err(err) => {
@@ -185,6 +191,6 @@ impl Cgroups {
 /// tests and benchmarks call once a node and all its sandboxes are gone.
 pub fn remove_parents(node_id: &str) {
     for controller in CONTROLLERS {
-        let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(format!("sandboxsched-{node_id}")));
+        let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(parent_name(node_id)));
     }
 }

@@ -247,7 +247,7 @@ impl ContainerRuntime {
     }
 
     fn cgroups_path(&self, record: &SandboxRecord) -> String {
-        format!("/sandboxsched-{}/{}", self.node_id, record.id)
+        format!("/{}/{}", super::cgroup::parent_name(&self.node_id), record.id)
     }
 
     fn write_spec(&self, record: &SandboxRecord, parts: &Parts) -> Result<(), String> {

@@ -14,7 +14,6 @@
 //!   namespace creation, mounting), masked and read-only paths as runc masks them;
 //! - cgroup limits: memory = the sandbox's memory, CPU = its vCPUs as a quota, a pids limit.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use oci_spec::runtime::Spec;
@@ -103,14 +102,13 @@ const REFUSED: [&str; 30] = [
 
 /// The spec for `record`.
 pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
-    let vars: BTreeMap<&str, &str> = record.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let mut env = vec![
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
         format!("{}={}", envd::SANDBOX_ID_VAR, record.id),
         format!(
             "{}={}",
             envd::VARS_VAR,
-            serde_json::to_string(&vars).map_err(|e| e.to_string())?
+            serde_json::to_string(&record.env).map_err(|e| e.to_string())?
         ),
     ];
     if let Some(command) = record.start_command.as_deref().filter(|c| !c.trim().is_empty()) {
