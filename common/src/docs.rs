@@ -113,6 +113,13 @@ pub struct SandboxDoc {
     pub epoch: u64,
     #[serde(default)]
     pub envd_access_token: Option<String>,
+    /// Where its traffic may go; `None` (a manifest from before egress existed): loopback
+    /// only.
+    #[serde(default)]
+    pub network: Option<crate::egress::NetworkPolicy>,
+    /// Required on requests for its ports when set (`network.allowPublicTraffic: false`).
+    #[serde(default)]
+    pub traffic_access_token: Option<String>,
     pub started_at_unix_ms: u64,
     /// When the reaper ends it (kill, or pause when `auto_pause`).
     pub end_at_unix_ms: u64,

@@ -8,9 +8,11 @@
 pub mod clock;
 pub mod config;
 pub mod docs;
+pub mod egress;
 pub mod fit;
 pub mod metrics;
 pub mod net;
+pub mod relay;
 pub mod resources;
 pub mod retry;
 pub mod serve;

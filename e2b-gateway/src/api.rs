@@ -133,6 +133,9 @@ fn sandbox_json(d: &SandboxDoc, domain: &str) -> Value {
     if let Some(token) = &d.envd_access_token {
         v["envdAccessToken"] = json!(token);
     }
+    if let Some(token) = &d.traffic_access_token {
+        v["trafficAccessToken"] = json!(token);
+    }
     v
 }
 
@@ -160,6 +163,9 @@ fn detail_json(d: &SandboxDoc, domain: &str) -> Value {
     });
     if let Some(token) = &d.envd_access_token {
         v["envdAccessToken"] = json!(token);
+    }
+    if let Some(token) = &d.traffic_access_token {
+        v["trafficAccessToken"] = json!(token);
     }
     v
 }

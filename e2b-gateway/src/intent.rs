@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 
 use common::docs::EstimateSource;
+use common::egress::NetworkPolicy;
 use common::resources::{DEFAULT_MEMORY_BYTES, DEFAULT_VCPUS};
 use serde::Deserialize;
 
@@ -49,9 +50,7 @@ pub struct NewSandbox {
     pub network: Option<NetworkConfig>,
 }
 
-/// `SandboxNetworkConfig`: egress rules. Every sandbox here has loopback only (no egress at
-/// all yet), so a request that denies egress is satisfied as it is, and one that asks for any
-/// egress is refused, saying so, rather than silently run without it.
+/// `SandboxNetworkConfig`: egress rules and who may reach the sandbox's ports.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NetworkConfig {
@@ -63,22 +62,12 @@ pub struct NetworkConfig {
     pub allow_public_traffic: Option<bool>,
 }
 
-/// Refuses what this cluster cannot give a sandbox's network: any egress (sandboxes have
-/// loopback only), proxies, per-domain rules and host masks. Denials, and
-/// `allow_internet_access: false`, are what every sandbox has anyway.
-fn check_network(req: &NewSandbox) -> Result<(), Refusal> {
-    let unsupported = |what: &str| {
-        Err(Refusal::Invalid(format!(
-            "{what} is not supported: sandboxes on this cluster have no egress yet (loopback only)"
-        )))
-    };
-    if req.allow_internet_access == Some(true) {
-        return unsupported("allow_internet_access: true");
-    }
-    let Some(network) = &req.network else { return Ok(()) };
-    if network.allow_out.as_ref().is_some_and(|a| !a.is_empty()) {
-        return unsupported("network.allowOut");
-    }
+/// The sandbox's egress as a [`NetworkPolicy`] (E2B's default: the internet). What this
+/// cluster cannot give is refused by name rather than silently run without it: domain names
+/// in the lists, IPv6 in `allowOut`, egress proxies, per-domain rules and host masks.
+fn network_policy(req: &NewSandbox) -> Result<NetworkPolicy, Refusal> {
+    let network = req.network.clone().unwrap_or_default();
+    let unsupported = |what: &str| Err(Refusal::Invalid(format!("{what} is not supported on this cluster")));
     if network.egress_proxy.as_ref().is_some_and(|p| !p.is_null()) {
         return unsupported("network.egressProxy");
     }
@@ -92,7 +81,12 @@ fn check_network(req: &NewSandbox) -> Result<(), Refusal> {
     if network.mask_request_host.as_ref().is_some_and(|m| !m.is_empty()) {
         return unsupported("network.maskRequestHost");
     }
-    Ok(())
+    NetworkPolicy::from_request(
+        req.allow_internet_access,
+        network.allow_out.as_deref(),
+        network.deny_out.as_deref(),
+    )
+    .map_err(|e| Refusal::Invalid(e.to_string()))
 }
 
 /// Why a create request is refused before anything happens.
@@ -115,6 +109,9 @@ pub struct CreateIntent {
     pub auto_pause: bool,
     pub env_vars: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
+    pub network: NetworkPolicy,
+    /// `network.allowPublicTraffic` (default true): false makes its ports take a token.
+    pub public_traffic: bool,
 }
 
 /// Checks a timeout in seconds against E2B's bounds.
@@ -165,7 +162,7 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         .get(name)
         .ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
     let timeout_secs = timeout(req.timeout)?;
-    check_network(&req)?;
+    let network = network_policy(&req)?;
     let env_vars = req.env_vars.unwrap_or_default();
     let metadata = req.metadata.unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, true)?;
@@ -191,6 +188,12 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         auto_pause: req.auto_pause.unwrap_or(false),
         env_vars,
         metadata,
+        network,
+        public_traffic: req
+            .network
+            .as_ref()
+            .and_then(|n| n.allow_public_traffic)
+            .unwrap_or(true),
     })
 }
 
@@ -231,29 +234,33 @@ mod tests {
     }
 
     #[test]
-    fn egress_that_cannot_be_given_is_refused_and_denials_are_accepted() {
+    fn egress_is_a_policy_and_what_cannot_be_given_is_refused() {
+        let d = normalise(req("base"), &templates()).unwrap();
+        assert_eq!(d.network, NetworkPolicy::default(), "unset: the internet, as on E2B");
         let mut closed = req("base");
         closed.allow_internet_access = Some(false);
         closed.network = Some(NetworkConfig {
-            deny_out: Some(vec!["0.0.0.0/0".into()]),
+            allow_out: Some(vec!["1.1.1.1".into()]),
+            deny_out: Some(vec!["10.0.0.0/8".into()]),
             allow_public_traffic: Some(true),
             ..NetworkConfig::default()
         });
-        assert!(normalise(closed, &templates()).is_ok());
-        assert!(normalise(req("base"), &templates()).is_ok(), "unset: the default");
+        let closed = normalise(closed, &templates()).unwrap().network;
+        assert!(!closed.internet && closed.allow_out.len() == 1 && closed.deny_out.len() == 1);
         let refused = |r: NewSandbox| match normalise(r, &templates()) {
             Err(Refusal::Invalid(message)) => message,
             other => panic!("{other:?}"),
         };
-        let mut open = req("base");
-        open.allow_internet_access = Some(true);
-        assert!(refused(open).contains("allow_internet_access"));
-        let mut allow = req("base");
-        allow.network = Some(NetworkConfig {
+        let mut domain = req("base");
+        domain.network = Some(NetworkConfig {
             allow_out: Some(vec!["example.com".into()]),
             ..NetworkConfig::default()
         });
-        assert!(refused(allow).contains("network.allowOut"));
+        let message = refused(domain);
+        assert!(
+            message.contains("network.allowOut") && message.contains("domain"),
+            "{message}"
+        );
         let mut rules = req("base");
         rules.network = Some(NetworkConfig {
             rules: Some(serde_json::json!({"api.example.com": [{"transform": {"headers": {"x": "y"}}}]})),

@@ -43,6 +43,8 @@ struct Route {
     /// Another operation (a move) owns the sandbox: hold its requests.
     moving: bool,
     access_token: Option<Arc<str>>,
+    /// Required on requests for its ports when set.
+    traffic_token: Option<Arc<str>>,
 }
 
 fn route_of(doc: &SandboxDoc) -> Option<Route> {
@@ -51,6 +53,7 @@ fn route_of(doc: &SandboxDoc) -> Option<Route> {
         running: doc.phase == SandboxPhase::Running,
         moving: doc.lifecycle_owner.is_some(),
         access_token: doc.envd_access_token.as_deref().map(Arc::from),
+        traffic_token: doc.traffic_access_token.as_deref().map(Arc::from),
     })
 }
 
@@ -239,6 +242,9 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         // 502 to "sandbox timed out or not found".
         return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");
     };
+    if target.port != ENVD_PORT {
+        return to_port(&id, target.port, &route, request).await;
+    }
     let presented = Presented {
         path: request.uri().path(),
         method: request.method().as_str(),
@@ -253,16 +259,6 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         metrics::counter!("gateway_envd_denied_total", "why" => format!("{denied:?}")).increment(1);
         tracing::info!(sandbox_id = %id, why = ?denied, "envd request refused");
         return sandbox_error(StatusCode::UNAUTHORIZED, &id, denied.message());
-    }
-    if target.port != ENVD_PORT {
-        return sandbox_error(
-            StatusCode::NOT_IMPLEMENTED,
-            &id,
-            &format!(
-                "port {} of a sandbox is not served by this gateway yet: only envd (port {ENVD_PORT}) is",
-                target.port
-            ),
-        );
     }
     if !route.running {
         return sandbox_error(
@@ -310,6 +306,53 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         Err(err) => {
             tracing::warn!(sandbox_id = %id, %err, "envd proxy: node unreachable");
             sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox's node is unreachable")
+        }
+    }
+}
+
+/// Relays a request for a sandbox's port (not envd's) to its node, which relays it into the
+/// sandbox: HTTP/1.1 on both hops whatever the client spoke, upgrades (WebSocket) spliced
+/// through. Public unless the sandbox has a traffic token; envd's access token plays no part.
+async fn to_port(id: &str, port: u16, route: &Route, mut request: Request) -> Response {
+    let presented = request
+        .headers()
+        .get(headers::TRAFFIC_ACCESS_TOKEN)
+        .map(HeaderValue::as_bytes);
+    if let Err(denied) = access::authorize_traffic(route.traffic_token.as_deref(), presented) {
+        metrics::counter!("gateway_port_denied_total").increment(1);
+        return sandbox_error(StatusCode::UNAUTHORIZED, id, denied);
+    }
+    if !route.running {
+        return sandbox_error(
+            StatusCode::BAD_GATEWAY,
+            id,
+            "The sandbox is paused; resume or connect to it first",
+        );
+    }
+    let node = route
+        .envd
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let stream = match tokio::net::TcpStream::connect(&node).await {
+        Ok(stream) => stream,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %id, %err, "port proxy: node unreachable");
+            return sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node is unreachable");
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    // The node tells sandboxes and ports apart by these, whichever way the request named them.
+    let (Ok(sandbox), Ok(port)) = (HeaderValue::from_str(id), HeaderValue::from_str(&port.to_string())) else {
+        return sandbox_error(StatusCode::BAD_REQUEST, id, "not a sandbox ID");
+    };
+    request.headers_mut().insert(headers::SANDBOX_ID, sandbox);
+    request.headers_mut().insert(headers::SANDBOX_PORT, port);
+    match common::relay::relay(stream, request, &[]).await {
+        Ok(response) => response,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %id, %err, "port proxy: node did not answer");
+            sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node did not answer")
         }
     }
 }

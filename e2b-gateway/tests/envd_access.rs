@@ -138,14 +138,14 @@ async fn envd_through_the_gateway_needs_the_sandboxs_own_token() {
         .unwrap();
     assert_eq!(direct.status().as_u16(), 401);
 
-    // A port other than envd's is not served yet, and says so; a malformed port is refused.
-    let (status, body) = list_processes(&s, |r| {
-        r.header("E2b-Sandbox-Id", &a.id)
-            .header("E2b-Sandbox-Port", "8000")
-            .header("X-Access-Token", &a.token)
+    // Another port goes to the sandbox's port (nothing listens on 8000: 502 saying so, in
+    // E2B's shape); a malformed port is refused.
+    let answer = list_processes(&s, |r| {
+        r.header("E2b-Sandbox-Id", &a.id).header("E2b-Sandbox-Port", "8000")
     })
     .await;
-    assert_eq!(status, 501, "{body:?}");
+    support::assert_e2b_error(&answer, 502);
+    assert!(answer.1.to_string().contains("port 8000"), "{:?}", answer.1);
     let answer = list_processes(&s, |r| {
         r.header("E2b-Sandbox-Id", &a.id).header("E2b-Sandbox-Port", "http")
     })

@@ -168,9 +168,32 @@ pub fn authorize(expected: Option<&str>, presented: &Presented<'_>, now: u64) ->
     }
 }
 
+/// Whether a request may reach a sandbox's port (any but envd's): always, unless the sandbox
+/// was created with `network.allowPublicTraffic: false`, which gave it a traffic token that
+/// must then come in `e2b-traffic-access-token` (compared in constant time).
+pub fn authorize_traffic(expected: Option<&str>, presented: Option<&[u8]>) -> Result<(), &'static str> {
+    let Some(expected) = expected.filter(|t| !t.is_empty()) else {
+        return Ok(());
+    };
+    match presented {
+        None => Err("this sandbox's ports are private: send its traffic access token in e2b-traffic-access-token"),
+        Some(given) if bool::from(given.ct_eq(expected.as_bytes())) => Ok(()),
+        Some(_) => Err("wrong e2b-traffic-access-token for this sandbox"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ports_are_public_unless_the_sandbox_has_a_traffic_token() {
+        assert_eq!(authorize_traffic(None, None), Ok(()));
+        assert_eq!(authorize_traffic(Some(""), None), Ok(()));
+        assert!(authorize_traffic(Some("t0k"), None).is_err());
+        assert!(authorize_traffic(Some("t0k"), Some(b"t0K")).is_err());
+        assert_eq!(authorize_traffic(Some("t0k"), Some(b"t0k")), Ok(()));
+    }
 
     const TOKEN: &str = "0123456789abcdef";
 

@@ -61,9 +61,12 @@ pub struct Config {
     pub users: Users,
     /// Run by `sh -c` as the default user once envd serves.
     pub start_command: Option<String>,
+    /// A pipe's read end: the start command waits for it to close (the node closes it once
+    /// the sandbox's network is up, so the command never starts without it).
+    pub boot_fd: Option<i32>,
 }
 
-const USAGE: &str = "usage: envd (--listen-fd N | --listen PATH) [--passwd FILE] [--fallback-home DIR]
+const USAGE: &str = "usage: envd (--listen-fd N | --listen PATH) [--boot-fd N] [--passwd FILE] [--fallback-home DIR]
   The sandbox's ID and env vars come from ENVD_SANDBOX_ID and ENVD_VARS (a JSON object).";
 
 /// Reads the command line (without the program name) and the environment.
@@ -71,6 +74,7 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
     let mut listen = None;
     let mut passwd = PathBuf::from("/etc/passwd");
     let mut fallback_home = None;
+    let mut boot_fd = None;
     let mut args = args.into_iter().map(|a| a.to_string_lossy().into_owned());
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
@@ -82,6 +86,10 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
                 ));
             }
             "--listen" => listen = Some(Listen::Path(value()?.into())),
+            "--boot-fd" => {
+                let fd = value()?;
+                boot_fd = Some(fd.parse().map_err(|_| format!("--boot-fd {fd:?} is not a number"))?);
+            }
             "--passwd" => passwd = value()?.into(),
             "--fallback-home" => fallback_home = Some(PathBuf::from(value()?)),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -102,6 +110,7 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
         },
         users: Users::new(passwd, fallback_home),
         start_command: std::env::var(START_COMMAND_VAR).ok().filter(|c| !c.trim().is_empty()),
+        boot_fd,
     })
 }
 
@@ -154,6 +163,15 @@ fn boot(config: &Config) {
         }
         Err(err) => tracing::error!(%err, "start command not started"),
     }
+}
+
+/// Blocks until the write end of the pipe at `fd` is closed, then closes `fd`.
+fn wait_for_close(fd: i32) {
+    use std::io::Read as _;
+    // SAFETY: the node handed this descriptor in for exactly this; nothing else here owns it.
+    let mut pipe = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut buf = [0u8; 16];
+    while matches!(pipe.read(&mut buf), Ok(n) if n > 0) {}
 }
 
 /// Serves until the listener fails.
@@ -215,7 +233,13 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             }
         };
         tracing::info!(sandbox_id = %config.sandbox.sandbox_id, "envd serving");
-        boot(&config);
+        let booting = config.clone();
+        tokio::spawn(async move {
+            if let Some(fd) = booting.boot_fd {
+                let _ = tokio::task::spawn_blocking(move || wait_for_close(fd)).await;
+            }
+            boot(&booting);
+        });
         serve(listener, Envd::new(config.sandbox, config.users)).await
     });
     match served {

@@ -32,6 +32,16 @@ pub fn status(err: NodeError) -> Status {
     }
 }
 
+/// A create's network policy, checked again here: the node enforces only what it can read.
+fn network_from_pb(network: pb::NetworkPolicy) -> Result<common::egress::NetworkPolicy, NodeError> {
+    common::egress::NetworkPolicy::from_request(
+        Some(network.internet),
+        Some(&network.allow_out),
+        Some(&network.deny_out),
+    )
+    .map_err(|e| NodeError::Invalid(e.to_string()))
+}
+
 fn state_to_pb(state: State) -> pb::SandboxState {
     match state {
         State::Running => pb::SandboxState::Running,
@@ -95,6 +105,7 @@ impl pb::node_server::Node for NodeApi {
         let req = request.into_inner();
         let span = tracing::info_span!("create", sandbox_id = %req.sandbox_id, template = %req.template);
         let resources = req.resources.unwrap_or_default();
+        let network = req.network.map(network_from_pb).transpose().map_err(status)?;
         let spec = CreateSpec {
             operation_id: req.operation_id,
             epoch: req.epoch,
@@ -108,6 +119,8 @@ impl pb::node_server::Node for NodeApi {
             metadata: req.metadata.into_iter().collect::<BTreeMap<_, _>>(),
             start_command: Some(req.start_command).filter(|c| !c.is_empty()),
             access_token: Some(req.access_token).filter(|t| !t.is_empty()),
+            network,
+            traffic_access_token: Some(req.traffic_access_token).filter(|t| !t.is_empty()),
         };
         let started = std::time::Instant::now();
         let result = self.host.create(spec).instrument(span).await;

@@ -13,6 +13,12 @@
 //! - hosts one envd per sandbox of the unisolated process runtime, whose commands it puts into
 //!   the sandbox's cgroups and namespaces ([`crate::runtime::Runtime::enclose`]).
 //!
+//! A request with an `E2b-Sandbox-Port` other than envd's goes to that port of the sandbox
+//! instead ([`to_port`]): over a connection the node opens inside the sandbox's network
+//! namespace, so a server listening on the sandbox's loopback is reached and no route into
+//! the sandbox exists. Those requests need no envd token, only the sandbox's traffic token
+//! when it has one.
+//!
 //! Served over HTTP/1.1 and h2c on one port.
 
 use std::collections::HashMap;
@@ -131,17 +137,53 @@ fn refusal(path: &str, err: RpcError) -> Response {
     }
 }
 
+/// The sandbox port a request is for, when it is not envd's: `Ok(None)` for envd.
+fn port_of(headers: &HeaderMap) -> Result<Option<u16>, RpcError> {
+    let Some(value) = headers.get(envd_wire::headers::SANDBOX_PORT) else {
+        return Ok(None);
+    };
+    match value
+        .to_str()
+        .ok()
+        .and_then(|p| p.parse::<u16>().ok())
+        .filter(|p| *p != 0)
+    {
+        Some(envd_wire::ENVD_PORT) => Ok(None),
+        Some(port) => Ok(Some(port)),
+        None => Err(RpcError::new(
+            Code::InvalidArgument,
+            "the E2b-Sandbox-Port header is not a port",
+        )),
+    }
+}
+
 /// Lets a request through only with the sandbox's access token (or a `/files` URL signed
-/// with it); `/health` passes as it is.
+/// with it); `/health` passes as it is. A request for another port needs the sandbox's
+/// traffic token instead, when it has one.
 async fn authorized(State(envd): State<Envd>, request: Request, next: axum::middleware::Next) -> Response {
     let path = request.uri().path().to_string();
-    if path == access::HEALTH_PATH {
+    let port = match port_of(request.headers()) {
+        Ok(port) => port,
+        Err(err) => return rest_from_rpc(err),
+    };
+    if path == access::HEALTH_PATH && port.is_none() {
         return next.run(request).await;
     }
     let record = match envd.record(request.headers()).await {
         Ok(record) => record,
         Err(err) => return refusal(&path, err),
     };
+    if port.is_some() {
+        let presented = request
+            .headers()
+            .get(envd_wire::headers::TRAFFIC_ACCESS_TOKEN)
+            .map(axum::http::HeaderValue::as_bytes);
+        if let Err(denied) = access::authorize_traffic(record.traffic_access_token.as_deref(), presented) {
+            metrics::counter!("node_port_denied_total").increment(1);
+            return rest_from_rpc(RpcError::new(Code::Unauthenticated, denied));
+        }
+        return next.run(request).await;
+    }
     let presented = access::Presented {
         path: &path,
         method: request.method().as_str(),
@@ -160,8 +202,12 @@ async fn authorized(State(envd): State<Envd>, request: Request, next: axum::midd
     next.run(request).await
 }
 
-/// Hands the request to its sandbox's envd; `/health` without a sandbox is the node's own.
+/// Hands the request to its sandbox's envd, or to the port it names; `/health` without a
+/// sandbox is the node's own.
 async fn forward(State(envd): State<Envd>, request: Request) -> Response {
+    if let Ok(Some(port)) = port_of(request.headers()) {
+        return to_port(&envd, port, request).await;
+    }
     let path = request.uri().path().to_string();
     let health = path == access::HEALTH_PATH;
     if health && !request.headers().contains_key(envd_wire::headers::SANDBOX_ID) {
@@ -211,6 +257,51 @@ async fn forward(State(envd): State<Envd>, request: Request) -> Response {
         Ok(response) => response,
         Err(never) => match never {},
     }
+}
+
+/// Relays `request` to `port` of its sandbox (HTTP/1.1, upgrades spliced through); answers
+/// 502 in E2B's shape when nothing listens there.
+async fn to_port(envd: &Envd, port: u16, request: Request) -> Response {
+    let record = match envd.running(request.headers()).await {
+        Ok(record) => record,
+        Err(err) => return rest_from_rpc(err),
+    };
+    let runtime = envd.host.runtime().clone();
+    let for_connect = record.clone();
+    let connected = tokio::task::spawn_blocking(move || runtime.connect_port(&for_connect, port)).await;
+    let stream = match connected {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(err)) => {
+            tracing::debug!(sandbox_id = %record.id, port, %err, "sandbox port did not answer");
+            return port_error(&record.id, port, &err.to_string());
+        }
+        Err(err) => return port_error(&record.id, port, &err.to_string()),
+    };
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::TcpStream::from_std(stream))
+    {
+        Ok(stream) => stream,
+        Err(err) => return port_error(&record.id, port, &err.to_string()),
+    };
+    let routing = [
+        envd_wire::headers::SANDBOX_ID,
+        envd_wire::headers::SANDBOX_PORT,
+        envd_wire::headers::TRAFFIC_ACCESS_TOKEN,
+    ];
+    match common::relay::relay(stream, request, &routing).await {
+        Ok(response) => response,
+        Err(err) => port_error(&record.id, port, &err.to_string()),
+    }
+}
+
+/// 502 `{code, message}`: nothing answered on the sandbox's port.
+fn port_error(sandbox: &str, port: u16, reason: &str) -> Response {
+    let body = serde_json::json!({
+        "code": 502,
+        "message": format!("nothing answered on port {port} of sandbox {sandbox}: {reason}"),
+    });
+    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
 }
 
 /// Sends `request` to the envd listening on `socket` (inside its sandbox) and streams its

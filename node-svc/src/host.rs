@@ -122,6 +122,8 @@ pub struct CreateSpec {
     pub metadata: BTreeMap<String, String>,
     pub start_command: Option<String>,
     pub access_token: Option<String>,
+    pub network: Option<common::egress::NetworkPolicy>,
+    pub traffic_access_token: Option<String>,
 }
 
 /// One sandbox in a heartbeat.
@@ -195,7 +197,8 @@ impl Drop for Turn<'_> {
 
 /// Whether a call may act, or already has its answer.
 enum Admission<'h> {
-    Answered(Answer),
+    /// Boxed: an answer carries a whole record, a turn only a few pointers.
+    Answered(Box<Answer>),
     Turn(Turn<'h>),
 }
 
@@ -485,11 +488,11 @@ impl Shared {
     /// (checked before queueing, and again once the turn comes).
     async fn admit(&self, id: &str, operation_id: &str, call: &str) -> Admission<'_> {
         if let Some(answer) = self.recall(operation_id, call) {
-            return Admission::Answered(answer);
+            return Admission::Answered(Box::new(answer));
         }
         let turn = self.enter(id).await;
         match self.recall(operation_id, call) {
-            Some(answer) => Admission::Answered(answer),
+            Some(answer) => Admission::Answered(Box::new(answer)),
             None => Admission::Turn(turn),
         }
     }
@@ -503,7 +506,7 @@ impl Shared {
         let call = format!("create {}", spec.sandbox_id);
         let operation_id = spec.operation_id.clone();
         let turn = match self.admit(&spec.sandbox_id, &operation_id, &call).await {
-            Admission::Answered(answer) => return answer,
+            Admission::Answered(answer) => return *answer,
             Admission::Turn(turn) => turn,
         };
         let answer = self.create_now(&turn, spec).await;
@@ -562,7 +565,7 @@ impl Shared {
         validate_id(sandbox_id)?;
         let call = format!("{action:?} {sandbox_id}");
         let turn = match self.admit(sandbox_id, operation_id, &call).await {
-            Admission::Answered(answer) => return answer,
+            Admission::Answered(answer) => return *answer,
             Admission::Turn(turn) => turn,
         };
         let answer = self.lifecycle_now(&turn, epoch, action).await;
@@ -720,7 +723,7 @@ impl Shared {
         let turn = match self.admit(&record.id, operation_id, call).await {
             Admission::Answered(answer) => {
                 let _ = drop_scratch(scratch).await;
-                return answer;
+                return *answer;
             }
             Admission::Turn(turn) => turn,
         };
@@ -878,6 +881,8 @@ fn new_record(spec: CreateSpec, template: Template, now_ms: u64) -> SandboxRecor
         metadata: spec.metadata,
         start_command: spec.start_command.filter(|c| !c.is_empty()).or(template.start_command),
         access_token: spec.access_token.filter(|t| !t.is_empty()),
+        network: spec.network,
+        traffic_access_token: spec.traffic_access_token.filter(|t| !t.is_empty()),
         state: State::Running,
         epoch: spec.epoch,
         pgid: 0,
@@ -955,6 +960,8 @@ mod tests {
             metadata: BTreeMap::new(),
             start_command: None,
             access_token: None,
+            network: None,
+            traffic_access_token: None,
             state,
             epoch: 1,
             pgid: 0,

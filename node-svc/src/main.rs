@@ -59,6 +59,15 @@ struct Args {
     /// node's own.
     #[arg(long, env = "NODE_OCI_RUNTIME")]
     oci_runtime: Option<std::path::PathBuf>,
+    /// The IPv4 block sandboxes' links come from (a /30 each); it must not overlap a network
+    /// the host routes to.
+    #[arg(long, env = "NODE_SANDBOX_NETWORK", default_value = node_svc::runtime::container::network::DEFAULT_POOL)]
+    sandbox_network: common::egress::Cidr,
+    /// Blocks no sandbox may reach, whatever its allowOut (comma-separated; default: private,
+    /// link-local, shared, loopback, multicast and reserved ranges). The host's own addresses
+    /// and other sandboxes are always out of reach.
+    #[arg(long, env = "NODE_EGRESS_DENY", value_delimiter = ',')]
+    egress_deny: Option<Vec<common::egress::Cidr>>,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
@@ -99,6 +108,10 @@ async fn serve() -> anyhow::Result<()> {
             oci_runtime: args.oci_runtime,
         },
     };
+    config.network.pool = args.sandbox_network;
+    if let Some(floor) = args.egress_deny {
+        config.network.floor = floor;
+    }
     config.placement = Some(args.placement);
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms);
     let node = node_svc::server::start(config).await?;

@@ -37,6 +37,13 @@ pub struct SandboxRecord {
     pub start_command: Option<String>,
     #[serde(default)]
     pub access_token: Option<String>,
+    /// Where its traffic may go; `None` (and every record from before egress existed):
+    /// loopback only.
+    #[serde(default)]
+    pub network: Option<common::egress::NetworkPolicy>,
+    /// Required on requests for its ports when set (E2B's `allowPublicTraffic: false`).
+    #[serde(default)]
+    pub traffic_access_token: Option<String>,
     pub state: State,
     /// The newest fencing epoch seen for this sandbox.
     pub epoch: u64,
@@ -191,6 +198,8 @@ mod tests {
             metadata: BTreeMap::new(),
             start_command: None,
             access_token: None,
+            network: None,
+            traffic_access_token: None,
             state,
             epoch,
             pgid: 0,

@@ -37,6 +37,8 @@ pub struct NodeConfig {
     pub envd_listen: SocketAddr,
     pub host: HostConfig,
     pub runtime: RuntimeKind,
+    /// How container sandboxes reach out (their pool and the host's floor).
+    pub network: crate::runtime::container::network::NetworkConfig,
     /// placement-svc to send heartbeats to, if any.
     pub placement: Option<String>,
     pub heartbeat_interval: Duration,
@@ -59,6 +61,7 @@ impl NodeConfig {
                 capacity: host_capacity(),
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
+            network: Default::default(),
             placement: None,
             heartbeat_interval: Duration::from_secs(2),
             labels: Default::default(),
@@ -153,6 +156,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                 state_dir: config.host.state_dir.clone(),
                 oci_runtime,
                 envd_binary: None,
+                network: config.network.clone(),
             },
         )),
         RuntimeKind::Unisolated { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),

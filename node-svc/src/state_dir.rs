@@ -141,6 +141,8 @@ mod tests {
             metadata: Default::default(),
             start_command: None,
             access_token: None,
+            network: None,
+            traffic_access_token: None,
             state: State::Running,
             epoch: 1,
             pgid: 0,

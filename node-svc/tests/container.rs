@@ -72,8 +72,21 @@ fn token_of(sandbox: &str) -> String {
     format!("token-of-{sandbox}")
 }
 
+/// E2B's default network: the internet, no lists.
+fn internet() -> Option<pb::NetworkPolicy> {
+    Some(pb::NetworkPolicy {
+        internet: true,
+        ..Default::default()
+    })
+}
+
 impl Node {
+    /// A sandbox with loopback only.
     async fn create(&self, sandbox: &str, memory_bytes: u64) {
+        self.create_with(sandbox, memory_bytes, None).await;
+    }
+
+    async fn create_with(&self, sandbox: &str, memory_bytes: u64, network: Option<pb::NetworkPolicy>) {
         let mut c = NodeClient::connect(self.running().endpoint()).await.unwrap();
         c.create(pb::CreateRequest {
             operation_id: format!("c-{sandbox}"),
@@ -82,6 +95,7 @@ impl Node {
             template: "base".into(),
             resources: Some(pb::Resources { vcpus: 1, memory_bytes }),
             access_token: token_of(sandbox),
+            network,
             ..Default::default()
         })
         .await
@@ -233,7 +247,8 @@ async fn no_port_of_the_host_answers_from_inside() {
     assert!(!listeners.is_empty());
     for runtime in runtimes() {
         let n = node(runtime.clone()).await;
-        n.create("net", 256 << 20).await;
+        // With a link out: the host is the sandbox's gateway, and still out of reach.
+        n.create_with("net", 256 << 20, internet()).await;
         for (address, listener) in &listeners {
             let port = listener.local_addr().unwrap().port();
             let probe = format!(
@@ -244,13 +259,173 @@ async fn no_port_of_the_host_answers_from_inside() {
             assert!(!out.contains("reached"), "{runtime:?}: {out}");
         }
         let (out, _) = n.sh("net", "root", "cat /proc/net/dev").await;
-        let interfaces: Vec<&str> = out
-            .lines()
-            .skip(2)
-            .filter_map(|l| l.split(':').next())
-            .map(str::trim)
-            .collect();
-        assert_eq!(interfaces, vec!["lo"], "{runtime:?}: only loopback");
+        assert_eq!(interfaces(&out), vec!["eth0", "lo"], "{runtime:?}");
+        n.stop().await;
+    }
+}
+
+/// Interface names in `/proc/net/dev`, sorted.
+fn interfaces(proc_net_dev: &str) -> Vec<&str> {
+    let mut names: Vec<&str> = proc_net_dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    names.sort_unstable();
+    names
+}
+
+/// A network namespace of the test's own playing "the internet": a veth to the host with
+/// 198.51.100.1 (host) and 198.51.100.2 (inside), a route back, and a TCP listener inside
+/// that answers each connection with the address it came from. Removed on drop.
+struct Internet {
+    name: String,
+    host_end: String,
+    port: u16,
+}
+
+const INTERNET: &str = "198.51.100.2";
+
+fn ip(args: &[&str]) {
+    let status = std::process::Command::new("ip").args(args).status().unwrap();
+    assert!(status.success(), "ip {args:?}");
+}
+
+impl Internet {
+    fn start() -> Internet {
+        let name = format!("inet-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let host_end = format!("i{}", &name[5..]);
+        ip(&["netns", "add", &name]);
+        ip(&[
+            "link", "add", &host_end, "type", "veth", "peer", "name", "eth0", "netns", &name,
+        ]);
+        ip(&["addr", "add", "198.51.100.1/24", "dev", &host_end]);
+        ip(&["link", "set", &host_end, "up"]);
+        ip(&["-n", &name, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+        ip(&["-n", &name, "link", "set", "eth0", "up"]);
+        ip(&["-n", &name, "route", "add", "default", "via", "198.51.100.1"]);
+        // A socket keeps the namespace it was made in: make it there on a thread of its own.
+        let path = format!("/run/netns/{name}");
+        let listener = std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // SAFETY: on this short-lived thread only.
+            assert_eq!(
+                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) },
+                0
+            );
+            TcpListener::bind(format!("{INTERNET}:0")).unwrap()
+        })
+        .join()
+        .unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let peer = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+                let _ = std::io::Write::write_all(&mut &stream, format!("from {peer}\n").as_bytes());
+            }
+        });
+        Internet { name, host_end, port }
+    }
+
+    /// A shell line that connects to the internet's listener and prints what it says.
+    fn probe(&self) -> String {
+        format!(
+            "python3 -c \"import socket; s = socket.create_connection(('{INTERNET}', {}), timeout=3); print(s.recv(100).decode())\"",
+            self.port
+        )
+    }
+}
+
+impl Drop for Internet {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.host_end])
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_reaches_the_internet_and_honours_the_lists_and_the_floor() {
+    let world = Internet::start();
+    let policy = |on: bool, allow: &[&str], deny: &[&str]| {
+        Some(pb::NetworkPolicy {
+            internet: on,
+            allow_out: allow.iter().map(|s| s.to_string()).collect(),
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+        })
+    };
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create_with("open", 256 << 20, internet()).await;
+        n.create_with("sealed", 256 << 20, policy(false, &[], &[])).await;
+        n.create_with("denied", 256 << 20, policy(true, &[], &["198.51.100.0/24"]))
+            .await;
+        n.create_with("allowed", 256 << 20, policy(false, &[INTERNET], &[]))
+            .await;
+        // The default reaches the internet, masqueraded as the host's address on that link.
+        let (out, code) = n.sh("open", "user", &world.probe()).await;
+        assert_eq!((out.trim(), code), ("from 198.51.100.1", 0), "{runtime:?}");
+        // No internet and nothing allowed: no link at all, loopback still works.
+        let (out, code) = n.sh("sealed", "root", &world.probe()).await;
+        assert_ne!(code, 0, "{runtime:?}: {out}");
+        let (out, _) = n.sh("sealed", "root", "cat /proc/net/dev").await;
+        assert_eq!(interfaces(&out), vec!["lo"], "{runtime:?}");
+        // denyOut holds, and root inside cannot lift it (no CAP_NET_ADMIN).
+        let (out, code) = n.sh("denied", "root", &world.probe()).await;
+        assert!(code != 0 && out.contains("No route to host"), "{runtime:?}: {out}");
+        let (out, code) = n
+            .sh("denied", "root", "nft flush ruleset || ip link set eth0 down")
+            .await;
+        assert_ne!(code, 0, "{runtime:?}: root changed its own rules: {out}");
+        // allowOut wins over no internet, for what it names only.
+        let (out, code) = n.sh("allowed", "user", &world.probe()).await;
+        assert_eq!((out.trim(), code), ("from 198.51.100.1", 0), "{runtime:?}");
+        let (out, code) = n
+            .sh(
+                "allowed",
+                "user",
+                "python3 -c \"import socket; socket.create_connection(('198.51.100.1', 9), timeout=2)\"",
+            )
+            .await;
+        assert_ne!(code, 0, "{runtime:?}: {out}");
+        // The floor: no sandbox reaches another, nor the private ranges (cloud metadata,
+        // the control plane's network), whatever its lists say.
+        let (out, _) = n.sh("allowed", "root", "ip -4 -o addr show eth0").await;
+        let neighbour = out
+            .split_whitespace()
+            .find(|w| w.starts_with("10.200."))
+            .and_then(|w| w.split('/').next())
+            .unwrap_or_else(|| panic!("{runtime:?}: no address: {out}"))
+            .to_string();
+        n.sh("allowed", "root", "nohup python3 -m http.server 8080 >/dev/null 2>&1 &")
+            .await;
+        let reach = |addr: &str| {
+            format!(
+                "python3 -c \"import socket; socket.create_connection(('{addr}', 8080), timeout=2); print('reached')\""
+            )
+        };
+        let mut listening = String::new();
+        for _ in 0..50 {
+            listening = n.sh("allowed", "root", &reach("127.0.0.1")).await.0;
+            if listening.contains("reached") {
+                break;
+            }
+        }
+        assert!(
+            listening.contains("reached"),
+            "{runtime:?}: the neighbour's server: {listening}"
+        );
+        let (out, code) = n.sh("open", "root", &reach(&neighbour)).await;
+        assert!(
+            code != 0 && !out.contains("reached"),
+            "{runtime:?}: reached another sandbox: {out}"
+        );
+        let (out, code) = n.sh("open", "root", &reach("169.254.169.254")).await;
+        assert!(code != 0 && !out.contains("reached"), "{runtime:?}: {out}");
         n.stop().await;
     }
 }
@@ -385,4 +560,161 @@ async fn a_templates_files_are_in_the_users_home_and_the_users() {
         n.stop().await;
     }
     std::fs::remove_dir_all(&templates).unwrap();
+}
+
+/// A server in the sandbox that answers an upgrade with 101 and then echoes bytes: the
+/// shape of a WebSocket without its framing.
+const UPGRADE_ECHO: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('127.0.0.1', 8081))
+s.listen()
+while True:
+    c, _ = s.accept()
+    head = b''
+    while b'\r\n\r\n' not in head:
+        head += c.recv(1024)
+    c.sendall(b'HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n')
+    while True:
+        data = c.recv(1024)
+        if not data:
+            break
+        c.sendall(data)
+    c.close()
+"#;
+
+impl Node {
+    /// A request for `port` of `sandbox` through the node's envd endpoint, as the gateway
+    /// sends it.
+    fn port(&self, sandbox: &str, port: u16, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .get(format!("{}{path}", self.running().envd_endpoint()))
+            .header("E2b-Sandbox-Id", sandbox)
+            .header("E2b-Sandbox-Port", port.to_string())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxs_ports_are_reached_through_the_node_and_only_its_own() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        // Loopback only, and a server bound to the sandbox's 127.0.0.1: still reachable.
+        n.create("web", 256 << 20).await;
+        n.sh("web", "user", "echo hello-from-the-sandbox > index.html; nohup python3 -m http.server 8080 --bind 127.0.0.1 >/dev/null 2>&1 &")
+            .await;
+        let write =
+            format!("cat > /tmp/echo.py <<'PY'\n{UPGRADE_ECHO}\nPY\nnohup python3 /tmp/echo.py >/dev/null 2>&1 &");
+        n.sh("web", "user", &write).await;
+        let mut answer = None;
+        for _ in 0..100 {
+            let response = n.port("web", 8080, "/index.html").send().await.unwrap();
+            if response.status() == 200 {
+                answer = Some(response.text().await.unwrap());
+                break;
+            }
+            assert_eq!(response.status(), 502, "{runtime:?}: before the server listens");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(answer.as_deref(), Some("hello-from-the-sandbox\n"), "{runtime:?}");
+        // Nothing on a port: 502 in E2B's shape, saying so.
+        let response = n.port("web", 9, "/").send().await.unwrap();
+        assert_eq!(response.status(), 502, "{runtime:?}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["message"].as_str().unwrap().contains("port 9"), "{body}");
+        // The port belongs to the sandbox named: another sandbox's 8080 is its own (closed).
+        n.create("other", 256 << 20).await;
+        assert_eq!(
+            n.port("other", 8080, "/").send().await.unwrap().status(),
+            502,
+            "{runtime:?}"
+        );
+        // An upgrade is spliced through: bytes both ways after the 101.
+        let endpoint = n.running().envd_endpoint();
+        let address = endpoint.trim_start_matches("http://").to_string();
+        let mut upgraded = false;
+        for _ in 0..100 {
+            let mut tcp = tokio::net::TcpStream::connect(&address).await.unwrap();
+            let hello = "GET /echo HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: web\r\nE2b-Sandbox-Port: 8081\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n";
+            tcp.write_all(hello.as_bytes()).await.unwrap();
+            let mut head = vec![0u8; 4096];
+            let n_read = tcp.read(&mut head).await.unwrap();
+            let head = String::from_utf8_lossy(&head[..n_read]).to_string();
+            if head.starts_with("HTTP/1.1 502") {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            assert!(head.starts_with("HTTP/1.1 101"), "{runtime:?}: {head}");
+            tcp.write_all(b"ping through the node").await.unwrap();
+            let mut echoed = vec![0u8; 21];
+            tokio::time::timeout(Duration::from_secs(5), tcp.read_exact(&mut echoed))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(&echoed, b"ping through the node");
+            upgraded = true;
+            break;
+        }
+        assert!(upgraded, "{runtime:?}: the echo server never answered");
+        n.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_ports_take_the_sandboxs_traffic_token_and_envd_is_not_one_of_them() {
+    let runtime = None;
+    let n = node(runtime).await;
+    let mut c = NodeClient::connect(n.running().endpoint()).await.unwrap();
+    c.create(pb::CreateRequest {
+        operation_id: "c-private".into(),
+        epoch: 1,
+        sandbox_id: "private".into(),
+        template: "base".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        access_token: token_of("private"),
+        traffic_access_token: "traffic-secret".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    n.sh("private", "user", "nohup python3 -m http.server 8080 >/dev/null 2>&1 &")
+        .await;
+    let denied = n.port("private", 8080, "/").send().await.unwrap();
+    assert_eq!(denied.status(), 401);
+    let wrong = n
+        .port("private", 8080, "/")
+        .header("e2b-traffic-access-token", "traffic-secreT")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let mut status = 0;
+    for _ in 0..100 {
+        status = n
+            .port("private", 8080, "/")
+            .header("e2b-traffic-access-token", "traffic-secret")
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16();
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, 200);
+    // The traffic token opens ports, not envd; envd's port by header is envd, token-checked.
+    let envd = n
+        .port("private", 49983, "/envs")
+        .header("e2b-traffic-access-token", "traffic-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(envd.status(), 401);
+    n.stop().await;
 }

@@ -95,12 +95,51 @@ def test_a_sandbox_is_a_container_of_its_own(stack):
         assert "reached" not in refused.value.stdout
     finally:
         sbx.kill()
-    # Egress this cluster cannot give is refused up front, never silently dropped; a sandbox
-    # that asks for none gets what every sandbox has.
+    # Egress: a link out by default (the host is its gateway and still out of reach, above);
+    # none at all without internet access; what this cluster cannot filter (domain names) is
+    # refused up front, never silently dropped.
+    sealed = Sandbox.create(allow_internet_access=False, timeout=30)
+    try:
+        assert sealed.commands.run("ls /sys/class/net").stdout.split() == ["lo"]
+    finally:
+        sealed.kill()
     with pytest.raises(SandboxException) as refused:
-        Sandbox.create(allow_internet_access=True, timeout=30)
-    assert "no egress" in str(refused.value)
-    Sandbox.create(allow_internet_access=False, timeout=30).kill()
+        Sandbox.create(network={"allow_out": ["example.com"]}, timeout=30)
+    assert "domain" in str(refused.value)
+
+
+def test_a_sandboxs_port_through_the_gateway(stack):
+    """get_host(port): a web server in the sandbox answers through the gateway, addressed
+    by host name; a sandbox made with allow_public_traffic=False answers only with its traffic
+    token; nothing listening is a 502."""
+    sbx = Sandbox.create(timeout=120)
+    private = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        url = stack["E2B_SANDBOX_URL"]
+        for box in (sbx, private):
+            box.files.write("/home/user/index.html", f"hello from {box.sandbox_id}")
+            box.commands.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+        # The server binds a moment after the command starts: wait for it from inside.
+        for box in (sbx, private):
+            box.commands.run(
+                "for i in $(seq 100); do python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8000))\" "
+                "2>/dev/null && exit 0; sleep 0.05; done; exit 1"
+            )
+        r = httpx.get(url + "/index.html", headers={"Host": sbx.get_host(8000)})
+        assert (r.status_code, r.text) == (200, f"hello from {sbx.sandbox_id}")
+        missing = httpx.get(url + "/", headers={"Host": sbx.get_host(9)})
+        assert missing.status_code == 502 and missing.json()["code"] == 502
+        token = private.traffic_access_token
+        assert token
+        host = {"Host": private.get_host(8000)}
+        assert httpx.get(url + "/index.html", headers=host).status_code == 401
+        r = httpx.get(url + "/index.html", headers={**host, "e2b-traffic-access-token": token})
+        assert (r.status_code, r.text) == (200, f"hello from {private.sandbox_id}")
+        # Another sandbox's traffic token is not this one's.
+        assert sbx.traffic_access_token is None
+    finally:
+        sbx.kill()
+        private.kill()
 
 
 def test_the_sdk_error_paths(stack):

@@ -48,6 +48,8 @@ impl Sandboxes {
             epoch: 1,
             // Always: envd answers only requests that carry it (or a URL signed with it).
             envd_access_token: Some(envd_wire::access::new_token()),
+            network: Some(intent.network.clone()),
+            traffic_access_token: (!intent.public_traffic).then(envd_wire::access::new_token),
             started_at_unix_ms: now,
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,
@@ -184,6 +186,12 @@ impl Sandboxes {
             metadata: doc.metadata.clone().into_iter().collect(),
             start_command: String::new(),
             access_token: doc.envd_access_token.clone().unwrap_or_default(),
+            network: doc.network.as_ref().map(|n| node_pb::NetworkPolicy {
+                internet: n.internet,
+                allow_out: n.allow_out.iter().map(ToString::to_string).collect(),
+                deny_out: n.deny_out.iter().map(ToString::to_string).collect(),
+            }),
+            traffic_access_token: doc.traffic_access_token.clone().unwrap_or_default(),
         })
         .await
         .map_err(|s| from_status("node create", s))?;

@@ -92,4 +92,39 @@ pub trait Runtime: Send + Sync + 'static {
     fn runs_envd(&self) -> bool {
         false
     }
+
+    /// Opens a TCP connection to `port` of the sandbox, as a process inside it would reach
+    /// its own `127.0.0.1:port`: the way in for the gateway's port routing. Refused where
+    /// nothing listens.
+    fn connect_port(&self, record: &SandboxRecord, port: u16) -> std::io::Result<std::net::TcpStream> {
+        let _ = (record, port);
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            format!("the {} runtime runs no processes to connect to", self.kind()),
+        ))
+    }
+}
+
+/// How long opening a connection to a sandbox's port may take.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Connects to `127.0.0.1:port` in the network namespace of process `pid`. The socket is made
+/// on a thread that entered that namespace (a socket belongs to the namespace it was made in
+/// for its whole life), so the node's own threads never leave the host's.
+pub fn connect_in_namespace_of(pid: u32, port: u16) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::AsRawFd as _;
+    let netns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                // SAFETY: setns affects only this thread, which ends right after.
+                if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+                std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread panicked")))
+    })
 }

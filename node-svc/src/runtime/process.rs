@@ -344,6 +344,12 @@ impl Runtime for ProcessRuntime {
         }
     }
 
+    /// Unisolated sandboxes share the host's network: their port is the host's.
+    fn connect_port(&self, _record: &SandboxRecord, port: u16) -> std::io::Result<std::net::TcpStream> {
+        let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+        std::net::TcpStream::connect_timeout(&addr, super::CONNECT_TIMEOUT)
+    }
+
     fn enclose(&self, record: &SandboxRecord, home: &Path, cwd: &Path, cmd: &mut Command) -> Result<(), RuntimeError> {
         self.cgroups
             .create(&record.id, record.resources.memory_bytes)

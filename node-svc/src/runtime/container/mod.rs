@@ -17,11 +17,13 @@
 //! `work/` (overlayfs's), `rootfs/` (the mounted root), `config.json` (the bundle's spec),
 //! `envd.sock` and `container.log` (envd's output and the runtime's errors).
 
+pub mod network;
 pub mod oci;
 pub mod rootfs;
 pub mod spec;
 
 use std::io;
+use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
 use super::cgroup::Cgroups;
@@ -61,6 +63,8 @@ pub struct ContainerConfig {
     /// The program that carries envd and jail (`PROGRAM envd ...`, `PROGRAM jail ...`); by
     /// default [`multicall_binary`].
     pub envd_binary: Option<PathBuf>,
+    /// Sandboxes' links out and the host's floor.
+    pub network: network::NetworkConfig,
 }
 
 /// Binaries that answer `envd ...` and `jail ...` (see `node_svc::multicall`).
@@ -95,6 +99,8 @@ pub struct ContainerRuntime {
     envd_binary: PathBuf,
     /// For measuring: the runtime creates each sandbox's groups under the node's parents.
     cgroups: Cgroups,
+    /// Links out, and the host's floor.
+    network: network::Network,
     /// Why this host cannot run isolated sandboxes, if it cannot: every start is refused.
     missing: Vec<String>,
     degraded: Vec<String>,
@@ -226,6 +232,10 @@ impl ContainerRuntime {
             None => oci::Cli::new(carrier.clone(), vec!["jail".into()], root.join("runtime")),
         };
         let envd_binary = carrier;
+        let network = network::Network::new(config.network.clone());
+        if let Some(problem) = network.problem() {
+            degraded.push(format!("sandboxes that need a network are refused: {problem}"));
+        }
         if !missing.is_empty() {
             degraded.push(format!("sandboxes refused: this host lacks {}", missing.join(", ")));
         }
@@ -241,6 +251,7 @@ impl ContainerRuntime {
             host_dirs,
             envd_binary,
             cgroups,
+            network,
             missing,
             degraded,
         }
@@ -308,10 +319,29 @@ impl Runtime for ContainerRuntime {
         let started = (|| -> Result<u32, String> {
             self.write_spec(record, &parts)?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
-            self.cli
-                .run(&record.id, &parts.bundle, &parts.pid_file, &parts.log, &listener)?;
+            // envd starts the start command when this pipe closes: after the network is up.
+            let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
+            self.cli.run(
+                &record.id,
+                &parts.bundle,
+                &parts.pid_file,
+                &parts.log,
+                &[listener.as_fd(), boot_read.as_fd()],
+            )?;
+            drop(boot_read);
             let pid = std::fs::read_to_string(&parts.pid_file).map_err(|e| format!("reading the pid file: {e}"))?;
-            pid.trim().parse::<u32>().map_err(|e| format!("pid file {pid:?}: {e}"))
+            let pid = pid
+                .trim()
+                .parse::<u32>()
+                .map_err(|e| format!("pid file {pid:?}: {e}"))?;
+            let linked = self.network.attach(&record.id, pid, record.network.as_ref());
+            drop(boot_write);
+            if let Err(e) = linked {
+                reap_when_dead(pid);
+                let _ = self.cli.delete(&record.id);
+                return Err(e.to_string());
+            }
+            Ok(pid)
         })();
         started.map_err(|e| {
             let _ = rootfs::unmount(&parts.rootfs);
@@ -380,6 +410,12 @@ impl Runtime for ContainerRuntime {
 
     fn runs_envd(&self) -> bool {
         true
+    }
+
+    /// Inside the sandbox's own network namespace: its `127.0.0.1:port`, so a server bound
+    /// to loopback only is reachable too, and no route into the sandbox is needed.
+    fn connect_port(&self, record: &SandboxRecord, port: u16) -> io::Result<std::net::TcpStream> {
+        super::connect_in_namespace_of(record.pgid, port)
     }
 
     /// Into `/home/user` of the sandbox's own layer, owned by its user (and `/home` as the

@@ -2,8 +2,9 @@
 //! runsc (gVisor) and Kata's shim-less runtime all speak. The default is the node's own binary
 //! run as `BINARY jail ...` (the `jail` crate); `--oci-runtime PATH` picks any of those.
 //!
-//! Only what a sandbox needs: `run --detach` (create and start, envd's listening socket passed
-//! as fd 3 with `--preserve-fds 1`), `state`, `pause`, `resume`, `delete --force`.
+//! Only what a sandbox needs: `run --detach` (create and start, envd's listening socket and
+//! its boot pipe passed as fds 3 and 4 with `--preserve-fds 2`), `state`, `pause`, `resume`,
+//! `delete --force`.
 
 use std::ffi::OsString;
 use std::os::fd::AsRawFd;
@@ -52,14 +53,14 @@ impl Cli {
     }
 
     /// Creates and starts container `id` from `bundle`; the container's output (and the
-    /// runtime's own errors) go to `log`; `listener` becomes the container's fd 3.
+    /// runtime's own errors) go to `log`; `passed` become the container's fds 3, 4, ...
     pub fn run(
         &self,
         id: &str,
         bundle: &Path,
         pid_file: &Path,
         log: &Path,
-        listener: &std::os::unix::net::UnixListener,
+        passed: &[std::os::fd::BorrowedFd<'_>],
     ) -> Result<(), String> {
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -67,7 +68,11 @@ impl Cli {
             .open(log)
             .map_err(|e| format!("opening {}: {e}", log.display()))?;
         let err = out.try_clone().map_err(|e| e.to_string())?;
-        let fd = listener.as_raw_fd();
+        if passed.len() > 8 {
+            return Err(format!("{} descriptors to pass; at most 8", passed.len()));
+        }
+        let fds: Vec<i32> = passed.iter().map(|fd| fd.as_raw_fd()).collect();
+        let count = fds.len().to_string();
         let mut cmd = self.command();
         cmd.arg("run")
             .arg("--detach")
@@ -75,21 +80,28 @@ impl Cli {
             .arg(bundle)
             .arg("--pid-file")
             .arg(pid_file)
-            .args(["--preserve-fds", "1"])
+            .args(["--preserve-fds", &count])
             .arg(id)
             .stdout(out)
             .stderr(err);
-        // SAFETY: dup2 and fcntl are async-signal-safe and use only an integer prepared
-        // before the fork.
+        // SAFETY: fcntl and dup2 are async-signal-safe; the closure only reads integers
+        // prepared before the fork and writes a fixed-size array on its stack.
         unsafe {
             cmd.pre_exec(move || {
-                if fd == 3 {
-                    // dup2 onto itself keeps close-on-exec: clear it by hand.
-                    if libc::fcntl(3, libc::F_SETFD, 0) != 0 {
+                // First out of the way (above 3 + count, close-on-exec), so placing one
+                // cannot overwrite another that happens to sit at its target.
+                let mut moved = [0i32; 8];
+                for (i, fd) in fds.iter().enumerate().take(moved.len()) {
+                    moved[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 16);
+                    if moved[i] < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                } else if libc::dup2(fd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
+                }
+                for (i, fd) in moved.iter().take(fds.len()).enumerate() {
+                    // dup2 clears close-on-exec on the copy.
+                    if libc::dup2(*fd, 3 + i as i32) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 Ok(())
             });

@@ -148,7 +148,7 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
         "process": {
             "terminal": false,
             "user": {"uid": 0, "gid": 0},
-            "args": [ENVD_PATH, "envd", "--listen-fd", "3"],
+            "args": [ENVD_PATH, "envd", "--listen-fd", "3", "--boot-fd", "4"],
             "env": env,
             "cwd": "/",
             "capabilities": {
@@ -214,6 +214,8 @@ mod tests {
             metadata: Default::default(),
             start_command: Some("sleep 9".into()),
             access_token: None,
+            network: None,
+            traffic_access_token: None,
             state: State::Running,
             epoch: 0,
             pgid: 0,

@@ -1,0 +1,496 @@
+//! A sandbox's way out, and the walls around it.
+//!
+//! Every sandbox has its own network namespace (the runtime makes it with the container). A
+//! sandbox that may reach anything beyond itself ([`NetworkPolicy::needs_link`]) gets one
+//! veth pair: `eth0` inside, with the second address of a /30 taken from the node's pool, and
+//! `sbx<hex of the host address>` on the host with the first, which is the sandbox's default
+//! gateway. The host masquerades what leaves. A sandbox with no internet and nothing allowed
+//! gets no link at all: loopback only, nothing to get wrong.
+//!
+//! **Why veth and NAT** rather than a userspace stack (slirp4netns, pasta): the kernel does
+//! the work with no process per sandbox (an idle sandbox must cost under 5 MiB; a pasta
+//! process alone is more), and the host's packet filter can hold every sandbox to one floor.
+//! A userspace stack opens its sockets *on the host*, so a sandbox reaching the host's own
+//! addresses would need a filter in that process too.
+//!
+//! **The floor** is one nftables table, `inet sandboxsched`, shared by every node of the host
+//! and replaced whole (one atomic transaction) when a node starts ([`host_ruleset`]):
+//! - nothing from a sandbox reaches the host itself, by any of its addresses, IPv4 or IPv6
+//!   (`input`): Redis, PostgreSQL, the ledger, every node's gRPC and envd ports, the gateway;
+//! - no sandbox reaches another (`forward`, sandbox link to sandbox link), nothing outside
+//!   opens a connection to a sandbox, and no sandbox sends IPv6 beyond its link;
+//! - the operator's `--egress-deny` blocks (by default private, link-local, shared and
+//!   multicast ranges: the control plane's network and cloud metadata) are refused to all;
+//! - a packet whose source address is not the one its link was given is dropped (a sandbox
+//!   root with raw sockets cannot pose as another sandbox).
+//!
+//! **A sandbox's own lists** (`denyOut`, `allowOut`, no internet) are rules inside its own
+//! network namespace ([`sandbox_ruleset`]): they live and die with it, and nothing inside can
+//! change them, because the container's capability set has no `CAP_NET_ADMIN`. They protect
+//! the sandbox's owner from their own code; the floor, on the host, protects everyone else.
+//!
+//! **Slots.** The interface name is derived from the address, and the kernel refuses a second
+//! interface of one name, so creating the host end *is* the allocation: atomic across every
+//! node on the host, with nothing to leak. When the sandbox's namespace goes, its `eth0` goes
+//! and takes the host end with it.
+
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::egress::{Cidr, NetworkPolicy};
+
+/// The host end's name prefix: what the floor's rules match.
+pub const HOST_PREFIX: &str = "sbx";
+/// The nftables table of the floor.
+pub const TABLE: &str = "sandboxsched";
+/// The pool sandboxes' /30s come from, unless `--sandbox-network` says otherwise.
+pub const DEFAULT_POOL: &str = "10.200.0.0/16";
+/// What no sandbox reaches, unless `--egress-deny` says otherwise: this host's and the
+/// control plane's private networks, link-local (cloud metadata at 169.254.169.254), shared
+/// address space, loopback, multicast and the reserved ranges.
+pub const DEFAULT_FLOOR: [&str; 9] = [
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+/// How the node's sandboxes reach out.
+#[derive(Clone, Debug)]
+pub struct NetworkConfig {
+    /// Where each sandbox's /30 comes from.
+    pub pool: Cidr,
+    /// Destinations no sandbox reaches, whatever its `allowOut`.
+    pub floor: Vec<Cidr>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            pool: DEFAULT_POOL.parse().unwrap_or(Cidr::ANY),
+            floor: DEFAULT_FLOOR.iter().filter_map(|c| c.parse().ok()).collect(),
+        }
+    }
+}
+
+/// Why a sandbox's network could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("sandboxes cannot reach out on this host: {0}")]
+    Unavailable(String),
+    #[error("no free address in the sandbox network {0}")]
+    PoolExhausted(Cidr),
+    #[error("netlink: {0}")]
+    Netlink(String),
+    #[error("the sandbox's network namespace: {0}")]
+    Namespace(std::io::Error),
+    #[error("nft: {0}")]
+    Rules(String),
+}
+
+/// One sandbox's link: the host end and both addresses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub host_interface: String,
+    pub gateway: Ipv4Addr,
+    pub address: Ipv4Addr,
+}
+
+/// The `index`th /30 of `pool`: host end's name, gateway (host side) and sandbox address.
+pub fn slot(pool: &Cidr, index: u64) -> Option<Link> {
+    let gateway = pool.nth(index.checked_mul(4)?.checked_add(1)?)?;
+    let address = pool.nth(index * 4 + 2)?;
+    Some(Link {
+        host_interface: format!("{HOST_PREFIX}{:08x}", u32::from(gateway)),
+        gateway,
+        address,
+    })
+}
+
+/// How many /30s the pool holds.
+pub fn slots(pool: &Cidr) -> u64 {
+    pool.size() / 4
+}
+
+/// Where a sandbox starts looking for a free slot: spread by its ID, so nodes sharing a host
+/// rarely try the same one.
+fn first_slot(sandbox: &str, count: u64) -> u64 {
+    // FNV-1a: stable and good enough to spread IDs.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in sandbox.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    if count == 0 {
+        0
+    } else {
+        hash % count
+    }
+}
+
+fn elements(cidrs: &[Cidr]) -> String {
+    cidrs.iter().map(Cidr::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The floor, as one nft transaction that replaces the table whole (the leading `add` makes
+/// the `delete` valid when the table does not exist yet).
+pub fn host_ruleset(floor: &[Cidr]) -> String {
+    let p = HOST_PREFIX;
+    let floor_set = if floor.is_empty() {
+        String::new()
+    } else {
+        format!("    elements = {{ {} }}\n", elements(floor))
+    };
+    format!(
+        "add table inet {TABLE}
+delete table inet {TABLE}
+table inet {TABLE} {{
+  set floor {{
+    type ipv4_addr
+    flags interval
+{floor_set}  }}
+  chain prerouting {{
+    type filter hook prerouting priority -150; policy accept;
+    iifname \"{p}*\" fib saddr . iif oif missing drop
+  }}
+  chain input {{
+    type filter hook input priority -10; policy accept;
+    iifname \"{p}*\" reject with icmpx type admin-prohibited
+  }}
+  chain forward {{
+    type filter hook forward priority -10; policy accept;
+    iifname \"{p}*\" oifname \"{p}*\" reject with icmpx type admin-prohibited
+    oifname \"{p}*\" ct state established,related accept
+    oifname \"{p}*\" drop
+    iifname \"{p}*\" meta nfproto ipv6 drop
+    iifname \"{p}*\" ip daddr @floor reject with icmpx type admin-prohibited
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname \"{p}*\" masquerade
+  }}
+}}
+"
+    )
+}
+
+/// The sandbox's own lists as rules inside its namespace, or `None` when it has none. The
+/// loopback is always open (a sandbox without internet still talks to itself); allowed
+/// blocks are accepted before denied ones are refused.
+pub fn sandbox_ruleset(policy: &NetworkPolicy) -> Option<String> {
+    let denied = policy.denied();
+    if denied.is_empty() {
+        return None;
+    }
+    let allow = if policy.allow_out.is_empty() {
+        String::new()
+    } else {
+        format!("    ip daddr {{ {} }} accept\n", elements(&policy.allow_out))
+    };
+    Some(format!(
+        "table inet egress {{
+  chain output {{
+    type filter hook output priority 0; policy accept;
+    oifname \"lo\" accept
+{allow}    ip daddr {{ {} }} reject with icmpx type admin-prohibited
+    meta nfproto ipv6 reject with icmpx type admin-prohibited
+  }}
+}}
+",
+        elements(&denied)
+    ))
+}
+
+/// The nft binary: on `PATH`, or where Debian puts it (a node started without `/usr/sbin` on
+/// its path).
+fn nft_binary() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("nft"));
+    on_path
+        .chain([PathBuf::from("/usr/sbin/nft"), PathBuf::from("/sbin/nft")])
+        .find(|p| p.is_file())
+}
+
+/// Runs `nft -f -` with `rules`, inside the network namespace open at `netns` when given.
+fn run_nft(binary: &Path, rules: &str, netns: Option<&std::fs::File>) -> Result<(), NetworkError> {
+    let mut cmd = Command::new(binary);
+    cmd.args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(ns) = netns {
+        let fd = ns.as_raw_fd();
+        // SAFETY: setns is async-signal-safe and uses only an integer prepared before the
+        // fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| NetworkError::Rules(format!("running {}: {e}", binary.display())))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(rules.as_bytes())
+            .map_err(|e| NetworkError::Rules(format!("writing rules: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| NetworkError::Rules(e.to_string()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(NetworkError::Rules(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ))
+    }
+}
+
+/// The node's side of sandbox networking: the floor installed, forwarding on.
+pub struct Network {
+    config: NetworkConfig,
+    nft: Option<PathBuf>,
+    /// Why no sandbox can have a link on this host, if none can.
+    problem: Option<String>,
+}
+
+impl Network {
+    /// Installs the floor and turns on IPv4 forwarding (a host-wide setting: the host routes
+    /// its sandboxes' traffic). On failure sandboxes that need a link are refused, saying why;
+    /// sandboxes without one still run.
+    pub fn new(config: NetworkConfig) -> Self {
+        let nft = nft_binary();
+        let problem = match &nft {
+            None => Some("nft (nftables) is not installed".to_string()),
+            Some(binary) => run_nft(binary, &host_ruleset(&config.floor), None)
+                .map_err(|e| format!("installing the host's rules: {e}"))
+                .and_then(|()| {
+                    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+                        .map_err(|e| format!("turning on IPv4 forwarding: {e}"))
+                })
+                .err(),
+        };
+        if let Some(problem) = &problem {
+            tracing::warn!(%problem, "sandboxes get loopback only");
+        } else {
+            tracing::info!(pool = %config.pool, floor = %elements(&config.floor), "sandbox egress through the host");
+        }
+        Network { config, nft, problem }
+    }
+
+    /// Why sandboxes cannot reach out here, if they cannot.
+    pub fn problem(&self) -> Option<&str> {
+        self.problem.as_deref()
+    }
+
+    /// Gives the sandbox whose init is `pid` what `policy` asks for: a link out and its own
+    /// rules. Nothing for a sandbox that keeps loopback only (or has no policy: a record from
+    /// before egress existed).
+    pub fn attach(
+        &self,
+        sandbox: &str,
+        pid: u32,
+        policy: Option<&NetworkPolicy>,
+    ) -> Result<Option<Link>, NetworkError> {
+        let Some(policy) = policy.filter(|p| p.needs_link()) else {
+            return Ok(None);
+        };
+        if let Some(problem) = &self.problem {
+            return Err(NetworkError::Unavailable(problem.clone()));
+        }
+        let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(NetworkError::Namespace)?;
+        if let (Some(rules), Some(binary)) = (sandbox_ruleset(policy), &self.nft) {
+            run_nft(binary, &rules, Some(&netns))?;
+        }
+        let pool = self.config.pool;
+        let count = slots(&pool);
+        let start = first_slot(sandbox, count);
+        let netns_fd = netns.as_raw_fd();
+        let link = std::thread::scope(|scope| {
+            scope
+                .spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_io()
+                        .build()
+                        .map_err(|e| NetworkError::Netlink(e.to_string()))?;
+                    runtime.block_on(link_up(&pool, start, count, netns_fd))
+                })
+                .join()
+                .unwrap_or_else(|_| Err(NetworkError::Netlink("the set-up thread panicked".into())))
+        })?;
+        tracing::debug!(sandbox_id = sandbox, interface = %link.host_interface, address = %link.address, "sandbox linked");
+        Ok(Some(link))
+    }
+}
+
+fn netlink(e: rtnetlink::Error) -> NetworkError {
+    NetworkError::Netlink(e.to_string())
+}
+
+fn already_exists(e: &rtnetlink::Error) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.code.map(|c| c.get()) == Some(-libc::EEXIST))
+}
+
+/// Creates the veth pair (trying slots from `start` until a name is free), addresses both
+/// ends, brings them up and routes the sandbox through the host end. Runs on a thread of its
+/// own: it enters the sandbox's namespace to configure `eth0`, and a thread that did so must
+/// not go back to a pool.
+async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::RawFd) -> Result<Link, NetworkError> {
+    use futures::TryStreamExt as _;
+    use rtnetlink::packet_route::link::{InfoData, InfoVeth};
+    use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+    let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    let mut chosen = None;
+    for step in 0..count.min(4096) {
+        let Some(link) = slot(pool, (start + step) % count) else {
+            continue;
+        };
+        let peer = LinkMessageBuilder::<LinkUnspec>::new()
+            .name("eth0".to_string())
+            .setns_by_fd(netns_fd)
+            .build();
+        let message = LinkVeth::new(&link.host_interface, "eth0")
+            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+            .build();
+        match host.link().add(message).execute().await {
+            Ok(()) => {
+                chosen = Some(link);
+                break;
+            }
+            Err(e) if already_exists(&e) => continue,
+            Err(e) => return Err(netlink(e)),
+        }
+    }
+    let link = chosen.ok_or(NetworkError::PoolExhausted(*pool))?;
+    let index = |handle: rtnetlink::Handle, name: String| async move {
+        handle
+            .link()
+            .get()
+            .match_name(name.clone())
+            .execute()
+            .try_next()
+            .await
+            .map_err(netlink)?
+            .map(|m| m.header.index)
+            .ok_or_else(|| NetworkError::Netlink(format!("{name} vanished")))
+    };
+    let host_index = index(host.clone(), link.host_interface.clone()).await?;
+    // The host end speaks IPv4 only: no link-local IPv6 address for a sandbox to find.
+    let _ = std::fs::write(
+        format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", link.host_interface),
+        "1",
+    );
+    host.address()
+        .add(host_index, link.gateway.into(), 30)
+        .execute()
+        .await
+        .map_err(netlink)?;
+    host.link()
+        .set(LinkUnspec::new_with_index(host_index).up().build())
+        .execute()
+        .await
+        .map_err(netlink)?;
+
+    // SAFETY: setns on this thread only; the thread ends when set-up does.
+    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
+        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
+    }
+    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    let eth0 = index(inside.clone(), "eth0".to_string()).await?;
+    inside
+        .address()
+        .add(eth0, link.address.into(), 30)
+        .execute()
+        .await
+        .map_err(netlink)?;
+    inside
+        .link()
+        .set(LinkUnspec::new_with_index(eth0).up().build())
+        .execute()
+        .await
+        .map_err(netlink)?;
+    inside
+        .route()
+        .add(RouteMessageBuilder::<Ipv4Addr>::new().gateway(link.gateway).build())
+        .execute()
+        .await
+        .map_err(netlink)?;
+    Ok(link)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_slash_30s_named_by_their_gateway() {
+        let pool: Cidr = "10.200.0.0/16".parse().unwrap();
+        assert_eq!(slots(&pool), 16_384);
+        let first = slot(&pool, 0).unwrap();
+        assert_eq!(first.gateway, Ipv4Addr::new(10, 200, 0, 1));
+        assert_eq!(first.address, Ipv4Addr::new(10, 200, 0, 2));
+        assert_eq!(first.host_interface, "sbx0ac80001");
+        assert!(first.host_interface.len() <= 15, "a Linux interface name");
+        let last = slot(&pool, 16_383).unwrap();
+        assert_eq!(last.address, Ipv4Addr::new(10, 200, 255, 254));
+        assert!(slot(&pool, 16_384).is_none());
+        assert!(first_slot("sbx-a", 16_384) < 16_384);
+        assert_ne!(first_slot("sbx-a", 16_384), first_slot("sbx-b", 16_384));
+    }
+
+    #[test]
+    fn the_floor_walls_off_the_host_other_sandboxes_and_its_blocks() {
+        let rules = host_ruleset(&["10.0.0.0/8".parse().unwrap(), "169.254.0.0/16".parse().unwrap()]);
+        assert!(rules.starts_with("add table inet sandboxsched\ndelete table inet sandboxsched\n"));
+        assert!(rules.contains("elements = { 10.0.0.0/8, 169.254.0.0/16 }"));
+        assert!(rules.contains("hook input") && rules.contains("iifname \"sbx*\" reject"));
+        assert!(rules.contains("iifname \"sbx*\" oifname \"sbx*\" reject"));
+        assert!(rules.contains("fib saddr . iif oif missing drop"));
+        assert!(rules.contains("masquerade"));
+        assert!(
+            !host_ruleset(&[]).contains("elements"),
+            "an empty set has no elements clause"
+        );
+    }
+
+    #[test]
+    fn a_sandboxs_own_rules_keep_loopback_and_let_allowed_blocks_win() {
+        let policy = |internet, allow: &[&str], deny: &[&str]| NetworkPolicy {
+            internet,
+            allow_out: allow.iter().map(|c| c.parse().unwrap()).collect(),
+            deny_out: deny.iter().map(|c| c.parse().unwrap()).collect(),
+        };
+        assert_eq!(sandbox_ruleset(&policy(true, &[], &[])), None, "the internet, no lists");
+        let closed = sandbox_ruleset(&policy(false, &["1.1.1.1"], &[])).unwrap();
+        let (lo, allow, deny) = (
+            closed.find("oifname \"lo\" accept").unwrap(),
+            closed.find("ip daddr { 1.1.1.1/32 } accept").unwrap(),
+            closed.find("ip daddr { 0.0.0.0/0 } reject").unwrap(),
+        );
+        assert!(lo < allow && allow < deny, "{closed}");
+        let denied = sandbox_ruleset(&policy(true, &[], &["8.8.8.8"])).unwrap();
+        assert!(
+            denied.contains("ip daddr { 8.8.8.8/32 } reject") && !denied.contains("} accept"),
+            "{denied}"
+        );
+    }
+}
