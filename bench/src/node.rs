@@ -143,11 +143,28 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 
     let (mut create, mut pause, mut resume, mut kill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let rss_before = own_rss();
+    // Loopback-only sandboxes, and every other one a second with E2B's default network (a
+    // link out, NAT, the floor), interleaved so both meet the same conditions.
+    let mut linked = Vec::new();
     for i in 0..args.sandboxes {
         let id = format!("s{i}");
         let started = Instant::now();
         ca.create(create_request(i, &id)).await?;
         create.push(started.elapsed());
+        if i % 2 == 0 {
+            let mut request = create_request(i, &format!("n{i}"));
+            request.operation_id = format!("n{i}");
+            request.network = Some(pb::NetworkPolicy {
+                internet: true,
+                ..Default::default()
+            });
+            let started = Instant::now();
+            ca.create(request).await?;
+            linked.push(started.elapsed());
+        }
+    }
+    for i in (0..args.sandboxes).step_by(2) {
+        ca.kill(lifecycle(&format!("n{i}"), format!("nk{i}"))).await?;
     }
     // Every sandbox idle at once: each answers a command, and costs what its memory cgroup
     // (envd and the kernel objects charged to it) and the node's own growth say.
@@ -249,8 +266,18 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         args.sandboxes, args.snapshot_mb
     ));
     report
-        .figure("create_p50_ms", round2(percentile(&mut create, 0.5)), "ms")
+        .figure(
+            "create_p50_ms",
+            round2(percentile(&mut create, 0.5)),
+            "ms, loopback only",
+        )
         .figure("create_p99_ms", round2(percentile(&mut create, 0.99)), "ms")
+        .figure(
+            "create_linked_p50_ms",
+            round2(percentile(&mut linked, 0.5)),
+            "ms, with E2B's default network: a link out through the host's NAT",
+        )
+        .figure("create_linked_p99_ms", round2(percentile(&mut linked, 0.99)), "ms")
         .figure(
             "runc_run_p50_ms",
             round2(percentile(&mut runc_create, 0.5)),

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use super::spec::{HOST_ID_BASE, SANDBOX_USER_ID};
 
 /// Bumped whenever the generated layer changes, so nodes rebuild it.
-const BASE_VERSION: &str = "1";
+const BASE_VERSION: &str = "2";
 
 /// Host `/etc` entries the host userland needs inside (dynamic linker cache, alternatives
 /// symlinks, certificates, shell profiles, time zone, protocol tables).
@@ -140,7 +140,9 @@ fn build_base(root: &Path) -> io::Result<()> {
         "hosts",
         "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     )?;
-    etc_file("resolv.conf", "")?;
+    // Public resolvers, as on E2B: reached through the sandbox's link out like any other
+    // destination (the host's own resolver is on an address no sandbox may reach).
+    etc_file("resolv.conf", "nameserver 8.8.8.8\nnameserver 1.1.1.1\n")?;
     etc_file(
         "nsswitch.conf",
         "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
