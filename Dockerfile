@@ -12,7 +12,7 @@ RUN cargo build --release --locked --bins \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates procps \
+ && apt-get install -y --no-install-recommends ca-certificates procps nftables \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/ /usr/local/bin/
 ENV SANDBOXSCHED_LOG_FORMAT=json
