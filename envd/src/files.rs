@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::extract::{FromRequest, Multipart, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures::{Stream, StreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 
@@ -186,8 +186,25 @@ pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> 
                 "the path query parameter is required for octet-stream uploads",
             );
         };
+        let encoding = request
+            .headers()
+            .get(header::CONTENT_ENCODING)
+            .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
         let body = request.into_body().into_data_stream();
-        return match write(scope, path, body).await {
+        let result = match encoding.as_deref() {
+            None | Some("identity") => write(scope, path, body).await,
+            // The SDK's `gzip=True`: stored as sent before compression, inflated as it streams.
+            Some("gzip") => {
+                let compressed = tokio_util::io::StreamReader::new(body.map_err(std::io::Error::other));
+                let inflated = async_compression::tokio::bufread::GzipDecoder::new(compressed);
+                write(scope, path, tokio_util::io::ReaderStream::new(inflated)).await
+            }
+            Some(other) => Err(rest_error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("Content-Encoding {other:?} is not supported (gzip is)"),
+            )),
+        };
+        return match result {
             Ok(w) => written(vec![w]),
             Err(response) => response,
         };

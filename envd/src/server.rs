@@ -76,6 +76,8 @@ impl Envd {
             .route("/process.Process/StreamInput", post(stream_input))
             .route("/process.Process/{method}", post(process_rpc))
             .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+            // Uploads stream to disk as they arrive, whatever their size: no body limit.
+            .layer(axum::extract::DefaultBodyLimit::disable())
             .with_state(self)
     }
 
