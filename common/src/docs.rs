@@ -83,6 +83,10 @@ pub enum SandboxPhase {
     Hibernated,
 }
 
+fn keep_memory() -> bool {
+    true
+}
+
 /// A sandbox's manifest: `sandbox/<sandbox_id>`. It describes itself: resources with their
 /// source, where it runs, when it ends. (`Default` is for fixtures; the gateway names every
 /// field, so a new one cannot be forgotten there.)
@@ -125,6 +129,19 @@ pub struct SandboxDoc {
     pub end_at_unix_ms: u64,
     #[serde(default)]
     pub auto_pause: bool,
+    /// What an automatic pause keeps: memory and files (true, E2B's default) or files only.
+    #[serde(default = "keep_memory")]
+    pub auto_pause_memory: bool,
+    /// Traffic to it while paused (envd or a port) resumes it.
+    #[serde(default)]
+    pub auto_resume: bool,
+    /// Its timeout in seconds, given again at every automatic resume (0: the default).
+    #[serde(default)]
+    pub timeout_secs: u64,
+    /// When it was paused: a paused sandbox does not time out; it is kept until killed, or
+    /// until the gateway's retention for paused sandboxes passes.
+    #[serde(default)]
+    pub paused_at_unix_ms: Option<u64>,
     /// Set while an operation owns the sandbox's lifecycle — a balancer move (its move ID) or
     /// a user's kill, pause or resume (`user:…`, see [`USER_CLAIM_PREFIX`]). Taking it raises
     /// the epoch, so nodes refuse whatever a former owner still tries; the proxy holds the

@@ -160,7 +160,19 @@ fn detail_json(d: &SandboxDoc, domain: &str) -> Value {
         "metadata": d.metadata,
         "state": state_name(d.phase),
         "envdVersion": ENVD_VERSION,
+        "lifecycle": {
+            "autoResume": d.auto_resume,
+            "onTimeout": if d.auto_pause { "pause" } else { "kill" },
+        },
     });
+    if let Some(network) = &d.network {
+        v["allowInternetAccess"] = json!(network.internet);
+        v["network"] = json!({
+            "allowOut": network.allow_out.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "denyOut": network.deny_out.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "allowPublicTraffic": d.traffic_access_token.is_none(),
+        });
+    }
     if let Some(token) = &d.envd_access_token {
         v["envdAccessToken"] = json!(token);
     }

@@ -39,6 +39,10 @@ pub struct NewSandbox {
     pub template_id: String,
     pub timeout: Option<i64>,
     pub auto_pause: Option<bool>,
+    #[serde(rename = "autoPauseMemory")]
+    pub auto_pause_memory: Option<bool>,
+    #[serde(rename = "autoResume")]
+    pub auto_resume: Option<AutoResume>,
     pub metadata: Option<BTreeMap<String, String>>,
     pub env_vars: Option<BTreeMap<String, String>>,
     /// Not in E2B's schema: resources for templates that do not fix them.
@@ -48,6 +52,13 @@ pub struct NewSandbox {
     #[serde(rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,
     pub network: Option<NetworkConfig>,
+}
+
+/// `SandboxAutoResumeConfig`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct AutoResume {
+    #[serde(default)]
+    pub enabled: bool,
 }
 
 /// `SandboxNetworkConfig`: egress rules and who may reach the sandbox's ports.
@@ -107,6 +118,10 @@ pub struct CreateIntent {
     pub memory_source: EstimateSource,
     pub timeout_secs: u64,
     pub auto_pause: bool,
+    /// What an automatic pause keeps (memory and files, or files only).
+    pub auto_pause_memory: bool,
+    /// Traffic to the paused sandbox resumes it.
+    pub auto_resume: bool,
     pub env_vars: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
     pub network: NetworkPolicy,
@@ -163,6 +178,14 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         .ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
     let timeout_secs = timeout(req.timeout)?;
     let network = network_policy(&req)?;
+    let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
+    let auto_resume = req.auto_resume.as_ref().is_some_and(|a| a.enabled);
+    if auto_resume && !auto_pause_memory {
+        return Err(Refusal::Invalid(
+            "autoResume cannot be combined with autoPauseMemory: false (a files-only pause is resumed explicitly)"
+                .to_string(),
+        ));
+    }
     let env_vars = req.env_vars.unwrap_or_default();
     let metadata = req.metadata.unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, true)?;
@@ -186,6 +209,8 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
         memory_source,
         timeout_secs,
         auto_pause: req.auto_pause.unwrap_or(false),
+        auto_pause_memory,
+        auto_resume,
         env_vars,
         metadata,
         network,

@@ -37,6 +37,10 @@ struct Args {
     /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
     #[arg(long, env = "GATEWAY_DOMAIN", default_value = "")]
     domain: String,
+    /// How long a paused sandbox is kept before it is killed (it does not time out while
+    /// paused), e.g. `30days`, `12h`.
+    #[arg(long, env = "GATEWAY_PAUSED_RETENTION", default_value = "30days", value_parser = humantime::parse_duration)]
+    paused_retention: Duration,
     /// A JSON file of extra templates: [{"name": "...", "vcpus": 2, "memory_mb": 1024}].
     #[arg(long, env = "GATEWAY_TEMPLATES")]
     templates: Option<std::path::PathBuf>,
@@ -72,6 +76,7 @@ async fn main() -> anyhow::Result<()> {
         reap_interval: Duration::from_secs(1),
         hibernate_dir: args.hibernate_dir,
         domain: args.domain,
+        paused_retention: args.paused_retention,
     })
     .await?;
     common::shutdown::signal().await;

@@ -45,6 +45,8 @@ struct Route {
     access_token: Option<Arc<str>>,
     /// Required on requests for its ports when set.
     traffic_token: Option<Arc<str>>,
+    /// Traffic to it while paused resumes it (as its team, with its own timeout).
+    auto_resume: Option<(Arc<str>, u64)>,
 }
 
 fn route_of(doc: &SandboxDoc) -> Option<Route> {
@@ -54,6 +56,9 @@ fn route_of(doc: &SandboxDoc) -> Option<Route> {
         moving: doc.lifecycle_owner.is_some(),
         access_token: doc.envd_access_token.as_deref().map(Arc::from),
         traffic_token: doc.traffic_access_token.as_deref().map(Arc::from),
+        auto_resume: doc
+            .auto_resume
+            .then(|| (Arc::from(doc.team_id.as_str()), doc.timeout_secs)),
     })
 }
 
@@ -212,6 +217,50 @@ pub struct Proxy {
     pub routes: Routes,
     pub ledger: LedgerClient,
     pub http: reqwest::Client,
+    /// For resuming a paused sandbox that asked to be resumed by its traffic.
+    pub sandboxes: Arc<crate::sandboxes::Sandboxes>,
+}
+
+impl Proxy {
+    /// The route of a running sandbox: as it is, or after resuming a paused one that asked
+    /// for `autoResume`; else the answer to give.
+    async fn running(&self, id: &str, route: Route) -> Result<Route, Response> {
+        if route.running {
+            return Ok(route);
+        }
+        let Some((team, timeout_secs)) = &route.auto_resume else {
+            return Err(sandbox_error(
+                StatusCode::BAD_GATEWAY,
+                id,
+                "The sandbox is paused; resume or connect to it first",
+            ));
+        };
+        let timeout = if *timeout_secs == 0 {
+            crate::intent::DEFAULT_TIMEOUT_SECS
+        } else {
+            *timeout_secs
+        };
+        match self.sandboxes.resume(team, id, timeout).await {
+            Ok((_, resumed)) => {
+                if resumed {
+                    metrics::counter!("gateway_auto_resumes_total").increment(1);
+                    tracing::info!(sandbox_id = %id, "resumed by its traffic (autoResume)");
+                }
+                match self.routes.settled(&self.ledger, id, HOLD_DURING_MOVE).await {
+                    Some(route) if route.running => Ok(route),
+                    _ => Err(sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox was not found")),
+                }
+            }
+            Err(err) => {
+                tracing::warn!(sandbox_id = %id, %err, "auto-resume failed");
+                Err(sandbox_error(
+                    StatusCode::BAD_GATEWAY,
+                    id,
+                    &format!("The sandbox is paused and could not be resumed: {err}"),
+                ))
+            }
+        }
+    }
 }
 
 fn sandbox_error(status: StatusCode, id: &str, message: &str) -> Response {
@@ -243,7 +292,7 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");
     };
     if target.port != ENVD_PORT {
-        return to_port(&id, target.port, &route, request).await;
+        return to_port(&proxy, &id, target.port, route, request).await;
     }
     let presented = Presented {
         path: request.uri().path(),
@@ -260,13 +309,10 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         tracing::info!(sandbox_id = %id, why = ?denied, "envd request refused");
         return sandbox_error(StatusCode::UNAUTHORIZED, &id, denied.message());
     }
-    if !route.running {
-        return sandbox_error(
-            StatusCode::BAD_GATEWAY,
-            &id,
-            "The sandbox is paused; resume or connect to it first",
-        );
-    }
+    let route = match proxy.running(&id, route).await {
+        Ok(route) => route,
+        Err(response) => return response,
+    };
     let (parts, body) = request.into_parts();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let url = format!("{}{path}", route.envd);
@@ -313,7 +359,7 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
 /// Relays a request for a sandbox's port (not envd's) to its node, which relays it into the
 /// sandbox: HTTP/1.1 on both hops whatever the client spoke, upgrades (WebSocket) spliced
 /// through. Public unless the sandbox has a traffic token; envd's access token plays no part.
-async fn to_port(id: &str, port: u16, route: &Route, mut request: Request) -> Response {
+async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: Request) -> Response {
     let presented = request
         .headers()
         .get(headers::TRAFFIC_ACCESS_TOKEN)
@@ -322,13 +368,10 @@ async fn to_port(id: &str, port: u16, route: &Route, mut request: Request) -> Re
         metrics::counter!("gateway_port_denied_total").increment(1);
         return sandbox_error(StatusCode::UNAUTHORIZED, id, denied);
     }
-    if !route.running {
-        return sandbox_error(
-            StatusCode::BAD_GATEWAY,
-            id,
-            "The sandbox is paused; resume or connect to it first",
-        );
-    }
+    let route = match proxy.running(id, route).await {
+        Ok(route) => route,
+        Err(response) => return response,
+    };
     let node = route
         .envd
         .trim_start_matches("http://")

@@ -34,7 +34,13 @@ pub struct GatewayConfig {
     /// Sandboxes' ports are addressed as `{port}-{sandboxID}.{domain}` (the SDK's `get_host`);
     /// empty: only by headers. A domain ending in `:0` gets the port the gateway is bound to.
     pub domain: String,
+    /// How long a paused sandbox is kept (it does not time out while paused) before the
+    /// reaper kills it.
+    pub paused_retention: Duration,
 }
+
+/// Paused sandboxes are kept this long unless configured otherwise: 30 days.
+pub const DEFAULT_PAUSED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -109,8 +115,13 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     };
     let ledger =
         ledger_client::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
-    let sandboxes = Sandboxes::new(ledger.clone(), &config.placement, config.hibernate_dir.clone())
-        .map_err(|e| StartError::Config(e.to_string()))?;
+    let sandboxes = Sandboxes::new(
+        ledger.clone(),
+        &config.placement,
+        config.hibernate_dir.clone(),
+        config.paused_retention,
+    )
+    .map_err(|e| StartError::Config(e.to_string()))?;
     let gateway = Gateway {
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),
@@ -148,6 +159,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             routes: routes.clone(),
             ledger: ledger.clone(),
             http,
+            sandboxes: sandboxes.clone(),
         },
         domain,
     });

@@ -268,3 +268,88 @@ async fn the_reaper_ends_a_create_abandoned_half_way() {
     assert!(s.node().host().get(&id).await.is_none(), "its process survived");
     s.stop().await;
 }
+
+/// As on E2B: a paused sandbox outlives its timeout (kept until killed, or the retention);
+/// one made with `autoResume` is resumed by its own traffic, which then proceeds; `connect`
+/// gives a timeout again; get_info says how its life is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_outlives_its_timeout_and_traffic_resumes_it_when_asked() {
+    let s = stack(4096).await;
+    let manual = create(&s, r#"{"templateID":"base","timeout":1}"#).await;
+    let auto = create(
+        &s,
+        r#"{"templateID":"base","timeout":1,"autoPause":true,"autoResume":{"enabled":true}}"#,
+    )
+    .await;
+    let (status, _) = s
+        .call("POST", &format!("/sandboxes/{manual}/pause"), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{auto}"), Some("key-a"), None).await;
+    assert_eq!(detail["lifecycle"]["onTimeout"], "pause", "{detail}");
+    assert_eq!(detail["lifecycle"]["autoResume"], true, "{detail}");
+    assert_eq!(detail["allowInternetAccess"], true, "{detail}");
+    // The auto-pausing one is paused by the reaper at its timeout (1 s; reaped every 100 ms).
+    let mut paused = false;
+    for _ in 0..100 {
+        let (_, d) = s.call("GET", &format!("/sandboxes/{auto}"), Some("key-a"), None).await;
+        if d["state"] == "paused" {
+            paused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(paused, "autoPause did not pause at the timeout");
+    // Both are now past their timeout, paused: neither is killed.
+    let (_, d) = s
+        .call("GET", &format!("/sandboxes/{manual}"), Some("key-a"), None)
+        .await;
+    assert_eq!(d["state"], "paused", "the manually paused sandbox was ended: {d}");
+    // Traffic to the manual one is told to resume; to the auto one, it resumes it.
+    let (_, manual_doc) = s
+        .call("GET", &format!("/sandboxes/{manual}"), Some("key-a"), None)
+        .await;
+    let (_, auto_doc) = s.call("GET", &format!("/sandboxes/{auto}"), Some("key-a"), None).await;
+    let envs = |id: &str, token: &str| {
+        reqwest::Client::new()
+            .get(format!("{}/envs", s.url()))
+            .header("E2b-Sandbox-Id", id)
+            .header("X-Access-Token", token)
+            .send()
+    };
+    let told = envs(&manual, manual_doc["envdAccessToken"].as_str().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(told.status().as_u16(), 502);
+    let woken = envs(&auto, auto_doc["envdAccessToken"].as_str().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(woken.status().as_u16(), 200, "{:?}", woken.text().await);
+    let (_, d) = s.call("GET", &format!("/sandboxes/{auto}"), Some("key-a"), None).await;
+    assert_eq!(d["state"], "running");
+    // Connect resumes the manual one with a timeout of its own again.
+    let (status, _) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{manual}/connect"),
+            Some("key-a"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let (_, d) = s
+        .call("GET", &format!("/sandboxes/{manual}"), Some("key-a"), None)
+        .await;
+    assert_eq!(d["state"], "running");
+    // autoResume with a files-only automatic pause is refused: it could not be honoured.
+    let (status, refused) = s
+        .call(
+            "POST",
+            "/sandboxes",
+            Some("key-a"),
+            Some(r#"{"templateID":"base","autoPause":true,"autoPauseMemory":false,"autoResume":{"enabled":true}}"#),
+        )
+        .await;
+    assert_e2b_error(&(status, refused), 400);
+    s.stop().await;
+}

@@ -312,6 +312,7 @@ impl StackBuilder {
                     reap_interval: Duration::from_secs(1),
                     hibernate_dir: dir.join("hibernated"),
                     domain: String::new(),
+                    paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;

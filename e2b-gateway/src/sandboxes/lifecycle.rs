@@ -121,6 +121,7 @@ impl Sandboxes {
             return Err(err);
         }
         released(&mut doc.value);
+        doc.value.paused_at_unix_ms = Some(now_ms());
         if !memory {
             if let Err(err) = self.hibernate(&doc.value).await {
                 tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place");
@@ -156,6 +157,7 @@ impl Sandboxes {
         }
         doc.value.phase = SandboxPhase::Running;
         released(&mut doc.value);
+        doc.value.paused_at_unix_ms = None;
         doc.value.end_at_unix_ms = doc.value.end_at_unix_ms.max(now_ms() + timeout_secs * 1000);
         self.save(&doc).await?;
         self.routes.set_running(id, true).await;

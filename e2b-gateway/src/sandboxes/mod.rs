@@ -79,6 +79,8 @@ pub struct Sandboxes {
     pub ledger: LedgerClient,
     /// Where hibernated sandboxes' files wait (pause with `memory: false`).
     hibernate_dir: std::path::PathBuf,
+    /// How long a paused sandbox is kept before the reaper kills it.
+    paused_retention: Duration,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
     pub routes: crate::proxy::Routes,
     placement: PlacementClient<TracedChannel>,
@@ -90,6 +92,7 @@ impl Sandboxes {
         ledger: LedgerClient,
         placement_endpoint: &str,
         hibernate_dir: std::path::PathBuf,
+        paused_retention: Duration,
     ) -> Result<Arc<Self>, Failure> {
         let channel = Endpoint::from_shared(placement_endpoint.to_string())
             .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
@@ -98,6 +101,7 @@ impl Sandboxes {
         Ok(Arc::new(Self {
             ledger,
             hibernate_dir,
+            paused_retention,
             routes: crate::proxy::Routes::default(),
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::default(),

@@ -1,6 +1,10 @@
 //! The reaper: ends every sandbox whose time is up (paused where it asked for that, else
-//! killed), and every create abandoned half-way. The end time lives in the manifest, so this
-//! survives gateway restarts.
+//! killed), every paused sandbox kept past the retention, and every create abandoned half-way.
+//! The end time lives in the manifest, so this survives gateway restarts.
+//!
+//! A paused sandbox does not time out, as on E2B: it is kept until killed, or until it has
+//! been paused for the gateway's `--paused-retention`; `connect` or a resume gives it a
+//! timeout again.
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
@@ -21,23 +25,30 @@ pub(super) const CREATE_ABANDONED_AFTER_MS: u64 = 5 * 60 * 1000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Reap {
     Kill,
-    Pause,
+    /// Paused with its memory (true) or its files only.
+    Pause {
+        memory: bool,
+    },
     /// A create abandoned half-way: its process may run on any node.
     EndCreate,
 }
 
-pub(super) fn reap(doc: &SandboxDoc, now: u64) -> Option<Reap> {
-    if doc.phase == SandboxPhase::Creating {
-        let abandoned = doc.started_at_unix_ms.saturating_add(CREATE_ABANDONED_AFTER_MS) <= now;
-        return abandoned.then_some(Reap::EndCreate);
-    }
-    if doc.end_at_unix_ms > now {
-        return None;
-    }
-    match (doc.auto_pause, doc.phase) {
-        (false, _) => Some(Reap::Kill),
-        (true, SandboxPhase::Running) => Some(Reap::Pause),
-        (true, _) => None,
+pub(super) fn reap(doc: &SandboxDoc, now: u64, retention_ms: u64) -> Option<Reap> {
+    match doc.phase {
+        SandboxPhase::Creating => {
+            let abandoned = doc.started_at_unix_ms.saturating_add(CREATE_ABANDONED_AFTER_MS) <= now;
+            abandoned.then_some(Reap::EndCreate)
+        }
+        SandboxPhase::Paused | SandboxPhase::Hibernated => {
+            // A manifest paused before the time was recorded counts from its old end.
+            let since = doc.paused_at_unix_ms.unwrap_or(doc.end_at_unix_ms);
+            (since.saturating_add(retention_ms) <= now).then_some(Reap::Kill)
+        }
+        SandboxPhase::Running if doc.end_at_unix_ms > now => None,
+        SandboxPhase::Running if doc.auto_pause => Some(Reap::Pause {
+            memory: doc.auto_pause_memory,
+        }),
+        SandboxPhase::Running => Some(Reap::Kill),
     }
 }
 
@@ -47,16 +58,17 @@ impl Sandboxes {
     pub async fn reap(&self) -> Result<usize, Failure> {
         use futures::StreamExt;
         let now = now_ms();
+        let retention = u64::try_from(self.paused_retention.as_millis()).unwrap_or(u64::MAX);
         let due: Vec<_> = self
             .all()
             .await?
             .into_iter()
-            .filter_map(|doc| reap(&doc.value, now).map(|what| (what, doc.value)))
+            .filter_map(|doc| reap(&doc.value, now, retention).map(|what| (what, doc.value)))
             .collect();
         let ended = futures::stream::iter(due)
             .map(|(what, d)| async move {
                 let result = match what {
-                    Reap::Pause => self.pause(&d.team_id, &d.sandbox_id, true).await,
+                    Reap::Pause { memory } => self.pause(&d.team_id, &d.sandbox_id, memory).await,
                     Reap::Kill => self.kill(&d.team_id, &d.sandbox_id).await,
                     Reap::EndCreate => self.end_abandoned_create(&d.team_id, &d.sandbox_id).await,
                 };
@@ -100,20 +112,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_reaper_ends_what_is_due_and_abandoned_creates() {
+    fn the_reaper_ends_what_is_due_keeps_what_is_paused_and_ends_abandoned_creates() {
         let doc = |phase, end: u64, auto_pause| SandboxDoc {
             phase,
             started_at_unix_ms: 1_000,
             end_at_unix_ms: end,
             auto_pause,
+            auto_pause_memory: true,
             ..SandboxDoc::default()
         };
-        let now = 10_000;
+        let (now, keep) = (10_000, 50_000);
+        let reap = |d: &SandboxDoc, now| reap(d, now, keep);
         assert_eq!(reap(&doc(SandboxPhase::Running, now + 1, false), now), None);
         assert_eq!(reap(&doc(SandboxPhase::Running, now, false), now), Some(Reap::Kill));
-        assert_eq!(reap(&doc(SandboxPhase::Running, now, true), now), Some(Reap::Pause));
-        assert_eq!(reap(&doc(SandboxPhase::Paused, now, true), now), None);
-        assert_eq!(reap(&doc(SandboxPhase::Paused, now, false), now), Some(Reap::Kill));
+        assert_eq!(
+            reap(&doc(SandboxPhase::Running, now, true), now),
+            Some(Reap::Pause { memory: true })
+        );
+        let mut files_only = doc(SandboxPhase::Running, now, true);
+        files_only.auto_pause_memory = false;
+        assert_eq!(reap(&files_only, now), Some(Reap::Pause { memory: false }));
+        // Paused, by hand or by timeout: kept past its timeout, until the retention passes.
+        for phase in [SandboxPhase::Paused, SandboxPhase::Hibernated] {
+            let mut paused = doc(phase, now, false);
+            paused.paused_at_unix_ms = Some(now);
+            assert_eq!(reap(&paused, now + keep - 1), None, "{phase:?}");
+            assert_eq!(reap(&paused, now + keep), Some(Reap::Kill), "{phase:?}");
+        }
         // A create in progress is left alone however its timeout stands, until abandoned.
         assert_eq!(reap(&doc(SandboxPhase::Creating, 0, false), now), None);
         let late = 1_000 + CREATE_ABANDONED_AFTER_MS;
