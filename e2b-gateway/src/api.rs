@@ -499,3 +499,35 @@ pub async fn node(
 pub async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route")
 }
+
+/// E2B routes this cluster does not serve yet, each with what it is: a client is told so
+/// (501 in E2B's shape) rather than getting a 404 its SDK reports as "sandbox not found".
+pub const UNSUPPORTED: [(&str, &str); 19] = [
+    ("/sandboxes/{id}/fork", "forking a sandbox"),
+    ("/sandboxes/{id}/snapshots", "sandbox snapshots"),
+    ("/snapshots", "sandbox snapshots"),
+    ("/sandboxes/{id}/network", "changing a running sandbox's network"),
+    ("/sandboxes/{id}/logs", "sandbox logs"),
+    ("/v2/sandboxes/{id}/logs", "sandbox logs"),
+    ("/templates", "templates"),
+    ("/v2/templates", "templates"),
+    ("/v3/templates", "templates"),
+    ("/templates/{id}", "templates"),
+    ("/templates/{id}/{*rest}", "templates"),
+    ("/v2/templates/{id}/{*rest}", "templates"),
+    ("/templates/aliases/{alias}", "templates"),
+    ("/templates/tags", "templates"),
+    ("/volumes", "volumes"),
+    ("/volumes/{id}", "volumes"),
+    ("/secrets", "secrets"),
+    ("/secrets/{id}", "secrets"),
+    ("/v2/sandboxes/{id}/fork", "forking a sandbox"),
+];
+
+/// The answer for one of [`UNSUPPORTED`].
+pub fn unsupported(what: &'static str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        format!("{what} is not supported by this cluster yet"),
+    )
+}

@@ -128,7 +128,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         templates: Arc::new(config.templates.clone()),
         domain: domain.clone(),
     };
-    let api_router = Router::new()
+    let mut api_router = Router::new()
         .route("/health", get(api::health))
         .route("/sandboxes", get(api::list).post(api::create))
         .route("/v2/sandboxes", get(api::list).post(api::create))
@@ -142,7 +142,11 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/sandboxes/{id}/refreshes", post(api::refresh))
         .route("/sandboxes/{id}/metrics", get(api::metrics))
         .route("/nodes", get(api::nodes))
-        .route("/nodes/{id}", get(api::node))
+        .route("/nodes/{id}", get(api::node));
+    for (path, what) in api::UNSUPPORTED {
+        api_router = api_router.route(path, axum::routing::any(move || async move { api::unsupported(what) }));
+    }
+    let api_router = api_router
         .route_layer(axum::middleware::from_fn(traced))
         .fallback(api::not_found)
         .layer(DefaultBodyLimit::max(api::MAX_BODY_BYTES))

@@ -37,6 +37,25 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
     assert_e2b_error(&s.call("GET", "/sandboxes/iunknown", key, None).await, 404);
     assert_e2b_error(&s.call("POST", "/sandboxes/iunknown/pause", key, None).await, 404);
     assert_e2b_error(&s.call("GET", "/sandboxes?metadata=broken", key, None).await, 400);
+    // What is not served yet says so (501), rather than the 404 an SDK reads as "not found".
+    for (method, path) in [
+        ("POST", "/sandboxes/iunknown/fork"),
+        ("POST", "/sandboxes/iunknown/snapshots"),
+        ("GET", "/snapshots"),
+        ("PUT", "/sandboxes/iunknown/network"),
+        ("GET", "/v2/sandboxes/iunknown/logs"),
+        ("POST", "/v3/templates"),
+        ("GET", "/templates/aliases/base"),
+        ("POST", "/v2/templates/t/builds/b"),
+        ("GET", "/templates/t/builds/b/status"),
+    ] {
+        let answer = s.call(method, path, key, None).await;
+        assert_e2b_error(&answer, 501);
+        assert!(
+            answer.1["message"].as_str().unwrap().contains("not supported"),
+            "{path}"
+        );
+    }
     let (status, list) = s.call("GET", "/sandboxes", key, None).await;
     assert_eq!((status, list), (200, json!([])), "a refused request created something");
     s.stop().await;
