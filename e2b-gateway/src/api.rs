@@ -99,15 +99,66 @@ impl Gateway {
     }
 }
 
-fn json_body<T: for<'de> Deserialize<'de>>(body: &Bytes, required: bool) -> Result<T, ApiError> {
+fn json_body<T: for<'de> Deserialize<'de>>(headers: &HeaderMap, body: &Bytes, required: bool) -> Result<T, ApiError> {
     if body.len() > MAX_BODY_BYTES {
         return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "request body too large"));
+    }
+    let json = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || (v.starts_with("application/") && v.ends_with("+json")));
+    if !body.is_empty() && !json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the request body must be JSON (Content-Type: application/json)",
+        ));
     }
     if body.is_empty() && !required {
         return serde_json::from_str("{}").map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()));
     }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request body: {e}")))
+}
+
+/// A sandbox (or node) ID from the path, checked at the edge: 1 to 128 letters, digits,
+/// `-`, `_` or `.`, not starting with a dot. Anything else is a 400 naming the field, before
+/// any service is asked (a control character or a kilobyte of ID used to reach the ledger and
+/// come back as a 500).
+pub struct SandboxId(pub String);
+
+/// The longest ID accepted (IDs this gateway makes are 20 characters).
+pub const MAX_ID_BYTES: usize = 128;
+
+pub fn check_id(id: &str) -> Result<(), ApiError> {
+    let plain = !id.is_empty()
+        && id.len() <= MAX_ID_BYTES
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        Ok(())
+    } else {
+        let shown: String = id.chars().take(40).flat_map(char::escape_default).collect();
+        Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("sandboxID \"{shown}\" is not an ID: 1 to {MAX_ID_BYTES} letters, digits, '-', '_' or '.'"),
+        ))
+    }
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("sandboxID: {e}")))?;
+        check_id(&id)?;
+        Ok(SandboxId(id))
+    }
 }
 
 fn rfc3339(ms: u64) -> String {
@@ -212,7 +263,7 @@ pub async fn health() -> StatusCode {
 
 pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let team = g.team(&headers)?;
-    let req: NewSandbox = json_body(&body, true)?;
+    let req: NewSandbox = json_body(&headers, &body, true)?;
     let intent = intent::normalise(req, &g.templates)?;
     let doc = g.sandboxes.create(&team, intent).await?;
     Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
@@ -221,7 +272,7 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
 pub async fn get(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
     let doc = g.sandboxes.get(&team, &id).await?;
@@ -231,7 +282,7 @@ pub async fn get(
 pub async fn kill(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
     g.sandboxes.kill(&team, &id).await?;
@@ -241,7 +292,7 @@ pub async fn kill(
 pub async fn pause(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
@@ -250,7 +301,7 @@ pub async fn pause(
     struct PauseBody {
         memory: Option<bool>,
     }
-    let req: PauseBody = json_body(&body, false)?;
+    let req: PauseBody = json_body(&headers, &body, false)?;
     g.sandboxes.pause(&team, &id, req.memory.unwrap_or(true)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -264,14 +315,14 @@ struct TimeoutBody {
 /// The caller's team and the timeout its body asks for (E2B's default when absent).
 fn team_and_timeout(g: &Gateway, headers: &HeaderMap, body: &Bytes, required: bool) -> Result<(String, u64), ApiError> {
     let team = g.team(headers)?;
-    let req: TimeoutBody = json_body(body, required)?;
+    let req: TimeoutBody = json_body(headers, body, required)?;
     Ok((team, intent::timeout(req.timeout)?))
 }
 
 pub async fn resume(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let (team, secs) = team_and_timeout(&g, &headers, &body, false)?;
@@ -288,7 +339,7 @@ pub async fn resume(
 pub async fn connect(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let (team, secs) = team_and_timeout(&g, &headers, &body, true)?;
@@ -300,11 +351,11 @@ pub async fn connect(
 pub async fn set_timeout(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
-    let req: TimeoutBody = json_body(&body, true)?;
+    let req: TimeoutBody = json_body(&headers, &body, true)?;
     if req.timeout.is_none() {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "timeout is required"));
     }
@@ -322,11 +373,11 @@ struct RefreshBody {
 pub async fn refresh(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
-    let req: RefreshBody = json_body(&body, false)?;
+    let req: RefreshBody = json_body(&headers, &body, false)?;
     let secs = intent::timeout(req.duration)?;
     g.sandboxes.set_timeout(&team, &id, secs).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -426,7 +477,7 @@ fn metric(doc: &SandboxDoc, used: u64) -> Value {
 pub async fn metrics(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
     let doc = g.sandboxes.get(&team, &id).await?;
@@ -485,7 +536,7 @@ pub async fn nodes(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<
 pub async fn node(
     State(g): State<Gateway>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     g.team(&headers)?;
     let nodes = g.sandboxes.nodes().await?;

@@ -13,6 +13,11 @@ use serde::Deserialize;
 
 /// Default sandbox timeout, as E2B's SDKs assume (seconds).
 pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+/// The most memory one sandbox may ask for (1 TiB): larger asks are refused before any
+/// arithmetic on them (2^44 + 256 MB used to wrap to 256 MiB).
+pub const MAX_MEMORY_MB: u64 = 1 << 20;
+/// The most vCPUs one sandbox may ask for.
+pub const MAX_VCPUS: u32 = 256;
 /// Longest timeout accepted (24 h).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
 const MAX_ENV_VARS: usize = 256;
@@ -156,9 +161,14 @@ fn check_map(what: &str, map: &BTreeMap<String, String>, max: usize, env: bool) 
         if bad_key {
             return Err(Refusal::Invalid(format!("invalid {what} key {k:?}")));
         }
-        if v.len() > MAX_VALUE_BYTES || v.contains('\0') {
+        if k.chars().any(char::is_control) {
             return Err(Refusal::Invalid(format!(
-                "{what} value for {k:?} is too long or contains NUL"
+                "{what} key {k:?} contains a control character"
+            )));
+        }
+        if v.len() > MAX_VALUE_BYTES || v.contains('\0') || (!env && v.chars().any(char::is_control)) {
+            return Err(Refusal::Invalid(format!(
+                "{what} value for {k:?} is too long or contains a control character"
             )));
         }
     }
@@ -190,18 +200,29 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
     let metadata = req.metadata.unwrap_or_default();
     check_map("envVars", &env_vars, MAX_ENV_VARS, true)?;
     check_map("metadata", &metadata, MAX_METADATA, false)?;
-    let (memory_bytes, memory_source) = match (template.memory_mb, req.memory_mb) {
-        (Some(mb), _) => (mb * 1024 * 1024, EstimateSource::Template),
-        (None, Some(mb)) if mb > 0 => (mb * 1024 * 1024, EstimateSource::Request),
+    let (memory_mb, memory_source) = match (template.memory_mb, req.memory_mb) {
+        (Some(mb), _) => (mb, EstimateSource::Template),
+        (None, Some(mb)) if mb > 0 => (mb, EstimateSource::Request),
         (None, Some(_)) => return Err(Refusal::Invalid("memoryMB must be positive".to_string())),
-        (None, None) => (DEFAULT_MEMORY_BYTES, EstimateSource::Default),
+        (None, None) => (DEFAULT_MEMORY_BYTES >> 20, EstimateSource::Default),
     };
+    if memory_mb > MAX_MEMORY_MB {
+        return Err(Refusal::Invalid(format!(
+            "memoryMB {memory_mb} exceeds the maximum of {MAX_MEMORY_MB}"
+        )));
+    }
+    let memory_bytes = memory_mb << 20;
     let vcpus = match (template.vcpus, req.cpu_count) {
         (Some(v), _) => v,
         (None, Some(v)) if v > 0 => v,
         (None, Some(_)) => return Err(Refusal::Invalid("cpuCount must be positive".to_string())),
         (None, None) => DEFAULT_VCPUS,
     };
+    if vcpus > MAX_VCPUS {
+        return Err(Refusal::Invalid(format!(
+            "cpuCount {vcpus} exceeds the maximum of {MAX_VCPUS}"
+        )));
+    }
     Ok(CreateIntent {
         template: template.name.clone(),
         vcpus,

@@ -37,6 +37,45 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
     assert_e2b_error(&s.call("GET", "/sandboxes/iunknown", key, None).await, 404);
     assert_e2b_error(&s.call("POST", "/sandboxes/iunknown/pause", key, None).await, 404);
     assert_e2b_error(&s.call("GET", "/sandboxes?metadata=broken", key, None).await, 400);
+    // IDs are checked at the edge: 400 naming the field, never a 500 from further in.
+    let long = format!("/sandboxes/{}", "a".repeat(600));
+    for path in [
+        long.as_str(),
+        "/sandboxes/a%01b",
+        "/sandboxes/a%00b/pause",
+        "/sandboxes/.hidden",
+    ] {
+        for method in ["GET", "POST", "DELETE"] {
+            let answer = s.call(method, path, key, None).await;
+            assert!(answer.0 == 400 || answer.0 == 405, "{method} {path}: {answer:?}");
+            if answer.0 == 400 {
+                assert!(
+                    answer.1["message"].as_str().unwrap().contains("sandboxID"),
+                    "{answer:?}"
+                );
+            }
+        }
+    }
+    // Sizes are bounded before any arithmetic (2^44 + 256 MB used to wrap to 256 MiB).
+    for body in [
+        r#"{"templateID":"base","memoryMB":17592186044672}"#,
+        r#"{"templateID":"base","memoryMB":18446744073709551615}"#,
+        r#"{"templateID":"base","cpuCount":1000000000}"#,
+        r#"{"templateID":"base","metadata":{"a\u0000b":"x"}}"#,
+        r#"{"templateID":"base","metadata":{"k":"line\u0007"}}"#,
+    ] {
+        assert_e2b_error(&s.call("POST", "/sandboxes", key, Some(body)).await, 400);
+    }
+    // A body that is not JSON by its content type is refused as such.
+    let plain = reqwest::Client::new()
+        .post(format!("{}/sandboxes", s.url()))
+        .header("X-API-Key", "key-a")
+        .header("Content-Type", "text/plain")
+        .body(r#"{"templateID":"base"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status().as_u16(), 415);
     // What is not served yet says so (501), rather than the 404 an SDK reads as "not found".
     for (method, path) in [
         ("POST", "/sandboxes/iunknown/fork"),
