@@ -78,7 +78,7 @@ pub struct BadTarget(pub String);
 /// request is for the REST API.
 pub fn target_of(headers: &HeaderMap, domain: &str) -> Option<Result<Target, BadTarget>> {
     if let Some(id) = headers.get(headers::SANDBOX_ID) {
-        let Some(id) = id.to_str().ok().filter(|id| !id.is_empty()) else {
+        let Some(id) = id.to_str().ok().filter(|id| crate::api::check_id(id).is_ok()) else {
             return Some(Err(BadTarget("the E2b-Sandbox-Id header is not a sandbox ID".into())));
         };
         let port = match headers.get(headers::SANDBOX_PORT) {
@@ -95,6 +95,9 @@ pub fn target_of(headers: &HeaderMap, domain: &str) -> Option<Result<Target, Bad
     }
     let host = headers.get(axum::http::header::HOST)?.to_str().ok()?;
     let (port, id) = envd_wire::host::parse(host, domain)?;
+    if crate::api::check_id(id).is_err() {
+        return Some(Err(BadTarget("the host name does not name a sandbox ID".into())));
+    }
     Some(Ok(Target {
         sandbox_id: id.to_string(),
         port,
