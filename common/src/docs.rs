@@ -54,6 +54,21 @@ pub struct NodeDoc {
 
 /// Kind of sandbox manifests (written by the gateway; read by the balancer and the proxy).
 pub const SANDBOX_KIND: &str = "sandbox";
+
+/// Kind of the documents that make creates idempotent: `idempotency/<team>/<key>`.
+pub const IDEMPOTENCY_KIND: &str = "idempotency";
+
+/// A create made with an `Idempotency-Key`: which sandbox the key made, for which request.
+/// A retry with the same key (and team) gets that sandbox instead of a second one.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyDoc {
+    pub team_id: String,
+    pub key: String,
+    pub sandbox_id: String,
+    /// Hex SHA-256 of the request body: the same key with another request is refused.
+    pub request_sha256: String,
+    pub created_at_unix_ms: u64,
+}
 /// Prefix of the lifecycle owner a user operation (kill, pause, resume) writes while it acts.
 pub const USER_CLAIM_PREFIX: &str = "user:";
 

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::intent::{self, NewSandbox, Template};
-use crate::sandboxes::{Failure, Sandboxes};
+use crate::sandboxes::{idempotency, Failure, Sandboxes};
 use common::clock::now_ms;
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
@@ -263,9 +263,24 @@ pub async fn health() -> StatusCode {
 
 pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let team = g.team(&headers)?;
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(value) => {
+            let key = value.to_str().unwrap_or("");
+            idempotency::check_key(key).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
+            Some(key.to_string())
+        }
+    };
     let req: NewSandbox = json_body(&headers, &body, true)?;
     let intent = intent::normalise(req, &g.templates)?;
-    let doc = g.sandboxes.create(&team, intent).await?;
+    let doc = match key {
+        Some(key) => {
+            g.sandboxes
+                .create_once(&team, &key, idempotency::request_sha256(&body), intent)
+                .await?
+        }
+        None => g.sandboxes.create(&team, intent).await?,
+    };
     Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
 }
 

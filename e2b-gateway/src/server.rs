@@ -174,8 +174,17 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     serving.background(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Old idempotency claims go about once a minute, not on every pass.
+        let sweep_every = (Duration::from_secs(60).as_millis() / interval.as_millis().max(1)).max(1);
+        let mut passes: u128 = 0;
         loop {
             tick.tick().await;
+            passes += 1;
+            if passes % sweep_every == 0 {
+                if let Err(err) = reaper.forget_old_claims().await {
+                    tracing::debug!(%err, "idempotency sweep failed");
+                }
+            }
             match reaper.reap().await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(ended = n, "reaper ended sandboxes whose time was up"),

@@ -217,3 +217,47 @@ async fn a_create_is_counted_by_every_service() {
     s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     s.stop().await;
 }
+
+/// A create retried with the same Idempotency-Key makes one sandbox, however the retries
+/// race; the key with another request is refused; a malformed key is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_with_an_idempotency_key_happens_once() {
+    let s = stack(4096).await;
+    let create = |key: &'static str, body: &'static str| {
+        let url = format!("{}/sandboxes", s.url());
+        async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .header("X-API-Key", "key-a")
+                .header("Content-Type", "application/json")
+                .header("Idempotency-Key", key)
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<serde_json::Value>().await.unwrap_or_default())
+        }
+    };
+    let body = r#"{"templateID":"base","metadata":{"try":"1"}}"#;
+    let (a, b, c) = tokio::join!(
+        create("retry-key-1", body),
+        create("retry-key-1", body),
+        create("retry-key-1", body)
+    );
+    for answer in [&a, &b, &c] {
+        assert_eq!(answer.0, 201, "{answer:?}");
+    }
+    assert_eq!(a.1["sandboxID"], b.1["sandboxID"]);
+    assert_eq!(a.1["sandboxID"], c.1["sandboxID"]);
+    let (_, list) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    // The same key for another request is a conflict; another team's key space is its own.
+    let other = create("retry-key-1", r#"{"templateID":"base"}"#).await;
+    assert_e2b_error(&other, 409);
+    let fresh = create("retry-key-2", body).await;
+    assert_eq!(fresh.0, 201);
+    assert_ne!(fresh.1["sandboxID"], a.1["sandboxID"]);
+    assert_e2b_error(&create("Not_A_Key", body).await, 400);
+    s.stop().await;
+}

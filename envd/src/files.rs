@@ -6,6 +6,10 @@
 //! as it arrives, chunk by chunk, so a file of any size costs a few buffers of memory. What an
 //! upload creates (the file and any missing parent directories) belongs to the requesting user,
 //! as on E2B.
+//!
+//! An upload's `X-Metadata-*` headers become the metadata of every file it writes (see
+//! [`crate::metadata`]): checked before anything is written, set on each file once its content
+//! is, and replacing whatever metadata the file had.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +22,7 @@ use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 
 use crate::connect::{Code, RpcError};
+use crate::metadata::{self, Metadata};
 use crate::paths::Scope;
 use crate::users::User;
 
@@ -60,6 +65,9 @@ struct Written {
     name: String,
     #[serde(rename = "type")]
     kind: &'static str,
+    /// The metadata the upload set, as the SDK's `WriteInfo.metadata`.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    metadata: Metadata,
 }
 
 /// The file's bytes, streamed.
@@ -123,8 +131,9 @@ pub(crate) fn make_dirs(dir: &Path, user: &User) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Writes `chunks` to `path` (as the SDK named it), creating parents as needed.
-async fn write<S, E>(scope: &Scope<'_>, path: &str, mut chunks: S) -> Result<Written, Response>
+/// Writes `chunks` to `path` (as the SDK named it), creating parents as needed, then makes
+/// `metadata` the file's metadata.
+async fn write<S, E>(scope: &Scope<'_>, path: &str, metadata: &Metadata, mut chunks: S) -> Result<Written, Response>
 where
     S: Stream<Item = Result<axum::body::Bytes, E>> + Unpin,
     E: std::fmt::Display,
@@ -148,6 +157,17 @@ where
         file.write_all(&chunk).await.map_err(failed)?;
     }
     file.flush().await.map_err(failed)?;
+    // Through the open file: the path may have been replaced since it was opened.
+    metadata::replace(std::os::fd::AsFd::as_fd(&file), metadata).map_err(|e| {
+        if metadata::is_unsupported(&e) {
+            rest_error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("the filesystem holding '{path}' does not support file metadata (user extended attributes): the file was written without it"),
+            )
+        } else {
+            rest_error(io_status(&e), format!("setting the metadata of '{path}': {e}"))
+        }
+    })?;
     Ok(Written {
         path: scope.shown(&target),
         name: target
@@ -155,6 +175,7 @@ where
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
         kind: "file",
+        metadata: metadata.clone(),
     })
 }
 
@@ -174,6 +195,11 @@ fn written(files: Vec<Written>) -> Response {
 /// (or its file name) and whose several parts go each to their file name.
 pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> Response {
     let path = path.filter(|p| !p.is_empty());
+    // Refused before anything is created or truncated.
+    let metadata = match metadata::from_headers(request.headers()) {
+        Ok(metadata) => metadata,
+        Err(invalid) => return rest_error(StatusCode::BAD_REQUEST, invalid.to_string()),
+    };
     let multipart = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -192,12 +218,12 @@ pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> 
             .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
         let body = request.into_body().into_data_stream();
         let result = match encoding.as_deref() {
-            None | Some("identity") => write(scope, path, body).await,
+            None | Some("identity") => write(scope, path, &metadata, body).await,
             // The SDK's `gzip=True`: stored as sent before compression, inflated as it streams.
             Some("gzip") => {
                 let compressed = tokio_util::io::StreamReader::new(body.map_err(std::io::Error::other));
                 let inflated = async_compression::tokio::bufread::GzipDecoder::new(compressed);
-                write(scope, path, tokio_util::io::ReaderStream::new(inflated)).await
+                write(scope, path, &metadata, tokio_util::io::ReaderStream::new(inflated)).await
             }
             Some(other) => Err(rest_error(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -238,7 +264,7 @@ pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> 
                 Err(e) => Some((Err(e), field)),
             }
         });
-        match write(scope, &target, Box::pin(chunks)).await {
+        match write(scope, &target, &metadata, Box::pin(chunks)).await {
             Ok(w) => done.push(w),
             Err(response) => return response,
         }

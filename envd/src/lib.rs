@@ -12,12 +12,14 @@
 //!
 //! Modules: [`connect`] and [`wire`] are the Connect protocol and its JSON messages;
 //! [`process`], [`pty`], [`filesystem`], [`watch`] and [`files`] the services; [`paths`]
-//! and [`users`] how a request's user and paths are read.
+//! and [`users`] how a request's user and paths are read; [`metadata`] the user-defined
+//! metadata uploads attach to files.
 
 pub mod connect;
 pub mod files;
 pub mod filesystem;
 pub mod init;
+pub mod metadata;
 pub mod paths;
 pub mod process;
 pub mod pty;

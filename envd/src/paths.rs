@@ -64,6 +64,36 @@ impl Scope<'_> {
     }
 }
 
+/// A [`Scope`] that owns what it names, for work that outlives its request: a watch's
+/// callback runs on the watcher's own thread, long after the request that started it, and
+/// describes entries as that request's user would see them.
+#[derive(Clone, Debug)]
+pub struct OwnedScope {
+    pub user: User,
+    pub users: Users,
+    pub hosted_home: Option<PathBuf>,
+}
+
+impl OwnedScope {
+    /// A copy of `scope` that may be kept.
+    pub fn of(scope: &Scope<'_>) -> Self {
+        Self {
+            user: scope.user.clone(),
+            users: scope.users.clone(),
+            hosted_home: scope.hosted_home.map(Path::to_path_buf),
+        }
+    }
+
+    /// The scope to act in.
+    pub fn scope(&self) -> Scope<'_> {
+        Scope {
+            user: &self.user,
+            users: &self.users,
+            hosted_home: self.hosted_home.as_deref(),
+        }
+    }
+}
+
 /// Inside the sandbox: absolute paths as they are, the rest from `home`.
 fn inside(home: &Path, path: &str) -> PathBuf {
     let (base, rest) = if path.is_empty() || path == "~" {
@@ -202,6 +232,13 @@ fn entry(scope: &Scope, path: &Path) -> Result<EntryInfo, RpcError> {
         symlink_target: link
             .then(|| std::fs::read_link(path).ok().map(|t| t.display().to_string()))
             .flatten(),
+        // Metadata is extra: an entry whose attributes cannot be read is still described.
+        metadata: crate::metadata::read(path).unwrap_or_else(|e| {
+            if !crate::metadata::is_unsupported(&e) {
+                tracing::debug!(path = %path.display(), error = %e, "metadata not read");
+            }
+            Default::default()
+        }),
     })
 }
 

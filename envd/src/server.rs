@@ -23,7 +23,7 @@ use axum::Router;
 use futures::StreamExt;
 
 use crate::connect::{self, stream_request, stream_response, unary_request, unary_response, Code, RpcError};
-use crate::paths::Scope;
+use crate::paths::{OwnedScope, Scope};
 use crate::process::{Commands, Enclose, SandboxEnv};
 use crate::users::{User, Users};
 use crate::{files, filesystem, watch, wire};
@@ -249,7 +249,8 @@ async fn filesystem_rpc(
         "Remove" => unary_response(unary_request(&body).and_then(|r| filesystem::remove(&scope, r))),
         "CreateWatcher" => unary_response(unary_request(&body).and_then(|r: wire::WatchRequest| {
             let dir = scope.resolve(&r.path)?;
-            let watcher_id = envd.watchers.create(&dir, r.recursive)?;
+            let entries = r.include_entry.then(|| OwnedScope::of(&scope));
+            let watcher_id = envd.watchers.create(&dir, r.recursive, entries)?;
             Ok(serde_json::json!({ "watcherId": watcher_id }))
         })),
         "GetWatcherEvents" => unary_response(unary_request(&body).and_then(|r: wire::WatcherRef| {
@@ -263,7 +264,7 @@ async fn filesystem_rpc(
         "WatchDir" => {
             let watching = stream_request(&body).and_then(|r: wire::WatchRequest| {
                 let dir = scope.resolve(&r.path)?;
-                watch::stream(&dir, r.recursive)
+                watch::stream(&dir, r.recursive, r.include_entry.then(|| OwnedScope::of(&scope)))
             });
             match watching {
                 Ok((watcher, events)) => {

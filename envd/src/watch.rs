@@ -1,6 +1,13 @@
 //! Directory watches (inotify through the `notify` crate), for both ways the SDK watches:
 //! `WatchDir` streams events; `CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher` let the
 //! sync SDK poll for them.
+//!
+//! With `includeEntry` (envd 0.6.3) each event also carries the `EntryInfo` of what it names.
+//! That entry is stat-ed on notify's thread as the event arrives, not when the SDK collects it
+//! (a polled watcher may be read seconds later, when the file has changed again or is gone), so
+//! the watch keeps an [`OwnedScope`] of the request that started it to show paths and owners
+//! as that request would. An entry that can no longer be stat-ed (renamed away, or removed:
+//! those are never stat-ed, lest a new file at the same path be described) has none.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,17 +19,24 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::connect::{Code, RpcError};
+use crate::paths::OwnedScope;
+use crate::wire::EntryInfo;
 
 /// Events kept per polled watcher before the oldest are dropped.
 const BUFFERED: usize = 10_000;
 
-/// `FilesystemEvent`: the entry's path relative to the watched directory, and what happened.
+/// `FilesystemEvent`: the entry's path relative to the watched directory, what happened, and
+/// (when asked for and still there) the entry itself.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct FsEvent {
     pub name: String,
     #[serde(rename = "type")]
     pub kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry: Option<EntryInfo>,
 }
+
+const REMOVE: &str = "EVENT_TYPE_REMOVE";
 
 fn event_type(kind: &EventKind) -> Option<&'static str> {
     Some(match kind {
@@ -30,15 +44,17 @@ fn event_type(kind: &EventKind) -> Option<&'static str> {
         EventKind::Modify(ModifyKind::Name(_)) => "EVENT_TYPE_RENAME",
         EventKind::Modify(ModifyKind::Metadata(_)) => "EVENT_TYPE_CHMOD",
         EventKind::Modify(_) => "EVENT_TYPE_WRITE",
-        EventKind::Remove(_) => "EVENT_TYPE_REMOVE",
+        EventKind::Remove(_) => REMOVE,
         EventKind::Access(_) | EventKind::Any | EventKind::Other => return None,
     })
 }
 
-/// Starts watching `dir`; every event goes to `sink`.
+/// Starts watching `dir`; every event goes to `sink`, with its entry described in `entries`
+/// when given.
 pub fn watch(
     dir: &Path,
     recursive: bool,
+    entries: Option<OwnedScope>,
     sink: impl Fn(FsEvent) + Send + 'static,
 ) -> Result<RecommendedWatcher, RpcError> {
     if !dir.is_dir() {
@@ -53,7 +69,11 @@ pub fn watch(
         let Some(kind) = event_type(&event.kind) else { return };
         for path in &event.paths {
             let name = path.strip_prefix(&root).unwrap_or(path).display().to_string();
-            sink(FsEvent { name, kind });
+            let entry = match &entries {
+                Some(scope) if kind != REMOVE => scope.scope().entry(path).ok(),
+                _ => None,
+            };
+            sink(FsEvent { name, kind, entry });
         }
     })
     .map_err(|e| RpcError::new(Code::Internal, format!("cannot watch: {e}")))?;
@@ -69,9 +89,13 @@ pub fn watch(
 }
 
 /// A streaming watch: the watcher lives as long as the returned receiver is read.
-pub fn stream(dir: &Path, recursive: bool) -> Result<(RecommendedWatcher, mpsc::UnboundedReceiver<FsEvent>), RpcError> {
+pub fn stream(
+    dir: &Path,
+    recursive: bool,
+    entries: Option<OwnedScope>,
+) -> Result<(RecommendedWatcher, mpsc::UnboundedReceiver<FsEvent>), RpcError> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let watcher = watch(dir, recursive, move |e| {
+    let watcher = watch(dir, recursive, entries, move |e| {
         let _ = tx.send(e);
     })?;
     Ok((watcher, rx))
@@ -89,10 +113,10 @@ pub struct Watchers {
 }
 
 impl Watchers {
-    pub fn create(&self, dir: &Path, recursive: bool) -> Result<String, RpcError> {
+    pub fn create(&self, dir: &Path, recursive: bool, entries: Option<OwnedScope>) -> Result<String, RpcError> {
         let events = Arc::new(Mutex::new(Vec::new()));
         let buffer = events.clone();
-        let watcher = watch(dir, recursive, move |e| {
+        let watcher = watch(dir, recursive, entries, move |e| {
             if let Ok(mut b) = buffer.lock() {
                 if b.len() >= BUFFERED {
                     b.remove(0);

@@ -231,6 +231,10 @@ pub struct MoveRequest {
 pub struct WatchRequest {
     pub path: String,
     pub recursive: bool,
+    /// Each event carries the `EntryInfo` of what it names, when that can still be stat-ed
+    /// (envd 0.6.3).
+    #[serde(alias = "include_entry")]
+    pub include_entry: bool,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -240,7 +244,7 @@ pub struct WatcherRef {
     pub watcher_id: String,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct EntryInfo {
     pub name: String,
@@ -260,6 +264,10 @@ pub struct EntryInfo {
     pub modified_time: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub symlink_target: Option<String>,
+    /// The file's `user.e2b.*` extended attributes, prefix stripped (see [`crate::metadata`]);
+    /// a protobuf map, so absent when empty.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 fn as_string<S: Serializer>(n: &i64, s: S) -> Result<S::Ok, S::Error> {
@@ -310,6 +318,37 @@ mod tests {
         })
         .unwrap();
         assert_eq!(keepalive, serde_json::json!({"event": {"keepalive": {}}}));
+    }
+
+    #[test]
+    fn watches_ask_for_entries_in_either_spelling_and_entries_show_metadata_only_when_set() {
+        let camel: WatchRequest = serde_json::from_str(r#"{"path":"/tmp","includeEntry":true}"#).unwrap();
+        let snake: WatchRequest =
+            serde_json::from_str(r#"{"path":"/tmp","include_entry":true,"allowNetworkMounts":false}"#).unwrap();
+        let plain: WatchRequest = serde_json::from_str(r#"{"path":"/tmp","recursive":true}"#).unwrap();
+        assert_eq!(
+            (camel.include_entry, snake.include_entry, plain.include_entry),
+            (true, true, false)
+        );
+        let mut entry = EntryInfo {
+            name: "a.txt".into(),
+            kind: "FILE_TYPE_FILE",
+            path: "/home/user/a.txt".into(),
+            size: 3,
+            mode: 0o644,
+            permissions: "-rw-r--r--".into(),
+            owner: "user".into(),
+            group: "user".into(),
+            modified_time: None,
+            symlink_target: None,
+            metadata: BTreeMap::new(),
+        };
+        let json = serde_json::to_value(&entry).unwrap();
+        assert!(json.get("metadata").is_none(), "{json}");
+        entry.metadata.insert("owner".into(), "alice".into());
+        let json = serde_json::to_value(&entry).unwrap();
+        assert_eq!(json["metadata"], serde_json::json!({"owner": "alice"}));
+        assert_eq!(json["size"], "3");
     }
 
     #[test]

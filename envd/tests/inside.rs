@@ -365,3 +365,222 @@ async fn multipart_uploads_of_any_size_and_gzip_bodies_are_stored_as_written() {
     .await;
     assert_eq!(status, 415, "an encoding envd cannot read is refused, not stored raw");
 }
+
+/// An octet-stream upload of `body` to `path` with extra `headers`: (status, JSON answer).
+async fn upload(envd: &Envd, path: &Path, body: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut all = vec![("content-type", "application/octet-stream".to_string())];
+    all.extend(headers.iter().map(|(k, v)| (*k, v.to_string())));
+    let (status, answer) = call(
+        &envd.socket,
+        "POST",
+        &format!("/files?path={}", path.display()),
+        &all,
+        body.to_vec(),
+    )
+    .await;
+    (status, serde_json::from_slice(&answer).unwrap_or(Value::Null))
+}
+
+/// `Stat`'s entry for `path`.
+async fn stat(envd: &Envd, path: &Path) -> Value {
+    let (status, answer) = unary(
+        &envd.socket,
+        "filesystem.Filesystem/Stat",
+        json!({"path": path}),
+        "user",
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    answer["entry"].clone()
+}
+
+/// The raw extended attribute `name` of `path`, if it has one.
+fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let name = std::ffi::CString::new(name).unwrap();
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: NUL-terminated strings and a buffer of the length given.
+    let got = unsafe { libc::lgetxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let got = usize::try_from(got).ok()?;
+    buf.truncate(got);
+    Some(buf)
+}
+
+/// envd 0.6.2: `X-Metadata-*` upload headers become `user.e2b.*` xattrs that Stat and ListDir
+/// show; each upload replaces the file's metadata, and an invalid one changes nothing.
+#[tokio::test]
+async fn upload_metadata_is_kept_on_the_file_shown_by_stat_and_list_dir_and_replaced_by_each_upload() {
+    let envd = start("metadata");
+    let docs = envd.dir.join("docs");
+    let file = docs.join("a.txt");
+    // A repeated header counts once, with its first value.
+    let (status, answer) = upload(
+        &envd,
+        &file,
+        b"first",
+        &[
+            ("X-Metadata-Owner", "Alice"),
+            ("x-metadata-stage", "draft"),
+            ("x-metadata-stage", "final"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let first = json!({"owner": "Alice", "stage": "draft"});
+    assert_eq!(answer[0]["metadata"], first, "the upload's answer shows what it set");
+    assert_eq!(xattr(&file, "user.e2b.owner").as_deref(), Some(&b"Alice"[..]));
+    assert_eq!(stat(&envd, &file).await["metadata"], first);
+    let (status, plain) = upload(&envd, &docs.join("b.txt"), b"no metadata", &[]).await;
+    assert_eq!(status, 200, "{plain}");
+    assert!(plain[0].get("metadata").is_none(), "{plain}");
+    let (status, listed) = unary(
+        &envd.socket,
+        "filesystem.Filesystem/ListDir",
+        json!({"path": docs, "depth": 1}),
+        "user",
+    )
+    .await;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["entries"][0]["name"], "a.txt");
+    assert_eq!(listed["entries"][0]["metadata"], first);
+    assert_eq!(listed["entries"][1]["name"], "b.txt");
+    assert!(listed["entries"][1].get("metadata").is_none(), "{listed}");
+
+    // Another upload's keys replace the old ones.
+    let (status, answer) = upload(&envd, &file, b"second", &[("x-metadata-version", "2")]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(stat(&envd, &file).await["metadata"], json!({"version": "2"}));
+    assert_eq!(xattr(&file, "user.e2b.owner"), None);
+
+    // Refused before anything is written: the file keeps its content and its metadata.
+    let too_long = format!("x-metadata-{}", "k".repeat(247));
+    for bad in [
+        ("x-metadata-city", "Z\u{fc}rich"),
+        ("x-metadata-tab", "a\tb"),
+        (too_long.as_str(), "v"),
+    ] {
+        let (status, answer) = upload(&envd, &file, b"refused", &[bad]).await;
+        assert_eq!(status, 400, "{bad:?}: {answer}");
+        assert_eq!(answer["code"], 400, "{answer}");
+        assert!(answer["message"].as_str().unwrap().contains("metadata"), "{answer}");
+    }
+    let (status, answer) = upload(&envd, &file, b"refused", &[("x-metadata-big", &"v".repeat(4096))]).await;
+    assert_eq!(status, 400, "over the 4096-byte budget: {answer}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"second");
+    assert_eq!(stat(&envd, &file).await["metadata"], json!({"version": "2"}));
+
+    // No metadata headers: the file's metadata is cleared, other tools' attributes stay.
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(file.as_os_str().as_bytes()).unwrap();
+        // SAFETY: NUL-terminated strings and a value of the length given.
+        let set = unsafe { libc::lsetxattr(path.as_ptr(), c"user.other".as_ptr(), b"x".as_ptr().cast(), 1, 0) };
+        assert_eq!(set, 0);
+    }
+    let (status, answer) = upload(&envd, &file, b"third", &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    let entry = stat(&envd, &file).await;
+    assert!(entry.get("metadata").is_none(), "{entry}");
+    assert_eq!(xattr(&file, "user.e2b.version"), None);
+    assert_eq!(xattr(&file, "user.other").as_deref(), Some(&b"x"[..]));
+    assert_eq!(std::fs::read(&file).unwrap(), b"third");
+}
+
+/// Every file of one multipart upload gets the upload's metadata.
+#[tokio::test]
+async fn every_file_of_a_multipart_upload_gets_its_metadata() {
+    let envd = start("metadata-multipart");
+    let boundary = "sandboxsched-boundary";
+    let mut body = Vec::new();
+    for name in ["one.txt", "two.txt"] {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{}\"\r\nContent-Type: application/octet-stream\r\n\r\n{name}\r\n",
+                envd.dir.join(name).display()
+            )
+            .as_bytes(),
+        );
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let (status, answer) = call(
+        &envd.socket,
+        "POST",
+        "/files",
+        &[
+            ("content-type", format!("multipart/form-data; boundary={boundary}")),
+            ("x-metadata-batch", "7".into()),
+            ("X-Metadata-Source", "ci".into()),
+        ],
+        body,
+    )
+    .await;
+    let answer: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
+    assert_eq!(status, 200, "{answer}");
+    let expected = json!({"batch": "7", "source": "ci"});
+    assert_eq!(answer.as_array().map(Vec::len), Some(2), "{answer}");
+    for (i, name) in ["one.txt", "two.txt"].into_iter().enumerate() {
+        assert_eq!(answer[i]["metadata"], expected, "{answer}");
+        assert_eq!(stat(&envd, &envd.dir.join(name)).await["metadata"], expected, "{name}");
+        assert_eq!(std::fs::read(envd.dir.join(name)).unwrap(), name.as_bytes());
+    }
+}
+
+/// Polls a watcher until an event matches `wanted` (bounded: 10 s), returning every event
+/// seen so far.
+async fn events_until(envd: &Envd, watcher: &str, wanted: impl Fn(&Value) -> bool) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut seen = Vec::new();
+    loop {
+        let (status, answer) = unary(
+            &envd.socket,
+            "filesystem.Filesystem/GetWatcherEvents",
+            json!({"watcherId": watcher}),
+            "user",
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        seen.extend(answer["events"].as_array().cloned().unwrap_or_default());
+        if seen.iter().any(&wanted) {
+            return seen;
+        }
+        assert!(std::time::Instant::now() < deadline, "no such event; saw {seen:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// envd 0.6.3: a watcher created with `includeEntry` carries each event's `EntryInfo` (as Stat
+/// shows it), except where the entry is gone; without it, events carry none.
+#[tokio::test]
+async fn watch_events_carry_the_entry_when_asked_to() {
+    let envd = start("watch-entry");
+    let watched = envd.dir.join("watched");
+    std::fs::create_dir(&watched).unwrap();
+    let mut ids = Vec::new();
+    for request in [json!({"path": watched, "includeEntry": true}), json!({"path": watched})] {
+        let (status, answer) = unary(&envd.socket, "filesystem.Filesystem/CreateWatcher", request, "user").await;
+        assert_eq!(status, 200, "{answer}");
+        ids.push(answer["watcherId"].as_str().unwrap().to_string());
+    }
+    let file = watched.join("new.txt");
+    std::fs::write(&file, b"hello").unwrap();
+    let created = |e: &Value| e["name"] == "new.txt" && e["type"] == "EVENT_TYPE_CREATE";
+
+    let with = events_until(&envd, &ids[0], created).await;
+    let event = with.iter().find(|e| created(e)).unwrap();
+    let entry = &event["entry"];
+    assert_eq!(entry["name"], "new.txt", "{event}");
+    assert_eq!(entry["type"], "FILE_TYPE_FILE", "{event}");
+    assert_eq!(entry["path"], file.display().to_string(), "{event}");
+    assert_eq!(entry["owner"], "root", "{event}");
+
+    let without = events_until(&envd, &ids[1], created).await;
+    assert!(without.iter().all(|e| e.get("entry").is_none()), "{without:?}");
+
+    // Gone: a removal names the entry but cannot describe it.
+    std::fs::remove_file(&file).unwrap();
+    let removed = |e: &Value| e["name"] == "new.txt" && e["type"] == "EVENT_TYPE_REMOVE";
+    let after = events_until(&envd, &ids[0], removed).await;
+    let event = after.iter().find(|e| removed(e)).unwrap();
+    assert!(event.get("entry").is_none(), "{event}");
+}

@@ -17,8 +17,17 @@ const CREATE_ATTEMPTS: usize = 3;
 impl Sandboxes {
     /// Creates a sandbox: manifest first, then place, then create on the node, then running.
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        self.create_traced(team, intent, new_sandbox_id()).await
+    }
+
+    /// Creates sandbox `sandbox_id`, in a span of its own.
+    pub(super) async fn create_traced(
+        &self,
+        team: &str,
+        intent: CreateIntent,
+        sandbox_id: String,
+    ) -> Result<SandboxDoc, Failure> {
         use tracing::Instrument;
-        let sandbox_id = format!("i{}", random_id(19));
         // Instrumented, not entered: an entered span held across an await would leak onto
         // whatever else the thread polls meanwhile.
         let span = tracing::info_span!("create", sandbox_id = %sandbox_id, template = %intent.template);
@@ -246,6 +255,11 @@ impl Sandboxes {
             tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "placement did not hear of the kill");
         }
     }
+}
+
+/// A new sandbox ID: `i` and 19 hex digits.
+pub(super) fn new_sandbox_id() -> String {
+    format!("i{}", random_id(19))
 }
 
 fn random_id(len: usize) -> String {

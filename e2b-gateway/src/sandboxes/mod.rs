@@ -5,11 +5,13 @@
 //! `claim` is how a user operation takes a sandbox before acting on it; `lifecycle` kills,
 //! pauses, resumes and changes timeouts; `hibernation` keeps the files of
 //! a sandbox paused without memory off its node and brings them back; `reaper` ends
-//! sandboxes whose time is up; `nodes` pools the gateway's node clients.
+//! sandboxes whose time is up; `idempotency` makes a create with an `Idempotency-Key` happen
+//! once; `nodes` pools the gateway's node clients.
 
 mod claim;
 mod create;
 mod hibernation;
+pub mod idempotency;
 mod lifecycle;
 mod nodes;
 mod reaper;
