@@ -180,7 +180,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         loop {
             tick.tick().await;
             passes += 1;
-            if passes % sweep_every == 0 {
+            if passes.is_multiple_of(sweep_every) {
                 if let Err(err) = reaper.forget_old_claims().await {
                     tracing::debug!(%err, "idempotency sweep failed");
                 }
