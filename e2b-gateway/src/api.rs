@@ -18,7 +18,7 @@ use crate::sandboxes::{idempotency, Failure, Sandboxes};
 use common::clock::now_ms;
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.3";
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 
@@ -282,6 +282,20 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
         None => g.sandboxes.create(&team, intent).await?,
     };
     Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress rules.
+pub async fn update_network(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    SandboxId(id): SandboxId,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let team = g.team(&headers)?;
+    let update: intent::NetworkUpdate = json_body(&headers, &body, true)?;
+    let policy = intent::network_update(update)?;
+    g.sandboxes.update_network(&team, &id, policy).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn get(
@@ -568,11 +582,10 @@ pub async fn not_found() -> ApiError {
 
 /// E2B routes this cluster does not serve yet, each with what it is: a client is told so
 /// (501 in E2B's shape) rather than getting a 404 its SDK reports as "sandbox not found".
-pub const UNSUPPORTED: [(&str, &str); 19] = [
+pub const UNSUPPORTED: [(&str, &str); 18] = [
     ("/sandboxes/{id}/fork", "forking a sandbox"),
     ("/sandboxes/{id}/snapshots", "sandbox snapshots"),
     ("/snapshots", "sandbox snapshots"),
-    ("/sandboxes/{id}/network", "changing a running sandbox's network"),
     ("/sandboxes/{id}/logs", "sandbox logs"),
     ("/v2/sandboxes/{id}/logs", "sandbox logs"),
     ("/templates", "templates"),

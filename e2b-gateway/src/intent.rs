@@ -105,6 +105,41 @@ fn network_policy(req: &NewSandbox) -> Result<NetworkPolicy, Refusal> {
     .map_err(|e| Refusal::Invalid(e.to_string()))
 }
 
+/// `SandboxNetworkUpdateConfig`: the whole new egress policy of a running sandbox (a field
+/// left out is cleared, as E2B defines it).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkUpdate {
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    pub dns_servers: Option<Vec<String>>,
+    pub egress_proxy: Option<serde_json::Value>,
+    pub rules: Option<serde_json::Value>,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+}
+
+/// The policy a network update asks for, refusing what this cluster cannot give.
+pub fn network_update(update: NetworkUpdate) -> Result<NetworkPolicy, Refusal> {
+    let as_create = NewSandbox {
+        allow_internet_access: update.allow_internet_access,
+        network: Some(NetworkConfig {
+            allow_out: update.allow_out,
+            deny_out: update.deny_out,
+            egress_proxy: update.egress_proxy,
+            rules: update.rules,
+            ..NetworkConfig::default()
+        }),
+        ..NewSandbox::default()
+    };
+    if update.dns_servers.as_ref().is_some_and(|d| !d.is_empty()) {
+        return Err(Refusal::Invalid(
+            "network.dnsServers is not supported on this cluster".to_string(),
+        ));
+    }
+    network_policy(&as_create)
+}
+
 /// Why a create request is refused before anything happens.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {

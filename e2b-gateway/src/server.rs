@@ -139,6 +139,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/sandboxes/{id}/resume", post(api::resume))
         .route("/sandboxes/{id}/connect", post(api::connect))
         .route("/sandboxes/{id}/timeout", post(api::set_timeout))
+        .route("/sandboxes/{id}/network", axum::routing::put(api::update_network))
         .route("/sandboxes/{id}/refreshes", post(api::refresh))
         .route("/sandboxes/{id}/metrics", get(api::metrics))
         .route("/nodes", get(api::nodes))

@@ -353,3 +353,49 @@ async fn a_paused_sandbox_outlives_its_timeout_and_traffic_resumes_it_when_asked
     assert_e2b_error(&(status, refused), 400);
     s.stop().await;
 }
+
+/// `PUT /sandboxes/{id}/network` replaces a running sandbox's egress rules: checked like a
+/// create's, applied by the node, shown by get_info; another team's sandbox is not found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_sandboxs_network_is_replaced() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    let path = format!("/sandboxes/{id}/network");
+    let put = |body: &'static str, key: &'static str| {
+        let path = path.clone();
+        let s = &s;
+        async move { s.call("PUT", &path, Some(key), Some(body)).await }
+    };
+    let (status, body) = put(r#"{"denyOut":["8.8.8.8"],"allowOut":["1.1.1.1/32"]}"#, "key-a").await;
+    assert_eq!(status, 204, "{body:?}");
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(
+        detail["network"]["denyOut"],
+        serde_json::json!(["8.8.8.8/32"]),
+        "{detail}"
+    );
+    assert_eq!(
+        detail["network"]["allowOut"],
+        serde_json::json!(["1.1.1.1/32"]),
+        "{detail}"
+    );
+    let record = s.node().host().get(&id).await.unwrap();
+    assert_eq!(record.network.unwrap().deny_out.len(), 1, "the node applied it");
+    // What cannot be given is refused and changes nothing.
+    assert_e2b_error(&put(r#"{"allowOut":["example.com"]}"#, "key-a").await, 400);
+    assert_e2b_error(&put(r#"{"dnsServers":["9.9.9.9"]}"#, "key-a").await, 400);
+    assert_e2b_error(&put(r#"{"denyOut":[]}"#, "key-b").await, 404);
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(
+        detail["network"]["denyOut"],
+        serde_json::json!(["8.8.8.8/32"]),
+        "{detail}"
+    );
+    // Omitted fields are cleared, as E2B defines the update.
+    let (status, _) = put(r#"{"allow_internet_access":false}"#, "key-a").await;
+    assert_eq!(status, 204);
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(detail["allowInternetAccess"], false, "{detail}");
+    assert_eq!(detail["network"]["denyOut"], serde_json::json!([]), "{detail}");
+    s.stop().await;
+}

@@ -130,6 +130,22 @@ impl pb::node_server::Node for NodeApi {
         Ok(Response::new(info_to_pb(&record, 0)))
     }
 
+    async fn update_network(
+        &self,
+        request: Request<pb::NetworkUpdateRequest>,
+    ) -> Result<Response<pb::SandboxInfo>, Status> {
+        let req = request.into_inner();
+        let policy = network_from_pb(req.network.unwrap_or_default()).map_err(status)?;
+        let span = tracing::info_span!("update_network", sandbox_id = %req.sandbox_id);
+        let record = self
+            .host
+            .update_network(&req.operation_id, req.epoch, &req.sandbox_id, policy)
+            .instrument(span)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(info_to_pb(&record, 0)))
+    }
+
     async fn kill(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
         self.lifecycle(request.into_inner(), Move::Kill).await
     }

@@ -336,6 +336,20 @@ impl Host {
         to_completion(async move { shared.lifecycle(&operation_id, epoch, &sandbox_id, action).await }).await
     }
 
+    /// Replaces the network policy of a running or paused sandbox, fenced like a lifecycle
+    /// move; the record keeps it, so a snapshot (a move, a restore) carries it on.
+    pub async fn update_network(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        policy: common::egress::NetworkPolicy,
+    ) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        let (operation_id, sandbox_id) = (operation_id.to_string(), sandbox_id.to_string());
+        to_completion(async move { shared.update_network(&operation_id, epoch, &sandbox_id, policy).await }).await
+    }
+
     /// The running sandbox `sandbox_id` with its files held for one request: waits while a
     /// pause is under way, and answers `None` unless the sandbox runs once it may go on. A
     /// write accepted here completes before any pause of the sandbox takes effect.
@@ -569,6 +583,42 @@ impl Shared {
             Admission::Turn(turn) => turn,
         };
         let answer = self.lifecycle_now(&turn, epoch, action).await;
+        self.remember(operation_id, &call, &answer);
+        answer
+    }
+
+    async fn update_network(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        policy: common::egress::NetworkPolicy,
+    ) -> Result<SandboxRecord, NodeError> {
+        validate_id(sandbox_id)?;
+        let call = format!("network {sandbox_id}");
+        let turn = match self.admit(sandbox_id, operation_id, &call).await {
+            Admission::Answered(answer) => return *answer,
+            Admission::Turn(turn) => turn,
+        };
+        let answer = async {
+            let record = turn
+                .record()
+                .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
+            let mut next = record.clone();
+            next.epoch = fence(&record, epoch)?;
+            next.network = Some(policy.clone());
+            let (runtime, dir) = (self.runtime.clone(), self.dir.clone());
+            let next = blocking(move || {
+                runtime.update_network(&record, &policy)?;
+                dir.persist(&next).map_err(io)?;
+                Ok(next)
+            })
+            .await?;
+            turn.commit(Some(next.clone()));
+            tracing::info!(sandbox_id, "network policy replaced");
+            Ok(next)
+        }
+        .await;
         self.remember(operation_id, &call, &answer);
         answer
     }

@@ -102,6 +102,18 @@ impl Node {
         .unwrap();
     }
 
+    async fn update_network(&self, sandbox: &str, network: Option<pb::NetworkPolicy>) {
+        let mut c = NodeClient::connect(self.running().endpoint()).await.unwrap();
+        c.update_network(pb::NetworkUpdateRequest {
+            operation_id: format!("net-{sandbox}-{}", uuid::Uuid::new_v4().simple()),
+            epoch: 1,
+            sandbox_id: sandbox.into(),
+            network,
+        })
+        .await
+        .unwrap();
+    }
+
     async fn lifecycle(&self, sandbox: &str, action: &str) {
         let mut c = NodeClient::connect(self.running().endpoint()).await.unwrap();
         let request = pb::LifecycleRequest {
@@ -426,6 +438,17 @@ async fn egress_reaches_the_internet_and_honours_the_lists_and_the_floor() {
         );
         let (out, code) = n.sh("open", "root", &reach("169.254.169.254")).await;
         assert!(code != 0 && !out.contains("reached"), "{runtime:?}: {out}");
+        // A running sandbox's policy is replaced whole: the open one loses the internet, the
+        // sealed one gains it (and a link it did not have).
+        n.update_network("open", policy(true, &[], &["198.51.100.0/24"])).await;
+        let (out, code) = n.sh("open", "user", &world.probe()).await;
+        assert!(code != 0 && out.contains("No route to host"), "{runtime:?}: {out}");
+        n.update_network("sealed", internet()).await;
+        let (out, code) = n.sh("sealed", "user", &world.probe()).await;
+        assert_eq!((out.trim(), code), ("from 198.51.100.1", 0), "{runtime:?}");
+        n.update_network("sealed", policy(false, &[], &[])).await;
+        let (out, code) = n.sh("sealed", "user", &world.probe()).await;
+        assert_ne!(code, 0, "{runtime:?}: {out}");
         n.stop().await;
     }
 }

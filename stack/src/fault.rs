@@ -333,6 +333,19 @@ impl Node for NodeProxy {
         self.faults.reply("Resume", result)
     }
 
+    async fn update_network(
+        &self,
+        request: Request<npb::NetworkUpdateRequest>,
+    ) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("UpdateNetwork")?;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("UpdateNetwork", async move { upstream.update_network(request).await })
+            .await;
+        self.faults.reply("UpdateNetwork", result)
+    }
+
     type SnapshotStream = Chunks;
 
     async fn snapshot(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<Chunks>, Status> {

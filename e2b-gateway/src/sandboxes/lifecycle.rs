@@ -172,4 +172,47 @@ impl Sandboxes {
         self.save(&doc).await?;
         Ok(())
     }
+
+    /// Replaces a running or paused sandbox's network policy (E2B's `PUT .../network`): the
+    /// node applies it first, then the manifest records it. A hibernated sandbox is resumed
+    /// first (its files are not on any node to apply it to).
+    pub async fn update_network(
+        &self,
+        team: &str,
+        id: &str,
+        policy: common::egress::NetworkPolicy,
+    ) -> Result<(), Failure> {
+        let mut doc = self.claim(team, id, "network").await?;
+        if !matches!(doc.value.phase, SandboxPhase::Running | SandboxPhase::Paused) {
+            self.unclaim(&mut doc).await;
+            return Err(Failure::Conflict(format!(
+                "sandbox {id} is not running or paused in place; resume it first"
+            )));
+        }
+        let applied = async {
+            let mut node = self.nodes.client(&doc.value.node_address).await?;
+            node.update_network(node_pb::NetworkUpdateRequest {
+                operation_id: format!("network-{id}-{}", uuid::Uuid::new_v4().simple()),
+                epoch: doc.value.epoch,
+                sandbox_id: id.to_string(),
+                network: Some(node_pb::NetworkPolicy {
+                    internet: policy.internet,
+                    allow_out: policy.allow_out.iter().map(ToString::to_string).collect(),
+                    deny_out: policy.deny_out.iter().map(ToString::to_string).collect(),
+                }),
+            })
+            .await
+            .map(drop)
+            .map_err(|s| from_status("network update", s))
+        }
+        .await;
+        if let Err(err) = applied {
+            self.unclaim(&mut doc).await;
+            return Err(err);
+        }
+        doc.value.network = Some(policy);
+        released(&mut doc.value);
+        self.save(&doc).await?;
+        Ok(())
+    }
 }

@@ -93,6 +93,21 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Replaces the network policy of a sandbox that runs (or is paused): its own rules, and a
+    /// link out if it now needs one it did not have.
+    fn update_network(
+        &self,
+        record: &SandboxRecord,
+        policy: &common::egress::NetworkPolicy,
+    ) -> Result<(), RuntimeError> {
+        let _ = policy;
+        Err(RuntimeError::Control {
+            sandbox: record.id.clone(),
+            action: "change the network of",
+            reason: format!("the {} runtime has no network of its own per sandbox", self.kind()),
+        })
+    }
+
     /// Opens a TCP connection to `port` of the sandbox, as a process inside it would reach
     /// its own `127.0.0.1:port`: the way in for the gateway's port routing. Refused where
     /// nothing listens.

@@ -412,6 +412,17 @@ impl Runtime for ContainerRuntime {
         true
     }
 
+    fn update_network(
+        &self,
+        record: &SandboxRecord,
+        policy: &common::egress::NetworkPolicy,
+    ) -> Result<(), RuntimeError> {
+        self.network
+            .update(&record.id, record.pgid, policy)
+            .map(drop)
+            .map_err(|e| control(record, "change the network of", e))
+    }
+
     /// Inside the sandbox's own network namespace: its `127.0.0.1:port`, so a server bound
     /// to loopback only is reachable too, and no route into the sandbox is needed.
     fn connect_port(&self, record: &SandboxRecord, port: u16) -> io::Result<std::net::TcpStream> {

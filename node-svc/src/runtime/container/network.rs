@@ -210,6 +210,12 @@ pub fn sandbox_ruleset(policy: &NetworkPolicy) -> Option<String> {
     ))
 }
 
+/// `rules` (a sandbox's own table, or nothing) as one transaction that first removes the
+/// table they replace: no moment without rules, no rule twice.
+fn replacing(rules: &str) -> String {
+    format!("add table inet egress\ndelete table inet egress\n{rules}")
+}
+
 /// The nft binary: on `PATH`, or where Debian puts it (a node started without `/usr/sbin` on
 /// its path).
 fn nft_binary() -> Option<PathBuf> {
@@ -316,7 +322,7 @@ impl Network {
         }
         let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(NetworkError::Namespace)?;
         if let (Some(rules), Some(binary)) = (sandbox_ruleset(policy), &self.nft) {
-            run_nft(binary, &rules, Some(&netns))?;
+            run_nft(binary, &replacing(&rules), Some(&netns))?;
         }
         let pool = self.config.pool;
         let count = slots(&pool);
@@ -336,6 +342,41 @@ impl Network {
         })?;
         tracing::debug!(sandbox_id = sandbox, interface = %link.host_interface, address = %link.address, "sandbox linked");
         Ok(Some(link))
+    }
+}
+
+impl Network {
+    /// Replaces the policy of the sandbox whose init is `pid`: its own rules, swapped in one
+    /// transaction (no moment without them), and a link if it now needs one and has none. A
+    /// link it no longer needs stays, behind rules that now refuse everything.
+    pub fn update(&self, sandbox: &str, pid: u32, policy: &NetworkPolicy) -> Result<Option<Link>, NetworkError> {
+        let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).map_err(NetworkError::Namespace)?;
+        let linked = dev.lines().any(|l| l.trim_start().starts_with("eth0:"));
+        let rules = if linked && !policy.needs_link() {
+            // Keeps the link, refuses everything but loopback.
+            sandbox_ruleset(&NetworkPolicy {
+                internet: false,
+                allow_out: Vec::new(),
+                deny_out: Vec::new(),
+            })
+        } else {
+            sandbox_ruleset(policy)
+        };
+        let swap = replacing(rules.as_deref().unwrap_or_default());
+        if linked || policy.needs_link() {
+            let binary = self
+                .nft
+                .as_ref()
+                .ok_or_else(|| NetworkError::Unavailable("nft (nftables) is not installed".into()))?;
+            let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(NetworkError::Namespace)?;
+            run_nft(binary, &swap, Some(&netns))?;
+        }
+        if linked || !policy.needs_link() {
+            return Ok(None);
+        }
+        // Rules are in place: now the link (attach finds the lists already there and sets
+        // them again, the same).
+        self.attach(sandbox, pid, Some(policy))
     }
 }
 
