@@ -271,3 +271,45 @@ def test_envd_answers_only_the_sandboxs_access_token(stack):
     finally:
         sbx.kill()
         theirs.kill()
+
+
+def test_what_envd_0_6_3_and_the_lifecycle_give(stack):
+    """File metadata and watch entries (envd 0.6.2/0.6.3, which the SDK enables from the
+    version the gateway reports), a network update, an idempotent create, and a paused sandbox
+    that outlives its timeout."""
+    key = f"e2e-{time.time_ns()}"
+    sbx = Sandbox.create(timeout=120, idempotency_key=key)
+    try:
+        again = Sandbox.create(timeout=120, idempotency_key=key)
+        assert again.sandbox_id == sbx.sandbox_id, "a retried create made a second sandbox"
+        assert sbx.get_info().envd_version == "0.6.3"
+
+        sbx.files.write("/home/user/tagged.txt", "x", metadata={"owner": "e2e", "kind": "note"})
+        assert sbx.files.get_info("/home/user/tagged.txt").metadata == {"owner": "e2e", "kind": "note"}
+        sbx.files.make_dir("/home/user/watched")
+        handle = sbx.files.watch_dir("/home/user/watched", include_entry=True)
+        sbx.files.write("/home/user/watched/new.txt", "y")
+        events = []
+        for _ in range(100):
+            events += handle.get_new_events()
+            if any(e.entry is not None for e in events):
+                break
+            time.sleep(0.05)
+        handle.stop()
+        assert any(e.entry is not None and e.entry.name == "new.txt" for e in events), events
+
+        sbx.update_network({"allow_internet_access": False})
+        assert sbx.get_info().allow_internet_access is False
+    finally:
+        sbx.kill()
+
+    # Paused by hand past its timeout: still there, and connect resumes it.
+    short = Sandbox.create(timeout=1)
+    short.files.write("/home/user/kept.txt", "kept")
+    short.pause()
+    time.sleep(2.5)  # the timeout itself is what is tested: let it pass
+    back = Sandbox.connect(short.sandbox_id, timeout=60)
+    try:
+        assert back.files.read("/home/user/kept.txt") == "kept"
+    finally:
+        back.kill()
