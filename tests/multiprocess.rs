@@ -37,11 +37,20 @@ fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// A port for a child process to listen on, free now. Taken below the kernel's ephemeral
+/// range (32768-60999 here), where `bind(0)` would pick: the children's own outgoing
+/// connections (to Redis, PostgreSQL, each other) draw from that range and once took a port
+/// handed out here before its service could bind it. Never the same port twice per run.
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let start = 20_000 + (std::process::id() % 10_000) as u16;
+    let port = (0..10_000u16)
+        .map(|i| 20_000 + (start - 20_000 + i) % 12_000)
+        .find(|p| !handed_out.contains(p) && TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port below the ephemeral range");
+    handed_out.push(port);
+    port
 }
 
 /// Child processes that are killed when the test ends, however it ends.
