@@ -13,6 +13,7 @@ mod move_faults;
 mod node;
 mod placement_distribution;
 mod placement_throughput;
+mod proxy;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,9 @@ enum Scenario {
     Migration(migration::Args),
     /// Moves with a seeded fraction of lost replies and executor deaths: invariants counted.
     MoveFaults(move_faults::Args),
+    /// The gateway's data path to a container: a command, a port request against the same
+    /// from the node, a download from a port, 1 GiB through /files with peak memory.
+    Proxy(proxy::Args),
 }
 
 #[global_allocator]
@@ -73,6 +77,7 @@ async fn run() -> anyhow::Result<()> {
         Scenario::BalanceConvergence(args) => balance_convergence::run(args)?,
         Scenario::Migration(args) => migration::run(args).await?,
         Scenario::MoveFaults(args) => move_faults::run(args).await?,
+        Scenario::Proxy(args) => proxy::run(args).await?,
     };
     report.print(cli.json);
     Ok(())
