@@ -15,7 +15,6 @@ use serde_json::{json, Value};
 
 use crate::intent::{self, NewSandbox, Template};
 use crate::sandboxes::{idempotency, Failure, Sandboxes};
-use common::clock::now_ms;
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
 pub const ENVD_VERSION: &str = "0.6.3";
@@ -488,30 +487,63 @@ pub async fn list(
     Ok(response)
 }
 
-fn metric(doc: &SandboxDoc, used: u64) -> Value {
-    let now = now_ms();
+fn metric(sample: &proto::node::v1::MetricsSample) -> Value {
     json!({
-        "timestamp": rfc3339(now),
-        "timestampUnix": now / 1000,
-        "cpuCount": doc.vcpus,
-        "cpuUsedPct": 0.0,
-        "memUsed": used,
-        "memTotal": doc.memory_bytes,
+        "timestamp": rfc3339(sample.at_unix_ms),
+        "timestampUnix": sample.at_unix_ms / 1000,
+        "cpuCount": sample.vcpus,
+        "cpuUsedPct": (sample.cpu_used_pct * 100.0).round() / 100.0,
+        "memUsed": sample.memory_used_bytes,
+        "memTotal": sample.memory_total_bytes,
         "memCache": 0,
-        "diskUsed": 0,
-        "diskTotal": 0,
+        "diskUsed": sample.disk_used_bytes,
+        "diskTotal": sample.disk_total_bytes,
     })
+}
+
+/// `start`/`end` of a metrics request (unix seconds) as a window in unix ms; absent: all.
+fn window(query: &HashMap<String, String>) -> Result<(u64, u64), ApiError> {
+    let seconds = |name: &str| -> Result<Option<u64>, ApiError> {
+        query
+            .get(name)
+            .map(|v| {
+                v.parse::<u64>()
+                    .ok()
+                    .and_then(|s| s.checked_mul(1000))
+                    .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, format!("{name} must be unix seconds")))
+            })
+            .transpose()
+    };
+    let (start, end) = (seconds("start")?.unwrap_or(0), seconds("end")?.unwrap_or(u64::MAX));
+    if start > end {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "start is after end"));
+    }
+    Ok((start, end))
+}
+
+/// A sandbox's metrics samples: its node's series within the window; a sandbox on no node
+/// (hibernated), or a node that does not answer, gives an empty series, never an error.
+async fn samples(g: &Gateway, doc: &SandboxDoc, start: u64, end: u64) -> Vec<proto::node::v1::MetricsSample> {
+    match g.sandboxes.metrics(doc, start, end).await {
+        Ok(samples) => samples,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "no metrics from the node");
+            Vec::new()
+        }
+    }
 }
 
 pub async fn metrics(
     State(g): State<Gateway>,
     headers: HeaderMap,
     SandboxId(id): SandboxId,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
+    let (start, end) = window(&query)?;
     let doc = g.sandboxes.get(&team, &id).await?;
-    let used = g.sandboxes.measured(&doc.value).await?;
-    Ok(Json(json!([metric(&doc.value, used)])))
+    let series = samples(&g, &doc.value, start, end).await;
+    Ok(Json(Value::Array(series.iter().map(metric).collect())))
 }
 
 pub async fn list_metrics(
@@ -526,9 +558,12 @@ pub async fn list_metrics(
         .unwrap_or_default();
     let mut out = serde_json::Map::new();
     for id in ids {
+        check_id(id)?;
         let doc = g.sandboxes.get(&team, id).await?;
-        let used = g.sandboxes.measured(&doc.value).await.unwrap_or(0);
-        out.insert(id.to_string(), metric(&doc.value, used));
+        // The latest sample of each.
+        if let Some(last) = samples(&g, &doc.value, 0, u64::MAX).await.last() {
+            out.insert(id.to_string(), metric(last));
+        }
     }
     Ok(Json(json!({"sandboxes": out})))
 }

@@ -399,3 +399,73 @@ async fn a_running_sandboxs_network_is_replaced() {
     assert_eq!(detail["network"]["denyOut"], serde_json::json!([]), "{detail}");
     s.stop().await;
 }
+
+/// Metrics are a series the node samples (here as often as it heartbeats, every 50 ms): CPU a
+/// busy sandbox uses, memory it holds, files it wrote; `start`/`end` pick a window; a
+/// hibernated sandbox answers an empty series, never an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_a_series_of_what_the_sandbox_uses() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    std::fs::write(s.node().host().home(&id).join("ballast.bin"), vec![7u8; 4 << 20]).unwrap();
+    let path = format!("/sandboxes/{id}/metrics");
+    let mut series = serde_json::Value::Null;
+    for _ in 0..100 {
+        let (status, answer) = s.call("GET", &path, Some("key-a"), None).await;
+        assert_eq!(status, 200, "{answer}");
+        if answer.as_array().is_some_and(|a| a.len() >= 3) {
+            series = answer;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let samples = series.as_array().expect("three samples within five seconds");
+    let last = samples.last().unwrap();
+    assert_eq!(last["cpuCount"], 1, "{last}");
+    assert!(last["memUsed"].as_u64().unwrap() > 0, "{last}");
+    assert_eq!(last["memTotal"].as_u64().unwrap(), 512 << 20, "{last}");
+    assert!(
+        last["diskUsed"].as_u64().unwrap() >= 4 << 20,
+        "the 4 MiB it holds: {last}"
+    );
+    assert!(last["diskTotal"].as_u64().unwrap() > last["diskUsed"].as_u64().unwrap());
+    let times: Vec<u64> = samples.iter().map(|m| m["timestampUnix"].as_u64().unwrap()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "oldest first: {times:?}");
+    // A window in the future is empty; a malformed one is a 400.
+    let (_, future) = s
+        .call(
+            "GET",
+            &format!("{path}?start=4102444800&end=4102444801"),
+            Some("key-a"),
+            None,
+        )
+        .await;
+    assert_eq!(future, serde_json::json!([]));
+    assert_e2b_error(
+        &s.call("GET", &format!("{path}?start=soon"), Some("key-a"), None).await,
+        400,
+    );
+    // The latest sample of each, by ID.
+    let (_, latest) = s
+        .call(
+            "GET",
+            &format!("/sandboxes/metrics?sandbox_ids={id}"),
+            Some("key-a"),
+            None,
+        )
+        .await;
+    assert!(latest["sandboxes"][&id]["memUsed"].as_u64().unwrap() > 0, "{latest}");
+    // Hibernated (files only, off every node): an empty series.
+    let (status, _) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some("key-a"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(status, 204);
+    let (status, empty) = s.call("GET", &path, Some("key-a"), None).await;
+    assert_eq!((status, empty), (200, serde_json::json!([])));
+    s.stop().await;
+}

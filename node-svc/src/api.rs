@@ -146,6 +146,30 @@ impl pb::node_server::Node for NodeApi {
         Ok(Response::new(info_to_pb(&record, 0)))
     }
 
+    async fn metrics(&self, request: Request<pb::MetricsRequest>) -> Result<Response<pb::MetricsResponse>, Status> {
+        let req = request.into_inner();
+        let end = if req.end_unix_ms == 0 {
+            u64::MAX
+        } else {
+            req.end_unix_ms
+        };
+        let samples = self
+            .host
+            .metrics(&req.sandbox_id, req.start_unix_ms, end)
+            .into_iter()
+            .map(|s| pb::MetricsSample {
+                at_unix_ms: s.at_unix_ms,
+                cpu_used_pct: s.cpu_used_pct,
+                vcpus: s.vcpus,
+                memory_used_bytes: s.memory_used_bytes,
+                memory_total_bytes: s.memory_total_bytes,
+                disk_used_bytes: s.disk_used_bytes,
+                disk_total_bytes: s.disk_total_bytes,
+            })
+            .collect();
+        Ok(Response::new(pb::MetricsResponse { samples }))
+    }
+
     async fn kill(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
         self.lifecycle(request.into_inner(), Move::Kill).await
     }

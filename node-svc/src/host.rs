@@ -209,6 +209,23 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Entries a disk-usage walk of one writable layer may visit per sample.
+const DISK_WALK_BUDGET: usize = 200_000;
+
+/// Bytes the filesystem holding `path` has in all.
+fn disk_total(path: &std::path::Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    // SAFETY: statvfs writes only into `stat`, which outlives the call.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
+        return 0;
+    }
+    u64::from(stat.f_blocks).saturating_mul(u64::from(stat.f_frsize))
+}
+
 /// Runs blocking `work` on a `spawn_blocking` thread.
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, NodeError> + Send + 'static,
@@ -223,6 +240,8 @@ pub struct Host {
     shared: Arc<Shared>,
     boot_id: String,
     cpu: Mutex<CpuRate>,
+    /// Each sandbox's metrics series.
+    book: Mutex<crate::metrics::Book>,
 }
 
 /// What every operation works on. Behind an `Arc` because operations that change sandboxes
@@ -285,6 +304,7 @@ impl Host {
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
+            book: Mutex::new(crate::metrics::Book::default()),
         })
     }
 
@@ -348,6 +368,45 @@ impl Host {
         let shared = self.shared.clone();
         let (operation_id, sandbox_id) = (operation_id.to_string(), sandbox_id.to_string());
         to_completion(async move { shared.update_network(&operation_id, epoch, &sandbox_id, policy).await }).await
+    }
+
+    /// Takes one metrics sample of every sandbox (on a blocking thread: it reads cgroup
+    /// counters and walks writable layers).
+    pub async fn sample(&self) {
+        let records = self.shared.records();
+        let runtime = self.shared.runtime.clone();
+        let dir = self.shared.dir.clone();
+        let readings = tokio::task::spawn_blocking(move || {
+            let disk_total = disk_total(dir.root());
+            records
+                .into_iter()
+                .map(|record| {
+                    let reading = crate::metrics::Reading {
+                        at_unix_ms: common::clock::now_ms(),
+                        cpu_time_ns: runtime.cpu_time_ns_of(&record),
+                        vcpus: record.resources.vcpus,
+                        memory_used_bytes: runtime.memory_used(&record),
+                        memory_total_bytes: record.resources.memory_bytes,
+                        disk_used_bytes: crate::metrics::disk_usage(&dir.home(&record.id), DISK_WALK_BUDGET),
+                        disk_total_bytes: disk_total,
+                    };
+                    (record.id, reading)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        let Ok(readings) = readings else { return };
+        let mut book = lock(&self.book);
+        let live: Vec<String> = readings.iter().map(|(id, _)| id.clone()).collect();
+        book.retain(&live);
+        for (id, reading) in readings {
+            book.record(&id, reading);
+        }
+    }
+
+    /// Metrics samples of one sandbox within `[start, end]` (unix ms), oldest first.
+    pub fn metrics(&self, sandbox_id: &str, start_ms: u64, end_ms: u64) -> Vec<crate::metrics::Sample> {
+        lock(&self.book).window(sandbox_id, start_ms, end_ms)
     }
 
     /// The running sandbox `sandbox_id` with its files held for one request: waits while a

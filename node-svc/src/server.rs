@@ -42,6 +42,8 @@ pub struct NodeConfig {
     /// placement-svc to send heartbeats to, if any.
     pub placement: Option<String>,
     pub heartbeat_interval: Duration,
+    /// How often each sandbox's metrics are sampled (CPU, memory, disk).
+    pub sample_interval: Duration,
     pub labels: std::collections::HashMap<String, String>,
     /// The gRPC endpoint others should use (default: `http://` + the bound address).
     pub advertise: Option<String>,
@@ -64,6 +66,7 @@ impl NodeConfig {
             network: Default::default(),
             placement: None,
             heartbeat_interval: Duration::from_secs(2),
+            sample_interval: Duration::from_secs(5),
             labels: Default::default(),
             advertise: None,
             advertise_envd: None,
@@ -172,6 +175,16 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
     // likes: stopping the node drops them rather than waiting.
     let envd_router = crate::envd::Envd::new(host.clone()).router();
     serving.http("envd", envd_listener, envd_router, OnStop::Abort);
+    let sampled = host.clone();
+    let every = config.sample_interval;
+    serving.background(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sampled.sample().await;
+        }
+    }));
     if let Some(placement) = &config.placement {
         serving.background(
             heartbeat::spawn(

@@ -49,6 +49,11 @@ impl StateDir {
         std::fs::create_dir_all(&self.root)
     }
 
+    /// The `sandboxes/` folder itself.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Sandbox `id`'s folder.
     pub fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.root.join(id)

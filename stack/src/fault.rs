@@ -333,6 +333,12 @@ impl Node for NodeProxy {
         self.faults.reply("Resume", result)
     }
 
+    async fn metrics(&self, request: Request<npb::MetricsRequest>) -> Result<Response<npb::MetricsResponse>, Status> {
+        self.faults.gate("Metrics")?;
+        let result = self.upstream.clone().metrics(request.into_inner()).await;
+        self.faults.reply("Metrics", result)
+    }
+
     async fn update_network(
         &self,
         request: Request<npb::NetworkUpdateRequest>,

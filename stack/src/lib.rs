@@ -276,6 +276,9 @@ impl StackBuilder {
             let mut config = NodeConfig::new(any_port, &id, dir.join(&id));
             config.placement = Some(placement.endpoint());
             config.heartbeat_interval = self.heartbeat;
+            // Metrics as often as heartbeats (tests and benchmarks run with short ones); never
+            // more rarely than the node's own default.
+            config.sample_interval = self.heartbeat.min(config.sample_interval);
             if let Some(adjust) = adjust {
                 adjust(&mut config);
             }

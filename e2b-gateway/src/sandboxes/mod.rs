@@ -156,18 +156,28 @@ impl Sandboxes {
     }
 
     /// Memory the node measures for the sandbox now.
-    pub async fn measured(&self, doc: &SandboxDoc) -> Result<u64, Failure> {
+    /// The node's metrics samples of a sandbox within `[start, end]` (unix ms). A sandbox on
+    /// no node (hibernated, being created) has none.
+    pub async fn metrics(
+        &self,
+        doc: &SandboxDoc,
+        start_ms: u64,
+        end_ms: u64,
+    ) -> Result<Vec<node_pb::MetricsSample>, Failure> {
+        if doc.node_address.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut node = self.nodes.client(&doc.node_address).await?;
-        let list = node
-            .list(node_pb::ListRequest {})
+        Ok(node
+            .metrics(node_pb::MetricsRequest {
+                sandbox_id: doc.sandbox_id.clone(),
+                start_unix_ms: start_ms,
+                end_unix_ms: end_ms,
+            })
             .await
-            .map_err(|s| from_status("node list", s))?
-            .into_inner();
-        Ok(list
-            .sandboxes
-            .iter()
-            .find(|s| s.sandbox_id == doc.sandbox_id)
-            .map_or(0, |s| s.memory_used_bytes))
+            .map_err(|s| from_status("node metrics", s))?
+            .into_inner()
+            .samples)
     }
 
     /// The placer's view of every node.

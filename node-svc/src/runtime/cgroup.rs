@@ -109,6 +109,12 @@ impl Cgroups {
             .ok()
     }
 
+    /// CPU time (ns) one sandbox has used: its group's `cpuacct.usage`.
+    pub fn cpu_usage_ns(&self, sandbox: &str) -> Option<u64> {
+        let dir = self.cpuacct.as_ref()?.join(sandbox);
+        fs::read_to_string(dir.join("cpuacct.usage")).ok()?.trim().parse().ok()
+    }
+
     /// Creates the sandbox's groups (idempotent) and sets its memory limit.
     pub fn create(&self, sandbox: &str, memory_limit: u64) -> std::io::Result<()> {
         if let Some(dir) = self.memory_dir(sandbox) {

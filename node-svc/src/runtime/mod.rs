@@ -67,6 +67,10 @@ pub trait Runtime: Send + Sync + 'static {
     fn cpu_time_ns(&self) -> Option<u64> {
         None
     }
+    /// CPU time (ns) one sandbox has used so far, where the runtime measures it.
+    fn cpu_time_ns_of(&self, _record: &SandboxRecord) -> Option<u64> {
+        None
+    }
     /// Makes `command` run inside the sandbox: its cgroups, and (where the runtime has a mount
     /// namespace) its `home` seen at `/home/user`; `cwd` is a host path inside `home`. Sets the
     /// working directory and `HOME`. The simulated runtime runs no processes and refuses.

@@ -226,6 +226,10 @@ impl Runtime for ProcessRuntime {
         self.cgroups.cpu_time_ns()
     }
 
+    fn cpu_time_ns_of(&self, record: &SandboxRecord) -> Option<u64> {
+        self.cgroups.cpu_usage_ns(&record.id)
+    }
+
     fn features(&self) -> Features {
         Features {
             cgroup_memory: self.cgroups.has_memory(),

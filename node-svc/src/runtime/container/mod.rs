@@ -390,6 +390,10 @@ impl Runtime for ContainerRuntime {
         self.cgroups.cpu_time_ns()
     }
 
+    fn cpu_time_ns_of(&self, record: &SandboxRecord) -> Option<u64> {
+        self.cgroups.cpu_usage_ns(&record.id)
+    }
+
     fn enclose(
         &self,
         record: &SandboxRecord,
