@@ -223,7 +223,7 @@ fn disk_total(path: &std::path::Path) -> u64 {
     if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
         return 0;
     }
-    u64::from(stat.f_blocks).saturating_mul(u64::from(stat.f_frsize))
+    stat.f_blocks.saturating_mul(stat.f_frsize)
 }
 
 /// Runs blocking `work` on a `spawn_blocking` thread.
