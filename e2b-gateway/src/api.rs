@@ -568,6 +568,119 @@ pub async fn list_metrics(
     Ok(Json(json!({"sandboxes": out})))
 }
 
+/// A sandbox's log entries: its node's, for the query; a sandbox on no node (hibernated) or
+/// a node that does not answer gives none, never an error.
+async fn log_entries(
+    g: &Gateway,
+    doc: &SandboxDoc,
+    query: proto::node::v1::LogsRequest,
+) -> Vec<proto::node::v1::LogEntry> {
+    match g.sandboxes.logs(doc, query).await {
+        Ok(entries) => entries,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "no logs from the node");
+            Vec::new()
+        }
+    }
+}
+
+fn entry_json(e: &proto::node::v1::LogEntry) -> Value {
+    json!({
+        "timestamp": rfc3339(e.at_unix_ms),
+        "level": e.level,
+        "message": e.message,
+        "fields": e.fields,
+    })
+}
+
+/// `limit` of a logs request: 0 to 1000, 1000 when absent.
+fn log_limit(query: &HashMap<String, String>) -> Result<u32, ApiError> {
+    match query.get("limit") {
+        None => Ok(1000),
+        Some(v) => v
+            .parse::<u32>()
+            .ok()
+            .filter(|n| *n <= 1000)
+            .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "limit must be 0 to 1000")),
+    }
+}
+
+fn unix_ms(query: &HashMap<String, String>, name: &str) -> Result<u64, ApiError> {
+    query.get(name).map_or(Ok(0), |v| {
+        v.parse::<u64>()
+            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, format!("{name} must be unix milliseconds")))
+    })
+}
+
+/// `GET /sandboxes/{id}/logs` (v1): entries from `start` (unix ms), as lines and structured.
+pub async fn logs(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    SandboxId(id): SandboxId,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let request = proto::node::v1::LogsRequest {
+        sandbox_id: id.clone(),
+        cursor_unix_ms: unix_ms(&query, "start")?,
+        limit: log_limit(&query)?,
+        ..Default::default()
+    };
+    let doc = g.sandboxes.get(&team, &id).await?;
+    let entries = log_entries(&g, &doc.value, request).await;
+    let lines: Vec<Value> = entries
+        .iter()
+        .map(|e| json!({"timestamp": rfc3339(e.at_unix_ms), "line": e.message}))
+        .collect();
+    Ok(Json(
+        json!({"logs": lines, "logEntries": entries.iter().map(entry_json).collect::<Vec<_>>()}),
+    ))
+}
+
+/// `GET /v2/sandboxes/{id}/logs`: entries from `cursor` (unix ms) in `direction`, at least
+/// `level`, containing `search`.
+pub async fn logs_v2(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    SandboxId(id): SandboxId,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let backward = match query.get("direction").map(String::as_str) {
+        None | Some("forward") => false,
+        Some("backward") => true,
+        Some(_) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "direction must be forward or backward",
+            ))
+        }
+    };
+    let level = match query.get("level").map(String::as_str) {
+        None => String::new(),
+        Some(l @ ("debug" | "info" | "warn" | "error")) => l.to_string(),
+        Some(_) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "level must be debug, info, warn or error",
+            ))
+        }
+    };
+    let request = proto::node::v1::LogsRequest {
+        sandbox_id: id.clone(),
+        cursor_unix_ms: unix_ms(&query, "cursor")?,
+        limit: log_limit(&query)?,
+        backward,
+        level,
+        search: query.get("search").cloned().unwrap_or_default(),
+    };
+    let doc = g.sandboxes.get(&team, &id).await?;
+    let entries = log_entries(&g, &doc.value, request).await;
+    Ok(Json(
+        json!({"logs": entries.iter().map(entry_json).collect::<Vec<_>>()}),
+    ))
+}
+
 fn node_json(n: &proto::placement::v1::NodeView) -> Value {
     let state = match proto::placement::v1::NodeState::try_from(n.state) {
         Ok(proto::placement::v1::NodeState::Ready) => "ready",
@@ -617,12 +730,10 @@ pub async fn not_found() -> ApiError {
 
 /// E2B routes this cluster does not serve yet, each with what it is: a client is told so
 /// (501 in E2B's shape) rather than getting a 404 its SDK reports as "sandbox not found".
-pub const UNSUPPORTED: [(&str, &str); 18] = [
+pub const UNSUPPORTED: [(&str, &str); 16] = [
     ("/sandboxes/{id}/fork", "forking a sandbox"),
     ("/sandboxes/{id}/snapshots", "sandbox snapshots"),
     ("/snapshots", "sandbox snapshots"),
-    ("/sandboxes/{id}/logs", "sandbox logs"),
-    ("/v2/sandboxes/{id}/logs", "sandbox logs"),
     ("/templates", "templates"),
     ("/v2/templates", "templates"),
     ("/v3/templates", "templates"),

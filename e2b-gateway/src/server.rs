@@ -142,6 +142,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/sandboxes/{id}/network", axum::routing::put(api::update_network))
         .route("/sandboxes/{id}/refreshes", post(api::refresh))
         .route("/sandboxes/{id}/metrics", get(api::metrics))
+        .route("/sandboxes/{id}/logs", get(api::logs))
+        .route("/v2/sandboxes/{id}/logs", get(api::logs_v2))
         .route("/nodes", get(api::nodes))
         .route("/nodes/{id}", get(api::node));
     for (path, what) in api::UNSUPPORTED {

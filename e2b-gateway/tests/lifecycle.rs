@@ -469,3 +469,60 @@ async fn metrics_are_a_series_of_what_the_sandbox_uses() {
     assert_eq!((status, empty), (200, serde_json::json!([])));
     s.stop().await;
 }
+
+/// Logs: envd's events and the node's lifecycle events, filtered and paged as the v2 route
+/// asks; the v1 route gives lines and structured entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxs_logs_carry_its_lifecycle() {
+    let s = stack(4096).await;
+    let id = create(&s, r#"{"templateID":"base"}"#).await;
+    for op in ["pause", "resume"] {
+        let (status, _) = s
+            .call("POST", &format!("/sandboxes/{id}/{op}"), Some("key-a"), None)
+            .await;
+        assert!(status == 204 || status == 201, "{op}: {status}");
+    }
+    let v2 = format!("/v2/sandboxes/{id}/logs");
+    let (status, logs) = s.call("GET", &v2, Some("key-a"), None).await;
+    assert_eq!(status, 200, "{logs}");
+    let messages: Vec<&str> = logs["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["message"].as_str().unwrap())
+        .collect();
+    for wanted in ["envd serving", "sandbox created", "sandbox paused", "sandbox resumed"] {
+        assert!(messages.contains(&wanted), "{wanted} missing from {messages:?}");
+    }
+    let first = &logs["logs"][0];
+    assert!(first["timestamp"].as_str().unwrap().starts_with("20"), "{first}");
+    assert!(first["fields"].is_object() && first["level"] == "info", "{first}");
+    // Newest first, two of them; only what matches; a level above all of them: none.
+    let (_, back) = s
+        .call("GET", &format!("{v2}?direction=backward&limit=2"), Some("key-a"), None)
+        .await;
+    assert_eq!(back["logs"].as_array().unwrap().len(), 2);
+    assert_eq!(back["logs"][0]["message"], "sandbox resumed", "{back}");
+    let (_, found) = s.call("GET", &format!("{v2}?search=paused"), Some("key-a"), None).await;
+    assert_eq!(found["logs"].as_array().unwrap().len(), 1, "{found}");
+    let (_, errors) = s.call("GET", &format!("{v2}?level=error"), Some("key-a"), None).await;
+    assert_eq!(errors["logs"], serde_json::json!([]));
+    assert_e2b_error(
+        &s.call("GET", &format!("{v2}?direction=up"), Some("key-a"), None).await,
+        400,
+    );
+    assert_e2b_error(
+        &s.call("GET", &format!("{v2}?limit=5000"), Some("key-a"), None).await,
+        400,
+    );
+    assert_e2b_error(&s.call("GET", &v2, Some("key-b"), None).await, 404);
+    let (_, v1) = s
+        .call("GET", &format!("/sandboxes/{id}/logs"), Some("key-a"), None)
+        .await;
+    assert_eq!(
+        v1["logs"].as_array().unwrap().len(),
+        v1["logEntries"].as_array().unwrap().len()
+    );
+    assert!(v1["logs"][0]["line"].is_string(), "{v1}");
+    s.stop().await;
+}

@@ -81,7 +81,6 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
         ("POST", "/sandboxes/iunknown/fork"),
         ("POST", "/sandboxes/iunknown/snapshots"),
         ("GET", "/snapshots"),
-        ("GET", "/v2/sandboxes/iunknown/logs"),
         ("POST", "/v3/templates"),
         ("GET", "/templates/aliases/base"),
         ("POST", "/v2/templates/t/builds/b"),

@@ -116,8 +116,52 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
     })
 }
 
-/// Starts the sandbox's start command in the background as the default user, its output
-/// appended to `~/.start.log`; reaped when it ends.
+/// Longest line of a start command's output logged as one entry; longer lines are cut.
+const MAX_LOG_LINE: usize = 16 << 10;
+
+/// Logs each line of `output` (a start command's stdout or stderr) as an event of envd's
+/// own log, which the node keeps outside the sandbox and serves as the sandbox's logs.
+fn log_lines(output: impl tokio::io::AsyncRead + Unpin + Send + 'static, stream: &'static str) {
+    use tokio::io::AsyncBufReadExt;
+    tokio::spawn(async move {
+        let mut reader = tokio::io::BufReader::new(output);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            let mut cut = false;
+            // Read one line, keeping at most MAX_LOG_LINE bytes of it.
+            loop {
+                let (done, used) = match reader.fill_buf().await {
+                    Ok([]) | Err(_) if line.is_empty() && !cut => return,
+                    Ok([]) | Err(_) => (true, 0),
+                    Ok(buf) => match buf.iter().position(|b| *b == b'\n') {
+                        Some(at) => {
+                            let room = MAX_LOG_LINE.saturating_sub(line.len()).min(at);
+                            line.extend_from_slice(&buf[..room]);
+                            cut |= room < at;
+                            (true, at + 1)
+                        }
+                        None => {
+                            let room = MAX_LOG_LINE.saturating_sub(line.len()).min(buf.len());
+                            line.extend_from_slice(&buf[..room]);
+                            cut |= room < buf.len();
+                            (false, buf.len())
+                        }
+                    },
+                };
+                reader.consume(used);
+                if done {
+                    break;
+                }
+            }
+            let text = String::from_utf8_lossy(&line);
+            tracing::info!(target: "start", stream, cut, "{}", text.trim_end_matches('\r'));
+        }
+    });
+}
+
+/// Starts the sandbox's start command in the background as the default user, each line of
+/// its output an event of envd's log (see [`log_lines`]); reaped when it ends.
 fn boot(config: &Config) {
     let Some(command) = config.start_command.clone() else {
         return;
@@ -129,10 +173,6 @@ fn boot(config: &Config) {
             return;
         }
     };
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(user.home.join(".start.log"));
     let mut cmd = tokio::process::Command::new("/bin/sh");
     cmd.arg("-c")
         .arg(&command)
@@ -145,22 +185,25 @@ fn boot(config: &Config) {
         .envs(&config.sandbox.vars)
         .current_dir(&user.home)
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .process_group(0);
-    if let Ok(log) = log {
-        let _ = files::own(&user.home.join(".start.log"), &user);
-        if let Ok(err) = log.try_clone() {
-            cmd.stdout(log).stderr(err);
-        }
-    }
     // SAFETY: geteuid cannot fail and touches no memory.
     if unsafe { libc::geteuid() } == 0 && user.uid != 0 {
         cmd.uid(user.uid).gid(user.gid);
     }
     match cmd.spawn() {
         Ok(mut child) => {
+            if let Some(out) = child.stdout.take() {
+                log_lines(out, "stdout");
+            }
+            if let Some(err) = child.stderr.take() {
+                log_lines(err, "stderr");
+            }
+            tracing::info!(target: "start", command = %command, "start command started");
             tokio::spawn(async move {
                 let status = child.wait().await;
-                tracing::info!(?status, "start command ended");
+                tracing::info!(target: "start", ?status, "start command ended");
             });
         }
         Err(err) => tracing::error!(%err, "start command not started"),
@@ -202,7 +245,9 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         eprintln!("envd: cannot start as init: {e}");
         return ExitCode::FAILURE;
     }
+    // One JSON object a line: the node reads this log back as the sandbox's logs.
     let _ = tracing_subscriber::fmt()
+        .json()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ENVD_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

@@ -170,6 +170,30 @@ impl pb::node_server::Node for NodeApi {
         Ok(Response::new(pb::MetricsResponse { samples }))
     }
 
+    async fn logs(&self, request: Request<pb::LogsRequest>) -> Result<Response<pb::LogsResponse>, Status> {
+        let req = request.into_inner();
+        let query = crate::logs::Query {
+            cursor_ms: (req.cursor_unix_ms != 0).then_some(req.cursor_unix_ms),
+            limit: req.limit.clamp(1, 1000) as usize,
+            backward: req.backward,
+            level: Some(req.level).filter(|l| !l.is_empty()),
+            search: Some(req.search).filter(|s| !s.is_empty()),
+        };
+        let entries = self
+            .host
+            .logs(&req.sandbox_id, query)
+            .await
+            .into_iter()
+            .map(|e| pb::LogEntry {
+                at_unix_ms: e.at_unix_ms,
+                level: e.level,
+                message: e.message,
+                fields: e.fields.into_iter().collect(),
+            })
+            .collect();
+        Ok(Response::new(pb::LogsResponse { entries }))
+    }
+
     async fn kill(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
         self.lifecycle(request.into_inner(), Move::Kill).await
     }

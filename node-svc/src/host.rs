@@ -381,6 +381,7 @@ impl Host {
             records
                 .into_iter()
                 .map(|record| {
+                    crate::logs::cap(&dir.sandbox_dir(&record.id).join("container.log"));
                     let reading = crate::metrics::Reading {
                         at_unix_ms: common::clock::now_ms(),
                         cpu_time_ns: runtime.cpu_time_ns_of(&record),
@@ -402,6 +403,18 @@ impl Host {
         for (id, reading) in readings {
             book.record(&id, reading);
         }
+    }
+
+    /// The entries of a sandbox's log that `query` asks for (none where its runtime keeps
+    /// no log).
+    pub async fn logs(&self, sandbox_id: &str, query: crate::logs::Query) -> Vec<crate::logs::Entry> {
+        if validate_id(sandbox_id).is_err() {
+            return Vec::new();
+        }
+        let log = self.shared.dir.sandbox_dir(sandbox_id).join("container.log");
+        tokio::task::spawn_blocking(move || crate::logs::select(&crate::logs::tail(&log), &query))
+            .await
+            .unwrap_or_default()
     }
 
     /// Metrics samples of one sandbox within `[start, end]` (unix ms), oldest first.
@@ -624,6 +637,7 @@ impl Shared {
         .await?;
         turn.commit(Some(record.clone()));
         tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
+        self.note(&record.id, "sandbox created");
         Ok(record)
     }
 
@@ -675,6 +689,7 @@ impl Shared {
             .await?;
             turn.commit(Some(next.clone()));
             tracing::info!(sandbox_id, "network policy replaced");
+            self.note(sandbox_id, "network policy replaced");
             Ok(next)
         }
         .await;
@@ -736,8 +751,27 @@ impl Shared {
             tracing::info!(sandbox_id = %id, "sandbox killed");
         } else {
             turn.commit(Some(next.clone()));
+            self.note(
+                id,
+                &format!(
+                    "sandbox {}",
+                    if next.state == State::Paused {
+                        "paused"
+                    } else {
+                        "resumed"
+                    }
+                ),
+            );
         }
         Ok(next)
+    }
+
+    /// Appends a lifecycle event to the sandbox's log (where its runtime keeps one).
+    fn note(&self, id: &str, message: &str) {
+        let log = self.dir.sandbox_dir(id).join("container.log");
+        if log.exists() {
+            crate::logs::note(&log, "info", message);
+        }
     }
 
     fn committed(&self, sandbox_id: &str) -> Option<SandboxRecord> {
@@ -878,6 +912,7 @@ impl Shared {
         // Remembered within the turn, so a retry queued behind this one finds the answer.
         self.remember(operation_id, call, &Ok(record.clone()));
         tracing::info!(sandbox_id = %record.id, "sandbox restored (paused)");
+        self.note(&record.id, "sandbox restored here (paused), moved from another node");
         Ok(record)
     }
 }

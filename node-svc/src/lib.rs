@@ -15,6 +15,7 @@ pub mod api;
 pub mod envd;
 pub mod heartbeat;
 pub mod host;
+pub mod logs;
 pub mod metrics;
 pub mod runtime;
 pub mod sandbox;

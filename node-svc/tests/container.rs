@@ -741,3 +741,62 @@ async fn private_ports_take_the_sandboxs_traffic_token_and_envd_is_not_one_of_th
     assert_eq!(envd.status(), 401);
     n.stop().await;
 }
+
+/// The start command's output reaches the sandbox's log (outside the sandbox, in the node's
+/// keeping) line by line, stdout and stderr told apart; it starts only once the network is
+/// up (a sandbox with a link sees its eth0 from its first line).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_commands_output_is_the_sandboxs_log() {
+    let n = node(None).await;
+    let mut c = NodeClient::connect(n.running().endpoint()).await.unwrap();
+    c.create(pb::CreateRequest {
+        operation_id: "c-logged".into(),
+        epoch: 1,
+        sandbox_id: "logged".into(),
+        template: "base".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        access_token: token_of("logged"),
+        start_command: "echo out-line; echo err-line >&2; cat /sys/class/net/eth0/operstate".into(),
+        network: internet(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut messages = Vec::new();
+    for _ in 0..100 {
+        let logs = c
+            .logs(pb::LogsRequest {
+                sandbox_id: "logged".into(),
+                limit: 1000,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        messages = logs
+            .entries
+            .iter()
+            .map(|e| (e.message.clone(), e.fields.get("stream").cloned().unwrap_or_default()))
+            .collect::<Vec<_>>();
+        if messages.iter().any(|(m, _)| m == "up") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        messages.contains(&("out-line".to_string(), "stdout".to_string())),
+        "{messages:?}"
+    );
+    assert!(
+        messages.contains(&("err-line".to_string(), "stderr".to_string())),
+        "{messages:?}"
+    );
+    assert!(
+        messages.iter().any(|(m, _)| m == "up"),
+        "eth0 was not up for the start command: {messages:?}"
+    );
+    n.stop().await;
+}

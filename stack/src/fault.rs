@@ -339,6 +339,12 @@ impl Node for NodeProxy {
         self.faults.reply("Metrics", result)
     }
 
+    async fn logs(&self, request: Request<npb::LogsRequest>) -> Result<Response<npb::LogsResponse>, Status> {
+        self.faults.gate("Logs")?;
+        let result = self.upstream.clone().logs(request.into_inner()).await;
+        self.faults.reply("Logs", result)
+    }
+
     async fn update_network(
         &self,
         request: Request<npb::NetworkUpdateRequest>,

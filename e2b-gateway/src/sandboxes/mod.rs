@@ -180,6 +180,20 @@ impl Sandboxes {
             .samples)
     }
 
+    /// The node's log entries of a sandbox for `query`; none for a sandbox on no node.
+    pub async fn logs(&self, doc: &SandboxDoc, query: node_pb::LogsRequest) -> Result<Vec<node_pb::LogEntry>, Failure> {
+        if doc.node_address.is_empty() || query.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut node = self.nodes.client(&doc.node_address).await?;
+        Ok(node
+            .logs(query)
+            .await
+            .map_err(|s| from_status("node logs", s))?
+            .into_inner()
+            .entries)
+    }
+
     /// The placer's view of every node.
     pub async fn nodes(&self) -> Result<Vec<pl::NodeView>, Failure> {
         Ok(self
