@@ -39,11 +39,18 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
+        let mut response = (
             self.status,
             Json(json!({"code": self.status.as_u16(), "message": self.message})),
         )
-            .into_response()
+            .into_response();
+        // 503 means "not now": say when to try again (the SDK honours Retry-After).
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 
@@ -52,6 +59,8 @@ impl From<Failure> for ApiError {
         let status = match &f {
             Failure::NotFound(_) => StatusCode::NOT_FOUND,
             Failure::Conflict(_) => StatusCode::CONFLICT,
+            // Never "try again": no node of this cluster could hold it.
+            Failure::TooLarge(_) => StatusCode::BAD_REQUEST,
             // E2B answers "no capacity" with 503 too.
             Failure::NoCapacity(_) | Failure::Unavailable(_) | Failure::Unknown(_) => StatusCode::SERVICE_UNAVAILABLE,
             Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

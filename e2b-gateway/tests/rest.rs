@@ -164,6 +164,31 @@ async fn no_capacity_is_503_and_leaves_nothing_behind() {
     let full = s.call("POST", "/sandboxes", Some("key-a"), base).await;
     assert_e2b_error(&full, 503);
     assert!(full.1["message"].as_str().unwrap().contains("memory"), "{full:?}");
+    // "Not now" says when to try again.
+    let raw = reqwest::Client::new()
+        .post(format!("{}/sandboxes", s.url()))
+        .header("X-API-Key", "key-a")
+        .header("Content-Type", "application/json")
+        .body(r#"{"templateID":"base"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status().as_u16(), 503);
+    assert_eq!(raw.headers().get("retry-after").unwrap(), "1");
+    // Larger than any node could ever hold: a 400 saying so, not "try again".
+    let never = s
+        .call(
+            "POST",
+            "/sandboxes",
+            Some("key-a"),
+            Some(r#"{"templateID":"base","memoryMB":4096}"#),
+        )
+        .await;
+    assert_e2b_error(&never, 400);
+    assert!(
+        never.1["message"].as_str().unwrap().contains("larger than any node"),
+        "{never:?}"
+    );
     let (_, list) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
     assert_eq!(list.as_array().unwrap().len(), 1, "the failed create left a manifest");
     let ledger = ledger_client::LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();

@@ -20,6 +20,9 @@ pub enum ApiError {
     Invalid(String),
     #[error("{0}")]
     NoFit(String),
+    /// Larger than any node, even empty: not "try again later".
+    #[error("{0}")]
+    NeverFits(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -31,6 +34,7 @@ impl From<ApiError> for Status {
             ApiError::Invalid(_) => Status::invalid_argument(message),
             // E2B answers "no capacity" with RESOURCE_EXHAUSTED too.
             ApiError::NoFit(_) => Status::resource_exhausted(message),
+            ApiError::NeverFits(_) => Status::out_of_range(message),
             ApiError::Store(StoreError::UnknownNode(_)) => Status::not_found(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
             ApiError::Store(StoreError::Internal(_)) => Status::internal(message),
@@ -248,7 +252,11 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
                     score,
                 }))
             }
-            Placement::NoFit { reason } => {
+            Placement::NoFit { reason, never: true } => {
+                tracing::info!(%reason, "nothing could ever fit");
+                Err(ApiError::NeverFits(reason).into())
+            }
+            Placement::NoFit { reason, never: false } => {
                 tracing::info!(%reason, "nothing fits");
                 Err(ApiError::NoFit(reason).into())
             }

@@ -124,9 +124,12 @@ async fn place_confirm_and_publish_node_documents() {
     let bad = c.place(place("", GIB)).await.unwrap_err();
     assert_eq!(bad.code(), Code::InvalidArgument);
     assert!(bad.message().contains("sandbox_id"));
-    let full = c.place(place("huge", 64 * GIB)).await.unwrap_err();
-    assert_eq!(full.code(), Code::ResourceExhausted);
-    assert!(full.message().contains("memory"), "{}", full.message());
+    // Larger than any node even empty: out of range (never), not exhausted (not now).
+    let never = c.place(place("huge", 64 * GIB)).await.unwrap_err();
+    assert_eq!(never.code(), Code::OutOfRange);
+    assert!(never.message().contains("memory"), "{}", never.message());
+    let full = c.place(place("fills", 8 * GIB)).await.unwrap_err();
+    assert_eq!(full.code(), Code::ResourceExhausted, "{}", full.message());
     let stale = c.heartbeat(heartbeat("n1", 2, &[])).await.unwrap().into_inner();
     assert!(!stale.applied && stale.reason.contains("not newer"));
     let unknown = c

@@ -139,7 +139,7 @@ async fn view(store: &StoreBox, node: &str) -> NodeView {
 async fn placed_on(store: &StoreBox, id: &str, now: u64) -> String {
     match call!(store, place(&request(id), now)).expect("place") {
         Placement::Placed { node_id, .. } => node_id,
-        Placement::NoFit { reason } => panic!("{id} did not fit: {reason}"),
+        Placement::NoFit { reason, .. } => panic!("{id} did not fit: {reason}"),
     }
 }
 
@@ -228,18 +228,21 @@ async fn nothing_fits_says_why(stores: Stores) {
     let mut big = request("big");
     big.resources.memory_bytes = 65 * GIB;
     match call!(s, place(&big, 1_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("memory"), "{reason}"),
+        Placement::NoFit { reason, never } => {
+            assert!(reason.contains("memory"), "{reason}");
+            assert!(never, "larger than the only node, even empty: {reason}");
+        }
         other => panic!("expected no fit, got {other:?}"),
     }
     let mut labelled = request("l");
     labelled.selector = BTreeMap::from([("gpu".to_string(), "yes".to_string())]);
     match call!(s, place(&labelled, 1_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("label"), "{reason}"),
+        Placement::NoFit { reason, .. } => assert!(reason.contains("label"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
     // Long without a heartbeat: unhealthy.
     match call!(s, place(&request("late"), 60_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("unhealthy"), "{reason}"),
+        Placement::NoFit { reason, .. } => assert!(reason.contains("unhealthy"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
     assert_eq!(
@@ -394,7 +397,7 @@ async fn unknown_node_is_an_error(stores: Stores) {
         Err(StoreError::UnknownNode(_))
     ));
     match call!(s, place(&request("s"), 1_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("no nodes"), "{reason}"),
+        Placement::NoFit { reason, .. } => assert!(reason.contains("no nodes"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
 }
@@ -424,12 +427,12 @@ async fn a_pinned_place_checks_and_reserves_only_that_node(stores: Stores) {
     let mut refused = request("other");
     refused.only = Some("n2".into());
     match call!(s, place(&refused, 1_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("n2") && reason.contains("draining"), "{reason}"),
+        Placement::NoFit { reason, .. } => assert!(reason.contains("n2") && reason.contains("draining"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
     refused.only = Some("nowhere".into());
     match call!(s, place(&refused, 1_000)).unwrap() {
-        Placement::NoFit { reason } => assert!(reason.contains("unknown node"), "{reason}"),
+        Placement::NoFit { reason, .. } => assert!(reason.contains("unknown node"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
 }

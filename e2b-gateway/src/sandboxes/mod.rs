@@ -40,6 +40,9 @@ pub enum Failure {
     Conflict(String),
     #[error("{0}")]
     NoCapacity(String),
+    /// Larger than any node of the cluster could ever hold.
+    #[error("the sandbox is larger than any node can hold: {0}")]
+    TooLarge(String),
     #[error("{0}")]
     Unavailable(String),
     /// A ledger write whose outcome stayed unknown (answered like `Unavailable`).
@@ -70,6 +73,7 @@ fn from_status(what: &str, status: tonic::Status) -> Failure {
             Failure::Unavailable(format!("{what}: {}", status.message()))
         }
         Code::ResourceExhausted => Failure::NoCapacity(status.message().to_string()),
+        Code::OutOfRange => Failure::TooLarge(status.message().to_string()),
         Code::NotFound => Failure::NotFound(status.message().to_string()),
         Code::FailedPrecondition | Code::AlreadyExists => Failure::Conflict(status.message().to_string()),
         _ => Failure::Internal(format!("{what}: {}", status.message())),

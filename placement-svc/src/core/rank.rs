@@ -111,8 +111,19 @@ pub struct Fits {
     pub overcommit: f64,
 }
 
+/// How a reason begins when the ask exceeds the node's whole capacity: it could not fit there
+/// even empty, so waiting will not help.
+pub const TOO_LARGE: &str = "too large for this node";
+
 impl Feasibility for Fits {
     fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<String> {
+        let empty = fit::Allocation {
+            vcpus: 0,
+            memory_bytes: 0,
+        };
+        if let Err(misfit) = fit::check(&node.capacity.into(), empty, &req.resources.into(), self.overcommit) {
+            return Some(format!("{TOO_LARGE}: {misfit}"));
+        }
         let believed = node.believed();
         let allocated = fit::Allocation {
             vcpus: believed.vcpus,
@@ -190,6 +201,17 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// Whether the ask can never fit: every node was looked at, and each is too small for it
+    /// even empty (not merely full, draining or unhealthy now).
+    pub fn never_fits(&self) -> bool {
+        self.scanned_all
+            && !self.evaluated.is_empty()
+            && self
+                .evaluated
+                .iter()
+                .all(|e| e.rejected.as_deref().is_some_and(|r| r.starts_with(TOO_LARGE)))
+    }
+
     /// A one-line account of why nothing fit, grouped by reason.
     pub fn why_nothing_fit(&self) -> String {
         if self.evaluated.is_empty() {
@@ -296,10 +318,12 @@ impl Ranker {
             }
         }
         if best.is_some() || evaluated.len() == nodes.len() {
+            // A sample that was every node and found nothing scanned them all.
+            let scanned_all = best.is_none();
             return Decision {
                 chosen: best,
                 evaluated,
-                scanned_all: false,
+                scanned_all,
             };
         }
         // Nothing feasible in the sample: look at every node, then Best-of-K among the
@@ -423,7 +447,22 @@ mod tests {
         let mut r = req();
         r.resources.memory_bytes = (1 << 30) + 1;
         let ranker = Ranker::new(&RankConfig::default());
-        assert!(ranker.evaluate(&n, &r, 1_000).rejected.unwrap().starts_with("memory"));
+        let why = ranker.evaluate(&n, &r, 1_000).rejected.unwrap();
+        assert!(why.starts_with(TOO_LARGE) && why.contains("memory"), "{why}");
+        // Larger than any node even empty: never, rather than "not now".
+        let d = ranker.decide(std::slice::from_ref(&n), &r, 1_000, &mut SmallRng::seed_from_u64(1));
+        assert!(d.never_fits(), "{}", d.why_nothing_fit());
+        r.resources.memory_bytes = 1 << 29;
+        n.reserve(
+            super::super::account::Accounting::Optimistic,
+            "other",
+            Resources {
+                vcpus: 1,
+                memory_bytes: 1 << 30,
+            },
+        );
+        let d = ranker.decide(std::slice::from_ref(&n), &r, 1_000, &mut SmallRng::seed_from_u64(1));
+        assert!(!d.never_fits(), "full now is not never: {}", d.why_nothing_fit());
     }
 
     #[test]

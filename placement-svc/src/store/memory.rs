@@ -73,6 +73,7 @@ impl PlacementStore for MemoryStore {
                 }
             }
             None => Placement::NoFit {
+                never: req.only.is_none() && decision.never_fits(),
                 reason: decision.why_nothing_fit(),
             },
         })

@@ -33,8 +33,9 @@ pub enum Placement {
         /// Every node the decision looked at, for the decision's trace span.
         evaluated: Vec<Evaluation>,
     },
-    /// Nothing fits; the reason names what filtered the nodes out.
-    NoFit { reason: String },
+    /// Nothing fits; the reason names what filtered the nodes out. `never`: no node could
+    /// take it even empty (the ask is larger than any node), so retrying is pointless.
+    NoFit { reason: String, never: bool },
 }
 
 /// What a Place would do now, without reserving.

@@ -114,7 +114,14 @@ for i = 1, n do
         local cpu_after = bel_v + req_v
         local cpu_limit = cap_v * R
         local mem_after = bel_m + req_m
-        if cpu_after > cpu_limit then
+        -- Too large even for this node empty (the same text as core::rank::Fits).
+        if req_v > cpu_limit then
+          reason = 'too large for this node: cpu: ' .. rust_float(req_v) .. ' vCPU would exceed ' ..
+            rust_float(cpu_limit) .. ' (R=' .. rust_float(R) .. ')'
+        elseif req_m > cap_m then
+          reason = 'too large for this node: memory: ' .. int(math.floor(req_m / 1048576)) ..
+            ' MiB would exceed ' .. int(math.floor(cap_m / 1048576)) .. ' MiB'
+        elseif cpu_after > cpu_limit then
           reason = 'cpu: ' .. rust_float(cpu_after) .. ' vCPU would exceed ' .. rust_float(cpu_limit) ..
             ' (R=' .. rust_float(R) .. ')'
         elseif mem_after > cap_m then

@@ -438,6 +438,7 @@ impl PlacementStore for RedisStore {
                     scanned_all: true,
                 };
                 Placement::NoFit {
+                    never: req.only.is_none() && decision.never_fits(),
                     reason: decision.why_nothing_fit(),
                 }
             }
