@@ -1030,3 +1030,82 @@ fn timing_of_run() {
     println!("{line}");
     let _ = std::io::stdout().flush();
 }
+
+/// The static envd (`scripts/build-static-envd`; `SANDBOXSCHED_STATIC_ENVD` names another)
+/// as PID 1 of a root filesystem with no C library at all (no /usr, no /lib): what a template
+/// from a foreign image (Alpine's musl, a bare image) gives it. It serves: health, the
+/// sandbox's env, and the filesystem API listing its own root.
+#[test]
+fn static_envd_serves_from_a_root_without_any_c_library() {
+    require_root!();
+    let envd = std::env::var_os("SANDBOXSCHED_STATIC_ENVD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/x86_64-unknown-linux-gnu/debug/sandboxsched-envd")
+        });
+    assert!(
+        envd.is_file(),
+        "{} is missing: run scripts/build-static-envd (scripts/test-all does)",
+        envd.display()
+    );
+    let mut b = Bundle::new("bare", "unused");
+    let rootfs = b.path().join("rootfs");
+    // Nothing of the host's userland: no /usr bind, no /bin or /lib links.
+    for d in ["bin", "lib", "lib64", "sbin"] {
+        let _ = fs::remove_file(rootfs.join(d));
+        let _ = fs::remove_dir_all(rootfs.join(d));
+    }
+    let mounts: Vec<Value> = b.spec["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| {
+            m["source"] != "/usr"
+                && !["/bin", "/lib", "/lib64", "/sbin"].contains(&m["destination"].as_str().unwrap_or(""))
+        })
+        .cloned()
+        .collect();
+    b.spec["mounts"] = Value::Array(mounts);
+    fs::copy(&envd, rootfs.join("envd")).unwrap();
+    b.spec["process"]["args"] = json!([
+        "/envd",
+        "envd",
+        "--listen",
+        "/shared/envd.sock",
+        "--passwd",
+        "/etc/passwd"
+    ]);
+    b.spec["process"]["env"] = json!(["ENVD_SANDBOX_ID=bare", "ENVD_VARS={\"FROM\":\"bare\"}"]);
+    let (_pid, _report) = b.start();
+    let socket = b.path().join("shared/envd.sock");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "envd never listened: {:?}",
+            fs::read_dir(b.path().join("shared"))
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let call = |request: &str| -> String {
+        let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let health = call("GET /health HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n\r\n");
+    assert!(health.starts_with("HTTP/1.1 204"), "{health}");
+    let envs = call("GET /envs HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n\r\n");
+    assert!(envs.contains("\"FROM\":\"bare\""), "{envs}");
+    let body = r#"{"path":"/"}"#;
+    let listed = call(&format!(
+        "POST /filesystem.Filesystem/ListDir HTTP/1.1\r\nHost: envd\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    assert!(listed.starts_with("HTTP/1.1 200"), "{listed}");
+    assert!(
+        listed.contains("\"name\":\"envd\"") && !listed.contains("\"name\":\"lib\""),
+        "{listed}"
+    );
+}

@@ -68,6 +68,10 @@ struct Args {
     /// and other sandboxes are always out of reach.
     #[arg(long, env = "NODE_EGRESS_DENY", value_delimiter = ',')]
     egress_deny: Option<Vec<common::egress::Cidr>>,
+    /// The envd to inject into sandboxes: a statically linked one (scripts/build-static-envd)
+    /// runs in any template's root filesystem; default: this binary (needs glibc there).
+    #[arg(long, env = "NODE_ENVD_BINARY")]
+    envd_binary: Option<PathBuf>,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
@@ -109,6 +113,7 @@ async fn serve() -> anyhow::Result<()> {
         },
     };
     config.network.pool = args.sandbox_network;
+    config.envd_binary = args.envd_binary;
     if let Some(floor) = args.egress_deny {
         config.network.floor = floor;
     }

@@ -37,6 +37,8 @@ pub struct NodeConfig {
     pub envd_listen: SocketAddr,
     pub host: HostConfig,
     pub runtime: RuntimeKind,
+    /// The envd injected into container sandboxes (`None`: the node's own binary).
+    pub envd_binary: Option<std::path::PathBuf>,
     /// How container sandboxes reach out (their pool and the host's floor).
     pub network: crate::runtime::container::network::NetworkConfig,
     /// placement-svc to send heartbeats to, if any.
@@ -64,6 +66,7 @@ impl NodeConfig {
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),
+            envd_binary: None,
             placement: None,
             heartbeat_interval: Duration::from_secs(2),
             sample_interval: Duration::from_secs(5),
@@ -158,7 +161,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
             ContainerConfig {
                 state_dir: config.host.state_dir.clone(),
                 oci_runtime,
-                envd_binary: None,
+                envd_binary: config.envd_binary.clone(),
                 network: config.network.clone(),
             },
         )),

@@ -46,6 +46,10 @@ async fn node(oci_runtime: Option<PathBuf>) -> Node {
 }
 
 async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<PathBuf>) -> Node {
+    node_with(oci_runtime, templates, None).await
+}
+
+async fn node_with(oci_runtime: Option<PathBuf>, templates: Option<PathBuf>, envd: Option<PathBuf>) -> Node {
     let id = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("container-test-{id}"));
     let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
@@ -53,6 +57,7 @@ async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<Pat
         oci_runtime: oci_runtime.clone(),
     };
     config.host.templates_dir = templates;
+    config.envd_binary = envd;
     let node = node_svc::server::start(config).await.unwrap();
     let features = node.host().features();
     assert!(
@@ -797,6 +802,34 @@ async fn the_start_commands_output_is_the_sandboxs_log() {
     assert!(
         messages.iter().any(|(m, _)| m == "up"),
         "eth0 was not up for the start command: {messages:?}"
+    );
+    n.stop().await;
+}
+
+/// A node given the static envd (`--envd-binary`, built by scripts/build-static-envd) injects
+/// it into its sandboxes instead of its own binary; they work the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_injects_the_static_envd_it_is_given() {
+    let envd = std::env::var_os("SANDBOXSCHED_STATIC_ENVD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/x86_64-unknown-linux-gnu/debug/sandboxsched-envd")
+        });
+    assert!(
+        envd.is_file(),
+        "{} is missing: run scripts/build-static-envd (scripts/test-all does)",
+        envd.display()
+    );
+    let n = node_with(None, None, Some(envd.clone())).await;
+    n.create("static", 256 << 20).await;
+    let (out, code) = n.sh("static", "user", "id -u; ls -l /.sandboxsched/envd").await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("1000\n"), "{out}");
+    let size = std::fs::metadata(&envd).unwrap().len().to_string();
+    assert!(
+        out.contains(&size),
+        "the sandbox's envd is the static one ({size} bytes): {out}"
     );
     n.stop().await;
 }

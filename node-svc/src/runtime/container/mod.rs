@@ -60,8 +60,9 @@ pub struct ContainerConfig {
     pub state_dir: PathBuf,
     /// A runc-compatible runtime binary; `None` runs the node's own `jail`.
     pub oci_runtime: Option<PathBuf>,
-    /// The program that carries envd and jail (`PROGRAM envd ...`, `PROGRAM jail ...`); by
-    /// default [`multicall_binary`].
+    /// The envd injected into every sandbox (run as `PROGRAM envd ...`): a static one
+    /// (`scripts/build-static-envd`) runs in any template's root filesystem; by default the
+    /// node's own binary ([`multicall_binary`]), which needs the host's C library there.
     pub envd_binary: Option<PathBuf>,
     /// Sandboxes' links out and the host's floor.
     pub network: network::NetworkConfig,
@@ -223,7 +224,7 @@ impl ContainerRuntime {
                 Vec::new()
             }
         };
-        let carrier = config.envd_binary.clone().or_else(multicall_binary).unwrap_or_else(|| {
+        let carrier = multicall_binary().unwrap_or_else(|| {
             missing.push("a node-svc or sandboxsched binary to run envd and jail from".to_string());
             PathBuf::from("/nonexistent/node-svc")
         });
@@ -231,7 +232,14 @@ impl ContainerRuntime {
             Some(program) => oci::Cli::new(program.clone(), Vec::new(), root.join("runtime")),
             None => oci::Cli::new(carrier.clone(), vec!["jail".into()], root.join("runtime")),
         };
-        let envd_binary = carrier;
+        let envd_binary = match config.envd_binary.clone() {
+            Some(envd) if envd.is_file() => envd,
+            Some(envd) => {
+                missing.push(format!("the envd binary {} (--envd-binary)", envd.display()));
+                envd
+            }
+            None => carrier,
+        };
         let network = network::Network::new(config.network.clone());
         if let Some(problem) = network.problem() {
             degraded.push(format!("sandboxes that need a network are refused: {problem}"));
