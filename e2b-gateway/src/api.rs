@@ -471,7 +471,35 @@ pub async fn list(
             .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "limit must be 1 to 1000"))?,
         None => 1000,
     };
-    let after = one("nextToken").unwrap_or_default();
+    // Newest first unless `order=asc`; pages continue after the token's (start time, ID).
+    let ascending = match one("order").as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("order must be asc or desc (got {other:?})"),
+            ))
+        }
+    };
+    let started_after = match one("startedAfter") {
+        None => 0,
+        Some(t) => humantime::parse_rfc3339_weak(t.trim_end_matches('Z'))
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64)
+            .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "startedAfter must be an RFC 3339 time"))?,
+    };
+    let template = one("template");
+    let token = match one("nextToken") {
+        None => None,
+        Some(t) => Some(
+            t.split_once('_')
+                .and_then(|(ms, id)| Some((ms.parse::<u64>().ok()?, id.to_string())))
+                .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "nextToken is not one this API gave"))?,
+        ),
+    };
+    let key = |d: &SandboxDoc| (d.started_at_unix_ms, d.sandbox_id.clone());
     let mut docs: Vec<SandboxDoc> = g
         .sandboxes
         .all()
@@ -481,10 +509,26 @@ pub async fn list(
         .filter(|d| d.team_id == team && d.phase != SandboxPhase::Creating)
         .filter(|d| wanted.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
         .filter(|d| states.is_empty() || states.iter().any(|s| s == state_name(d.phase)))
-        .filter(|d| d.sandbox_id.as_str() > after.as_str())
+        .filter(|d| {
+            template
+                .as_deref()
+                .is_none_or(|t| t.split(':').next() == Some(d.template.as_str()))
+        })
+        .filter(|d| d.started_at_unix_ms >= started_after)
+        .filter(|d| match &token {
+            None => true,
+            Some(after) if ascending => key(d) > *after,
+            Some(after) => key(d) < *after,
+        })
         .collect();
-    docs.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
-    let next = (docs.len() > limit).then(|| docs[limit - 1].sandbox_id.clone());
+    docs.sort_by_key(key);
+    if !ascending {
+        docs.reverse();
+    }
+    let next = (docs.len() > limit).then(|| {
+        let last = &docs[limit - 1];
+        format!("{}_{}", last.started_at_unix_ms, last.sandbox_id)
+    });
     docs.truncate(limit);
     let body: Vec<Value> = docs.iter().map(|d| detail_json(d, &g.domain)).collect();
     let mut response = Json(body).into_response();

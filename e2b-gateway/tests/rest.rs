@@ -284,3 +284,80 @@ async fn a_create_with_an_idempotency_key_happens_once() {
     assert_e2b_error(&create("Not_A_Key", body).await, 400);
     s.stop().await;
 }
+
+/// Listing: newest first (or `order=asc`), pages that continue where the last ended
+/// (`x-next-token`), `startedAfter` and `template` filters; bad values are 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_are_ordered_paged_and_filtered() {
+    let s = stack(4096).await;
+    let mut made = Vec::new();
+    for i in 0..3 {
+        let body = format!(r#"{{"templateID":"base","metadata":{{"n":"{i}"}}}}"#);
+        let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(&body)).await;
+        assert_eq!(status, 201, "{created}");
+        made.push(created["sandboxID"].as_str().unwrap().to_string());
+        // Distinct start times, so the order is the creation order.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let ids = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["sandboxID"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (_, newest) = s.call("GET", "/v2/sandboxes", Some("key-a"), None).await;
+    let mut expected: Vec<String> = made.iter().rev().cloned().collect();
+    assert_eq!(ids(&newest), expected, "newest first");
+    let (_, oldest) = s.call("GET", "/v2/sandboxes?order=asc", Some("key-a"), None).await;
+    expected.reverse();
+    assert_eq!(ids(&oldest), expected);
+    // One a page, following the token.
+    let (mut paged, mut token) = (Vec::new(), None::<String>);
+    loop {
+        let url = match &token {
+            None => format!("{}/v2/sandboxes?limit=1", s.url()),
+            Some(t) => format!("{}/v2/sandboxes?limit=1&nextToken={t}", s.url()),
+        };
+        let r = reqwest::Client::new()
+            .get(url)
+            .header("X-API-Key", "key-a")
+            .send()
+            .await
+            .unwrap();
+        token = r.headers().get("x-next-token").map(|v| v.to_str().unwrap().to_string());
+        paged.extend(ids(&r.json::<Value>().await.unwrap()));
+        if token.is_none() {
+            break;
+        }
+    }
+    assert_eq!(paged, made.iter().rev().cloned().collect::<Vec<_>>());
+    // Filters.
+    let (_, detail) = s
+        .call("GET", &format!("/sandboxes/{}", made[1]), Some("key-a"), None)
+        .await;
+    let since = detail["startedAt"].as_str().unwrap().to_string();
+    let (_, recent) = s
+        .call(
+            "GET",
+            &format!("/v2/sandboxes?order=asc&startedAfter={since}"),
+            Some("key-a"),
+            None,
+        )
+        .await;
+    assert_eq!(ids(&recent), made[1..].to_vec());
+    let (_, base) = s.call("GET", "/v2/sandboxes?template=base", Some("key-a"), None).await;
+    assert_eq!(ids(&base).len(), 3);
+    let (_, other) = s
+        .call("GET", "/v2/sandboxes?template=python", Some("key-a"), None)
+        .await;
+    assert_eq!(other, json!([]));
+    for bad in ["order=sideways", "startedAfter=yesterday", "nextToken=nope", "limit=0"] {
+        assert_e2b_error(
+            &s.call("GET", &format!("/v2/sandboxes?{bad}"), Some("key-a"), None)
+                .await,
+            400,
+        );
+    }
+    s.stop().await;
+}
