@@ -45,3 +45,31 @@ pub async fn running_sandbox(
     ledger.compare(Txn::new().create(SANDBOX_KIND, id, &manifest)?).await?;
     Ok(())
 }
+
+/// Runs `process` (envd's `ProcessConfig` as JSON) in `sandbox` through the envd endpoint at
+/// `url` (a node's, or the gateway's), as the SDK's `commands.run` sends it; `Ok` once it
+/// ended with exit code 0.
+pub async fn run_in(
+    http: &reqwest::Client,
+    url: &str,
+    (sandbox, token): (&str, &str),
+    process: serde_json::Value,
+) -> anyhow::Result<()> {
+    let payload = serde_json::json!({"process": process, "stdin": false}).to_string();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(payload.as_bytes());
+    let response = http
+        .post(format!("{url}/process.Process/Start"))
+        .header("E2b-Sandbox-Id", sandbox)
+        .header("X-Access-Token", token)
+        .header("Content-Type", "application/connect+json")
+        .body(framed)
+        .send()
+        .await?;
+    anyhow::ensure!(response.status().is_success(), "envd answered {}", response.status());
+    let body = response.bytes().await?;
+    let text = String::from_utf8_lossy(&body);
+    anyhow::ensure!(text.contains("\"exitCode\":0"), "{process} did not exit 0: {text}");
+    Ok(())
+}

@@ -70,23 +70,8 @@ fn create_request(i: usize, id: &str) -> pb::CreateRequest {
 /// Runs `true` in `sandbox` through the node's envd endpoint, as the gateway forwards an SDK's
 /// `commands.run`; `Ok` once the command ended with exit code 0.
 async fn exec_true(http: &reqwest::Client, envd: &str, sandbox: &str) -> anyhow::Result<()> {
-    let payload = br#"{"process":{"cmd":"true"},"stdin":false}"#;
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    framed.extend_from_slice(payload);
-    let response = http
-        .post(format!("{envd}/process.Process/Start"))
-        .header("E2b-Sandbox-Id", sandbox)
-        .header("X-Access-Token", format!("token-{sandbox}"))
-        .header("Content-Type", "application/connect+json")
-        .body(framed)
-        .send()
-        .await?;
-    anyhow::ensure!(response.status().is_success(), "envd answered {}", response.status());
-    let body = response.bytes().await?;
-    let text = String::from_utf8_lossy(&body);
-    anyhow::ensure!(text.contains("\"exitCode\":0"), "true did not exit 0: {text}");
-    Ok(())
+    let token = format!("token-{sandbox}");
+    crate::fixture::run_in(http, envd, (sandbox, &token), serde_json::json!({"cmd": "true"})).await
 }
 
 /// Resident memory of this process, in bytes.

@@ -50,25 +50,8 @@ impl Sandbox {
 
     /// Runs `sh -c script` through the gateway; `Ok` when it exits 0.
     async fn sh(&self, http: &reqwest::Client, script: &str) -> anyhow::Result<()> {
-        let payload = serde_json::json!({
-            "process": {"cmd": "/bin/sh", "args": ["-c", script]},
-            "stdin": false,
-        })
-        .to_string();
-        let mut framed = vec![0u8];
-        framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-        framed.extend_from_slice(payload.as_bytes());
-        let response = self
-            .envd(http, "/process.Process/Start")
-            .header("Content-Type", "application/connect+json")
-            .body(framed)
-            .send()
-            .await?;
-        anyhow::ensure!(response.status().is_success(), "envd answered {}", response.status());
-        let body = response.bytes().await?;
-        let text = String::from_utf8_lossy(&body);
-        anyhow::ensure!(text.contains("\"exitCode\":0"), "{script:?} failed: {text}");
-        Ok(())
+        let process = serde_json::json!({"cmd": "/bin/sh", "args": ["-c", script]});
+        crate::fixture::run_in(http, &self.url, (&self.id, &self.token), process).await
     }
 
     fn port(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
