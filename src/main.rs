@@ -104,7 +104,40 @@ async fn launch() -> anyhow::Result<()> {
     result
 }
 
+/// Sandboxes reach out through rules the node puts in the kernel with `nft`: on a machine
+/// without it (Debian installs it with `nftables`), `up` installs it when it can (root, apt),
+/// as it would any other part of the local stack, and otherwise says what sandboxes lose.
+fn ensure_nft() {
+    let found = ["/usr/sbin/nft", "/sbin/nft"]
+        .iter()
+        .any(|p| std::path::Path::new(p).is_file());
+    if found {
+        return;
+    }
+    // /proc/self belongs to this process's effective user.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
+    if root && std::path::Path::new("/usr/bin/apt-get").is_file() {
+        eprintln!("nft is missing: installing Debian's nftables (sandboxes' egress rules live in the kernel)");
+        let installed = std::process::Command::new("apt-get")
+            .args(["install", "-y", "-qq", "nftables"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if installed {
+            return;
+        }
+    }
+    eprintln!(
+        "warning: nft (Debian's nftables) is not installed and could not be: sandboxes that ask for \
+         a network (E2B's default) will be refused; ones made with allow_internet_access=false run"
+    );
+}
+
 async fn up(args: UpArgs) -> anyhow::Result<()> {
+    if args.runtime == "container" {
+        ensure_nft();
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
     let database_url = args
