@@ -241,31 +241,82 @@ async fn a_stale_user_claim_is_taken_over() {
 /// runs leaves a `creating` manifest naming no node. The reaper ends it once abandoned: the
 /// process goes from the node that started it, and the manifest goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_reaper_ends_a_create_abandoned_half_way() {
+async fn the_reaper_resolves_a_create_abandoned_half_way_against_the_nodes() {
     let s = stack(4096).await;
-    let id = create(&s, r#"{"templateID":"base"}"#).await;
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
-    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
-    let mut half = doc.value.clone();
-    half.phase = SandboxPhase::Creating;
-    half.node_id.clear();
-    half.node_address.clear();
-    half.envd_address.clear();
-    half.started_at_unix_ms = common::clock::now_ms() - 10 * 60 * 1000;
+    // A manifest left `creating` ten minutes ago, as by a gateway killed mid-create.
+    let abandon = |id: String| {
+        let ledger = ledger.clone();
+        async move {
+            let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
+            let mut half = doc.value.clone();
+            half.phase = SandboxPhase::Creating;
+            half.node_id.clear();
+            half.node_address.clear();
+            half.envd_address.clear();
+            half.started_at_unix_ms = common::clock::now_ms() - 10 * 60 * 1000;
+            ledger
+                .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &half).unwrap())
+                .await
+                .unwrap();
+        }
+    };
+    // Its node runs it: adopted, running where it is.
+    let kept = create(&s, r#"{"templateID":"base"}"#).await;
+    abandon(kept.clone()).await;
+    let mut adopted = None;
+    for _ in 0..100 {
+        let doc = ledger
+            .get::<SandboxDoc>(SANDBOX_KIND, &kept)
+            .await
+            .unwrap()
+            .unwrap()
+            .value;
+        if doc.phase == SandboxPhase::Running {
+            adopted = Some(doc);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let adopted = adopted.expect("the half-made create whose node runs it was not adopted");
+    assert_eq!(adopted.node_address, s.node().endpoint());
+    assert!(!adopted.envd_address.is_empty() && adopted.lifecycle_owner.is_none());
+    assert!(
+        s.node().host().get(&kept).await.is_some(),
+        "the adopted sandbox still runs"
+    );
+    let (status, detail) = s.call("GET", &format!("/sandboxes/{kept}"), Some("key-a"), None).await;
+    assert_eq!((status, detail["state"].as_str()), (200, Some("running")));
+
+    // No node runs it: removed.
+    let lost = create(&s, r#"{"templateID":"base"}"#).await;
+    let (status, _) = s
+        .call("DELETE", &format!("/sandboxes/{lost}"), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    let half = SandboxDoc {
+        phase: SandboxPhase::Creating,
+        node_id: String::new(),
+        node_address: String::new(),
+        envd_address: String::new(),
+        started_at_unix_ms: common::clock::now_ms() - 10 * 60 * 1000,
+        ..adopted.clone()
+    };
+    let mut half = half;
+    half.sandbox_id = lost.clone();
     ledger
-        .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &half).unwrap())
+        .compare(Txn::new().create(SANDBOX_KIND, &lost, &half).unwrap())
         .await
         .unwrap();
     let mut gone = false;
     for _ in 0..100 {
-        if ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().is_none() {
+        if ledger.get::<SandboxDoc>(SANDBOX_KIND, &lost).await.unwrap().is_none() {
             gone = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(gone, "the abandoned create's manifest is still there");
-    assert!(s.node().host().get(&id).await.is_none(), "its process survived");
+    assert!(gone, "the half-made create no node runs is still there");
     s.stop().await;
 }
 

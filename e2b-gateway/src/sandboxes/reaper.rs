@@ -10,7 +10,9 @@ use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::Txn;
 
-use super::claim::KILL;
+use proto::node::v1 as node_pb;
+
+use super::claim::{released, KILL};
 use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 
 /// Sandboxes ended at once: one that waits for a move (up to the claim's wait) does not hold
@@ -86,11 +88,50 @@ impl Sandboxes {
         Ok(ended)
     }
 
-    /// Ends a create whose gateway stopped before writing where it runs: claims the manifest
-    /// (epoch + 1), kills the sandbox on every node placement knows (its process may have
-    /// started on any it tried), then deletes the manifest.
+    /// Resolves a create whose gateway stopped before writing where it runs, against the
+    /// nodes: claims the manifest (epoch + 1) and asks every node placement knows whether it
+    /// runs the sandbox. One that does keeps it: the manifest is completed as running there
+    /// (a retry with the create's `Idempotency-Key` then finds it), and any other copy is
+    /// killed. When none does, the manifest is deleted (every node told to kill it first, in
+    /// case a start is still landing).
     async fn end_abandoned_create(&self, team: &str, id: &str) -> Result<(), Failure> {
-        let doc = self.claim(team, id, KILL).await?;
+        let mut doc = self.claim(team, id, KILL).await?;
+        let mut running_on = Vec::new();
+        for node in self.nodes().await? {
+            let Ok(mut client) = self.nodes.client(&node.address).await else {
+                continue;
+            };
+            let Ok(listed) = client.list(node_pb::ListRequest {}).await else {
+                continue;
+            };
+            let runs = listed
+                .into_inner()
+                .sandboxes
+                .iter()
+                .any(|s| s.sandbox_id == id && s.state == node_pb::SandboxState::Running as i32);
+            if runs {
+                running_on.push(node);
+            }
+        }
+        if let Some((keep, others)) = running_on.split_first() {
+            if let Ok(envd) = self.nodes.envd(&keep.address).await {
+                for other in others {
+                    let mut on = doc.value.clone();
+                    on.node_address = other.address.clone();
+                    self.kill_on_node(&on).await?;
+                }
+                doc.value.phase = SandboxPhase::Running;
+                doc.value.node_id = keep.node_id.clone();
+                doc.value.node_address = keep.address.clone();
+                doc.value.envd_address = envd;
+                released(&mut doc.value);
+                self.save(&doc).await?;
+                self.routes.set_running(id, true).await;
+                metrics::counter!("gateway_half_made_creates_total", "outcome" => "adopted").increment(1);
+                tracing::warn!(sandbox_id = %id, node_id = %keep.node_id, "adopted a create abandoned half-way: its node runs it");
+                return Ok(());
+            }
+        }
         for node in self.nodes().await? {
             let mut on = doc.value.clone();
             on.node_address = node.address;
@@ -102,7 +143,8 @@ impl Sandboxes {
                 LEDGER_RESOLVE_ATTEMPTS,
             )
             .await?;
-        tracing::warn!(sandbox_id = %id, "ended a create abandoned half-way");
+        metrics::counter!("gateway_half_made_creates_total", "outcome" => "removed").increment(1);
+        tracing::warn!(sandbox_id = %id, "removed a create abandoned half-way: no node runs it");
         Ok(())
     }
 }
