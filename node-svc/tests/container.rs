@@ -27,6 +27,7 @@ fn runtimes() -> Vec<Option<PathBuf>> {
 
 struct Node {
     node: Option<RunningNode>,
+    id: String,
     dir: PathBuf,
     runtime: Option<PathBuf>,
     http: reqwest::Client,
@@ -38,6 +39,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         node_svc::runtime::container::destroy_all(&self.dir, self.runtime.as_deref());
         let _ = std::fs::remove_dir_all(&self.dir);
+        node_svc::runtime::cgroup::remove_parents(&self.id);
     }
 }
 
@@ -67,6 +69,7 @@ async fn node_with(oci_runtime: Option<PathBuf>, templates: Option<PathBuf>, env
     );
     Node {
         node: Some(node),
+        id,
         dir,
         runtime: oci_runtime,
         http: reqwest::Client::new(),

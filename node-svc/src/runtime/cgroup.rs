@@ -193,10 +193,28 @@ impl Cgroups {
     }
 }
 
-/// Removes a node's (empty) parent groups, `sandboxsched-<node>`, under every controller: what
-/// tests and benchmarks call once a node and all its sandboxes are gone.
+/// Removes a node's parent groups, `sandboxsched-<node>`, and any empty groups left below
+/// them, in every hierarchy mounted under `/sys/fs/cgroup`: what tests and benchmarks call once
+/// a node and all its sandboxes are gone. Every hierarchy, not only the node's own controllers:
+/// an OCI runtime creates each sandbox's group in all of them (blkio, cpuset, devices, pids...),
+/// and only empty groups can be removed, so a busy one stays.
 pub fn remove_parents(node_id: &str) {
-    for controller in CONTROLLERS {
-        let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(parent_name(node_id)));
+    let parent = parent_name(node_id);
+    let hierarchies = fs::read_dir(ROOT).into_iter().flatten().flatten().map(|e| e.path());
+    for dir in hierarchies.map(|h| h.join(&parent)).filter(|d| d.is_dir()) {
+        remove_empty_tree(&dir);
     }
+    for controller in CONTROLLERS {
+        let _ = fs::remove_dir(Path::new(ROOT).join(controller).join(&parent));
+    }
+}
+
+/// Removes the groups under `dir`, deepest first, then `dir`; a group with processes stays.
+fn remove_empty_tree(dir: &Path) {
+    for child in fs::read_dir(dir).into_iter().flatten().flatten() {
+        if child.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_empty_tree(&child.path());
+        }
+    }
+    let _ = fs::remove_dir(dir);
 }
