@@ -577,13 +577,16 @@ fn window(query: &HashMap<String, String>) -> Result<(u64, u64), ApiError> {
 /// A sandbox's metrics samples: its node's series within the window; a sandbox on no node
 /// (hibernated), or a node that does not answer, gives an empty series, never an error.
 async fn samples(g: &Gateway, doc: &SandboxDoc, start: u64, end: u64) -> Vec<proto::node::v1::MetricsSample> {
-    match g.sandboxes.metrics(doc, start, end).await {
-        Ok(samples) => samples,
-        Err(err) => {
-            tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "no metrics from the node");
-            Vec::new()
-        }
-    }
+    or_empty(g.sandboxes.metrics(doc, start, end).await, doc, "metrics")
+}
+
+/// What a node answered, or nothing (logged) when it did not: a read of metrics or logs never
+/// fails because a node is away.
+fn or_empty<T>(answer: Result<Vec<T>, crate::sandboxes::Failure>, doc: &SandboxDoc, what: &str) -> Vec<T> {
+    answer.unwrap_or_else(|err| {
+        tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "no {what} from the node");
+        Vec::new()
+    })
 }
 
 pub async fn metrics(
@@ -628,13 +631,7 @@ async fn log_entries(
     doc: &SandboxDoc,
     query: proto::node::v1::LogsRequest,
 ) -> Vec<proto::node::v1::LogEntry> {
-    match g.sandboxes.logs(doc, query).await {
-        Ok(entries) => entries,
-        Err(err) => {
-            tracing::warn!(sandbox_id = %doc.sandbox_id, %err, "no logs from the node");
-            Vec::new()
-        }
-    }
+    or_empty(g.sandboxes.logs(doc, query).await, doc, "logs")
 }
 
 fn entry_json(e: &proto::node::v1::LogEntry) -> Value {

@@ -83,7 +83,7 @@ pub fn target_of(headers: &HeaderMap, domain: &str) -> Option<Result<Target, Bad
         };
         let port = match headers.get(headers::SANDBOX_PORT) {
             None => ENVD_PORT,
-            Some(v) => match v.to_str().ok().and_then(|p| p.parse::<u16>().ok()).filter(|p| *p != 0) {
+            Some(v) => match v.to_str().ok().and_then(headers::port) {
                 Some(port) => port,
                 None => return Some(Err(BadTarget("the E2b-Sandbox-Port header is not a port".into()))),
             },

@@ -7,6 +7,11 @@ pub const SANDBOX_ID: &str = "e2b-sandbox-id";
 /// The sandbox's port the request is for (envd's is [`crate::ENVD_PORT`]).
 pub const SANDBOX_PORT: &str = "e2b-sandbox-port";
 
+/// The port an `E2b-Sandbox-Port` value names: 1 to 65535.
+pub fn port(value: &str) -> Option<u16> {
+    value.parse::<u16>().ok().filter(|p| *p != 0)
+}
+
 /// The sandbox's envd access token, issued at create.
 pub const ACCESS_TOKEN: &str = "x-access-token";
 

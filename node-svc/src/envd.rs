@@ -142,12 +142,7 @@ fn port_of(headers: &HeaderMap) -> Result<Option<u16>, RpcError> {
     let Some(value) = headers.get(envd_wire::headers::SANDBOX_PORT) else {
         return Ok(None);
     };
-    match value
-        .to_str()
-        .ok()
-        .and_then(|p| p.parse::<u16>().ok())
-        .filter(|p| *p != 0)
-    {
+    match value.to_str().ok().and_then(envd_wire::headers::port) {
         Some(envd_wire::ENVD_PORT) => Ok(None),
         Some(port) => Ok(Some(port)),
         None => Err(RpcError::new(

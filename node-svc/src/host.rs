@@ -381,7 +381,9 @@ impl Host {
             records
                 .into_iter()
                 .map(|record| {
-                    crate::logs::cap(&dir.sandbox_dir(&record.id).join("container.log"));
+                    if let Some(log) = runtime.log_file(&dir.home(&record.id)) {
+                        crate::logs::cap(&log);
+                    }
                     let reading = crate::metrics::Reading {
                         at_unix_ms: common::clock::now_ms(),
                         cpu_time_ns: runtime.cpu_time_ns_of(&record),
@@ -411,7 +413,9 @@ impl Host {
         if validate_id(sandbox_id).is_err() {
             return Vec::new();
         }
-        let log = self.shared.dir.sandbox_dir(sandbox_id).join("container.log");
+        let Some(log) = self.shared.runtime.log_file(&self.shared.dir.home(sandbox_id)) else {
+            return Vec::new();
+        };
         tokio::task::spawn_blocking(move || crate::logs::select(&crate::logs::tail(&log), &query))
             .await
             .unwrap_or_default()
@@ -768,8 +772,7 @@ impl Shared {
 
     /// Appends a lifecycle event to the sandbox's log (where its runtime keeps one).
     fn note(&self, id: &str, message: &str) {
-        let log = self.dir.sandbox_dir(id).join("container.log");
-        if log.exists() {
+        if let Some(log) = self.runtime.log_file(&self.dir.home(id)) {
             crate::logs::note(&log, "info", message);
         }
     }

@@ -86,6 +86,12 @@ pub trait Runtime: Send + Sync + 'static {
     fn envd_socket(&self, _home: &Path) -> Option<PathBuf> {
         None
     }
+    /// The sandbox's log, a file of the node's outside the sandbox that its envd writes (its
+    /// events and the start command's output), when the runtime keeps one (`home` is the
+    /// sandbox's writable folder).
+    fn log_file(&self, _home: &Path) -> Option<PathBuf> {
+        None
+    }
     /// Copies a template's `files/` into a new sandbox whose writable folder is `home`, where
     /// its user finds them (before [`Runtime::start`]).
     fn seed(&self, home: &Path, files: &Path) -> std::io::Result<()> {

@@ -424,6 +424,10 @@ impl Runtime for ContainerRuntime {
         true
     }
 
+    fn log_file(&self, home: &Path) -> Option<PathBuf> {
+        Some(parts(home).log)
+    }
+
     fn update_network(
         &self,
         record: &SandboxRecord,
