@@ -1,0 +1,493 @@
+//! Applying an OCI layer blob to a directory that will serve as an overlayfs lowerdir.
+//!
+//! Every layer of an image is unpacked into its own fresh directory and overlayfs stacks them,
+//! so a layer's whiteouts are not *applied* here but *recorded* in overlay form:
+//!
+//! * `dir/.wh.NAME` becomes a character device 0/0 at `dir/NAME`, which hides `NAME` of lower
+//!   layers;
+//! * `dir/.wh..wh..opq` sets `trusted.overlay.opaque=y` on `dir`, which hides all of its lower
+//!   content.
+//!
+//! Regular files, directories, symlinks, hard links and fifos are created with their modes
+//! (setuid/setgid/sticky kept; sandboxes mount nosuid), mtimes, ids shifted into the sandbox
+//! range and the PAX xattrs `user.*` and `security.capability`. Other devices cannot be useful in
+//! an unprivileged sandbox and are skipped. Path safety (no escapes, never writing through a
+//! symlink, hard links only to earlier files) comes from the `safefs` module.
+//!
+//! The input is read to its end, so a [`crate::DigestReader`] around it sees the whole blob.
+
+use std::ffi::{OsStr, OsString};
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use ruzstd::decoding::errors::{FrameDecoderError, ReadFrameHeaderError};
+use ruzstd::decoding::{BlockDecodingStrategy, FrameDecoder};
+use tar::EntryType;
+
+use crate::safefs::{self, normalise, Attrs, Policy, SafeFsError, Tree, Xattrs};
+use crate::ID_RANGE;
+
+/// Errors of layer unpacking.
+#[derive(Debug, thiserror::Error)]
+pub enum UnpackError {
+    /// Reading or decompressing the blob failed, or the tar stream is malformed.
+    #[error("reading layer: {0}")]
+    Read(#[from] io::Error),
+    /// An entry was unsafe or could not be created.
+    #[error(transparent)]
+    Fs(#[from] SafeFsError),
+    /// A uid or gid is outside the range a sandbox maps.
+    #[error("{path}: id {id} is outside 0..{ID_RANGE}")]
+    IdOutOfRange { path: String, id: u64 },
+    /// An entry type this format does not support.
+    #[error("{path}: unsupported tar entry type {kind:?}")]
+    Unsupported { path: String, kind: EntryType },
+}
+
+/// How a layer blob is compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+impl Compression {
+    /// The compression of a layer media type, or `None` if it is not a known layer type.
+    pub fn from_media_type(media_type: &str) -> Option<Compression> {
+        let oci = media_type
+            .strip_prefix("application/vnd.oci.image.layer.v1.")
+            .or_else(|| media_type.strip_prefix("application/vnd.oci.image.layer.nondistributable.v1."));
+        match (oci, media_type) {
+            (Some("tar"), _) => Some(Compression::None),
+            (Some("tar+gzip"), _) | (None, "application/vnd.docker.image.rootfs.diff.tar.gzip") => {
+                Some(Compression::Gzip)
+            }
+            (Some("tar+zstd"), _) => Some(Compression::Zstd),
+            _ => None,
+        }
+    }
+}
+
+/// What an unpack did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct UnpackStats {
+    /// Archive entries processed (including whiteouts and skipped ones).
+    pub entries: u64,
+    /// Bytes of regular file content written.
+    pub bytes: u64,
+    /// Block and character devices (other than whiteouts) left out.
+    pub skipped_devices: u64,
+}
+
+/// Unpacks one layer blob into `dest` (an existing, normally empty directory) in overlay form,
+/// with tar ids `N` stored as host ids `shift + N`.
+pub fn unpack_layer(
+    reader: impl Read,
+    media: Compression,
+    dest: &Path,
+    shift: u32,
+) -> Result<UnpackStats, UnpackError> {
+    match media {
+        Compression::None => unpack_tar(reader, dest, shift),
+        Compression::Gzip => unpack_tar(flate2::read::MultiGzDecoder::new(reader), dest, shift),
+        Compression::Zstd => unpack_tar(ZstdReader::new(reader), dest, shift),
+    }
+}
+
+fn unpack_tar<R: Read>(reader: R, dest: &Path, shift: u32) -> Result<UnpackStats, UnpackError> {
+    let mut tree = Tree::open(dest, Policy::Layer, (shift, shift, 0o755))?;
+    let mut archive = tar::Archive::new(reader);
+    let mut stats = UnpackStats::default();
+    for entry in archive.entries()? {
+        apply_entry(&mut tree, &mut entry?, shift, &mut stats)?;
+    }
+    tree.finish()?;
+    io::copy(&mut archive.into_inner(), &mut io::sink())?;
+    tracing::debug!(dest = %dest.display(), ?stats, "unpacked layer");
+    Ok(stats)
+}
+
+fn map_id(id: u64, shift: u32, comps: &[OsString]) -> Result<u32, UnpackError> {
+    u32::try_from(id)
+        .ok()
+        .filter(|&id| id < ID_RANGE)
+        .and_then(|id| shift.checked_add(id))
+        .filter(|&host| host != u32::MAX)
+        .ok_or_else(|| UnpackError::IdOutOfRange {
+            path: safefs::show(comps),
+            id,
+        })
+}
+
+/// The PAX xattrs worth keeping: `user.*` and file capabilities.
+fn xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Xattrs> {
+    let mut out = Vec::new();
+    if let Some(exts) = entry.pax_extensions()? {
+        for ext in exts {
+            let ext = ext?;
+            let Some(name) = ext.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) else {
+                continue;
+            };
+            if name.starts_with("user.") || name == "security.capability" {
+                out.push((name.to_string(), ext.value_bytes().to_vec()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn apply_entry<R: Read>(
+    tree: &mut Tree,
+    entry: &mut tar::Entry<'_, R>,
+    shift: u32,
+    stats: &mut UnpackStats,
+) -> Result<(), UnpackError> {
+    let header = entry.header().clone();
+    let kind = header.entry_type();
+    if kind == EntryType::XGlobalHeader {
+        return Ok(());
+    }
+    stats.entries += 1;
+    let comps = normalise(&entry.path_bytes())?;
+    let uid = map_id(header.uid()?, shift, &comps)?;
+    let gid = map_id(header.gid()?, shift, &comps)?;
+    let mtime = i64::try_from(header.mtime()?).unwrap_or(i64::MAX);
+
+    if let Some((name, parent)) = comps.split_last() {
+        let name = name.as_encoded_bytes();
+        if name == b".wh..wh..opq" {
+            return Ok(tree.set_opaque(parent)?);
+        }
+        if comps.iter().any(|c| c.as_encoded_bytes().starts_with(b".wh..wh.")) {
+            tracing::debug!(path = %safefs::show(&comps), "ignoring aufs metadata entry");
+            return Ok(());
+        }
+        if let Some(hidden) = name.strip_prefix(b".wh.") {
+            if matches!(hidden, b"" | b"." | b"..") {
+                return Err(SafeFsError::InvalidPath(safefs::show(&comps)).into());
+            }
+            let mut target = parent.to_vec();
+            target.push(OsStr::from_bytes(hidden).to_owned());
+            return Ok(tree.make_whiteout(&target, uid, gid, mtime)?);
+        }
+    }
+
+    let mut xattrs = xattrs(entry)?;
+    if !matches!(kind, EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse) {
+        xattrs.retain(|(name, _)| name.starts_with("user.")); // capabilities are for files only
+    }
+    let attrs = Attrs {
+        uid,
+        gid,
+        mode: header.mode()?,
+        mtime,
+        xattrs,
+    };
+    // The link name, including GNU long link names and PAX `linkpath`.
+    let link = |entry: &tar::Entry<'_, R>| {
+        let link = entry.link_name_bytes().map(|l| l.into_owned());
+        link.ok_or_else(|| SafeFsError::InvalidPath(safefs::show(&comps)))
+    };
+    match kind {
+        EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
+            stats.bytes += tree.make_file(&comps, &attrs, entry)?;
+        }
+        EntryType::Directory => tree.make_dir(&comps, &attrs)?,
+        EntryType::Symlink => tree.make_symlink(&comps, &link(entry)?, &attrs)?,
+        EntryType::Link => tree.make_hardlink(&comps, &normalise(&link(entry)?)?)?,
+        EntryType::Fifo => tree.make_fifo(&comps, &attrs)?,
+        EntryType::Char | EntryType::Block => stats.skipped_devices += 1,
+        kind => {
+            return Err(UnpackError::Unsupported {
+                path: safefs::show(&comps),
+                kind,
+            })
+        }
+    }
+    Ok(())
+}
+
+/// A zstd decoder for streams of several frames (as zstd:chunked produces), skipping
+/// skippable frames.
+struct ZstdReader<R: Read> {
+    src: BufReader<R>,
+    frame: FrameDecoder,
+    in_frame: bool,
+}
+
+impl<R: Read> ZstdReader<R> {
+    fn new(src: R) -> Self {
+        ZstdReader {
+            src: BufReader::new(src),
+            frame: FrameDecoder::new(),
+            in_frame: false,
+        }
+    }
+}
+
+impl<R: Read> Read for ZstdReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if self.in_frame {
+                while self.frame.can_collect() == 0 && !self.frame.is_finished() {
+                    self.frame
+                        .decode_blocks(&mut self.src, BlockDecodingStrategy::UptoBlocks(1))
+                        .map_err(io::Error::other)?;
+                }
+                let n = self.frame.read(buf)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                self.in_frame = false;
+            }
+            if self.src.fill_buf()?.is_empty() {
+                return Ok(0);
+            }
+            match self.frame.reset(&mut self.src) {
+                Ok(()) => self.in_frame = true,
+                Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame { length, .. })) => {
+                    let skipped = io::copy(&mut (&mut self.src).take(length.into()), &mut io::sink())?;
+                    if skipped != u64::from(length) {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                }
+                Err(e) => return Err(io::Error::other(e)),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{gzip, meta, xattr, Scratch, TarMaker};
+    use crate::{Digest, DigestReader};
+    use std::os::unix::fs::MetadataExt;
+
+    const SHIFT: u32 = 100_000;
+    /// A valid VFS_CAP_REVISION_2 xattr granting cap_net_raw (permitted + effective).
+    const CAP: &[u8] = &[1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
+    fn unpack(tar: &[u8], dest: &Path) -> Result<UnpackStats, UnpackError> {
+        unpack_layer(tar, Compression::None, dest, SHIFT)
+    }
+
+    fn sample() -> Vec<u8> {
+        let xattrs: &[(&str, &[u8])] = &[
+            ("SCHILY.xattr.user.note", b"hi"),
+            ("SCHILY.xattr.trusted.evil", b"x"),
+            ("SCHILY.xattr.security.capability", CAP),
+        ];
+        TarMaker::new()
+            .dir("etc")
+            .custom(EntryType::Regular, "etc/passwd", b"root:x:0:0", xattrs, |h| {
+                h.set_mode(0o4755);
+                h.set_uid(1000);
+                h.set_gid(1001);
+            })
+            .symlink("etc/link", "passwd")
+            .hardlink("etc/hard", "./etc/passwd")
+            .raw(EntryType::Fifo, "run/fifo", "", 0o600, b"")
+            .custom(EntryType::Char, "dev/null", b"", &[], |h| {
+                h.set_device_major(1).unwrap();
+                h.set_device_minor(3).unwrap();
+            })
+            .file("etc/.wh.old", b"")
+            .dir("var")
+            .file("var/.wh..wh..opq", b"")
+            .file(".wh..wh.plnk/1.2", b"aufs")
+            .file("./usr/bin/tool", b"#!")
+            .finish()
+    }
+
+    #[test]
+    fn unpacks_into_overlay_form() {
+        let s = Scratch::new("unpack");
+        let d = s.path();
+        let stats = unpack(&sample(), d).unwrap();
+        assert_eq!(
+            stats,
+            UnpackStats {
+                entries: 11,
+                bytes: 12,
+                skipped_devices: 1
+            }
+        );
+
+        assert_eq!(meta(&d.join("etc/passwd")), (0o104755, SHIFT + 1000, SHIFT + 1001));
+        assert_eq!(std::fs::read(d.join("etc/passwd")).unwrap(), b"root:x:0:0");
+        assert_eq!(xattr(&d.join("etc/passwd"), "user.note").as_deref(), Some(&b"hi"[..]));
+        assert_eq!(
+            xattr(&d.join("etc/passwd"), "security.capability").as_deref(),
+            Some(CAP)
+        );
+        assert_eq!(xattr(&d.join("etc/passwd"), "trusted.evil"), None);
+        assert_eq!(std::fs::read_link(d.join("etc/link")).unwrap(), Path::new("passwd"));
+        let ino = |p: &str| std::fs::symlink_metadata(d.join(p)).unwrap().ino();
+        assert_eq!(ino("etc/hard"), ino("etc/passwd"));
+        assert_eq!(meta(&d.join("run/fifo")).0, 0o010600);
+        assert_eq!(meta(&d.join("run")), (0o040755, SHIFT, SHIFT));
+        assert!(!d.join("dev/null").exists());
+        let wh = std::fs::symlink_metadata(d.join("etc/old")).unwrap();
+        assert_eq!((wh.mode() & 0o170000, wh.rdev()), (0o020000, 0));
+        assert!(!d.join("etc/.wh.old").exists() && !d.join(".wh..wh.plnk").exists());
+        assert_eq!(
+            xattr(&d.join("var"), "trusted.overlay.opaque").as_deref(),
+            Some(&b"y"[..])
+        );
+        assert!(d.join("usr/bin/tool").is_file());
+        assert_eq!(std::fs::metadata(d.join("etc")).unwrap().mtime(), 1_600_000_000);
+    }
+
+    #[test]
+    fn symlink_escapes_write_nothing_outside() {
+        let s = Scratch::new("unpack-symlink");
+        let outside = s.sub("outside");
+        for (link, target) in [("a", outside.to_str().unwrap()), ("b", "../outside"), ("c", ".")] {
+            let dest = s.sub(&format!("dest-{link}"));
+            let tar = TarMaker::new()
+                .symlink(link, target)
+                .file(&format!("{link}/passwd"), b"pwned")
+                .finish();
+            let err = unpack(&tar, &dest).unwrap_err();
+            assert!(matches!(err, UnpackError::Fs(SafeFsError::NotADirectory(_))), "{err}");
+        }
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn hardlink_escapes_are_refused() {
+        let s = Scratch::new("unpack-hardlink");
+        let outside = s.sub("outside");
+        std::fs::write(outside.join("secret"), b"s").unwrap();
+        let abs = outside.join("secret");
+        let cases: Vec<Vec<u8>> = vec![
+            TarMaker::new().hardlink("h", "../outside/secret").finish(),
+            TarMaker::new().hardlink("h", abs.to_str().unwrap()).finish(),
+            TarMaker::new()
+                .symlink("s", outside.to_str().unwrap())
+                .hardlink("h", "s/secret")
+                .finish(),
+            TarMaker::new()
+                .symlink("s", abs.to_str().unwrap())
+                .hardlink("h", "s")
+                .finish(),
+            TarMaker::new().hardlink("h", "later").file("later", b"x").finish(),
+            TarMaker::new().dir("d").hardlink("h", "d").finish(),
+            TarMaker::new().file("f", b"x").hardlink("f", "f").finish(),
+        ];
+        for (i, tar) in cases.iter().enumerate() {
+            let dest = s.sub(&format!("dest-{i}"));
+            assert!(unpack(tar, &dest).is_err(), "case {i} accepted");
+            assert!(!dest.join("h").exists(), "case {i}");
+        }
+        assert_eq!(std::fs::metadata(&abs).unwrap().nlink(), 1);
+    }
+
+    #[test]
+    fn path_escapes_are_refused() {
+        let s = Scratch::new("unpack-escape");
+        let dest = s.sub("dest");
+        for path in [
+            "../evil",
+            "/tmp/evil",
+            "a/../../evil",
+            "./../evil",
+            "x/.wh...",
+            "x/.wh.",
+        ] {
+            let err = unpack(&TarMaker::new().file(path, b"x").finish(), &dest).unwrap_err();
+            assert!(
+                matches!(err, UnpackError::Fs(SafeFsError::InvalidPath(_))),
+                "{path}: {err}"
+            );
+        }
+        let names: Vec<_> = std::fs::read_dir(s.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["dest"]);
+    }
+
+    #[test]
+    fn later_entries_replace_earlier_ones() {
+        let s = Scratch::new("unpack-replace");
+        let (dest, outside) = (s.sub("dest"), s.sub("outside"));
+        std::fs::write(outside.join("t"), b"keep").unwrap();
+        let tar = TarMaker::new()
+            .file("d/sub/f", b"x")
+            .file("d", b"file now")
+            .file("m/one", b"1")
+            .dir("m")
+            .file("m/two", b"2")
+            .symlink("s", outside.join("t").to_str().unwrap())
+            .file("s", b"replaced")
+            .finish();
+        unpack(&tar, &dest).unwrap();
+        assert_eq!(std::fs::read(dest.join("d")).unwrap(), b"file now");
+        assert!(dest.join("m/one").exists() && dest.join("m/two").exists());
+        assert!(std::fs::symlink_metadata(dest.join("s")).unwrap().is_file());
+        assert_eq!(std::fs::read(outside.join("t")).unwrap(), b"keep");
+    }
+
+    #[test]
+    fn ids_outside_the_range_are_refused() {
+        let s = Scratch::new("unpack-ids");
+        let tar = TarMaker::new()
+            .custom(EntryType::Regular, "f", b"", &[], |h| h.set_uid(u64::from(ID_RANGE)))
+            .finish();
+        assert!(matches!(
+            unpack(&tar, &s.sub("a")),
+            Err(UnpackError::IdOutOfRange { id: 65536, .. })
+        ));
+        let tar = TarMaker::new()
+            .custom(EntryType::Regular, "f", b"", &[], |h| h.set_gid(20))
+            .finish();
+        let err = unpack_layer(&tar[..], Compression::None, &s.sub("b"), u32::MAX - 10).unwrap_err();
+        assert!(matches!(err, UnpackError::IdOutOfRange { id: 20, .. }), "{err}");
+    }
+
+    #[test]
+    fn compressed_blobs_unpack_and_are_read_to_the_end() {
+        let tar = sample();
+        let gz = gzip(&tar);
+        let (half1, half2) = tar.split_at(tar.len() / 2);
+        let fastest = ruzstd::encoding::CompressionLevel::Fastest;
+        let mut zst = ruzstd::encoding::compress_to_vec(half1, fastest);
+        zst.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 9, 9, 9]); // skippable frame
+        zst.extend(ruzstd::encoding::compress_to_vec(half2, fastest));
+        let s = Scratch::new("unpack-compressed");
+        for (blob, media) in [(&gz, Compression::Gzip), (&zst, Compression::Zstd)] {
+            let mut reader = DigestReader::new(&blob[..]);
+            let stats = unpack_layer(&mut reader, media, &s.sub(&format!("{media:?}")), SHIFT).unwrap();
+            assert_eq!(stats.entries, 11);
+            assert_eq!(reader.finish(), (Digest::of(blob), blob.len() as u64));
+        }
+        assert_eq!(std::fs::read(s.path().join("Zstd/etc/passwd")).unwrap(), b"root:x:0:0");
+        assert!(unpack_layer(&gz[..gz.len() - 4], Compression::Gzip, &s.sub("cut"), SHIFT).is_err());
+    }
+
+    #[test]
+    fn media_types() {
+        let m = Compression::from_media_type;
+        assert_eq!(m("application/vnd.oci.image.layer.v1.tar"), Some(Compression::None));
+        assert_eq!(
+            m("application/vnd.oci.image.layer.v1.tar+gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(
+            m("application/vnd.oci.image.layer.v1.tar+zstd"),
+            Some(Compression::Zstd)
+        );
+        assert_eq!(
+            m("application/vnd.docker.image.rootfs.diff.tar.gzip"),
+            Some(Compression::Gzip)
+        );
+        assert_eq!(m("application/vnd.oci.image.config.v1+json"), None);
+    }
+}
