@@ -66,6 +66,12 @@ struct UpArgs {
     /// the built-in one.
     #[arg(long, env = "SANDBOXSCHED_OCI_RUNTIME")]
     oci_runtime: Option<std::path::PathBuf>,
+    /// A statically linked envd for the nodes to put in every sandbox (built by
+    /// `scripts/build-static-envd`): needed for templates built from OCI images, which bring
+    /// their own C library or none. Unset: this binary's own envd, for templates on the host's
+    /// userland only.
+    #[arg(long, env = "SANDBOXSCHED_ENVD_BINARY")]
+    envd_binary: Option<std::path::PathBuf>,
     /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
     #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
     node_memory_mb: Option<u64>,
@@ -155,13 +161,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             .with_context(|| format!("API key {pair:?} must be KEY=TEAM"))?;
         keys.insert(key.to_string(), team.to_string());
     }
-    let mut templates = e2b_gateway::intent::builtin_templates();
     let templates_file = args.data_dir.join("templates.json");
-    if templates_file.is_file() {
-        let extra: Vec<e2b_gateway::intent::Template> = serde_json::from_slice(&std::fs::read(&templates_file)?)
-            .with_context(|| format!("reading {}", templates_file.display()))?;
-        templates.extend(extra.into_iter().map(|t| (t.name.clone(), t)));
-    }
+    let templates: Vec<e2b_gateway::intent::Template> = if templates_file.is_file() {
+        serde_json::from_slice(&std::fs::read(&templates_file)?)
+            .with_context(|| format!("reading {}", templates_file.display()))?
+    } else {
+        Vec::new()
+    };
 
     let (ledger_listen, ledger_url) = (args.ledger_listen, database_url.clone());
     let (placement_listen, redis_url) = (args.placement_listen, args.placement_redis_url.clone());
@@ -208,8 +214,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 oci_runtime: args.oci_runtime.clone(),
             },
         };
+        let envd_binary = args.envd_binary.clone();
         builder = builder.named_node(format!("node-{i}"), move |c| {
             c.runtime = runtime;
+            c.envd_binary = envd_binary;
             c.listen = listen;
             c.envd_listen = envd_listen;
             c.host.capacity = capacity;

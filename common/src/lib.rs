@@ -18,6 +18,7 @@ pub mod retry;
 pub mod serve;
 pub mod shutdown;
 pub mod telemetry;
+pub mod template;
 pub mod trace;
 
 /// The allocator the allocation-bound binaries install (`#[global_allocator]` in their

@@ -64,6 +64,8 @@ impl From<Failure> for ApiError {
             // E2B answers "no capacity" with 503 too.
             Failure::NoCapacity(_) | Failure::Unavailable(_) | Failure::Unknown(_) => StatusCode::SERVICE_UNAVAILABLE,
             Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Failure::Invalid(_) => StatusCode::BAD_REQUEST,
+            Failure::Forbidden(_) => StatusCode::FORBIDDEN,
         };
         let message = match &f {
             Failure::NotFound(id) => format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
@@ -88,14 +90,17 @@ pub struct Gateway {
     pub sandboxes: Arc<Sandboxes>,
     /// API key → team.
     pub keys: Arc<HashMap<String, String>>,
-    pub templates: Arc<BTreeMap<String, Template>>,
+    /// The template registry.
+    pub templates: Arc<crate::templates::Templates>,
+    /// Runs template builds.
+    pub builder: Arc<crate::templates::build::Builder>,
     /// The domain under which sandboxes' ports are reachable (`domain` in answers; empty:
     /// none, answered as null).
     pub domain: Arc<str>,
 }
 
 impl Gateway {
-    fn team(&self, headers: &HeaderMap) -> Result<String, ApiError> {
+    pub(crate) fn team(&self, headers: &HeaderMap) -> Result<String, ApiError> {
         let key = headers
             .get("x-api-key")
             .and_then(|v| v.to_str().ok())
@@ -107,7 +112,11 @@ impl Gateway {
     }
 }
 
-fn json_body<T: for<'de> Deserialize<'de>>(headers: &HeaderMap, body: &Bytes, required: bool) -> Result<T, ApiError> {
+pub(crate) fn json_body<T: for<'de> Deserialize<'de>>(
+    headers: &HeaderMap,
+    body: &Bytes,
+    required: bool,
+) -> Result<T, ApiError> {
     if body.len() > MAX_BODY_BYTES {
         return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "request body too large"));
     }
@@ -169,7 +178,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxId {
     }
 }
 
-fn rfc3339(ms: u64) -> String {
+pub(crate) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
 }
 
@@ -280,7 +289,8 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
         }
     };
     let req: NewSandbox = json_body(&headers, &body, true)?;
-    let intent = intent::normalise(req, &g.templates)?;
+    let template = resolve_template(&g, &team, &req.template_id).await?;
+    let intent = intent::normalise(req, template.as_ref())?;
     let doc = match key {
         Some(key) => {
             g.sandboxes
@@ -290,6 +300,22 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
         None => g.sandboxes.create(&team, intent).await?,
     };
     Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
+}
+
+/// The create's template as the registry resolves `name:tag` for `team`: its ID, the
+/// resources it fixes and its image. `None` when there is no such ready template.
+async fn resolve_template(g: &Gateway, team: &str, reference: &str) -> Result<Option<Template>, ApiError> {
+    let reference = reference.trim();
+    if reference.is_empty() {
+        return Ok(None);
+    }
+    let resolved = g.templates.resolve(team, reference).await?;
+    Ok(resolved.map(|r| Template {
+        name: r.template.template_id,
+        vcpus: Some(r.template.vcpus).filter(|v| *v > 0),
+        memory_mb: Some(r.template.memory_mb).filter(|m| *m > 0),
+        image: r.image,
+    }))
 }
 
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress rules.
@@ -780,18 +806,10 @@ pub async fn not_found() -> ApiError {
 
 /// E2B routes this cluster does not serve yet, each with what it is: a client is told so
 /// (501 in E2B's shape) rather than getting a 404 its SDK reports as "sandbox not found".
-pub const UNSUPPORTED: [(&str, &str); 16] = [
+pub const UNSUPPORTED: [(&str, &str); 8] = [
     ("/sandboxes/{id}/fork", "forking a sandbox"),
     ("/sandboxes/{id}/snapshots", "sandbox snapshots"),
     ("/snapshots", "sandbox snapshots"),
-    ("/templates", "templates"),
-    ("/v2/templates", "templates"),
-    ("/v3/templates", "templates"),
-    ("/templates/{id}", "templates"),
-    ("/templates/{id}/{*rest}", "templates"),
-    ("/v2/templates/{id}/{*rest}", "templates"),
-    ("/templates/aliases/{alias}", "templates"),
-    ("/templates/tags", "templates"),
     ("/volumes", "volumes"),
     ("/volumes/{id}", "volumes"),
     ("/secrets", "secrets"),

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use common::docs::EstimateSource;
 use common::egress::NetworkPolicy;
 use common::resources::{DEFAULT_MEMORY_BYTES, DEFAULT_VCPUS};
+use common::template::Image;
 use serde::Deserialize;
 
 /// Default sandbox timeout, as E2B's SDKs assume (seconds).
@@ -24,7 +25,7 @@ const MAX_ENV_VARS: usize = 256;
 const MAX_METADATA: usize = 64;
 const MAX_VALUE_BYTES: usize = 4096;
 
-/// A configured template.
+/// A template as a create sees it: its ID, the resources it fixes (if any) and its image.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct Template {
     pub name: String,
@@ -32,6 +33,9 @@ pub struct Template {
     pub vcpus: Option<u32>,
     #[serde(default)]
     pub memory_mb: Option<u64>,
+    /// What its sandboxes start from (the registry's; a `--templates` entry has base's).
+    #[serde(skip)]
+    pub image: Image,
 }
 
 /// `NewSandbox`, as E2B's API defines it (the fields this gateway acts on; others are
@@ -153,6 +157,8 @@ pub enum Refusal {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CreateIntent {
     pub template: String,
+    /// The build its root filesystem comes from.
+    pub image: Image,
     pub vcpus: u32,
     pub memory_bytes: u64,
     pub memory_source: EstimateSource,
@@ -210,17 +216,13 @@ fn check_map(what: &str, map: &BTreeMap<String, String>, max: usize, env: bool) 
     Ok(())
 }
 
-/// Normalises a create request against the configured templates.
-pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Result<CreateIntent, Refusal> {
-    let name = req.template_id.trim();
-    if name.is_empty() {
+/// Normalises a create request against its template, as the registry resolved the request's
+/// `templateID` (`None`: no such template, or none the caller may use).
+pub fn normalise(req: NewSandbox, template: Option<&Template>) -> Result<CreateIntent, Refusal> {
+    if req.template_id.trim().is_empty() {
         return Err(Refusal::Invalid("templateID is required".to_string()));
     }
-    // E2B accepts `name:tag`; tags are not versioned here.
-    let name = name.split(':').next().unwrap_or(name);
-    let template = templates
-        .get(name)
-        .ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
+    let template = template.ok_or_else(|| Refusal::UnknownTemplate(req.template_id.clone()))?;
     let timeout_secs = timeout(req.timeout)?;
     let network = network_policy(&req)?;
     let auto_pause_memory = req.auto_pause_memory.unwrap_or(true);
@@ -260,6 +262,7 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
     }
     Ok(CreateIntent {
         template: template.name.clone(),
+        image: template.image.clone(),
         vcpus,
         memory_bytes,
         memory_source,
@@ -278,33 +281,29 @@ pub fn normalise(req: NewSandbox, templates: &BTreeMap<String, Template>) -> Res
     })
 }
 
-/// The templates every gateway knows without configuration.
-pub fn builtin_templates() -> BTreeMap<String, Template> {
-    [Template {
-        name: "base".to_string(),
-        vcpus: None,
-        memory_mb: None,
-    }]
-    .into_iter()
-    .map(|t| (t.name.clone(), t))
-    .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn templates() -> BTreeMap<String, Template> {
-        let mut t = builtin_templates();
-        t.insert(
-            "big".into(),
-            Template {
-                name: "big".into(),
-                vcpus: Some(4),
-                memory_mb: Some(4096),
-            },
-        );
-        t
+        [("base", None, None), ("big", Some(4), Some(4096))]
+            .into_iter()
+            .map(|(name, vcpus, memory_mb)| {
+                let t = Template {
+                    name: name.into(),
+                    vcpus,
+                    memory_mb,
+                    image: Image::base(),
+                };
+                (name.to_string(), t)
+            })
+            .collect()
+    }
+
+    /// Normalises against the test templates, looked up by name as the registry would.
+    fn norm(r: NewSandbox) -> Result<CreateIntent, Refusal> {
+        let name = r.template_id.split(':').next().unwrap_or("").to_string();
+        normalise(r, templates().get(&name))
     }
 
     fn req(template: &str) -> NewSandbox {
@@ -316,7 +315,7 @@ mod tests {
 
     #[test]
     fn egress_is_a_policy_and_what_cannot_be_given_is_refused() {
-        let d = normalise(req("base"), &templates()).unwrap();
+        let d = norm(req("base")).unwrap();
         assert_eq!(d.network, NetworkPolicy::default(), "unset: the internet, as on E2B");
         let mut closed = req("base");
         closed.allow_internet_access = Some(false);
@@ -326,9 +325,9 @@ mod tests {
             allow_public_traffic: Some(true),
             ..NetworkConfig::default()
         });
-        let closed = normalise(closed, &templates()).unwrap().network;
+        let closed = norm(closed).unwrap().network;
         assert!(!closed.internet && closed.allow_out.len() == 1 && closed.deny_out.len() == 1);
-        let refused = |r: NewSandbox| match normalise(r, &templates()) {
+        let refused = |r: NewSandbox| match norm(r) {
             Err(Refusal::Invalid(message)) => message,
             other => panic!("{other:?}"),
         };
@@ -352,46 +351,40 @@ mod tests {
 
     #[test]
     fn every_intent_has_a_memory_estimate_and_its_source() {
-        let d = normalise(req("base"), &templates()).unwrap();
+        let d = norm(req("base")).unwrap();
         assert_eq!(
             (d.memory_bytes, d.memory_source, d.vcpus),
             (DEFAULT_MEMORY_BYTES, EstimateSource::Default, 1)
         );
-        let t = normalise(req("big"), &templates()).unwrap();
+        let t = norm(req("big")).unwrap();
         assert_eq!(
             (t.memory_bytes, t.memory_source, t.vcpus),
             (4096 << 20, EstimateSource::Template, 4)
         );
         let mut r = req("base");
         r.memory_mb = Some(1024);
-        let r = normalise(r, &templates()).unwrap();
+        let r = norm(r).unwrap();
         assert_eq!((r.memory_bytes, r.memory_source), (1024 << 20, EstimateSource::Request));
         // The template wins over the request where it states resources.
         let mut over = req("big");
         over.memory_mb = Some(64);
-        assert_eq!(
-            normalise(over, &templates()).unwrap().memory_source,
-            EstimateSource::Template
-        );
+        assert_eq!(norm(over).unwrap().memory_source, EstimateSource::Template);
     }
 
     #[test]
     fn refusals() {
-        assert_eq!(
-            normalise(req("nope"), &templates()),
-            Err(Refusal::UnknownTemplate("nope".into()))
-        );
-        assert!(normalise(req(""), &templates()).is_err());
+        assert_eq!(norm(req("nope")), Err(Refusal::UnknownTemplate("nope".into())));
+        assert!(norm(req("")).is_err());
         for t in [0, -5, 86_401] {
             let mut r = req("base");
             r.timeout = Some(t);
-            assert!(normalise(r, &templates()).is_err(), "timeout {t}");
+            assert!(norm(r).is_err(), "timeout {t}");
         }
         let mut r = req("base");
         r.env_vars = Some([("BAD-KEY".to_string(), "x".to_string())].into());
-        assert!(normalise(r, &templates()).is_err());
+        assert!(norm(r).is_err());
         let mut r = req("base:latest");
         r.timeout = Some(60);
-        assert_eq!(normalise(r, &templates()).unwrap().timeout_secs, 60);
+        assert_eq!(norm(r).unwrap().timeout_secs, 60);
     }
 }

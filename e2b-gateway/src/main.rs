@@ -41,9 +41,15 @@ struct Args {
     /// paused), e.g. `30days`, `12h`.
     #[arg(long, env = "GATEWAY_PAUSED_RETENTION", default_value = "30days", value_parser = humantime::parse_duration)]
     paused_retention: Duration,
-    /// A JSON file of extra templates: [{"name": "...", "vcpus": 2, "memory_mb": 1024}].
+    /// A JSON file of templates the registry is seeded with at start, besides `base`: names
+    /// with fixed resources over the base image, `[{"name": "...", "vcpus": 2, "memory_mb": 1024}]`.
     #[arg(long, env = "GATEWAY_TEMPLATES")]
     templates: Option<std::path::PathBuf>,
+    /// The cluster's blob store, shared with the nodes: template layers and the files of COPY
+    /// steps. A directory (`file:///abs/dir` or a path) or S3
+    /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
+    #[arg(long, env = "SANDBOXSCHED_BLOB_STORE", default_value = "data/blobs")]
+    blob_store: String,
 }
 
 #[global_allocator]
@@ -62,17 +68,21 @@ async fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("API key {pair:?} must be KEY=TEAM"))?;
         keys.insert(key.to_string(), team.to_string());
     }
-    let mut templates = intent::builtin_templates();
-    if let Some(path) = &args.templates {
-        let extra: Vec<intent::Template> = serde_json::from_slice(&std::fs::read(path)?)?;
-        templates.extend(extra.into_iter().map(|t| (t.name.clone(), t)));
-    }
+    let templates: Vec<intent::Template> = match &args.templates {
+        Some(path) => serde_json::from_slice(&std::fs::read(path)?)?,
+        None => Vec::new(),
+    };
     let gateway = e2b_gateway::server::start(GatewayConfig {
         listen: args.listen,
         ledger: args.ledger,
         placement: args.placement,
         keys,
         templates,
+        blob_store: if args.blob_store.contains("://") {
+            args.blob_store
+        } else {
+            std::path::absolute(&args.blob_store)?.display().to_string()
+        },
         reap_interval: Duration::from_secs(1),
         hibernate_dir: args.hibernate_dir,
         domain: args.domain,

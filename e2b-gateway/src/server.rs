@@ -1,7 +1,7 @@
 //! Starting and stopping the gateway: REST API and envd proxy on one port, told apart by the
 //! `E2b-Sandbox-Id` header, plus the reaper.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +17,10 @@ use crate::api::{self, Gateway};
 use crate::intent::Template;
 use crate::proxy::{self, Proxy};
 use crate::sandboxes::Sandboxes;
+use crate::template_api;
+use crate::templates::build::Builder;
+use crate::templates::files::Files;
+use crate::templates::Templates;
 
 /// How the gateway runs.
 #[derive(Clone, Debug)]
@@ -26,7 +30,11 @@ pub struct GatewayConfig {
     pub placement: String,
     /// API key → team.
     pub keys: HashMap<String, String>,
-    pub templates: BTreeMap<String, Template>,
+    /// Templates the registry is seeded with besides `base` (names with fixed resources over
+    /// the base image: the `--templates` file).
+    pub templates: Vec<Template>,
+    /// The cluster's blob store (`blobs::from_url`): COPY archives, layers.
+    pub blob_store: String,
     /// How often the reaper looks for sandboxes whose time is up.
     pub reap_interval: Duration,
     /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
@@ -122,10 +130,28 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         config.paused_retention,
     )
     .map_err(|e| StartError::Config(e.to_string()))?;
+    let store = blobs::from_url(&config.blob_store).map_err(|e| StartError::Config(format!("blob store: {e}")))?;
+    let templates = Templates::new(
+        ledger.clone(),
+        Files {
+            store,
+            spool: std::env::temp_dir().join("sandboxsched-uploads"),
+        },
+    );
+    let seeds: Vec<_> = config
+        .templates
+        .iter()
+        .map(|t| (t.name.clone(), t.vcpus, t.memory_mb))
+        .collect();
+    let seeding = templates.clone();
     let gateway = Gateway {
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),
-        templates: Arc::new(config.templates.clone()),
+        builder: Arc::new(Builder {
+            templates: templates.clone(),
+            sandboxes: sandboxes.clone(),
+        }),
+        templates,
         domain: domain.clone(),
     };
     let mut api_router = Router::new()
@@ -145,7 +171,33 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/sandboxes/{id}/logs", get(api::logs))
         .route("/v2/sandboxes/{id}/logs", get(api::logs_v2))
         .route("/nodes", get(api::nodes))
-        .route("/nodes/{id}", get(api::node));
+        .route("/nodes/{id}", get(api::node))
+        .route("/v3/templates", post(template_api::request_build))
+        .route("/templates", get(template_api::list).post(legacy_build))
+        .route("/v2/templates", get(template_api::list).post(legacy_build))
+        .route(
+            "/templates/tags",
+            post(template_api::assign_tags).delete(template_api::remove_tags),
+        )
+        .route("/templates/aliases/{alias}", get(template_api::alias))
+        .route(
+            "/templates/{id}",
+            get(template_api::get)
+                .delete(template_api::delete)
+                .patch(template_api::update)
+                .post(legacy_build),
+        )
+        .route("/v2/templates/{id}", axum::routing::patch(template_api::update))
+        .route("/templates/{id}/tags", get(template_api::tags))
+        .route("/templates/{id}/files/{hash}", get(template_api::file_link))
+        .route(
+            "/templates/{id}/files/{hash}/upload",
+            axum::routing::put(template_api::upload).layer(DefaultBodyLimit::disable()),
+        )
+        .route("/templates/{id}/builds/{build}", post(legacy_build))
+        .route("/v2/templates/{id}/builds/{build}", post(template_api::start_build))
+        .route("/templates/{id}/builds/{build}/status", get(template_api::build_status))
+        .route("/templates/{id}/builds/{build}/logs", get(template_api::build_logs));
     for (path, what) in api::UNSUPPORTED {
         api_router = api_router.route(path, axum::routing::any(move || async move { api::unsupported(what) }));
     }
@@ -172,6 +224,20 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     });
     let mut serving = Serving::new();
     serving.background(routes.follow(ledger));
+    // The registry's built-ins: written now, or (the ledger may be down) retried until the
+    // ledger takes them.
+    let seeded = seeding.seed(&seeds).await;
+    serving.background(tokio::spawn(async move {
+        let mut wait = Duration::from_millis(100);
+        if seeded.is_ok() {
+            return;
+        }
+        while let Err(err) = seeding.seed(&seeds).await {
+            tracing::warn!(%err, "template registry not seeded yet; retrying");
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(5));
+        }
+    }));
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;
     serving.background(tokio::spawn(async move {
@@ -198,6 +264,15 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     serving.http("e2b-gateway", listener, app, OnStop::Drain);
     tracing::info!(%addr, "e2b-gateway serving");
     Ok(RunningGateway { addr, serving })
+}
+
+/// The builds of E2B's SDKs before 2.x (`POST /templates`, `/v2/templates`, rebuilds): this
+/// cluster builds only as SDK 2.x asks.
+async fn legacy_build() -> api::ApiError {
+    api::ApiError::new(
+        axum::http::StatusCode::NOT_IMPLEMENTED,
+        "this template build API is not supported; use POST /v3/templates (E2B SDK 2.x)",
+    )
 }
 
 /// Each REST call is a span named by its route, continuing the caller's `traceparent` (or

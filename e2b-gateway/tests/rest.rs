@@ -81,10 +81,10 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
         ("POST", "/sandboxes/iunknown/fork"),
         ("POST", "/sandboxes/iunknown/snapshots"),
         ("GET", "/snapshots"),
-        ("POST", "/v3/templates"),
-        ("GET", "/templates/aliases/base"),
-        ("POST", "/v2/templates/t/builds/b"),
-        ("GET", "/templates/t/builds/b/status"),
+        // Template builds of SDKs before 2.x.
+        ("POST", "/templates"),
+        ("POST", "/v2/templates"),
+        ("POST", "/templates/base/builds/b"),
     ] {
         let answer = s.call(method, path, key, None).await;
         assert_e2b_error(&answer, 501);
@@ -93,8 +93,37 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
             "{path}"
         );
     }
+    // Template requests that are malformed.
+    for (method, path, body, status) in [
+        ("POST", "/v3/templates", None, 400),
+        ("POST", "/v3/templates", Some(r#"{"name": "Bad Name"}"#), 400),
+        ("POST", "/v3/templates", Some(r#"{"name": "ok", "cpuCount": 0}"#), 400),
+        (
+            "POST",
+            "/v3/templates",
+            Some(r#"{"name": "ok", "tags": ["no spaces"]}"#),
+            400,
+        ),
+        ("GET", "/templates/aliases/a%20b", None, 400),
+        ("GET", "/templates/base/files/not-hex", None, 400),
+        ("GET", "/templates/nope/builds/b/status", None, 404),
+        ("GET", "/templates/base/builds/b/status?limit=101", None, 400),
+        (
+            "POST",
+            "/templates/tags",
+            Some(r#"{"target": "base", "tags": []}"#),
+            400,
+        ),
+        ("DELETE", "/templates/base", None, 403),
+    ] {
+        let answer = s.call(method, path, key, body).await;
+        assert_e2b_error(&answer, status);
+    }
     let (status, list) = s.call("GET", "/sandboxes", key, None).await;
     assert_eq!((status, list), (200, json!([])), "a refused request created something");
+    let (status, templates) = s.call("GET", "/templates", key, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(templates.as_array().map(Vec::len), Some(1), "only base: {templates}");
     s.stop().await;
 }
 

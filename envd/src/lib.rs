@@ -45,6 +45,10 @@ pub const VARS_VAR: &str = "ENVD_VARS";
 /// The environment variable carrying the sandbox's start command (its template's or its
 /// create request's), which envd starts once it serves.
 pub const START_COMMAND_VAR: &str = "ENVD_START_COMMAND";
+/// The environment variables carrying the sandbox's default user and working directory (its
+/// template's `USER` and `WORKDIR`), when its template sets them.
+pub const DEFAULT_USER_VAR: &str = "ENVD_DEFAULT_USER";
+pub const DEFAULT_WORKDIR_VAR: &str = "ENVD_DEFAULT_WORKDIR";
 
 /// Where envd listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,7 +114,10 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
             sandbox_id: std::env::var(SANDBOX_ID_VAR).unwrap_or_default(),
             vars,
         },
-        users: Users::new(passwd, fallback_home),
+        users: Users::new(passwd, fallback_home).with_defaults(
+            &std::env::var(DEFAULT_USER_VAR).unwrap_or_default(),
+            &std::env::var(DEFAULT_WORKDIR_VAR).unwrap_or_default(),
+        ),
         start_command: std::env::var(START_COMMAND_VAR).ok().filter(|c| !c.trim().is_empty()),
         boot_fd,
     })
@@ -166,7 +173,7 @@ fn boot(config: &Config) {
     let Some(command) = config.start_command.clone() else {
         return;
     };
-    let user = match config.users.lookup(users::DEFAULT_USER) {
+    let user = match config.users.lookup(config.users.default_user()) {
         Ok(user) => user,
         Err(err) => {
             tracing::error!(message = %err.message, "start command not started");
@@ -183,7 +190,13 @@ fn boot(config: &Config) {
         .env("E2B_SANDBOX", "true")
         .env("E2B_SANDBOX_ID", &config.sandbox.sandbox_id)
         .envs(&config.sandbox.vars)
-        .current_dir(&user.home)
+        .current_dir(
+            config
+                .users
+                .default_workdir()
+                .filter(|w| w.is_dir())
+                .unwrap_or(&user.home),
+        )
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -181,7 +181,10 @@ impl Commands {
         }
         let cwd = match &req.process.cwd {
             Some(cwd) if !cwd.is_empty() => scope.resolve(cwd)?,
-            _ => scope.home(),
+            _ => match scope.users.default_workdir() {
+                Some(workdir) if scope.hosted_home.is_none() && workdir.is_dir() => workdir.to_path_buf(),
+                _ => scope.home(),
+            },
         };
         let user = scope.user;
         if !cwd.is_dir() {
@@ -202,7 +205,7 @@ impl Commands {
             }
             None => None,
         };
-        let mut std_cmd = std::process::Command::new(&req.process.cmd);
+        let mut std_cmd = std::process::Command::new(program(&req.process.cmd, scope.hosted_home.is_some()));
         std_cmd
             .args(&req.process.args)
             .env_clear()
@@ -421,4 +424,15 @@ impl Commands {
         }
         Ok(())
     }
+}
+
+/// The program to run for `cmd`. E2B's SDKs run every command as `/bin/bash -l -c …`; in a
+/// template whose image has no bash (Alpine, busybox) that is the image's POSIX `/bin/sh`,
+/// which takes the same flags, so any Linux image serves the SDK.
+fn program(cmd: &str, hosted: bool) -> &str {
+    let missing = |p: &str| !std::path::Path::new(p).exists();
+    if cmd == "/bin/bash" && !hosted && missing(cmd) && !missing("/bin/sh") {
+        return "/bin/sh";
+    }
+    cmd
 }

@@ -85,7 +85,7 @@ impl Envd {
     /// the default user; hosted, always the node's own.
     fn user(&self, headers: &HeaderMap, query_user: Option<&str>) -> Result<User, RpcError> {
         match &self.hosted {
-            Some(_) => self.users.lookup(crate::users::DEFAULT_USER),
+            Some(_) => self.users.lookup(self.users.default_user()),
             None => self.users.of_request(headers, query_user),
         }
     }

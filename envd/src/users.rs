@@ -33,6 +33,11 @@ pub struct Users {
     /// For envd run outside a container (the node's explicitly unisolated mode, tests): when
     /// the default user is not in the passwd file, requests act as envd's own uid with this home.
     fallback_home: Option<PathBuf>,
+    /// Who a request naming no user acts as (a template's `USER`; [`DEFAULT_USER`] unless set).
+    default_user: String,
+    /// Where a command given no working directory starts (a template's `WORKDIR`; the user's
+    /// home unless set).
+    default_workdir: Option<PathBuf>,
 }
 
 impl Users {
@@ -40,7 +45,31 @@ impl Users {
         Self {
             passwd: passwd.into(),
             fallback_home,
+            default_user: DEFAULT_USER.to_string(),
+            default_workdir: None,
         }
+    }
+
+    /// Sets the default user and working directory (a template's `USER` and `WORKDIR`); empty
+    /// values keep E2B's defaults.
+    pub fn with_defaults(mut self, user: &str, workdir: &str) -> Self {
+        if !user.is_empty() {
+            self.default_user = user.to_string();
+        }
+        if !workdir.is_empty() {
+            self.default_workdir = Some(PathBuf::from(workdir));
+        }
+        self
+    }
+
+    /// Who a request naming no user acts as.
+    pub fn default_user(&self) -> &str {
+        &self.default_user
+    }
+
+    /// Where a command given no working directory starts, when a template says.
+    pub fn default_workdir(&self) -> Option<&Path> {
+        self.default_workdir.as_deref()
     }
 
     /// The user a request names, or the default one.
@@ -49,7 +78,7 @@ impl Users {
             .filter(|u| !u.is_empty())
             .map(str::to_string)
             .or_else(|| basic_user(headers));
-        self.lookup(named.as_deref().unwrap_or(DEFAULT_USER))
+        self.lookup(named.as_deref().unwrap_or(&self.default_user))
     }
 
     /// The account called `name`.

@@ -98,6 +98,7 @@ impl NodeApi {
 }
 
 type SnapshotStream = Pin<Box<dyn Stream<Item = Result<pb::SnapshotChunk, Status>> + Send>>;
+type BuildStream = Pin<Box<dyn Stream<Item = Result<pb::BuildEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::node_server::Node for NodeApi {
@@ -121,6 +122,7 @@ impl pb::node_server::Node for NodeApi {
             access_token: Some(req.access_token).filter(|t| !t.is_empty()),
             network,
             traffic_access_token: Some(req.traffic_access_token).filter(|t| !t.is_empty()),
+            image: req.image.map(common::template::Image::from),
         };
         let started = std::time::Instant::now();
         let result = self.host.create(spec).instrument(span).await;
@@ -207,6 +209,19 @@ impl pb::node_server::Node for NodeApi {
     }
 
     type SnapshotStream = SnapshotStream;
+    type BuildStream = BuildStream;
+
+    async fn build(&self, request: Request<pb::BuildRequest>) -> Result<Response<BuildStream>, Status> {
+        let req = request.into_inner();
+        if req.build_id.is_empty() {
+            return Err(Status::invalid_argument("build_id is required"));
+        }
+        let span = tracing::info_span!("build", build_id = %req.build_id);
+        let (tx, rx) = mpsc::channel(4096);
+        let host = self.host.clone();
+        tokio::spawn(crate::build::run(host, req, tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
 
     async fn snapshot(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<SnapshotStream>, Status> {
         let req = request.into_inner();

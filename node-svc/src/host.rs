@@ -108,6 +108,9 @@ pub struct HostConfig {
     /// Folder of templates: `NAME/template.json` and `NAME/files/`. `base` always exists.
     pub templates_dir: Option<PathBuf>,
     pub capacity: Resources,
+    /// The cluster's blob store (`blobs::from_url`), where template layers come from; `None`:
+    /// only templates without layers (the built-in base) can run here.
+    pub blob_store: Option<String>,
 }
 
 /// What a create asks for.
@@ -124,7 +127,12 @@ pub struct CreateSpec {
     pub access_token: Option<String>,
     pub network: Option<common::egress::NetworkPolicy>,
     pub traffic_access_token: Option<String>,
+    /// Its template's build (`None`: the built-in base).
+    pub image: Option<common::template::Image>,
 }
+
+/// How long a template's ready check may take to pass at create.
+pub const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// One sandbox in a heartbeat.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -254,6 +262,8 @@ struct Shared {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     /// Answers to recent operation IDs.
     answers: Mutex<Answers<Answer>>,
+    /// Template layers, fetched from the blob store.
+    layers: Option<Arc<crate::layer_cache::LayerCache>>,
 }
 
 /// Access to a running sandbox's files for one envd request; a pause waits until it is
@@ -294,6 +304,16 @@ impl Host {
                 (record.id, Arc::new(slot))
             })
             .collect();
+        let layers = match &config.blob_store {
+            Some(url) => {
+                let store = blobs::from_url(url).map_err(|e| NodeError::Invalid(format!("blob store {url:?}: {e}")))?;
+                Some(Arc::new(crate::layer_cache::LayerCache::new(
+                    crate::layer_cache::root(&config.state_dir),
+                    store,
+                )))
+            }
+            None => None,
+        };
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -301,6 +321,7 @@ impl Host {
                 dir,
                 slots: Mutex::new(slots),
                 answers: Mutex::new(Answers::new(ANSWERS_KEPT)),
+                layers,
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
@@ -320,6 +341,11 @@ impl Host {
         self.shared.config.capacity
     }
 
+    /// The node's template layers, when it has a blob store.
+    pub fn layers(&self) -> Option<&Arc<crate::layer_cache::LayerCache>> {
+        self.shared.layers.as_ref()
+    }
+
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.shared.runtime
     }
@@ -335,6 +361,15 @@ impl Host {
     /// Where a sandbox's files live.
     pub fn home(&self, id: &str) -> PathBuf {
         self.shared.dir.home(id)
+    }
+
+    /// A sandbox's whole folder (its home and the runtime's parts beside it).
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.shared.dir.sandbox_dir(id)
+    }
+
+    pub fn state_dir(&self) -> &std::path::Path {
+        &self.shared.config.state_dir
     }
 
     /// Creates and starts a sandbox.
@@ -610,12 +645,18 @@ impl Shared {
                 return Err(NodeError::AlreadyExists(spec.sandbox_id));
             }
         }
+        self.ensure_layers(spec.image.as_ref()).await?;
         let templates = self.config.templates_dir.clone();
         let (runtime, dir) = (self.runtime.clone(), self.dir.clone());
         // One trip to a blocking thread for all of it: every hop is a thread wake-up, and on
         // a busy host each costs more than the work it carries.
         let record = blocking(move || {
-            let template = template::load(templates.as_deref(), &spec.template)?;
+            // A template from the registry comes whole in the request; a node's own templates
+            // folder (the older way) only adds to one it has.
+            let template = match template::load(templates.as_deref(), &spec.template) {
+                Err(TemplateError::Unknown(_)) if spec.image.is_some() => Template::default(),
+                other => other?,
+            };
             let files = template.files.clone();
             let mut record = new_record(spec, template, now_ms());
             let home = dir.home(&record.id);
@@ -639,10 +680,57 @@ impl Shared {
             Ok(record)
         })
         .await?;
+        if let Err(err) = self.ready(&record).await {
+            let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
+            let _ = blocking(move || {
+                let _ = runtime.kill(&r);
+                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&r.id));
+                Ok(())
+            })
+            .await;
+            return Err(err);
+        }
         turn.commit(Some(record.clone()));
         tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
         self.note(&record.id, "sandbox created");
         Ok(record)
+    }
+
+    /// Makes an image's layers present on this node (fetched from the blob store).
+    async fn ensure_layers(&self, image: Option<&common::template::Image>) -> Result<(), NodeError> {
+        let Some(image) = image.filter(|i| !i.layers.is_empty()) else {
+            return Ok(());
+        };
+        let cache = self
+            .layers
+            .as_ref()
+            .ok_or_else(|| NodeError::Runtime("this node has no blob store to fetch template layers from".into()))?;
+        let fetched = cache
+            .ensure_all(&image.layers)
+            .await
+            .map_err(|e| NodeError::Runtime(e.to_string()))?;
+        metrics::counter!("node_layer_fetches_total").increment(fetched as u64);
+        Ok(())
+    }
+
+    /// Waits until the sandbox's template says it is ready: its ready command, run as the
+    /// default user through the sandbox's own envd, exits 0 (E2B's `readyCmd`; without memory
+    /// snapshots the start command runs at every create, so every create waits for it).
+    async fn ready(&self, record: &SandboxRecord) -> Result<(), NodeError> {
+        let Some(check) = record.image.as_ref().and_then(|i| i.ready_cmd.clone()) else {
+            return Ok(());
+        };
+        let Some(socket) = self.runtime.envd_socket(&self.dir.home(&record.id)) else {
+            return Ok(());
+        };
+        let command = crate::envd_client::Command {
+            script: check.clone(),
+            env: record.env.clone(),
+            ..Default::default()
+        };
+        crate::envd_client::until_ok(&socket, &command, READY_DEADLINE)
+            .await
+            .map_err(|e| NodeError::Runtime(format!("the template's ready command: {e}")))
     }
 
     /// Pause, resume or kill, fenced by `epoch`.
@@ -845,6 +933,8 @@ impl Shared {
             OnExisting::Refuse(refusal) => return Err(refusal.into()),
             OnExisting::Restore | OnExisting::Replace => {}
         }
+        // Its template's layers, fetched before anything of it is installed.
+        self.ensure_layers(record.image.as_ref()).await?;
         // The stream is unpacked without the sandbox's turn (it may take long); only the
         // install, which is quick, takes it.
         let scratch = {
@@ -1015,7 +1105,11 @@ fn validate_id(id: &str) -> Result<(), NodeError> {
 /// over the template's, the spec's start command or else the template's.
 fn new_record(spec: CreateSpec, template: Template, now_ms: u64) -> SandboxRecord {
     let mut env = template.env;
+    if let Some(image) = &spec.image {
+        env.extend(image.env.clone());
+    }
     env.extend(spec.env);
+    let image_start = spec.image.as_ref().and_then(|i| i.start_cmd.clone());
     SandboxRecord {
         id: spec.sandbox_id,
         template: if spec.template.is_empty() {
@@ -1026,10 +1120,15 @@ fn new_record(spec: CreateSpec, template: Template, now_ms: u64) -> SandboxRecor
         resources: spec.resources,
         env,
         metadata: spec.metadata,
-        start_command: spec.start_command.filter(|c| !c.is_empty()).or(template.start_command),
+        start_command: spec
+            .start_command
+            .filter(|c| !c.is_empty())
+            .or(image_start)
+            .or(template.start_command),
         access_token: spec.access_token.filter(|t| !t.is_empty()),
         network: spec.network,
         traffic_access_token: spec.traffic_access_token.filter(|t| !t.is_empty()),
+        image: spec.image,
         state: State::Running,
         epoch: spec.epoch,
         pgid: 0,
@@ -1109,6 +1208,7 @@ mod tests {
             access_token: None,
             network: None,
             traffic_access_token: None,
+            image: None,
             state,
             epoch: 1,
             pgid: 0,
@@ -1209,6 +1309,7 @@ mod tests {
                 vcpus: 8,
                 memory_bytes: 8192 * MIB,
             },
+            blob_store: None,
         }
     }
 

@@ -6,15 +6,20 @@
 //! every lifecycle operation, keeping each sandbox in the [`state_dir`], seeding new ones from
 //! a [`template`] and moving them between nodes as [`snapshot`] streams; [`heartbeat`]
 //! reports to placement; [`api`] is the gRPC service; [`envd`] the in-sandbox API; [`server`]
-//! wires them.
+//! wires them. Templates with layers: [`layer_cache`] keeps their layers (fetched from the blob
+//! store), [`build`] builds them step by step, talking to the builder containers' envd through
+//! [`envd_client`].
 //!
 //! Process memory is not preserved across snapshot and restore in the process runtime: the
 //! sandbox's files are. A restored sandbox starts its start command afresh on resume.
 
 pub mod api;
+pub mod build;
 pub mod envd;
+pub mod envd_client;
 pub mod heartbeat;
 pub mod host;
+pub mod layer_cache;
 pub mod logs;
 pub mod metrics;
 pub mod runtime;

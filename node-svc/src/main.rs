@@ -72,6 +72,11 @@ struct Args {
     /// runs in any template's root filesystem; default: this binary (needs glibc there).
     #[arg(long, env = "NODE_ENVD_BINARY")]
     envd_binary: Option<PathBuf>,
+    /// The cluster's blob store, shared with the gateways: where template layers and the files
+    /// of build steps are. A directory (`file:///abs/dir` or a path) or S3
+    /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
+    #[arg(long, env = "SANDBOXSCHED_BLOB_STORE", default_value = "data/blobs")]
+    blob_store: String,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
@@ -97,6 +102,11 @@ async fn serve() -> anyhow::Result<()> {
     config.advertise = args.advertise;
     config.advertise_envd = args.advertise_envd;
     config.host.templates_dir = args.templates_dir;
+    config.host.blob_store = Some(if args.blob_store.contains("://") {
+        args.blob_store
+    } else {
+        std::path::absolute(&args.blob_store)?.display().to_string()
+    });
     if let Some(vcpus) = args.vcpus {
         config.host.capacity.vcpus = vcpus;
     }

@@ -44,6 +44,10 @@ pub struct SandboxRecord {
     /// Required on requests for its ports when set (E2B's `allowPublicTraffic: false`).
     #[serde(default)]
     pub traffic_access_token: Option<String>,
+    /// What its root filesystem is made of: the layers and config of its template's build.
+    /// `None` (and every record from before templates had builds): the built-in base.
+    #[serde(default)]
+    pub image: Option<common::template::Image>,
     pub state: State,
     /// The newest fencing epoch seen for this sandbox.
     pub epoch: u64,
@@ -200,6 +204,7 @@ mod tests {
             access_token: None,
             network: None,
             traffic_access_token: None,
+            image: None,
             state,
             epoch,
             pgid: 0,

@@ -63,6 +63,7 @@ impl NodeConfig {
                 state_dir: state_dir.into(),
                 templates_dir: None,
                 capacity: host_capacity(),
+                blob_store: None,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),

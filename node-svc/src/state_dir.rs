@@ -148,6 +148,7 @@ mod tests {
             access_token: None,
             network: None,
             traffic_access_token: None,
+            image: None,
             state: State::Running,
             epoch: 1,
             pgid: 0,

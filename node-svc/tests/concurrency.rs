@@ -164,6 +164,7 @@ impl Node {
                 vcpus: 8,
                 memory_bytes: 16 * 1024 * MIB,
             },
+            blob_store: None,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 

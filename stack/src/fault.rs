@@ -290,6 +290,7 @@ impl NodeProxy {
 }
 
 type Chunks = Pin<Box<dyn Stream<Item = Result<npb::SnapshotChunk, Status>> + Send>>;
+type BuildEvents = Pin<Box<dyn Stream<Item = Result<npb::BuildEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Node for NodeProxy {
@@ -359,6 +360,14 @@ impl Node for NodeProxy {
     }
 
     type SnapshotStream = Chunks;
+    type BuildStream = BuildEvents;
+
+    async fn build(&self, request: Request<npb::BuildRequest>) -> Result<Response<BuildEvents>, Status> {
+        self.faults.gate("Build")?;
+        let stream = self.upstream.clone().build(request.into_inner()).await?.into_inner();
+        let events: BuildEvents = Box::pin(stream);
+        self.faults.reply("Build", Ok(Response::new(events)))
+    }
 
     async fn snapshot(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<Chunks>, Status> {
         self.faults.gate("Snapshot")?;

@@ -275,6 +275,8 @@ impl StackBuilder {
         for (id, adjust) in self.nodes {
             let mut config = NodeConfig::new(any_port, &id, dir.join(&id));
             config.placement = Some(placement.endpoint());
+            // One blob store for the whole stack, as a cluster shares one.
+            config.host.blob_store = Some(blob_store_in(&dir));
             config.heartbeat_interval = self.heartbeat;
             // Metrics as often as heartbeats (tests and benchmarks run with short ones); never
             // more rarely than the node's own default.
@@ -311,7 +313,8 @@ impl StackBuilder {
                     ledger: ledger.endpoint(),
                     placement: placement.endpoint(),
                     keys: [("key".to_string(), "team".to_string())].into(),
-                    templates: e2b_gateway::intent::builtin_templates(),
+                    templates: Vec::new(),
+                    blob_store: blob_store_in(&dir),
                     reap_interval: Duration::from_secs(1),
                     hibernate_dir: dir.join("hibernated"),
                     domain: String::new(),
@@ -335,6 +338,11 @@ impl StackBuilder {
             ledger_client,
         })
     }
+}
+
+/// The blob store of a stack kept in `dir` (a directory: the embedded default).
+pub fn blob_store_in(dir: &std::path::Path) -> String {
+    dir.join("blobs").display().to_string()
 }
 
 /// The embedded default ledger database of a stack kept in `dir`.

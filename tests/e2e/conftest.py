@@ -25,6 +25,15 @@ def _binary(name: str = "sandboxsched") -> Path:
     raise RuntimeError(f"target/debug/{name} is missing: run `cargo build` (scripts/test-all does)")
 
 
+def _static_envd() -> dict:
+    """The static envd (scripts/build-static-envd), which templates built from images need."""
+    for profile in ("debug", "release"):
+        path = ROOT / "target" / "x86_64-unknown-linux-gnu" / profile / "sandboxsched-envd"
+        if path.exists():
+            return {"SANDBOXSCHED_ENVD_BINARY": str(path)}
+    return {}
+
+
 def _start(nodes: int, log_level: str, **extra):
     """Runs `sandboxsched up` on free ports; returns (process, data dir, log path, exports)."""
     data = Path(tempfile.mkdtemp(prefix="e2e-stack-"))
@@ -41,6 +50,7 @@ def _start(nodes: int, log_level: str, **extra):
         # A second team, for the tests that attack one team's sandbox from another.
         SANDBOXSCHED_API_KEYS=f"{OTHER_TEAM_KEY}=other-team",
         RUST_LOG=log_level,
+        **_static_envd(),
         **extra,
     )
     # Output goes to a file, never a pipe nobody drains: a full pipe would stall the stack.

@@ -93,7 +93,8 @@ impl Sandboxes {
                 tracing::error!(%err, "could not delete the manifest of a failed create");
             }
         };
-        let placed = match self.place_and_start(&doc).await {
+        let image = crate::templates::build::image_to_pb(&intent.image);
+        let placed = match self.place_and_start(&doc, &image).await {
             Ok(placed) => placed,
             Err(err) => {
                 undo_manifest().await;
@@ -132,7 +133,11 @@ impl Sandboxes {
         Ok(doc)
     }
 
-    pub(super) async fn place_and_start(&self, doc: &SandboxDoc) -> Result<Placed, Failure> {
+    pub(super) async fn place_and_start(
+        &self,
+        doc: &SandboxDoc,
+        image: &node_pb::TemplateImage,
+    ) -> Result<Placed, Failure> {
         let mut exclude = Vec::new();
         let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
         for attempt in 0..CREATE_ATTEMPTS {
@@ -148,10 +153,15 @@ impl Sandboxes {
                     exclude_nodes: exclude.clone(),
                     ..Default::default()
                 })
-                .await
-                .map_err(|s| from_status("placement", s))?
-                .into_inner();
-            let started = self.start_on(doc, &placed, attempt).await;
+                .await;
+            let placed = match placed {
+                Ok(placed) => placed.into_inner(),
+                // No other node to try: what the node that failed said is the answer (a
+                // placement refusal would hide it).
+                Err(_) if attempt > 0 => return Err(last),
+                Err(status) => return Err(from_status("placement", status)),
+            };
+            let started = self.start_on(doc, image, &placed, attempt).await;
             let sandbox_ref = pl::SandboxRef {
                 sandbox_id: doc.sandbox_id.clone(),
                 node_id: placed.node_id.clone(),
@@ -182,6 +192,7 @@ impl Sandboxes {
     pub(super) async fn start_on(
         &self,
         doc: &SandboxDoc,
+        image: &node_pb::TemplateImage,
         placed: &pl::PlaceResponse,
         attempt: usize,
     ) -> Result<String, Failure> {
@@ -205,9 +216,14 @@ impl Sandboxes {
                 deny_out: n.deny_out.iter().map(ToString::to_string).collect(),
             }),
             traffic_access_token: doc.traffic_access_token.clone().unwrap_or_default(),
+            image: Some(image.clone()),
         })
         .await
-        .map_err(|s| from_status("node create", s))?;
+        .map_err(|s| match s.code() {
+            // Not "no such sandbox": something the create needs is not on that node.
+            tonic::Code::NotFound => Failure::Unavailable(format!("node create: {}", s.message())),
+            _ => from_status("node create", s),
+        })?;
         match self.nodes.envd(&placed.node_address).await {
             Ok(envd) => Ok(envd),
             Err(err) => {

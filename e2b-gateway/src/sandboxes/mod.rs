@@ -50,6 +50,12 @@ pub enum Failure {
     Unknown(String),
     #[error("{0}")]
     Internal(String),
+    /// The request itself is wrong (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// Exists, but not the caller's to use or change (403).
+    #[error("{0}")]
+    Forbidden(String),
 }
 
 /// Reads a ledger write of unknown outcome may take to resolve it.
@@ -196,6 +202,53 @@ impl Sandboxes {
             .map_err(|s| from_status("node logs", s))?
             .into_inner()
             .entries)
+    }
+
+    /// Reserves a node for `id` (a template build's builder, not a sandbox) with these
+    /// resources, as placement chooses for any create; returns the node and a client of it.
+    /// [`Sandboxes::release`] gives the reservation back.
+    pub async fn reserve(
+        &self,
+        id: &str,
+        vcpus: u32,
+        memory_bytes: u64,
+    ) -> Result<
+        (
+            pl::PlaceResponse,
+            proto::node::v1::node_client::NodeClient<TracedChannel>,
+        ),
+        Failure,
+    > {
+        let placed = self
+            .placement
+            .clone()
+            .place(pl::PlaceRequest {
+                sandbox_id: id.to_string(),
+                resources: Some(pl::Resources { vcpus, memory_bytes }),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| from_status("placement", s))?
+            .into_inner();
+        let client = self.nodes.client(&placed.node_address).await?;
+        Ok((placed, client))
+    }
+
+    /// Gives back what [`Sandboxes::reserve`] took (a failure is logged: the reservation
+    /// expires by itself).
+    pub async fn release(&self, id: &str, node_id: &str) {
+        let released = self
+            .placement
+            .clone()
+            .release(pl::SandboxRef {
+                sandbox_id: id.to_string(),
+                node_id: node_id.to_string(),
+                resources: None,
+            })
+            .await;
+        if let Err(status) = released {
+            tracing::warn!(%id, %node_id, %status, "placement did not hear of the release");
+        }
     }
 
     /// The placer's view of every node.

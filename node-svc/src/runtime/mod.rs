@@ -103,6 +103,12 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Why this runtime cannot run a template with its own root filesystem (an OCI image's),
+    /// if it cannot.
+    fn images_refused(&self) -> Option<String> {
+        Some(format!("the {} runtime runs no images", self.kind()))
+    }
+
     /// Replaces the network policy of a sandbox that runs (or is paused): its own rules, and a
     /// link out if it now needs one it did not have.
     fn update_network(

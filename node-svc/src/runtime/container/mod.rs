@@ -68,6 +68,17 @@ pub struct ContainerConfig {
     pub network: network::NetworkConfig,
 }
 
+/// The base template's generated layer (under the host's userland), in a node's state
+/// directory.
+pub fn base_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("container").join("base")
+}
+
+/// The layer above an image's own layers (see [`rootfs::ensure_shim`]).
+pub fn shim_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("container").join("shim")
+}
+
 /// Binaries that answer `envd ...` and `jail ...` (see `node_svc::multicall`).
 const MULTICALL: [&str; 2] = ["node-svc", "sandboxsched"];
 
@@ -96,6 +107,11 @@ pub struct ContainerRuntime {
     dirs: StateDir,
     cli: oci::Cli,
     base: PathBuf,
+    /// The layer above an image's own (templates not built on the host's userland): the mount
+    /// points the spec needs, so nothing is created in a sandbox's writable layer for them.
+    shim: PathBuf,
+    /// Where template layers are cached (`crate::layer_cache`).
+    layers: PathBuf,
     host_dirs: Vec<PathBuf>,
     envd_binary: PathBuf,
     /// For measuring: the runtime creates each sandbox's groups under the node's parents.
@@ -160,6 +176,31 @@ fn reap_when_dead(pid: u32) {
     });
 }
 
+/// Whether an ELF executable names a program interpreter (`PT_INTERP`: the dynamic linker),
+/// so it runs only where that linker and its libraries are.
+fn needs_interpreter(binary: &Path) -> io::Result<bool> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    const PT_INTERP: u32 = 3;
+    let mut file = std::fs::File::open(binary)?;
+    let mut header = [0u8; 64];
+    file.read_exact(&mut header)?;
+    if &header[..4] != b"\x7fELF" || header[4] != 2 {
+        return Err(io::Error::other("not a 64-bit ELF executable"));
+    }
+    let le_u16 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+    let phoff = u64::from_le_bytes(header[0x20..0x28].try_into().map_err(io::Error::other)?);
+    let (phentsize, phnum) = (le_u16(&header[0x36..]), le_u16(&header[0x38..]));
+    for i in 0..u64::from(phnum) {
+        file.seek(SeekFrom::Start(phoff + i * u64::from(phentsize)))?;
+        let mut p_type = [0u8; 4];
+        file.read_exact(&mut p_type)?;
+        if u32::from_le_bytes(p_type) == PT_INTERP {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// What this host lacks to isolate sandboxes.
 fn probe_host() -> Vec<String> {
     let mut missing = Vec::new();
@@ -213,7 +254,11 @@ impl ContainerRuntime {
             missing.push("memory and freezer cgroups".to_string());
         }
         let root = config.state_dir.join("container");
-        let base = root.join("base");
+        let base = base_dir(&config.state_dir);
+        let shim = shim_dir(&config.state_dir);
+        if let Err(e) = rootfs::ensure_shim(&shim) {
+            missing.push(format!("the layer above images at {}: {e}", shim.display()));
+        }
         if let Err(e) = std::fs::create_dir_all(&config.state_dir).and_then(|()| searchable(&config.state_dir)) {
             missing.push(format!("a state directory the sandboxes' root can reach: {e}"));
         }
@@ -256,6 +301,8 @@ impl ContainerRuntime {
             dirs: StateDir::new(&config.state_dir),
             cli,
             base,
+            shim,
+            layers: crate::layer_cache::root(&config.state_dir),
             host_dirs,
             envd_binary,
             cgroups,
@@ -269,12 +316,36 @@ impl ContainerRuntime {
         format!("/{}/{}", super::cgroup::parent_name(&self.node_id), record.id)
     }
 
+    /// The read-only layers of the sandbox's root, topmost first: its template's layers on
+    /// the base (the host's userland), or on nothing but the shim (an image's own root).
+    fn lower_dirs(&self, record: &SandboxRecord) -> Result<Vec<PathBuf>, String> {
+        let image = record.image.as_ref();
+        let mut lower = Vec::new();
+        let own_root = image.is_some_and(|i| !i.host_userland);
+        if own_root {
+            lower.push(self.shim.clone());
+        }
+        for layer in image.map_or(&[][..], |i| &i.layers[..]).iter().rev() {
+            let dir = crate::layer_cache::layer_path(&self.layers, &layer.digest).map_err(|e| e.to_string())?;
+            if !dir.is_dir() {
+                return Err(format!("layer {} is not on this node", layer.digest));
+            }
+            lower.push(dir);
+        }
+        if !own_root {
+            lower.push(self.base.clone());
+        }
+        Ok(lower)
+    }
+
     fn write_spec(&self, record: &SandboxRecord, parts: &Parts) -> Result<(), String> {
+        let host_userland = record.image.as_ref().is_none_or(|i| i.host_userland);
         let inputs = spec::Inputs {
             rootfs: &parts.rootfs,
             envd_binary: &self.envd_binary,
             cgroups_path: self.cgroups_path(record),
-            host_dirs: &self.host_dirs,
+            host_dirs: if host_userland { &self.host_dirs } else { &[] },
+            host_userland,
         };
         let spec = spec::spec(record, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
@@ -315,6 +386,11 @@ impl Runtime for ContainerRuntime {
                 ),
             ));
         }
+        if record.image.as_ref().is_some_and(|i| !i.host_userland) {
+            if let Some(why) = self.images_refused() {
+                return Err(start_error(record, format!("its template is an image, and {why}")));
+            }
+        }
         let parts = parts(home);
         // A container of this ID left from before (a restore over a dead copy) goes first; the
         // runtime keeps a folder per container under its root, so a new ID costs no call.
@@ -322,8 +398,8 @@ impl Runtime for ContainerRuntime {
             self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
         }
         rootfs::prepare_upper(home, &parts.work).map_err(|e| start_error(record, format!("writable layer: {e}")))?;
-        rootfs::mount_overlay(std::slice::from_ref(&self.base), home, &parts.work, &parts.rootfs)
-            .map_err(|e| start_error(record, e))?;
+        let lower = self.lower_dirs(record).map_err(|e| start_error(record, e))?;
+        rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs).map_err(|e| start_error(record, e))?;
         let started = (|| -> Result<u32, String> {
             self.write_spec(record, &parts)?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
@@ -428,6 +504,18 @@ impl Runtime for ContainerRuntime {
         Some(parts(home).log)
     }
 
+    /// An image brings its own C library, or none: envd must need nothing of it.
+    fn images_refused(&self) -> Option<String> {
+        match needs_interpreter(&self.envd_binary) {
+            Ok(false) => None,
+            Ok(true) => Some(format!(
+                "its envd ({}) is dynamically linked and needs the host's C library; give the node a static one (--envd-binary, built by scripts/build-static-envd)",
+                self.envd_binary.display()
+            )),
+            Err(e) => Some(format!("its envd ({}) cannot be read: {e}", self.envd_binary.display())),
+        }
+    }
+
     fn update_network(
         &self,
         record: &SandboxRecord,
@@ -449,5 +537,27 @@ impl Runtime for ContainerRuntime {
     /// base layer has it: the upper layer's folders are what the sandbox sees).
     fn seed(&self, home: &Path, files: &Path) -> io::Result<()> {
         rootfs::seed_user_files(home, files)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dynamically_linked_binary_needs_its_interpreter() {
+        let exe = std::env::current_exe().expect("test binary");
+        assert!(
+            needs_interpreter(&exe).expect("an ELF file"),
+            "test binaries link the C library"
+        );
+        let not_elf = std::env::temp_dir().join(format!("not-elf-{}", std::process::id()));
+        std::fs::write(
+            &not_elf,
+            b"#!/bin/sh\nexit 0\n-----------------------------------------------------------------",
+        )
+        .expect("write");
+        assert!(needs_interpreter(&not_elf).is_err());
+        let _ = std::fs::remove_file(&not_elf);
     }
 }

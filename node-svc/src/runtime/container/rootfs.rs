@@ -79,6 +79,47 @@ pub fn ensure_base(dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(binds)
 }
 
+/// Bumped whenever the shim changes.
+const SHIM_VERSION: &str = "1";
+
+/// Builds, unless a complete one is there, the layer placed above an image's own layers: the
+/// mount points the spec needs (`/proc`, `/sys`, `/dev`, envd's binary) and the name
+/// resolution every sandbox gets (`/etc/hosts`, `/etc/resolv.conf`, as the base has them), so
+/// a sandbox's writable layer starts empty and a build's layers never carry them.
+pub fn ensure_shim(dir: &Path) -> io::Result<()> {
+    let marker = dir.join(".sandboxsched-shim");
+    if std::fs::read_to_string(&marker).is_ok_and(|v| v == SHIM_VERSION) {
+        return Ok(());
+    }
+    let scratch = dir.with_extension(format!("new-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let root_id = host_id(0);
+    for rel in ["", "proc", "sys", "dev", "etc", ".sandboxsched"] {
+        let path = scratch.join(rel);
+        std::fs::create_dir_all(&path)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        chown(&path, Some(root_id), Some(root_id))?;
+    }
+    for (rel, text) in [
+        (".sandboxsched/envd", ""),
+        ("etc/hosts", HOSTS),
+        ("etc/resolv.conf", RESOLV_CONF),
+    ] {
+        let path = scratch.join(rel);
+        std::fs::write(&path, text)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        chown(&path, Some(root_id), Some(root_id))?;
+    }
+    std::fs::write(scratch.join(".sandboxsched-shim"), SHIM_VERSION)?;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::rename(&scratch, dir)
+}
+
+const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+// Public resolvers, as on E2B: reached through the sandbox's link out like any other
+// destination (the host's own resolver is on an address no sandbox may reach).
+const RESOLV_CONF: &str = "nameserver 8.8.8.8\nnameserver 1.1.1.1\n";
+
 fn build_base(root: &Path) -> io::Result<()> {
     let root_id = host_id(0);
     let user_id = host_id(SANDBOX_USER_ID);
@@ -136,13 +177,8 @@ fn build_base(root: &Path) -> io::Result<()> {
         "group",
         "root:x:0:\ntty:x:5:\nusers:x:100:user\nuser:x:1000:\nnogroup:x:65534:\n",
     )?;
-    etc_file(
-        "hosts",
-        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-    )?;
-    // Public resolvers, as on E2B: reached through the sandbox's link out like any other
-    // destination (the host's own resolver is on an address no sandbox may reach).
-    etc_file("resolv.conf", "nameserver 8.8.8.8\nnameserver 1.1.1.1\n")?;
+    etc_file("hosts", HOSTS)?;
+    etc_file("resolv.conf", RESOLV_CONF)?;
     etc_file(
         "nsswitch.conf",
         "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",

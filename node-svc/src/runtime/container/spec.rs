@@ -45,6 +45,9 @@ pub struct Inputs<'a> {
     /// Host top-level directories to bind read-only besides `/usr` (a host without merged
     /// `/usr`, where `/bin` or `/lib` are real directories).
     pub host_dirs: &'a [std::path::PathBuf],
+    /// Whether the host's `/usr` is bound in (templates built on `base`); an image's own root
+    /// brings its own.
+    pub host_userland: bool,
 }
 
 const CAPABILITIES: [&str; 14] = [
@@ -114,6 +117,14 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
     if let Some(command) = record.start_command.as_deref().filter(|c| !c.trim().is_empty()) {
         env.push(format!("{}={command}", envd::START_COMMAND_VAR));
     }
+    if let Some(image) = &record.image {
+        if !image.user.is_empty() {
+            env.push(format!("{}={}", envd::DEFAULT_USER_VAR, image.user));
+        }
+        if !image.workdir.is_empty() {
+            env.push(format!("{}={}", envd::DEFAULT_WORKDIR_VAR, image.workdir));
+        }
+    }
     let caps: Vec<&str> = CAPABILITIES.to_vec();
     let vcpus = u64::from(record.resources.vcpus.max(1));
     let memory = i64::try_from(record.resources.memory_bytes).unwrap_or(i64::MAX);
@@ -135,8 +146,10 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
         json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
         json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
         json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
-        json!({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]}),
     ];
+    if inputs.host_userland {
+        mounts.push(json!({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]}));
+    }
     for dir in inputs.host_dirs {
         mounts.push(
             json!({"destination": dir, "type": "bind", "source": dir, "options": ["rbind", "ro", "nosuid", "nodev"]}),
@@ -216,6 +229,7 @@ mod tests {
             access_token: None,
             network: None,
             traffic_access_token: None,
+            image: None,
             state: State::Running,
             epoch: 0,
             pgid: 0,
@@ -230,6 +244,7 @@ mod tests {
             envd_binary: Path::new("/bin/node-svc"),
             cgroups_path: "/sandboxsched-n1/sbx1".into(),
             host_dirs: &[],
+            host_userland: true,
         };
         let spec = spec(&record(), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
@@ -266,5 +281,36 @@ mod tests {
             .map(|m| m["source"].as_str().unwrap())
             .collect();
         assert_eq!(binds, vec!["/usr", "/bin/node-svc"]);
+    }
+
+    #[test]
+    fn an_image_brings_its_own_userland_and_defaults() {
+        let inputs = Inputs {
+            rootfs: Path::new("/state/sbx1/rootfs"),
+            envd_binary: Path::new("/bin/envd"),
+            cgroups_path: "/sandboxsched-n1/sbx1".into(),
+            host_dirs: &[],
+            host_userland: false,
+        };
+        let mut record = record();
+        record.image = Some(common::template::Image {
+            user: "root".into(),
+            workdir: "/app".into(),
+            ..Default::default()
+        });
+        let json = serde_json::to_value(spec(&record, &inputs).unwrap()).unwrap();
+        let binds: Vec<&str> = json["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["type"] == "bind")
+            .map(|m| m["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(binds, vec!["/bin/envd"], "nothing of the host's userland");
+        let env = json["process"]["env"].to_string();
+        assert!(
+            env.contains("ENVD_DEFAULT_USER=root") && env.contains("ENVD_DEFAULT_WORKDIR=/app"),
+            "{env}"
+        );
     }
 }

@@ -1,0 +1,142 @@
+//! The archives of COPY steps: the SDK hashes a step's files, asks whether that hash is
+//! stored (`GET /templates/{id}/files/{hash}`), and uploads a tar of them to the URL it gets
+//! back. They are kept in the cluster's blob store under `files/<team>/<hash>`, where the
+//! builder node fetches them.
+//!
+//! Per team, because the hash is the client's claim about the content, not something the
+//! gateway can check against the tar: shared across teams, one team could upload anything
+//! under a hash another team's build will use. The upload URL carries a token derived from
+//! the caller's API key, so it needs no header (the SDK sends none) and no one without that
+//! key can write there.
+
+use std::sync::Arc;
+
+use blobs::{BlobStore, Key};
+use sha2::{Digest, Sha256};
+
+use crate::sandboxes::Failure;
+
+/// The largest archive accepted (the SDK's build contexts are gzip tars).
+pub const MAX_UPLOAD_BYTES: u64 = 4 << 30;
+
+/// COPY archives in the blob store.
+#[derive(Clone)]
+pub struct Files {
+    pub store: Arc<dyn BlobStore>,
+    /// Where uploads are spooled before they go to the store.
+    pub spool: std::path::PathBuf,
+}
+
+/// Checks the SDK's files hash: hex, as its SHA-256 is written.
+pub fn check_hash(hash: &str) -> Result<(), Failure> {
+    if !hash.is_empty() && hash.len() <= 128 && hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        Err(Failure::Invalid(format!(
+            "files hash {hash:?} must be 1 to 128 hex digits"
+        )))
+    }
+}
+
+/// The blob store key of a team's archive (team IDs are the operator's, checked anyway).
+pub fn key(team: &str, hash: &str) -> Result<Key, Failure> {
+    check_hash(hash)?;
+    let team: String = team
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+                b as char
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    Key::new(format!("files/{team}/{}", hash.to_ascii_lowercase())).map_err(|e| Failure::Internal(e.to_string()))
+}
+
+/// The token an upload URL carries: only the holder of `api_key` can make it.
+pub fn upload_token(api_key: &str, template_id: &str, hash: &str) -> String {
+    let mut h = Sha256::new();
+    for part in ["sandboxsched-upload", api_key, template_id, hash] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Compares two tokens in constant time.
+pub fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Files {
+    /// Whether the team's archive with this hash is stored.
+    pub async fn present(&self, team: &str, hash: &str) -> Result<bool, Failure> {
+        let key = key(team, hash)?;
+        self.store
+            .exists(&key)
+            .await
+            .map(|size| size.is_some())
+            .map_err(|e| Failure::Unavailable(format!("blob store: {e}")))
+    }
+
+    /// Stores an upload: spooled to a local file as it streams (never whole in memory), then
+    /// put into the store.
+    pub async fn store_upload(&self, team: &str, hash: &str, body: axum::body::Body) -> Result<u64, Failure> {
+        use futures::StreamExt as _;
+        use tokio::io::AsyncWriteExt as _;
+        let key = key(team, hash)?;
+        tokio::fs::create_dir_all(&self.spool)
+            .await
+            .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
+        let path = self.spool.join(format!("upload-{}", uuid::Uuid::new_v4().simple()));
+        let written = async {
+            let mut file = tokio::fs::File::create(&path)
+                .await
+                .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
+            let mut stream = body.into_data_stream();
+            let mut total = 0u64;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|e| Failure::Invalid(format!("upload interrupted: {e}")))?;
+                total += chunk.len() as u64;
+                if total > MAX_UPLOAD_BYTES {
+                    return Err(Failure::Invalid(format!(
+                        "the archive exceeds {} GiB",
+                        MAX_UPLOAD_BYTES >> 30
+                    )));
+                }
+                file.write_all(&chunk)
+                    .await
+                    .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
+            }
+            file.flush()
+                .await
+                .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
+            self.store
+                .put_file(&key, &path)
+                .await
+                .map_err(|e| Failure::Unavailable(format!("blob store: {e}")))?;
+            Ok(total)
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&path).await;
+        written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_per_team_and_hashes_are_hex() {
+        assert_eq!(key("team-a", "ABCDEF01").unwrap().to_string(), "files/team-a/abcdef01");
+        assert_eq!(key("a/../b", "00").unwrap().to_string(), "files/a____b/00");
+        assert!(key("t", "../x").is_err());
+        assert!(key("t", "").is_err());
+        let token = upload_token("key", "t1", "00");
+        assert!(same_token(&token, &upload_token("key", "t1", "00")));
+        assert!(!same_token(&token, &upload_token("other", "t1", "00")));
+        assert!(!same_token(&token, &upload_token("key", "t1", "01")));
+    }
+}

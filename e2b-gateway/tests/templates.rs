@@ -1,0 +1,163 @@
+//! Templates through the REST API, as the SDK drives a build, and from another team's side:
+//! a name is one team's, uploads need the URL's token, builds start once, and what a build
+//! made is only its team's.
+
+mod support;
+
+use serde_json::Value;
+
+/// A gzip tar holding one file, as the SDK uploads a COPY step's files.
+fn archive(name: &str, text: &str) -> Vec<u8> {
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(text.len() as u64);
+    header.set_mode(0o644);
+    header.set_cksum();
+    tar.append_data(&mut header, name, text.as_bytes()).unwrap();
+    let raw = tar.into_inner().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &raw).unwrap();
+    gz.finish().unwrap()
+}
+
+async fn wait_for_build(s: &support::Stack, template: &str, build: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut logs = Vec::new();
+    loop {
+        let path = format!("/templates/{template}/builds/{build}/status?logsOffset={}", logs.len());
+        let (status, answer) = s.call("GET", &path, Some("key-a"), None).await;
+        assert_eq!(status, 200, "{answer}");
+        logs.extend(answer["logEntries"].as_array().unwrap().iter().cloned());
+        let state = answer["status"].as_str().unwrap().to_string();
+        if state == "ready" || state == "error" {
+            let mut answer = answer;
+            answer["allLogs"] = Value::Array(logs);
+            return answer;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "build still {state}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_build_is_its_teams_from_name_to_sandbox() {
+    let s = support::stack(4096).await;
+    let (status, made) = s
+        .call(
+            "POST",
+            "/v3/templates",
+            Some("key-a"),
+            Some(r#"{"name": "tpl:v1", "cpuCount": 1, "memoryMB": 256}"#),
+        )
+        .await;
+    assert_eq!(status, 202, "{made}");
+    let (template, build) = (made["templateID"].as_str().unwrap(), made["buildID"].as_str().unwrap());
+    assert_eq!(made["tags"], serde_json::json!(["v1"]));
+
+    // The name is team-a's now.
+    let (status, _) = s
+        .call("POST", "/v3/templates", Some("key-b"), Some(r#"{"name": "tpl"}"#))
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(
+        s.call("GET", "/templates/aliases/tpl", Some("key-b"), None).await.0,
+        403
+    );
+    assert_eq!(
+        s.call("GET", "/templates/aliases/tpl", Some("key-a"), None).await.0,
+        200
+    );
+    assert_eq!(
+        s.call("GET", "/templates/aliases/free-name", Some("key-a"), None)
+            .await
+            .0,
+        404
+    );
+
+    // Files: the upload URL is the credential, and only for its team.
+    let hash = "ab".repeat(32);
+    let (status, link) = s
+        .call(
+            "GET",
+            &format!("/templates/{template}/files/{hash}"),
+            Some("key-a"),
+            None,
+        )
+        .await;
+    assert_eq!((status, link["present"].as_bool()), (201, Some(false)), "{link}");
+    let url = link["url"].as_str().unwrap().to_string();
+    let http = reqwest::Client::new();
+    let forged = url.replace("token=", "token=0");
+    assert_eq!(
+        http.put(&forged)
+            .body(archive("a.txt", "x"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+    let stored = http
+        .put(&url)
+        .body(archive("hello.txt", "hello\n"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stored.status(), 201);
+    let (_, link) = s
+        .call(
+            "GET",
+            &format!("/templates/{template}/files/{hash}"),
+            Some("key-a"),
+            None,
+        )
+        .await;
+    assert_eq!(link["present"], true);
+    let (status, _) = s
+        .call(
+            "GET",
+            &format!("/templates/{template}/files/{hash}"),
+            Some("key-b"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404, "another team's template does not exist for it");
+
+    // The build: steps as the SDK sends them.
+    let steps = serde_json::json!({
+        "fromTemplate": "base",
+        "steps": [
+            {"type": "COPY", "args": ["hello.txt", "/home/user/app/", "", ""], "filesHash": hash, "force": false},
+            {"type": "RUN", "args": ["cat /home/user/app/hello.txt > /home/user/app/copy.txt && echo step-output", ""], "force": false},
+            {"type": "ENV", "args": ["GREETING", "hi"], "force": false},
+            {"type": "WORKDIR", "args": ["/home/user/app"], "force": false}
+        ],
+        "startCmd": "sleep 600",
+        "readyCmd": "test -f /home/user/app/copy.txt"
+    })
+    .to_string();
+    let start = format!("/v2/templates/{template}/builds/{build}");
+    assert_eq!(s.call("POST", &start, Some("key-b"), Some(&steps)).await.0, 404);
+    assert_eq!(s.call("POST", &start, Some("key-a"), Some(&steps)).await.0, 202);
+    assert_eq!(
+        s.call("POST", &start, Some("key-a"), Some(&steps)).await.0,
+        409,
+        "a build starts once"
+    );
+    let done = wait_for_build(&s, template, build).await;
+    assert_eq!(done["status"], "ready", "{done}");
+    let logs = done["allLogs"].to_string();
+    assert!(logs.contains("step-output") && logs.contains("RUN cat"), "{logs}");
+
+    // A sandbox of it, by name and tag; not for another team.
+    let body = r#"{"templateID": "tpl:v1"}"#;
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["templateID"], template);
+    assert_eq!(s.call("POST", "/sandboxes", Some("key-b"), Some(body)).await.0, 404);
+    let (status, tags) = s
+        .call("GET", &format!("/templates/{template}/tags"), Some("key-a"), None)
+        .await;
+    assert_eq!((status, tags[0]["tag"].as_str()), (200, Some("v1")), "{tags}");
+    s.stop().await;
+}

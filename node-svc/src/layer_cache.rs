@@ -1,0 +1,277 @@
+//! The node's cache of template layers: each layer a directory in overlay form
+//! (`<root>/sha256/<hex>/`, owned by the ids sandboxes map), ready to be a lowerdir of a
+//! sandbox's root filesystem.
+//!
+//! A layer missing here is fetched from the cluster's blob store by its digest
+//! (`layers/sha256/<hex>`), its bytes checked against that digest, and unpacked
+//! (`layers::unpack`: whiteouts become overlay whiteouts, no path escapes the layer) into a
+//! scratch directory that is renamed into place whole: a layer directory that exists is
+//! complete. Several creates needing one layer at once fetch it once.
+//!
+//! A build's step publishes its layer the other way ([`LayerCache::publish`]): the step's
+//! writable directory is packed into a blob (named by its digest) for the store, and the
+//! directory itself becomes the cached layer.
+//!
+//! Not done yet: eviction. The cache grows with every template used on the node.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use blobs::{BlobStore, Key};
+use common::template::Layer;
+
+use crate::runtime::container::spec::HOST_ID_BASE;
+
+/// Why a layer could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error("layer digest {0:?} is not sha256:<64 hex digits>")]
+    BadDigest(String),
+    #[error("layer {digest}: {reason}")]
+    Fetch { digest: String, reason: String },
+    #[error("layer {digest} does not match its digest (got {got})")]
+    Corrupt { digest: String, got: String },
+    #[error("publishing a layer: {0}")]
+    Publish(String),
+}
+
+/// Top-level names a build's layer never carries: the mount point of envd's binary.
+pub const NOT_IN_LAYERS: [&str; 1] = [".sandboxsched"];
+
+/// Where a node keeps its layers, under its state directory.
+pub fn root(state_dir: &Path) -> PathBuf {
+    state_dir.join("container").join("layers")
+}
+
+/// The hex of a `sha256:<hex>` digest, checked.
+pub fn hex_of(digest: &str) -> Result<&str, LayerError> {
+    match digest.strip_prefix("sha256:") {
+        Some(hex) if hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) => Ok(hex),
+        _ => Err(LayerError::BadDigest(digest.to_string())),
+    }
+}
+
+/// The directory of layer `digest` under `root`.
+pub fn layer_path(root: &Path, digest: &str) -> Result<PathBuf, LayerError> {
+    Ok(root.join("sha256").join(hex_of(digest)?))
+}
+
+/// The blob store key of layer `digest`.
+pub fn blob_key(digest: &str) -> Result<Key, LayerError> {
+    let hex = hex_of(digest)?;
+    Key::new(format!("layers/sha256/{hex}")).map_err(|e| LayerError::BadDigest(e.to_string()))
+}
+
+/// The node's layers, and the store they come from.
+pub struct LayerCache {
+    root: PathBuf,
+    store: Arc<dyn BlobStore>,
+    /// One lock per layer being fetched, so concurrent users wait for one fetch.
+    fetching: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn scratch(root: &Path, what: &str) -> PathBuf {
+    root.join("tmp")
+        .join(format!("{what}-{}", uuid::Uuid::new_v4().simple()))
+}
+
+/// How a layer blob is compressed, from its first bytes (gzip, zstd, or a plain tar).
+fn compression_of(path: &Path) -> std::io::Result<layers::unpack::Compression> {
+    use std::io::Read as _;
+    let mut magic = [0u8; 4];
+    let n = std::fs::File::open(path)?.read(&mut magic)?;
+    Ok(match &magic[..n] {
+        [0x1f, 0x8b, ..] => layers::unpack::Compression::Gzip,
+        [0x28, 0xb5, 0x2f, 0xfd] => layers::unpack::Compression::Zstd,
+        _ => layers::unpack::Compression::None,
+    })
+}
+
+impl LayerCache {
+    pub fn new(root: PathBuf, store: Arc<dyn BlobStore>) -> Self {
+        Self {
+            root,
+            store,
+            fetching: tokio::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn store(&self) -> &Arc<dyn BlobStore> {
+        &self.store
+    }
+
+    /// Whether the layer is here already.
+    pub fn has(&self, layer: &Layer) -> bool {
+        layer_path(&self.root, &layer.digest).is_ok_and(|p| p.is_dir())
+    }
+
+    /// Makes every layer of an image present; returns how many had to be fetched.
+    pub async fn ensure_all(&self, layers: &[Layer]) -> Result<usize, LayerError> {
+        let mut fetched = 0;
+        for layer in layers {
+            if self.ensure(layer).await? {
+                fetched += 1;
+            }
+        }
+        Ok(fetched)
+    }
+
+    /// Makes the layer present (fetching and unpacking it if it is not); true when it had to
+    /// be fetched.
+    pub async fn ensure(&self, layer: &Layer) -> Result<bool, LayerError> {
+        let path = layer_path(&self.root, &layer.digest)?;
+        if path.is_dir() {
+            return Ok(false);
+        }
+        let lock = self
+            .fetching
+            .lock()
+            .await
+            .entry(layer.digest.clone())
+            .or_default()
+            .clone();
+        let _held = lock.lock().await;
+        if path.is_dir() {
+            return Ok(false);
+        }
+        let fetched = self.fetch(&layer.digest, &path).await;
+        self.fetching.lock().await.remove(&layer.digest);
+        fetched.map(|()| true)
+    }
+
+    async fn fetch(&self, digest: &str, path: &Path) -> Result<(), LayerError> {
+        let failed = |reason: String| LayerError::Fetch {
+            digest: digest.to_string(),
+            reason,
+        };
+        let key = blob_key(digest)?;
+        let blob = scratch(&self.root, "blob");
+        let dir = scratch(&self.root, "layer");
+        let tmp = self.root.join("tmp");
+        tokio::fs::create_dir_all(&tmp)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let result = async {
+            self.store
+                .get_to_file(&key, &blob)
+                .await
+                .map_err(|e| failed(format!("from the blob store: {e}")))?;
+            let (blob_c, dir_c, digest_c, path_c) = (blob.clone(), dir.clone(), digest.to_string(), path.to_path_buf());
+            tokio::task::spawn_blocking(move || -> Result<(), LayerError> {
+                let failed = |reason: String| LayerError::Fetch {
+                    digest: digest_c.clone(),
+                    reason,
+                };
+                let got = layers::digest::Digest::of_file(&blob_c).map_err(|e| failed(e.to_string()))?;
+                if got.to_string() != digest_c {
+                    return Err(LayerError::Corrupt {
+                        digest: digest_c.clone(),
+                        got: got.to_string(),
+                    });
+                }
+                let compression = compression_of(&blob_c).map_err(|e| failed(e.to_string()))?;
+                let file = std::fs::File::open(&blob_c).map_err(|e| failed(e.to_string()))?;
+                std::fs::create_dir_all(&dir_c).map_err(|e| failed(e.to_string()))?;
+                layers::unpack::unpack_layer(std::io::BufReader::new(file), compression, &dir_c, HOST_ID_BASE)
+                    .map_err(|e| failed(format!("unpacking: {e}")))?;
+                if let Some(parent) = path_c.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| failed(e.to_string()))?;
+                }
+                std::fs::rename(&dir_c, &path_c).map_err(|e| failed(e.to_string()))
+            })
+            .await
+            .map_err(|e| failed(e.to_string()))?
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&blob).await;
+        if result.is_err() {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+        }
+        if result.is_ok() {
+            tracing::info!(%digest, "layer fetched");
+        }
+        result
+    }
+
+    /// Publishes a build step's writable directory as a layer: packed into a blob in the
+    /// store (named by its digest), the directory itself moved into the cache. Consumes
+    /// `upper`.
+    pub async fn publish(&self, upper: &Path) -> Result<Layer, LayerError> {
+        let publish = |e: String| LayerError::Publish(e);
+        let tmp = self.root.join("tmp");
+        tokio::fs::create_dir_all(&tmp)
+            .await
+            .map_err(|e| publish(e.to_string()))?;
+        let blob = scratch(&self.root, "packed");
+        let (upper_c, blob_c) = (upper.to_path_buf(), blob.clone());
+        let packed = tokio::task::spawn_blocking(move || -> Result<layers::pack::PackedLayer, LayerError> {
+            let file = std::fs::File::create(&blob_c).map_err(|e| LayerError::Publish(e.to_string()))?;
+            layers::pack::pack_layer(&upper_c, HOST_ID_BASE, &NOT_IN_LAYERS, std::io::BufWriter::new(file))
+                .map_err(|e| LayerError::Publish(e.to_string()))
+        })
+        .await
+        .map_err(|e| publish(e.to_string()))?;
+        let packed = match packed {
+            Ok(p) => p,
+            Err(err) => {
+                let _ = tokio::fs::remove_file(&blob).await;
+                return Err(err);
+            }
+        };
+        let digest = packed.digest.to_string();
+        let key = blob_key(&digest)?;
+        let stored = self.store.put_file(&key, &blob).await;
+        let _ = tokio::fs::remove_file(&blob).await;
+        stored.map_err(|e| publish(format!("to the blob store: {e}")))?;
+        let path = layer_path(&self.root, &digest)?;
+        if path.is_dir() {
+            let _ = tokio::fs::remove_dir_all(upper).await;
+        } else {
+            if let Some(parent) = path.parent() {
+                tokio::fs::create_dir_all(parent)
+                    .await
+                    .map_err(|e| publish(e.to_string()))?;
+            }
+            for name in NOT_IN_LAYERS {
+                let _ = tokio::fs::remove_dir_all(upper.join(name)).await;
+            }
+            tokio::fs::rename(upper, &path)
+                .await
+                .map_err(|e| publish(e.to_string()))?;
+        }
+        Ok(Layer {
+            digest,
+            size: packed.size,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_name_paths_and_keys_only_when_well_formed() {
+        let hex = "a".repeat(64);
+        let digest = format!("sha256:{hex}");
+        assert_eq!(
+            layer_path(Path::new("/c"), &digest).unwrap(),
+            Path::new("/c/sha256").join(&hex)
+        );
+        assert_eq!(blob_key(&digest).unwrap().to_string(), format!("layers/sha256/{hex}"));
+        for bad in [
+            "",
+            "sha256:",
+            "sha512:aa",
+            &format!("sha256:{}", "A".repeat(64)),
+            &format!("sha256:../{}", "a".repeat(61)),
+        ] {
+            assert!(layer_path(Path::new("/c"), bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,216 @@
+"""Templates through the E2B Python SDK: build with `Template().…` and `Template.build`, then
+start sandboxes of them by name, exactly as an E2B user does; the registry image test pushes
+its own image to a registry on loopback (scripts/blob-services starts one)."""
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+import time
+import uuid
+
+import httpx
+import pytest
+from conftest import OTHER_TEAM_KEY
+from e2b import BuildException, Sandbox, Template, wait_for_port
+
+REGISTRY = os.environ.get("BLOBS_TEST_REGISTRY", "127.0.0.1:5056")
+BUSYBOX = "/bin/busybox"
+
+
+def _api(method, path, key=None, **kw):
+    url = os.environ["E2B_API_URL"] + path
+    headers = {"X-API-Key": key or os.environ["E2B_API_KEY"]}
+    return httpx.request(method, url, headers=headers, timeout=30, **kw)
+
+
+def test_a_template_built_from_base_runs_as_built(stack, tmp_path):
+    name = f"e2e-app-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "hello.txt").write_text("hello from the build context\n")
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_template("base")
+        .copy("hello.txt", "/home/user/app/")
+        .run_cmd("echo built-by-$(id -un) > /home/user/app/built.txt")
+        .set_workdir("/home/user/app")
+        .set_envs({"GREETING": "hi-from-template"})
+        .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000))
+    )
+    logs = []
+    started = time.monotonic()
+    Template.build(template, f"{name}:v1", on_build_logs=logs.append)
+    cold = time.monotonic() - started
+    messages = [entry.message for entry in logs]
+    assert any("RUN echo built" in m for m in messages), messages
+    assert Template.exists(name)
+    assert not Template.exists(f"nope-{uuid.uuid4().hex[:8]}")
+
+    sbx = Sandbox.create(f"{name}:v1", timeout=120)
+    try:
+        # The copied file, owned by the user, in the template's working directory.
+        assert sbx.commands.run("cat hello.txt").stdout == "hello from the build context\n"
+        assert sbx.commands.run("pwd").stdout == "/home/user/app\n"
+        assert sbx.commands.run("stat -c %U hello.txt built.txt").stdout == "user\nuser\n"
+        assert sbx.commands.run("cat built.txt").stdout == "built-by-user\n"
+        assert sbx.commands.run("echo $GREETING").stdout == "hi-from-template\n"
+        # The start command runs, and create returned once it was ready.
+        probe = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/').status)\""
+        assert sbx.commands.run(probe).stdout == "200\n"
+    finally:
+        sbx.kill()
+
+    # Tags: another tag of the same build, and a create by it.
+    Template.assign_tags(f"{name}:v1", ["prod"])
+    assert {t.tag for t in Template.get_tags(name)} >= {"v1", "prod"}
+    sbx = Sandbox.create(f"{name}:prod", timeout=60)
+    sbx.kill()
+
+    # The same steps again: every step comes from the build cache.
+    logs.clear()
+    started = time.monotonic()
+    Template.build(template, f"{name}:v2", on_build_logs=logs.append)
+    cached = time.monotonic() - started
+    assert sum("CACHED" in e.message for e in logs) >= 3, [e.message for e in logs]
+    assert cached < cold, (cached, cold)
+
+    # Another team sees none of it.
+    other = _api("GET", f"/templates/aliases/{name}", key=OTHER_TEAM_KEY)
+    assert other.status_code == 403, other.text
+    denied = _api("POST", "/sandboxes", key=OTHER_TEAM_KEY, json={"templateID": name})
+    assert denied.status_code == 404, denied.text
+
+    # Deleting it never breaks a sandbox that runs it; new creates are refused.
+    sbx = Sandbox.create(f"{name}:v2", timeout=60)
+    try:
+        templates = _api("GET", "/templates").json()
+        template_id = next(t["templateID"] for t in templates if name in t["names"])
+        assert _api("DELETE", f"/templates/{template_id}").status_code == 204
+        assert sbx.commands.run("cat hello.txt").exit_code == 0
+        assert _api("POST", "/sandboxes", json={"templateID": name}).status_code == 404
+        assert not Template.exists(name)
+    finally:
+        sbx.kill()
+
+
+def test_a_failing_step_fails_the_build_with_its_output(stack):
+    name = f"e2e-broken-{uuid.uuid4().hex[:8]}"
+    template = Template().from_template("base").run_cmd("echo boom-output; exit 3")
+    with pytest.raises(BuildException) as failed:
+        Template.build(template, name)
+    assert "boom-output" in str(failed.value) and "3" in str(failed.value), str(failed.value)
+    # Nothing is registered under the name: a create finds no ready build.
+    assert _api("POST", "/sandboxes", json={"templateID": name}).status_code == 404
+
+
+def test_an_unknown_base_image_fails_with_a_message(stack):
+    name = f"e2e-noimage-{uuid.uuid4().hex[:8]}"
+    template = Template().from_image(f"{REGISTRY}/e2e/does-not-exist:1").run_cmd("true")
+    with pytest.raises(BuildException) as failed:
+        Template.build(template, name)
+    assert "does-not-exist" in str(failed.value), str(failed.value)
+
+
+def _registry_up():
+    try:
+        return httpx.get(f"http://{REGISTRY}/v2/", timeout=2).status_code in (200, 401)
+    except httpx.HTTPError:
+        return False
+
+
+def _busybox_layer():
+    """A root filesystem of Debian's static busybox: /bin/busybox and a link per applet."""
+    if not os.path.exists(BUSYBOX):
+        raise RuntimeError(f"{BUSYBOX} is missing: install busybox-static (scripts/blob-services does)")
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for d in ("bin", "etc", "tmp", "root", "home", "usr", "usr/bin"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(BUSYBOX, arcname="bin/busybox")
+        for applet in ("sh", "cat", "echo", "id", "ls", "grep", "mkdir", "chown", "stat", "env", "pwd", "sleep", "true", "readlink"):
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+        for path, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), ("etc/group", "root:x:0:\n")):
+            data = text.encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    plain = raw.getvalue()
+    return gzip.compress(plain, mtime=0), hashlib.sha256(plain).hexdigest()
+
+
+def _push(repository, tag):
+    """Pushes a one-layer busybox image with the registry's HTTP API (OCI distribution)."""
+    layer, diff_id = _busybox_layer()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin:/usr/bin", "IMAGE_VAR=from-the-image"], "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
+        }
+    ).encode()
+    base = f"http://{REGISTRY}/v2/{repository}"
+    for blob in (layer, config):
+        digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+        start = httpx.post(f"{base}/blobs/uploads/", timeout=30)
+        assert start.status_code == 202, start.text
+        location = start.headers["Location"]
+        if location.startswith("/"):
+            location = f"http://{REGISTRY}{location}"
+        sep = "&" if "?" in location else "?"
+        put = httpx.put(f"{location}{sep}digest={digest}", content=blob, timeout=60,
+                        headers={"Content-Type": "application/octet-stream"})
+        assert put.status_code == 201, put.text
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": "sha256:" + hashlib.sha256(config).hexdigest(),
+            "size": len(config),
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                "digest": "sha256:" + hashlib.sha256(layer).hexdigest(),
+                "size": len(layer),
+            }
+        ],
+    }
+    put = httpx.put(f"{base}/manifests/{tag}", content=json.dumps(manifest).encode(), timeout=30,
+                    headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert put.status_code == 201, put.text
+
+
+def test_a_template_from_a_registry_image_has_that_root(stack):
+    if not _registry_up():
+        raise RuntimeError(f"no registry answers at {REGISTRY}: run scripts/blob-services")
+    repository = f"e2e/busybox-{uuid.uuid4().hex[:8]}"
+    _push(repository, "1")
+    name = f"e2e-busybox-{uuid.uuid4().hex[:8]}"
+    template = (
+        Template()
+        .from_image(f"{REGISTRY}/{repository}:1")
+        .run_cmd("echo made-in-busybox > /greeting", user="root")
+        .set_workdir("/home/user")
+    )
+    logs = []
+    Template.build(template, name, on_build_logs=logs.append)
+    sbx = Sandbox.create(name, timeout=60)
+    try:
+        assert sbx.commands.run("cat /greeting").stdout == "made-in-busybox\n"
+        # The image's own root, not the host's: no python, busybox as every tool.
+        assert sbx.commands.run("ls /usr/bin").stdout == ""
+        assert sbx.commands.run("readlink /bin/sh").stdout == "busybox\n"
+        # E2B's user, added by the build, is the default one.
+        assert sbx.commands.run("id -un").stdout == "user\n"
+        assert sbx.commands.run("echo $IMAGE_VAR").stdout == "from-the-image\n"
+        sbx.files.write("/home/user/note.txt", "written through envd")
+        assert sbx.files.read("/home/user/note.txt") == "written through envd"
+    finally:
+        sbx.kill()
