@@ -72,6 +72,11 @@ struct UpArgs {
     /// userland only.
     #[arg(long, env = "SANDBOXSCHED_ENVD_BINARY")]
     envd_binary: Option<std::path::PathBuf>,
+    /// The blob store the nodes and the gateway share (template layers, build files): S3 as
+    /// `s3://BUCKET?endpoint=http://HOST:PORT&region=...` (credentials from AWS_* variables),
+    /// or a directory. Unset: `blobs/` in the data directory.
+    #[arg(long, env = "SANDBOXSCHED_BLOB_STORE")]
+    blob_store: Option<String>,
     /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
     #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
     node_memory_mb: Option<u64>,
@@ -215,9 +220,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             },
         };
         let envd_binary = args.envd_binary.clone();
+        let blob_store = args.blob_store.clone();
         builder = builder.named_node(format!("node-{i}"), move |c| {
             c.runtime = runtime;
             c.envd_binary = envd_binary;
+            if let Some(url) = blob_store {
+                c.host.blob_store = Some(url);
+            }
             c.listen = listen;
             c.envd_listen = envd_listen;
             c.host.capacity = capacity;
@@ -229,6 +238,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         std::time::Duration::from_millis(args.balance_interval_ms.max(1)),
     );
     let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
+    let gateway_blobs = args.blob_store.clone();
     let stack = builder
         .balance(move |c| {
             c.listen = balance_listen;
@@ -241,6 +251,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
             c.domain = sandbox_domain(gateway_listen);
+            if let Some(url) = gateway_blobs {
+                c.blob_store = url;
+            }
         })
         .start()
         .await?;

@@ -15,6 +15,7 @@ mod placement_distribution;
 mod placement_throughput;
 mod proxy;
 mod report;
+mod template_build;
 
 use clap::{Parser, Subcommand};
 
@@ -51,6 +52,7 @@ enum Scenario {
     /// The gateway's data path to a container: a command, a port request against the same
     /// from the node, a download from a port, 1 GiB through /files with peak memory.
     Proxy(proxy::Args),
+    TemplateBuild(template_build::Args),
 }
 
 #[global_allocator]
@@ -78,6 +80,7 @@ async fn run() -> anyhow::Result<()> {
         Scenario::Migration(args) => migration::run(args).await?,
         Scenario::MoveFaults(args) => move_faults::run(args).await?,
         Scenario::Proxy(args) => proxy::run(args).await?,
+        Scenario::TemplateBuild(args) => template_build::run(args).await?,
     };
     report.print(cli.json);
     Ok(())

@@ -111,7 +111,12 @@ pub struct HostConfig {
     /// The cluster's blob store (`blobs::from_url`), where template layers come from; `None`:
     /// only templates without layers (the built-in base) can run here.
     pub blob_store: Option<String>,
+    /// How many bytes of template layers the node keeps cached.
+    pub layer_cache_bytes: u64,
 }
+
+/// Template layers a node keeps cached unless told otherwise: 20 GiB.
+pub const DEFAULT_LAYER_CACHE_BYTES: u64 = 20 << 30;
 
 /// What a create asks for.
 #[derive(Clone, Debug, Default)]
@@ -310,6 +315,7 @@ impl Host {
                 Some(Arc::new(crate::layer_cache::LayerCache::new(
                     crate::layer_cache::root(&config.state_dir),
                     store,
+                    config.layer_cache_bytes,
                 )))
             }
             None => None,
@@ -710,6 +716,18 @@ impl Shared {
             .await
             .map_err(|e| NodeError::Runtime(e.to_string()))?;
         metrics::counter!("node_layer_fetches_total").increment(fetched as u64);
+        if fetched > 0 {
+            // Room for what came: the layers of every sandbox here (and this one) stay.
+            let mut in_use: std::collections::HashSet<String> = self
+                .records()
+                .iter()
+                .filter_map(|r| r.image.as_ref())
+                .flat_map(|i| i.layers.iter().map(|l| l.digest.clone()))
+                .collect();
+            in_use.extend(image.layers.iter().map(|l| l.digest.clone()));
+            let cache = cache.clone();
+            tokio::task::spawn_blocking(move || cache.evict(&in_use));
+        }
         Ok(())
     }
 
@@ -1310,6 +1328,7 @@ mod tests {
                 memory_bytes: 8192 * MIB,
             },
             blob_store: None,
+            layer_cache_bytes: DEFAULT_LAYER_CACHE_BYTES,
         }
     }
 

@@ -12,7 +12,9 @@
 //! writable directory is packed into a blob (named by its digest) for the store, and the
 //! directory itself becomes the cached layer.
 //!
-//! Not done yet: eviction. The cache grows with every template used on the node.
+//! The cache is bounded ([`LayerCache::evict`]): past its size, the least recently used
+//! layers go, never one a sandbox or build on the node uses (a layer is "used" when a create
+//! or build last asked for it).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -67,6 +69,10 @@ pub fn blob_key(digest: &str) -> Result<Key, LayerError> {
 pub struct LayerCache {
     root: PathBuf,
     store: Arc<dyn BlobStore>,
+    /// How many bytes of layers the cache keeps before evicting.
+    max_bytes: u64,
+    /// Sizes of layer directories measured so far (a walk each, once).
+    sizes: std::sync::Mutex<HashMap<String, u64>>,
     /// One lock per layer being fetched, so concurrent users wait for one fetch.
     fetching: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -89,10 +95,12 @@ fn compression_of(path: &Path) -> std::io::Result<layers::unpack::Compression> {
 }
 
 impl LayerCache {
-    pub fn new(root: PathBuf, store: Arc<dyn BlobStore>) -> Self {
+    pub fn new(root: PathBuf, store: Arc<dyn BlobStore>, max_bytes: u64) -> Self {
         Self {
             root,
             store,
+            max_bytes,
+            sizes: Default::default(),
             fetching: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -126,6 +134,7 @@ impl LayerCache {
     pub async fn ensure(&self, layer: &Layer) -> Result<bool, LayerError> {
         let path = layer_path(&self.root, &layer.digest)?;
         if path.is_dir() {
+            touch(&path);
             return Ok(false);
         }
         let lock = self
@@ -198,6 +207,62 @@ impl LayerCache {
         result
     }
 
+    /// Removes the least recently used layers until the cache holds at most its bound, never
+    /// one whose digest is in `in_use`. Blocking (walks new layers once to size them). Returns
+    /// the digests removed.
+    pub fn evict(&self, in_use: &std::collections::HashSet<String>) -> Vec<String> {
+        let mut layers = Vec::new();
+        for entry in std::fs::read_dir(self.root.join("sha256"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let hex = entry.file_name().to_string_lossy().into_owned();
+            let digest = format!("sha256:{hex}");
+            let used = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            let size = {
+                let known = self.sizes.lock().ok().and_then(|s| s.get(&digest).copied());
+                known.unwrap_or_else(|| {
+                    let size = tree_size(&entry.path());
+                    if let Ok(mut sizes) = self.sizes.lock() {
+                        sizes.insert(digest.clone(), size);
+                    }
+                    size
+                })
+            };
+            layers.push((used, size, digest, entry.path()));
+        }
+        let mut total: u64 = layers.iter().map(|l| l.1).sum();
+        layers.sort_by_key(|l| l.0);
+        let mut removed = Vec::new();
+        for (_, size, digest, path) in layers {
+            if total <= self.max_bytes {
+                break;
+            }
+            if in_use.contains(&digest) {
+                continue;
+            }
+            // Renamed away first, so a create never mounts a half-deleted layer.
+            let doomed = self
+                .root
+                .join("tmp")
+                .join(format!("evicted-{}", uuid::Uuid::new_v4().simple()));
+            if std::fs::rename(&path, &doomed).is_ok() {
+                let _ = std::fs::remove_dir_all(&doomed);
+                total = total.saturating_sub(size);
+                if let Ok(mut sizes) = self.sizes.lock() {
+                    sizes.remove(&digest);
+                }
+                tracing::info!(%digest, size, "layer evicted from the cache");
+                removed.push(digest);
+            }
+        }
+        removed
+    }
+
     /// Publishes a build step's writable directory as a layer: packed into a blob in the
     /// store (named by its digest), the directory itself moved into the cache. Consumes
     /// `upper`.
@@ -251,9 +316,54 @@ impl LayerCache {
     }
 }
 
+/// Marks a layer as just used (its directory's modification time is its place in the LRU).
+fn touch(path: &Path) {
+    if let Ok(dir) = std::fs::File::open(path) {
+        let _ = dir.set_modified(std::time::SystemTime::now());
+    }
+}
+
+/// Bytes of the regular files under `dir` (symlinks not followed).
+fn tree_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(entry.path()),
+                Ok(t) if t.is_file() => total += entry.metadata().map_or(0, |m| m.len()),
+                _ => {}
+            }
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_and_never_one_in_use() {
+        let root = std::env::temp_dir().join(format!("layer-cache-{}", uuid::Uuid::new_v4().simple()));
+        let store = blobs::from_url(&root.join("blobs").display().to_string()).unwrap();
+        let cache = LayerCache::new(root.clone(), store, 2048);
+        let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        for (i, c) in ['a', 'b', 'c'].into_iter().enumerate() {
+            let dir = layer_path(&root, &digest(c)).unwrap();
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("f"), vec![0u8; 1024]).unwrap();
+            let when = std::time::SystemTime::now() - std::time::Duration::from_secs(100 - i as u64);
+            std::fs::File::open(&dir).unwrap().set_modified(when).unwrap();
+        }
+        std::fs::create_dir_all(root.join("tmp")).unwrap();
+        // 3 KiB held, 2 KiB allowed: the oldest goes, unless in use, then the next.
+        let in_use = [digest('a')].into_iter().collect();
+        assert_eq!(cache.evict(&in_use), vec![digest('b')]);
+        assert!(layer_path(&root, &digest('a')).unwrap().is_dir());
+        assert!(cache.evict(&in_use).is_empty(), "within the bound now");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn digests_name_paths_and_keys_only_when_well_formed() {

@@ -77,6 +77,10 @@ struct Args {
     /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
     #[arg(long, env = "SANDBOXSCHED_BLOB_STORE", default_value = "data/blobs")]
     blob_store: String,
+    /// Megabytes of template layers kept cached; past it the least recently used go (never
+    /// one a sandbox here uses).
+    #[arg(long, env = "NODE_LAYER_CACHE_MB", default_value_t = 20 * 1024)]
+    layer_cache_mb: u64,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
@@ -102,6 +106,7 @@ async fn serve() -> anyhow::Result<()> {
     config.advertise = args.advertise;
     config.advertise_envd = args.advertise_envd;
     config.host.templates_dir = args.templates_dir;
+    config.host.layer_cache_bytes = args.layer_cache_mb << 20;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store
     } else {

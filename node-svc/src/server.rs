@@ -64,6 +64,7 @@ impl NodeConfig {
                 templates_dir: None,
                 capacity: host_capacity(),
                 blob_store: None,
+                layer_cache_bytes: crate::host::DEFAULT_LAYER_CACHE_BYTES,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),

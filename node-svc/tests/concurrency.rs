@@ -165,6 +165,7 @@ impl Node {
                 memory_bytes: 16 * 1024 * MIB,
             },
             blob_store: None,
+            layer_cache_bytes: node_svc::host::DEFAULT_LAYER_CACHE_BYTES,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 

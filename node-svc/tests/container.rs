@@ -52,9 +52,20 @@ async fn node_with_templates(oci_runtime: Option<PathBuf>, templates: Option<Pat
 }
 
 async fn node_with(oci_runtime: Option<PathBuf>, templates: Option<PathBuf>, envd: Option<PathBuf>) -> Node {
+    node_sharing(oci_runtime, templates, envd, None).await
+}
+
+/// A node whose blob store (template layers) is `blobs`, shared with other nodes.
+async fn node_sharing(
+    oci_runtime: Option<PathBuf>,
+    templates: Option<PathBuf>,
+    envd: Option<PathBuf>,
+    blobs: Option<&std::path::Path>,
+) -> Node {
     let id = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("container-test-{id}"));
     let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
+    config.host.blob_store = blobs.map(|b| b.display().to_string());
     config.runtime = RuntimeKind::Container {
         oci_runtime: oci_runtime.clone(),
     };
@@ -835,4 +846,101 @@ async fn a_node_injects_the_static_envd_it_is_given() {
         "the sandbox's envd is the static one ({size} bytes): {out}"
     );
     n.stop().await;
+}
+
+/// Builds `steps` (kind, args) on `node` from the base template; the image, or the failure.
+async fn build(node: &Node, steps: &[(&str, &[&str])]) -> Result<pb::TemplateImage, pb::BuildFailure> {
+    let mut c = NodeClient::connect(node.running().endpoint()).await.unwrap();
+    let request = pb::BuildRequest {
+        build_id: uuid::Uuid::new_v4().to_string(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        from_template: Some((&common::template::Image::base()).into()),
+        steps: steps
+            .iter()
+            .map(|(kind, args)| pb::BuildStep {
+                kind: kind.to_string(),
+                args: args.iter().map(|a| a.to_string()).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let mut events = c.build(request).await.unwrap().into_inner();
+    let mut log = Vec::new();
+    while let Some(event) = events.message().await.unwrap() {
+        match event.event {
+            Some(pb::build_event::Event::Log(l)) => log.push(l.message),
+            Some(pb::build_event::Event::Done(image)) => return Ok(image),
+            Some(pb::build_event::Event::Failed(f)) => return Err(f),
+            None => {}
+        }
+    }
+    panic!("the build ended without an outcome; log: {log:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_built_template_runs_and_moves_to_a_node_that_never_had_its_layers() {
+    let blobs = std::env::temp_dir().join(format!("container-test-blobs-{}", uuid::Uuid::new_v4().simple()));
+    let a = node_sharing(None, None, None, Some(&blobs)).await;
+    let b = node_sharing(None, None, None, Some(&blobs)).await;
+    let image = build(
+        &a,
+        &[
+            ("RUN", &["echo built > /opt/built.txt && id -un > /opt/by.txt", "root"]),
+            ("ENV", &["FROM_TEMPLATE", "yes"]),
+            ("WORKDIR", &["/srv/app"]),
+        ],
+    )
+    .await
+    .expect("the build succeeds");
+    assert_eq!(image.layers.len(), 2, "RUN and WORKDIR made layers: {image:?}");
+    let failed = build(&a, &[("RUN", &["echo about-to-fail; exit 7", ""])])
+        .await
+        .unwrap_err();
+    assert_eq!(failed.step, "1");
+    assert!(
+        failed.message.contains("about-to-fail") && failed.message.contains('7'),
+        "{failed:?}"
+    );
+
+    let mut c = NodeClient::connect(a.running().endpoint()).await.unwrap();
+    c.create(pb::CreateRequest {
+        operation_id: "c-built".into(),
+        epoch: 1,
+        sandbox_id: "built".into(),
+        template: "t-built".into(),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+        }),
+        access_token: token_of("built"),
+        image: Some(image),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let check = "cat /opt/built.txt /opt/by.txt; echo $FROM_TEMPLATE; pwd; stat -c %U /srv/app";
+    let expected = "built\nroot\nyes\n/srv/app\nuser\n";
+    let (out, code) = a.sh("built", "user", check).await;
+    assert_eq!((out.as_str(), code), (expected, 0));
+
+    assert_eq!(
+        std::fs::read_dir(b.dir.join("container/layers/sha256"))
+            .map(|d| d.count())
+            .unwrap_or(0),
+        0
+    );
+    move_sandbox(&a, &b, "built").await;
+    let (out, code) = b.sh("built", "user", check).await;
+    assert_eq!(
+        (out.as_str(), code),
+        (expected, 0),
+        "the layers came from the blob store"
+    );
+    a.stop().await;
+    b.stop().await;
+    let _ = std::fs::remove_dir_all(&blobs);
 }

@@ -277,7 +277,8 @@ impl ContainerRuntime {
             Some(program) => oci::Cli::new(program.clone(), Vec::new(), root.join("runtime")),
             None => oci::Cli::new(carrier.clone(), vec!["jail".into()], root.join("runtime")),
         };
-        let envd_binary = match config.envd_binary.clone() {
+        // Absolute: the runtime reads the spec's paths from each sandbox's bundle directory.
+        let envd_binary = match config.envd_binary.clone().map(|e| std::path::absolute(&e).unwrap_or(e)) {
             Some(envd) if envd.is_file() => envd,
             Some(envd) => {
                 missing.push(format!("the envd binary {} (--envd-binary)", envd.display()));
