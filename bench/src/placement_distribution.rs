@@ -93,6 +93,36 @@ fn one(name: &str, seed: Option<u64>, k: Option<usize>) -> anyhow::Result<(Value
         ));
         object.insert(mode.name().into(), mode_json(&r));
     }
+    if scenario.templates > 0 {
+        // The same traffic placed blind to templates: what the template term buys (cold
+        // starts avoided) and costs (spread).
+        let with = sim::run(&scenario, Accounting::Reconciled, &rank);
+        let blind = sim::run(
+            &scenario,
+            Accounting::Reconciled,
+            &RankConfig {
+                template_weight: 0.0,
+                ..rank.clone()
+            },
+        );
+        lines.push(format!(
+            "  templates ({} of them, weight {}): cold starts {} vs {} placing blind to them; cv_mean {:.4} vs {:.4} ({:.2}x)",
+            scenario.templates,
+            rank.template_weight,
+            with.cold_starts,
+            blind.cold_starts,
+            with.cv_mean,
+            blind.cv_mean,
+            with.cv_mean / blind.cv_mean.max(1e-9)
+        ));
+        object.insert("cold_starts".into(), json!(with.cold_starts));
+        object.insert("cold_starts_blind".into(), json!(blind.cold_starts));
+        object.insert("cv_mean_blind".into(), json!(round(blind.cv_mean)));
+        object.insert(
+            "cv_mean_over_blind".into(),
+            json!(round(with.cv_mean / blind.cv_mean.max(1e-9))),
+        );
+    }
     let full = sim::run(
         &scenario,
         Accounting::Reconciled,

@@ -47,6 +47,7 @@ pub fn message(host: &Host, config: &HeartbeatConfig, seq: u64, picture: &Pictur
         memory_used_bytes: picture.memory_used_bytes,
         memory_available_bytes: picture.memory_available_bytes,
         cpu_usage: picture.cpu_usage,
+        templates: host.templates_held(),
         sandboxes: picture
             .sandboxes
             .iter()

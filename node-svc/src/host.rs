@@ -347,6 +347,11 @@ impl Host {
         self.shared.config.capacity
     }
 
+    /// Template builds whose layers this node holds (for placement).
+    pub fn templates_held(&self) -> Vec<String> {
+        self.shared.layers.as_ref().map_or_else(Vec::new, |cache| cache.held())
+    }
+
     /// The node's template layers, when it has a blob store.
     pub fn layers(&self) -> Option<&Arc<crate::layer_cache::LayerCache>> {
         self.shared.layers.as_ref()
@@ -716,6 +721,7 @@ impl Shared {
             .await
             .map_err(|e| NodeError::Runtime(e.to_string()))?;
         metrics::counter!("node_layer_fetches_total").increment(fetched as u64);
+        cache.remember(image);
         if fetched > 0 {
             // Room for what came: the layers of every sandbox here (and this one) stay.
             let mut in_use: std::collections::HashSet<String> = self

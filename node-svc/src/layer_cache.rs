@@ -38,6 +38,9 @@ pub enum LayerError {
     Publish(String),
 }
 
+/// The most images a node tells placement it holds.
+const MAX_REMEMBERED: usize = 256;
+
 /// Top-level names a build's layer never carries: the mount point of envd's binary.
 pub const NOT_IN_LAYERS: [&str; 1] = [".sandboxsched"];
 
@@ -73,6 +76,9 @@ pub struct LayerCache {
     max_bytes: u64,
     /// Sizes of layer directories measured so far (a walk each, once).
     sizes: std::sync::Mutex<HashMap<String, u64>>,
+    /// Images whose layers were made present here lately (build ID, layer digests), newest
+    /// last: what the node tells placement it holds, while the layers are still here.
+    images: std::sync::Mutex<std::collections::VecDeque<(String, Vec<String>)>>,
     /// One lock per layer being fetched, so concurrent users wait for one fetch.
     fetching: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -101,6 +107,7 @@ impl LayerCache {
             store,
             max_bytes,
             sizes: Default::default(),
+            images: Default::default(),
             fetching: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -205,6 +212,38 @@ impl LayerCache {
             tracing::info!(%digest, "layer fetched");
         }
         result
+    }
+
+    /// Notes that `image`'s layers are here (after [`LayerCache::ensure_all`] or a build).
+    pub fn remember(&self, image: &common::template::Image) {
+        if image.layers.is_empty() || image.build_id.is_empty() {
+            return;
+        }
+        let Ok(mut images) = self.images.lock() else { return };
+        images.retain(|(id, _)| *id != image.build_id);
+        images.push_back((
+            image.build_id.clone(),
+            image.layers.iter().map(|l| l.digest.clone()).collect(),
+        ));
+        while images.len() > MAX_REMEMBERED {
+            images.pop_front();
+        }
+    }
+
+    /// Build IDs of the remembered images whose layers are all still here.
+    pub fn held(&self) -> Vec<String> {
+        let Ok(images) = self.images.lock() else {
+            return Vec::new();
+        };
+        images
+            .iter()
+            .filter(|(_, digests)| {
+                digests
+                    .iter()
+                    .all(|d| layer_path(&self.root, d).is_ok_and(|p| p.is_dir()))
+            })
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     /// Removes the least recently used layers until the cache holds at most its bound, never

@@ -79,8 +79,12 @@ fn request_from_pb(req: pb::PlaceRequest) -> Result<core::Request, ApiError> {
         selector: req.node_selector.into_iter().collect::<BTreeMap<_, _>>(),
         exclude: req.exclude_nodes.into_iter().collect::<HashSet<_>>(),
         only: (!req.only_node.is_empty()).then_some(req.only_node),
+        template: req.template,
     })
 }
+
+/// The most template builds one heartbeat may say a node holds.
+pub const MAX_TEMPLATES: usize = 1024;
 
 fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiError> {
     if hb.node_id.is_empty() || hb.boot_id.is_empty() {
@@ -92,6 +96,12 @@ fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiErr
     let capacity = resources_from_pb(hb.capacity);
     if capacity.vcpus == 0 || capacity.memory_bytes == 0 {
         return Err(invalid(format!("node {} reports no capacity", hb.node_id)));
+    }
+    if hb.templates.len() > MAX_TEMPLATES || hb.templates.iter().any(|t| t.len() > 128 || t.contains(',')) {
+        return Err(invalid(format!(
+            "node {} reports more than {MAX_TEMPLATES} templates, or an ID longer than 128 bytes or with a comma",
+            hb.node_id
+        )));
     }
     Ok(core::Heartbeat {
         node_id: hb.node_id,
@@ -112,6 +122,7 @@ fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiErr
                 memory_used_bytes: s.memory_used_bytes,
             })
             .collect(),
+        templates: hb.templates,
     })
 }
 

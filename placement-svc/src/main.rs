@@ -48,6 +48,10 @@ struct Args {
     /// Weight of the memory term in the score.
     #[arg(long, env = "PLACEMENT_MEMORY_WEIGHT", default_value_t = 1.0)]
     memory_weight: f64,
+    /// Weight of the template term: a node holding the sandbox's template layers is preferred
+    /// unless it is more than this much busier (CPU and memory shares, summed).
+    #[arg(long, env = "PLACEMENT_TEMPLATE_WEIGHT", default_value_t = placement_svc::core::rank::DEFAULT_TEMPLATE_WEIGHT)]
+    template_weight: f64,
     /// Most creates in flight per node.
     #[arg(long, env = "PLACEMENT_MAX_STARTING", default_value_t = 64)]
     max_starting: u32,
@@ -87,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         alpha: args.alpha,
         cpu_weight: args.cpu_weight,
         memory_weight: args.memory_weight,
+        template_weight: args.template_weight,
         max_starting: args.max_starting,
         unhealthy_after_ms: args.unhealthy_after_ms,
     };

@@ -49,6 +49,10 @@ pub struct Scenario {
     pub create_rpc_ms: u64,
     /// Placer replicas; requests (and kills) are spread over them.
     pub placers: usize,
+    /// Templates the sandboxes start from (0: none): template `i` is asked for with weight
+    /// 1/(i+1) (a few popular, many rare); each node starts holding each one's layers with
+    /// probability 0.3 and gets them when a sandbox of it is created there.
+    pub templates: u32,
     pub seed: u64,
 }
 
@@ -79,6 +83,7 @@ impl Scenario {
             heartbeat_delay_ms: 0,
             create_rpc_ms: 1,
             placers: 1,
+            templates: 0,
             seed: 42,
         }
     }
@@ -105,6 +110,20 @@ impl Scenario {
                 lifetime_ms: (2_000, 8_000),
                 ..e2b
             },
+            // Short-lived sandboxes of 30 templates: how often a create lands on a node that
+            // must fetch its template's layers first (a cold start).
+            "templates" => Self {
+                name: "templates",
+                arrivals: Arrivals::Steady {
+                    per_sec: 20,
+                    duration_ms: 60_000,
+                },
+                lifetime_ms: (2_000, 8_000),
+                heartbeat_interval_ms: 2_000,
+                aligned_heartbeats: false,
+                templates: 30,
+                ..e2b
+            },
             "replicas3" => Self {
                 name: "replicas3",
                 placers: 3,
@@ -122,10 +141,11 @@ impl Scenario {
         })
     }
 
-    pub const NAMES: [&'static str; 5] = [
+    pub const NAMES: [&'static str; 6] = [
         "e2b",
         "delayed-heartbeat",
         "short-lived",
+        "templates",
         "replicas3",
         "e2b-no-heartbeat",
     ];
@@ -155,17 +175,35 @@ pub struct ModeResult {
     /// is, which with short-lived sandboxes and uneven starting load is not the same as how
     /// even the placement counts are.
     pub load_cv: f64,
+    /// Creates placed on a node that did not hold their template's layers (scenarios with
+    /// templates).
+    pub cold_starts: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    Arrival { n: u32 },
-    CreateDone { sandbox: u32, node: usize, placer: usize },
-    Kill { sandbox: u32, node: usize },
-    Measure { node: usize },
+    Arrival {
+        n: u32,
+    },
+    CreateDone {
+        sandbox: u32,
+        node: usize,
+        placer: usize,
+        template: Option<u32>,
+    },
+    Kill {
+        sandbox: u32,
+        node: usize,
+    },
+    Measure {
+        node: usize,
+    },
     Sample,
     Final,
-    Arrive { node: usize, snapshot: usize },
+    Arrive {
+        node: usize,
+        snapshot: usize,
+    },
 }
 
 /// The real state of one node.
@@ -176,6 +214,8 @@ struct TrueNode {
     usage: HashMap<String, f64>,
     in_flight: HashMap<u32, Resources>,
     seq: u64,
+    /// Templates whose layers the node holds.
+    templates: std::collections::BTreeSet<String>,
 }
 
 impl TrueNode {
@@ -203,6 +243,7 @@ struct Sim<'a> {
     rejected: u32,
     error_max: i64,
     stop_heartbeats_at: u64,
+    cold_starts: u32,
     load_cvs: Vec<f64>,
     count_cvs: Vec<f64>,
     final_counts: Vec<u32>,
@@ -231,6 +272,7 @@ impl Sim<'_> {
             },
             memory_used_bytes: memory / 2,
             cpu_usage: t.usage.values().sum(),
+            templates: t.templates.iter().cloned().collect(),
             sandboxes: t
                 .running
                 .iter()
@@ -276,9 +318,12 @@ impl Sim<'_> {
             Event::Arrival { n } => {
                 let placer = n as usize % self.scenario.placers;
                 let vi = self.view_index(placer);
+                let template =
+                    (self.scenario.templates > 0).then(|| pick_template(&mut self.rng, self.scenario.templates));
                 let req = Request {
                     sandbox_id: format!("sbx-{n:06}"),
                     resources: self.scenario.sandbox,
+                    template: template.map(template_id).unwrap_or_default(),
                     ..Request::default()
                 };
                 let decision = self.ranker.decide(&self.views[vi], &req, self.now, &mut self.rng);
@@ -288,6 +333,9 @@ impl Sim<'_> {
                         self.views[vi][node].reserve(self.mode, &req.sandbox_id, req.resources);
                         self.truth[node].in_flight.insert(n, req.resources);
                         self.placed_on[node] += 1;
+                        if template.is_some() && !self.truth[node].templates.contains(&req.template) {
+                            self.cold_starts += 1;
+                        }
                         let done = self.now + self.scenario.create_rpc_ms;
                         self.at(
                             done,
@@ -295,13 +343,22 @@ impl Sim<'_> {
                                 sandbox: n,
                                 node,
                                 placer,
+                                template,
                             },
                         );
                     }
                 }
             }
-            Event::CreateDone { sandbox, node, placer } => {
+            Event::CreateDone {
+                sandbox,
+                node,
+                placer,
+                template,
+            } => {
                 let id = format!("sbx-{sandbox:06}");
+                if let Some(t) = template {
+                    self.truth[node].templates.insert(template_id(t));
+                }
                 if let Some(r) = self.truth[node].in_flight.remove(&sandbox) {
                     let busy = f64::from(r.vcpus) * self.rng.random::<f64>();
                     self.truth[node].usage.insert(id.clone(), busy);
@@ -382,6 +439,7 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
         placed_on: vec![0; scenario.nodes],
         rejected: 0,
         error_max: 0,
+        cold_starts: 0,
         load_cvs: Vec::new(),
         count_cvs: Vec::new(),
         final_counts: Vec::new(),
@@ -402,6 +460,11 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
             let id = format!("bg-{node:02}-{i}");
             sim.truth[node].usage.insert(id.clone(), rng.random::<f64>());
             sim.truth[node].running.insert(id, r);
+        }
+        for t in 0..scenario.templates {
+            if rng.random_bool(0.3) {
+                sim.truth[node].templates.insert(template_id(t));
+            }
         }
         let hb = sim.heartbeat(node);
         sim.apply(node, &hb);
@@ -447,7 +510,25 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
         rejected: sim.rejected,
         accounting_error_max: sim.error_max as f64,
         load_cv: mean(&sim.load_cvs),
+        cold_starts: sim.cold_starts,
     }
+}
+
+fn template_id(t: u32) -> String {
+    format!("tpl-{t:02}")
+}
+
+/// Template `i` of `n` with weight 1/(i+1).
+fn pick_template(rng: &mut SmallRng, n: u32) -> u32 {
+    let total: f64 = (1..=n).map(|i| 1.0 / f64::from(i)).sum();
+    let mut at = rng.random::<f64>() * total;
+    for i in 0..n {
+        at -= 1.0 / f64::from(i + 1);
+        if at <= 0.0 {
+            return i;
+        }
+    }
+    n - 1
 }
 
 fn mean(values: &[f64]) -> f64 {
@@ -472,7 +553,8 @@ mod tests {
 
     #[test]
     fn reconciled_is_exact_and_spreads_in_every_scenario() {
-        for name in Scenario::NAMES {
+        // `templates` is about cold starts, not accounting: its own test below.
+        for name in Scenario::NAMES.into_iter().filter(|n| *n != "templates") {
             let scenario = Scenario::named(name).unwrap();
             let r = run(&scenario, Accounting::Reconciled, &RankConfig::default());
             let stale = run(&scenario, Accounting::Stale, &RankConfig::default());
@@ -486,6 +568,28 @@ mod tests {
                 assert!(r.cv <= 0.02, "{name}: {r:?}");
             }
         }
+    }
+
+    #[test]
+    fn the_template_term_cuts_cold_starts_without_herding() {
+        let scenario = Scenario::named("templates").unwrap();
+        let with = run(&scenario, Accounting::Reconciled, &RankConfig::default());
+        let without = run(
+            &scenario,
+            Accounting::Reconciled,
+            &RankConfig {
+                template_weight: 0.0,
+                ..RankConfig::default()
+            },
+        );
+        assert_eq!((with.rejected, with.accounting_error_max), (0, 0.0), "{with:?}");
+        // A quarter fewer cold starts at least (measured: 38 %), the spread within 1.5× of
+        // placing blind to templates (measured: 1.24×).
+        assert!(
+            with.cold_starts * 4 < without.cold_starts * 3,
+            "{with:?} vs {without:?}"
+        );
+        assert!(with.cv_mean <= 1.5 * without.cv_mean, "{with:?} vs {without:?}");
     }
 
     #[test]

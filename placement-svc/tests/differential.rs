@@ -229,6 +229,7 @@ impl Run {
             alpha: rng.random_range(0.0..1.0),
             cpu_weight,
             memory_weight,
+            template_weight: *[0.0, 0.1, 0.1, 2.5].choose(&mut rng).unwrap(),
             max_starting: rng.random_range(2..=8),
             unhealthy_after_ms: rng.random_range(3_000..=10_000),
         };
@@ -420,12 +421,18 @@ impl Run {
             2 => Some("node-that-never-was".to_string()),
             _ => None,
         };
+        // Half the requests name a template; heartbeats say which nodes hold which.
+        let template = match self.rng.random_range(0..4) {
+            0 | 1 => String::new(),
+            _ => TEMPLATES.choose(&mut self.rng).unwrap().to_string(),
+        };
         Request {
             sandbox_id,
             resources,
             selector,
             exclude,
             only,
+            template,
         }
     }
 
@@ -470,6 +477,11 @@ impl Run {
             address: node.address.clone(),
             labels: node.labels.clone(),
             capacity: node.capacity,
+            templates: TEMPLATES
+                .iter()
+                .filter(|_| self.rng.random_bool(0.4))
+                .map(|t| t.to_string())
+                .collect(),
             ..Heartbeat::default()
         };
         // What the node lists: some of what runs there (placed or started behind the
@@ -1252,6 +1264,10 @@ macro_rules! both {
         )
     };
 }
+
+/// Template build IDs of the random requests and heartbeats (one a prefix of another, so a
+/// match must be whole).
+const TEMPLATES: [&str; 3] = ["tpl-a", "tpl-ab", "b"];
 
 fn simple_heartbeat(seq: u64, ids: &[&str]) -> Heartbeat {
     let n = ids.len() as u32;

@@ -171,6 +171,7 @@ for_both_stores!(
     gauges_count_reservations_by_phase,
     unknown_node_is_an_error,
     a_pinned_place_checks_and_reserves_only_that_node,
+    a_node_holding_the_template_wins_only_while_not_much_busier,
 );
 
 async fn accounting_follows_sandbox_ids(stores: Stores) {
@@ -435,4 +436,37 @@ async fn a_pinned_place_checks_and_reserves_only_that_node(stores: Stores) {
         Placement::NoFit { reason, .. } => assert!(reason.contains("unknown node"), "{reason}"),
         other => panic!("expected no fit, got {other:?}"),
     }
+}
+
+async fn a_node_holding_the_template_wins_only_while_not_much_busier(stores: Stores) {
+    let s = stores();
+    let holding = |node: &str, seq: u64, ids: &[&str]| {
+        let mut hb = heartbeat(node, seq, ids);
+        hb.templates = vec!["tpl-build".to_string()];
+        hb
+    };
+    call!(s, heartbeat(&holding("n1", 1, &[]), 1_000)).unwrap();
+    call!(s, heartbeat(&heartbeat("n2", 1, &[]), 1_000)).unwrap();
+    let mut req = request("q");
+    req.template = "tpl-build".to_string();
+    let e = call!(s, explain(&req, 1_000)).unwrap();
+    assert_eq!(e.chosen.as_deref(), Some("n1"), "{:?}", e.evaluated);
+    let term = |node: &str| {
+        let c = e.evaluated.iter().find(|c| c.node_id == node).unwrap();
+        c.terms.iter().find(|(name, _)| *name == "template").map(|(_, v)| *v)
+    };
+    assert_eq!((term("n1"), term("n2")), (Some(0.0), Some(1.0)));
+    // A prefix of the ID is not the template.
+    req.template = "tpl".to_string();
+    let e = call!(s, explain(&req, 1_000)).unwrap();
+    assert!(
+        e.evaluated.iter().all(|c| c.terms.contains(&("template", 1.0))),
+        "{:?}",
+        e.evaluated
+    );
+    // Three sandboxes busier (CPU and memory shares past the term's weight): the other node.
+    call!(s, heartbeat(&holding("n1", 2, &["a", "b", "c"]), 1_100)).unwrap();
+    req.template = "tpl-build".to_string();
+    let e = call!(s, explain(&req, 1_100)).unwrap();
+    assert_eq!(e.chosen.as_deref(), Some("n2"), "{:?}", e.evaluated);
 }

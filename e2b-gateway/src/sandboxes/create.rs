@@ -151,6 +151,12 @@ impl Sandboxes {
                         memory_bytes: doc.memory_bytes,
                     }),
                     exclude_nodes: exclude.clone(),
+                    // Nodes holding its layers are preferred (a bounded term): no cold start.
+                    template: if image.layers.is_empty() {
+                        String::new()
+                    } else {
+                        image.build_id.clone()
+                    },
                     ..Default::default()
                 })
                 .await;

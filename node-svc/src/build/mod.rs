@@ -199,6 +199,7 @@ impl Build {
         }
         self.finalize(&image).await?;
         image.build_id = self.build_id.clone();
+        self.cache.remember(&image);
         Ok(image)
     }
 

@@ -125,6 +125,8 @@ pub struct Heartbeat {
     pub memory_used_bytes: u64,
     pub cpu_usage: f64,
     pub sandboxes: Vec<Listed>,
+    /// Templates (build IDs) whose layers the node holds.
+    pub templates: Vec<String>,
 }
 
 /// What applying a heartbeat did.
@@ -167,6 +169,8 @@ pub struct NodeView {
     pub reservations: HashMap<String, Reservation>,
     /// Killed sandboxes, with what they held; subtracted while still listed.
     pub removals: HashMap<String, Resources>,
+    /// Templates (build IDs) whose layers the last heartbeat said the node holds.
+    pub templates: std::collections::BTreeSet<String>,
 }
 
 impl NodeView {
@@ -307,6 +311,7 @@ impl NodeView {
         self.last_heartbeat_ms = now_ms;
         self.address = hb.address.clone();
         self.labels = hb.labels.clone();
+        self.templates = hb.templates.iter().cloned().collect();
         self.capacity = hb.capacity;
         self.reported = Totals::from_resources(hb.allocated);
         self.reported_sandboxes = u32::try_from(hb.sandboxes.len()).unwrap_or(u32::MAX);

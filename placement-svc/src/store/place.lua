@@ -5,11 +5,12 @@
 -- KEYS: for each candidate, its node hash then its reservations hash.
 -- ARGV: sandbox_id, vcpus, memory_bytes, now_ms, overcommit, alpha, cpu_weight, memory_weight,
 --       max_starting, unhealthy_after_ms, mode, k (stop after k feasible), commit (1: reserve
---       on the winner; 0: explain only), n (label pairs the node must carry), then n label
---       keys and values, then the node ids the request excludes.
+--       on the winner; 0: explain only), template (build ID, "" for none), template_weight,
+--       n (label pairs the node must carry), then n label keys and values, then the node ids
+--       the request excludes.
 -- Returns: { chosen (1-based candidate, 0 = none), chosen score, chosen address, then per
 --            candidate looked at:
---            node_id, reason ("" if feasible), score, cpu term, memory term }
+--            node_id, reason ("" if feasible), score, cpu term, memory term, template term }
 -- Scores and terms come back as integers in units of 1e-12: Redis turns a Lua number into an
 -- integer reply for free, while formatting it as text costs more than the whole decision.
 -- This runs on every Place, so it avoids JSON too: a node's labels are decoded only when the
@@ -32,13 +33,17 @@ local unhealthy_after = tonumber(ARGV[10])
 local mode = ARGV[11]
 local k = tonumber(ARGV[12])
 local commit = ARGV[13] == '1'
-local pairs_n = tonumber(ARGV[14])
+local template = ARGV[14]
+local tw = tonumber(ARGV[15])
+local pairs_n = tonumber(ARGV[16])
 -- The selected labels are checked in the order they arrive, which is the request's key order
 -- (a BTreeMap in Rust): the first missing one is the one named, as in the Rust check.
 local selector = {}
-for j = 1, pairs_n do selector[j] = { ARGV[13 + 2 * j], ARGV[14 + 2 * j] } end
+for j = 1, pairs_n do selector[j] = { ARGV[15 + 2 * j], ARGV[16 + 2 * j] } end
 local exclude = {}
-for j = 15 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
+for j = 17 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
+-- The delimited form the node's `templates` field holds it in.
+local wanted = ',' .. template .. ','
 local SCALE = 1e12
 
 -- An integral number as plain decimal digits ('0', never '-0', which HINCRBY rejects).
@@ -78,10 +83,10 @@ local n = #KEYS / 2
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[2 * i - 1], 'node_id', 'admin', 'seq', 'hb_ms', 'labels',
     'cap_vcpus', 'cap_mem', 'rep_vcpus', 'rep_mem', 'res_vcpus', 'res_mem', 'rm_vcpus', 'rm_mem',
-    'pending', 'cpu_usage', 'address')
+    'pending', 'cpu_usage', 'address', 'templates')
   local id = h[1]
   local reason = ''
-  local score, cpu, mem = 0, 0, 0
+  local score, cpu, mem, tpl = 0, 0, 0, 0
   if not id then
     id = KEYS[2 * i - 1]
     reason = 'unknown node'
@@ -139,8 +144,11 @@ for i = 1, n do
       if cap_mc < 1 then cap_mc = 1 end
       cpu = (req_v + bel_v + alpha * usage) / (cap_vc * R)
       mem = (req_m + bel_m) / cap_mc
+      -- As core::rank::TemplateAffinity: 1 when the node lacks the template's layers.
+      if template ~= '' and not string.find(h[17] or '', wanted, 1, true) then tpl = 1 end
       if cw ~= 0 then score = score + cw * cpu end
       if mw ~= 0 then score = score + mw * mem end
+      if tw ~= 0 then score = score + tw * tpl end
       feasible = feasible + 1
       if best == 0 or score < best_score then
         best, best_score, best_address = i, score, h[16] or ''
@@ -153,6 +161,7 @@ for i = 1, n do
   out[o + 3] = math.floor(score * SCALE + 0.5)
   out[o + 4] = math.floor(cpu * SCALE + 0.5)
   out[o + 5] = math.floor(mem * SCALE + 0.5)
+  out[o + 6] = tpl
   if feasible == k then break end
 end
 

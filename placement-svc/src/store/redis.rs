@@ -83,6 +83,7 @@ struct Scored {
     score: f64,
     cpu: f64,
     memory: f64,
+    template: f64,
 }
 
 fn text(v: &Value) -> String {
@@ -219,6 +220,8 @@ impl RedisStore {
             .arg(self.mode.name())
             .arg(k)
             .arg(if commit { 1 } else { 0 })
+            .arg(&req.template)
+            .arg(self.rank.template_weight)
             .arg(req.selector.len());
         for (key, value) in &req.selector {
             invocation.arg(key).arg(value);
@@ -233,14 +236,15 @@ impl RedisStore {
         let scored = reply
             .get(3..)
             .unwrap_or_default()
-            .chunks(5)
-            .filter(|c| c.len() == 5)
+            .chunks(6)
+            .filter(|c| c.len() == 6)
             .map(|c| Scored {
                 node_id: text(&c[0]),
                 reason: text(&c[1]),
                 score: scaled(&c[2]),
                 cpu: scaled(&c[3]),
                 memory: scaled(&c[4]),
+                template: int(&c[5]) as f64,
             })
             .collect();
         let chosen = usize::try_from(chosen)
@@ -269,6 +273,7 @@ impl RedisStore {
                     score: 0.0,
                     cpu: 0.0,
                     memory: 0.0,
+                    template: 0.0,
                 };
                 return Ok((None, vec![scored]));
             }
@@ -418,6 +423,10 @@ fn view_from(node_id: &str, (fields, reservations, removals, listed): NodeKeys) 
         listed,
         reservations,
         removals,
+        templates: fields
+            .get("templates")
+            .map(|t| t.split(',').filter(|id| !id.is_empty()).map(str::to_string).collect())
+            .unwrap_or_default(),
     })
 }
 
@@ -429,12 +438,12 @@ impl PlacementStore for RedisStore {
                 node_id,
                 address,
                 score,
-                evaluated: scored.into_iter().map(evaluation).collect(),
+                evaluated: scored.into_iter().map(|s| self.evaluation(s)).collect(),
             },
             None => {
                 let decision = crate::core::Decision {
                     chosen: None,
-                    evaluated: scored.into_iter().map(evaluation).collect(),
+                    evaluated: scored.into_iter().map(|s| self.evaluation(s)).collect(),
                     scanned_all: true,
                 };
                 Placement::NoFit {
@@ -448,7 +457,7 @@ impl PlacementStore for RedisStore {
     async fn explain(&self, req: &Request, now_ms: u64) -> Result<Explanation, StoreError> {
         let (chosen, scored) = self.decide(req, now_ms, false).await?;
         Ok(Explanation {
-            evaluated: scored.into_iter().map(evaluation).collect(),
+            evaluated: scored.into_iter().map(|s| self.evaluation(s)).collect(),
             chosen: chosen.map(|(id, _, _)| id),
         })
     }
@@ -490,7 +499,8 @@ impl PlacementStore for RedisStore {
             .arg(hb.memory_used_bytes)
             .arg(hb.cpu_usage)
             .arg(self.mode.name())
-            .arg(self.max_unconfirmed);
+            .arg(self.max_unconfirmed)
+            .arg(templates_field(&hb.templates));
         for s in &hb.sandboxes {
             invocation.arg(&s.sandbox_id);
         }
@@ -569,16 +579,39 @@ fn seed_from_clock() -> u64 {
     nanos ^ (u64::from(std::process::id()) << 32)
 }
 
-fn evaluation(s: Scored) -> Evaluation {
-    let feasible = s.reason.is_empty();
-    Evaluation {
-        node_id: s.node_id,
-        rejected: (!feasible).then_some(s.reason),
-        score: s.score,
-        terms: if feasible {
-            vec![("cpu", s.cpu), ("memory", s.memory)]
-        } else {
-            Vec::new()
-        },
+/// The node hash's `templates` field: `,id,id,` (IDs with a comma cannot be found, and are
+/// left out).
+fn templates_field(templates: &[String]) -> String {
+    let mut field = String::from(",");
+    for id in templates.iter().filter(|t| !t.is_empty() && !t.contains(',')) {
+        field.push_str(id);
+        field.push(',');
+    }
+    field
+}
+
+impl RedisStore {
+    /// One candidate as [`crate::core::Ranker::evaluate`] reports it: the terms of non-zero weight.
+    fn evaluation(&self, s: Scored) -> Evaluation {
+        let feasible = s.reason.is_empty();
+        let weighted = [
+            (self.rank.cpu_weight, "cpu", s.cpu),
+            (self.rank.memory_weight, "memory", s.memory),
+            (self.rank.template_weight, "template", s.template),
+        ];
+        Evaluation {
+            node_id: s.node_id,
+            rejected: (!feasible).then_some(s.reason),
+            score: s.score,
+            terms: if feasible {
+                weighted
+                    .into_iter()
+                    .filter(|(w, _, _)| *w != 0.0)
+                    .map(|(_, name, term)| (name, term))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        }
     }
 }
