@@ -29,7 +29,8 @@ struct Args {
     /// API keys as KEY=TEAM, comma-separated.
     #[arg(long, env = "GATEWAY_API_KEYS", value_delimiter = ',', required = true)]
     api_keys: Vec<String>,
-    /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
+    /// Where hibernated sandboxes' snapshots are spooled on their way to and from the blob
+    /// store (pause with `memory: false`).
     #[arg(long, env = "GATEWAY_HIBERNATE_DIR", default_value = "data/hibernated")]
     hibernate_dir: std::path::PathBuf,
     /// Sandboxes' ports are reachable as `{port}-{sandboxID}.{domain}` (what the SDK's

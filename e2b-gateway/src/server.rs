@@ -37,7 +37,8 @@ pub struct GatewayConfig {
     pub blob_store: String,
     /// How often the reaper looks for sandboxes whose time is up.
     pub reap_interval: Duration,
-    /// Where hibernated sandboxes' files are kept (pause with `memory: false`).
+    /// Where hibernated sandboxes' snapshots are spooled on their way to and from the blob
+    /// store (pause with `memory: false`).
     pub hibernate_dir: std::path::PathBuf,
     /// Sandboxes' ports are addressed as `{port}-{sandboxID}.{domain}` (the SDK's `get_host`);
     /// empty: only by headers. A domain ending in `:0` gets the port the gateway is bound to.
@@ -123,14 +124,15 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     };
     let ledger =
         ledger_client::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
+    let store = blobs::from_url(&config.blob_store).map_err(|e| StartError::Config(format!("blob store: {e}")))?;
     let sandboxes = Sandboxes::new(
         ledger.clone(),
         &config.placement,
         config.hibernate_dir.clone(),
+        store.clone(),
         config.paused_retention,
     )
     .map_err(|e| StartError::Config(e.to_string()))?;
-    let store = blobs::from_url(&config.blob_store).map_err(|e| StartError::Config(format!("blob store: {e}")))?;
     let templates = Templates::new(
         ledger.clone(),
         Files {

@@ -46,18 +46,32 @@ async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
         .unwrap();
     assert_eq!(envd.status().as_u16(), 502);
 
-    let (status, _) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/connect"),
-            Some("key-a"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
-    assert_eq!(status, 201);
+    // The files wait in the cluster's blob store, so another gateway (its own spool) wakes it.
+    let store = blobs::from_url(&s.config().blob_store).unwrap();
+    let archive = blobs::Key::new(format!("snapshots/{id}.tar")).unwrap();
+    assert!(store.exists(&archive).await.unwrap().is_some());
+    let mut config = s.config();
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.hibernate_dir = s.dir.join("another-gateways-spool");
+    let other = e2b_gateway::server::start(config).await.unwrap();
+    let status = reqwest::Client::new()
+        .post(format!("{}/sandboxes/{id}/connect", other.url()))
+        .header("X-API-Key", "key-a")
+        .header("Content-Type", "application/json")
+        .body(r#"{"timeout":60}"#)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status.as_u16(), 201);
+    other.stop().await;
     assert_eq!(
         std::fs::read_to_string(s.node().host().home(&id).join("keep.txt")).unwrap(),
         "still here"
+    );
+    assert!(
+        store.exists(&archive).await.unwrap().is_none(),
+        "a woken sandbox's snapshot is removed"
     );
     let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     assert_eq!(detail["state"], "running");

@@ -49,9 +49,9 @@ impl Sandboxes {
         }
         self.routes.forget(id).await;
         self.tell_placement_removed(&doc.value).await;
-        let (meta, tar) = self.hibernation_files(id);
-        let _ = tokio::fs::remove_file(meta).await;
-        let _ = tokio::fs::remove_file(tar).await;
+        if doc.value.phase == common::docs::SandboxPhase::Hibernated {
+            self.forget_snapshot(id).await;
+        }
         let deleted = self
             .ledger
             .compare_resolving(

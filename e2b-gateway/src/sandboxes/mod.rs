@@ -89,8 +89,11 @@ fn from_status(what: &str, status: tonic::Status) -> Failure {
 /// The gateway's view of sandboxes: the ledger is the truth, placement and nodes do the work.
 pub struct Sandboxes {
     pub ledger: LedgerClient,
-    /// Where hibernated sandboxes' files wait (pause with `memory: false`).
+    /// Where hibernated sandboxes' snapshots pass through on their way to and from `store`.
     hibernate_dir: std::path::PathBuf,
+    /// The cluster's blob store, where hibernated sandboxes' files wait (pause with
+    /// `memory: false`).
+    store: std::sync::Arc<dyn blobs::BlobStore>,
     /// How long a paused sandbox is kept before the reaper kills it.
     paused_retention: Duration,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
@@ -104,6 +107,7 @@ impl Sandboxes {
         ledger: LedgerClient,
         placement_endpoint: &str,
         hibernate_dir: std::path::PathBuf,
+        store: Arc<dyn blobs::BlobStore>,
         paused_retention: Duration,
     ) -> Result<Arc<Self>, Failure> {
         let channel = Endpoint::from_shared(placement_endpoint.to_string())
@@ -113,6 +117,7 @@ impl Sandboxes {
         Ok(Arc::new(Self {
             ledger,
             hibernate_dir,
+            store,
             paused_retention,
             routes: crate::proxy::Routes::default(),
             placement: PlacementClient::new(common::trace::traced(channel)),
