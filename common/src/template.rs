@@ -92,6 +92,9 @@ pub struct TemplateDoc {
     /// Every build requested, oldest first.
     #[serde(default)]
     pub builds: Vec<String>,
+    /// Set for a snapshot of a sandbox (E2B's snapshots are templates): that sandbox's ID.
+    #[serde(default)]
+    pub snapshot_of: Option<String>,
     pub created_at_unix_ms: u64,
     pub updated_at_unix_ms: u64,
 }

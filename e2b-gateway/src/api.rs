@@ -318,6 +318,74 @@ async fn resolve_template(g: &Gateway, team: &str, reference: &str) -> Result<Op
     }))
 }
 
+/// `SandboxForkRequest`.
+#[derive(Debug, Default, Deserialize)]
+struct Fork {
+    timeout: Option<i64>,
+    count: Option<u32>,
+}
+
+/// The most forks one request may ask for.
+pub const MAX_FORKS: u32 = 100;
+/// A fork's timeout when the request gives none (E2B's default).
+const FORK_TIMEOUT_SECS: i64 = 15;
+
+/// `POST /sandboxes/{id}/fork`: captures the sandbox once (it continues, ID and timeout
+/// unchanged) and creates `count` sandboxes from that capture, each as the original was made
+/// (resources, env vars, metadata, network, lifecycle) with the fork's timeout. Each fork
+/// succeeds or fails on its own; the answer has one entry per fork.
+pub async fn fork(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    SandboxId(id): SandboxId,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let req: Fork = json_body(&headers, &body, false)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=MAX_FORKS).contains(&count) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("count must be 1 to {MAX_FORKS}"),
+        ));
+    }
+    let timeout_secs = intent::timeout(Some(req.timeout.unwrap_or(FORK_TIMEOUT_SECS)))?;
+    let (source, mut image) = g.sandboxes.capture(&team, &id).await?;
+    image.build_id = format!("fork-{id}");
+    let intent = intent::CreateIntent {
+        template: source.template.clone(),
+        image,
+        vcpus: source.vcpus,
+        memory_bytes: source.memory_bytes,
+        memory_source: source.memory_source,
+        timeout_secs,
+        auto_pause: source.auto_pause,
+        auto_pause_memory: source.auto_pause_memory,
+        auto_resume: source.auto_resume,
+        env_vars: source.env_vars.clone(),
+        metadata: source.metadata.clone(),
+        // A manifest from before egress existed had loopback only; so does its fork.
+        network: source.network.clone().unwrap_or(common::egress::NetworkPolicy {
+            internet: false,
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+        }),
+        public_traffic: source.traffic_access_token.is_none(),
+    };
+    let forks = futures::future::join_all((0..count).map(|_| g.sandboxes.create(&team, intent.clone()))).await;
+    let results: Vec<Value> = forks
+        .into_iter()
+        .map(|made| match made {
+            Ok(doc) => json!({"sandbox": sandbox_json(&doc, &g.domain)}),
+            Err(err) => {
+                let e = ApiError::from(err);
+                json!({"error": {"code": e.status.as_u16(), "message": e.message}})
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(Value::Array(results))).into_response())
+}
+
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress rules.
 pub async fn update_network(
     State(g): State<Gateway>,
@@ -806,15 +874,11 @@ pub async fn not_found() -> ApiError {
 
 /// E2B routes this cluster does not serve yet, each with what it is: a client is told so
 /// (501 in E2B's shape) rather than getting a 404 its SDK reports as "sandbox not found".
-pub const UNSUPPORTED: [(&str, &str); 8] = [
-    ("/sandboxes/{id}/fork", "forking a sandbox"),
-    ("/sandboxes/{id}/snapshots", "sandbox snapshots"),
-    ("/snapshots", "sandbox snapshots"),
+pub const UNSUPPORTED: [(&str, &str); 4] = [
     ("/volumes", "volumes"),
     ("/volumes/{id}", "volumes"),
     ("/secrets", "secrets"),
     ("/secrets/{id}", "secrets"),
-    ("/v2/sandboxes/{id}/fork", "forking a sandbox"),
 ];
 
 /// The answer for one of [`UNSUPPORTED`].

@@ -534,6 +534,66 @@ pub async fn alias(
     }
 }
 
+#[derive(Debug, Default, Deserialize)]
+struct NewSnapshot {
+    name: Option<String>,
+}
+
+fn snapshot_json(t: &TemplateDoc) -> Value {
+    let names: Vec<String> = t.names.iter().map(|n| format!("{n}:default")).collect();
+    let id = names
+        .first()
+        .cloned()
+        .unwrap_or_else(|| format!("{}:default", t.template_id));
+    json!({"snapshotID": id, "names": names})
+}
+
+/// `POST /sandboxes/{id}/snapshots`: the sandbox's files now, as a template of the team's
+/// (named, or by its ID) that new sandboxes start from; the sandbox continues.
+pub async fn snapshot(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    crate::api::SandboxId(id): crate::api::SandboxId,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let team = g.team(&headers)?;
+    let req: NewSnapshot = json_body(&headers, &body, false)?;
+    let name = req.name.as_deref().map(str::trim).filter(|n| !n.is_empty());
+    if let Some(name) = name {
+        check_name("name", name).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
+    }
+    let (doc, image) = g.sandboxes.capture(&team, &id).await?;
+    let template = g
+        .templates
+        .register_snapshot(&team, name, &id, image, (doc.vcpus, doc.memory_bytes >> 20))
+        .await
+        .map_err(failure)?;
+    Ok((StatusCode::CREATED, Json(snapshot_json(&template))).into_response())
+}
+
+/// `GET /snapshots?sandboxID&name`: the team's snapshots.
+pub async fn list_snapshots(
+    State(g): State<Gateway>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let team = g.team(&headers)?;
+    let source = query.get("sandboxID");
+    let name = query.get("name").map(|n| common::template::split_name(n).0.to_string());
+    let snapshots: Vec<Value> = g
+        .templates
+        .list(&team)
+        .await
+        .map_err(failure)?
+        .iter()
+        .filter(|t| t.team_id == team && t.snapshot_of.is_some())
+        .filter(|t| source.is_none_or(|s| t.snapshot_of.as_ref() == Some(s)))
+        .filter(|t| name.as_ref().is_none_or(|n| *n == t.template_id || t.names.contains(n)))
+        .map(snapshot_json)
+        .collect();
+    Ok(Json(Value::Array(snapshots)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

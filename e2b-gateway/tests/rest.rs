@@ -78,9 +78,7 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
     assert_eq!(plain.status().as_u16(), 415);
     // What is not served yet says so (501), rather than the 404 an SDK reads as "not found".
     for (method, path) in [
-        ("POST", "/sandboxes/iunknown/fork"),
-        ("POST", "/sandboxes/iunknown/snapshots"),
-        ("GET", "/snapshots"),
+        ("GET", "/volumes"),
         // Template builds of SDKs before 2.x.
         ("POST", "/templates"),
         ("POST", "/v2/templates"),
@@ -115,6 +113,15 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
             400,
         ),
         ("DELETE", "/templates/base", None, 403),
+        ("POST", "/sandboxes/iunknown/fork", None, 404),
+        ("POST", "/sandboxes/iunknown/fork", Some(r#"{"count": 0}"#), 400),
+        ("POST", "/sandboxes/iunknown/snapshots", None, 404),
+        (
+            "POST",
+            "/sandboxes/iunknown/snapshots",
+            Some(r#"{"name": "No Caps"}"#),
+            400,
+        ),
     ] {
         let answer = s.call(method, path, key, body).await;
         assert_e2b_error(&answer, status);
@@ -124,6 +131,7 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
     let (status, templates) = s.call("GET", "/templates", key, None).await;
     assert_eq!(status, 200);
     assert_eq!(templates.as_array().map(Vec::len), Some(1), "only base: {templates}");
+    assert_eq!(s.call("GET", "/snapshots", key, None).await, (200, json!([])));
     s.stop().await;
 }
 

@@ -211,6 +211,18 @@ impl pb::node_server::Node for NodeApi {
     type SnapshotStream = SnapshotStream;
     type BuildStream = BuildStream;
 
+    async fn capture(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<pb::TemplateImage>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("capture", sandbox_id = %req.sandbox_id);
+        let image = self
+            .host
+            .capture(req.epoch, &req.sandbox_id)
+            .instrument(span)
+            .await
+            .map_err(status)?;
+        Ok(Response::new((&image).into()))
+    }
+
     async fn build(&self, request: Request<pb::BuildRequest>) -> Result<Response<BuildStream>, Status> {
         let req = request.into_inner();
         if req.build_id.is_empty() {

@@ -383,6 +383,14 @@ impl Host {
         &self.shared.config.state_dir
     }
 
+    /// Captures a sandbox's files as a template image (its template's layers plus one of what
+    /// it wrote), fenced by `epoch`; a running sandbox is frozen meanwhile and continues.
+    pub async fn capture(&self, epoch: u64, sandbox_id: &str) -> Result<common::template::Image, NodeError> {
+        let shared = self.shared.clone();
+        let id = sandbox_id.to_string();
+        to_completion(async move { shared.capture(epoch, &id).await }).await
+    }
+
     /// Creates and starts a sandbox.
     pub async fn create(&self, spec: CreateSpec) -> Result<SandboxRecord, NodeError> {
         let shared = self.shared.clone();
@@ -705,6 +713,41 @@ impl Shared {
         tracing::info!(sandbox_id = %record.id, pgid = record.pgid, "sandbox created");
         self.note(&record.id, "sandbox created");
         Ok(record)
+    }
+
+    async fn capture(&self, epoch: u64, id: &str) -> Result<common::template::Image, NodeError> {
+        validate_id(id)?;
+        let cache = self
+            .layers
+            .clone()
+            .ok_or_else(|| NodeError::Runtime("this node has no blob store to keep a capture in".into()))?;
+        let turn = self.enter(id).await;
+        let record = turn
+            .record()
+            .filter(|r| r.state != State::Killed)
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        fence(&record, epoch)?;
+        let running = record.state == State::Running;
+        // Frozen while its writable layer is read, so the capture is one moment of it; the
+        // files lock keeps envd's writes out meanwhile, as a pause does.
+        let _quiet = turn.slot.files.clone().write_owned().await;
+        if running {
+            let (runtime, r) = (self.runtime.clone(), record.clone());
+            blocking(move || runtime.pause(&r).map_err(NodeError::from)).await?;
+        }
+        let packed = cache.pack(&self.dir.home(id)).await;
+        if running {
+            let (runtime, r) = (self.runtime.clone(), record.clone());
+            blocking(move || runtime.resume(&r).map_err(NodeError::from)).await?;
+        }
+        let layer = packed.map_err(|e| NodeError::Runtime(e.to_string()))?;
+        let mut image = record.image.clone().unwrap_or_else(common::template::Image::base);
+        image.layers.push(layer);
+        image.env = record.env.clone();
+        image.start_cmd = record.start_command.clone();
+        image.build_id = String::new();
+        tracing::info!(sandbox_id = %id, layers = image.layers.len(), "sandbox captured");
+        Ok(image)
     }
 
     /// Makes an image's layers present on this node (fetched from the blob store).

@@ -302,37 +302,50 @@ impl LayerCache {
         removed
     }
 
-    /// Publishes a build step's writable directory as a layer: packed into a blob in the
-    /// store (named by its digest), the directory itself moved into the cache. Consumes
-    /// `upper`.
-    pub async fn publish(&self, upper: &Path) -> Result<Layer, LayerError> {
+    /// Packs a layer directory into a blob in the store (named by its digest), leaving the
+    /// directory as it is (a sandbox's writable layer, captured while it lives on).
+    pub async fn pack(&self, dir: &Path) -> Result<Layer, LayerError> {
         let publish = |e: String| LayerError::Publish(e);
         let tmp = self.root.join("tmp");
         tokio::fs::create_dir_all(&tmp)
             .await
             .map_err(|e| publish(e.to_string()))?;
         let blob = scratch(&self.root, "packed");
-        let (upper_c, blob_c) = (upper.to_path_buf(), blob.clone());
+        let (dir_c, blob_c) = (dir.to_path_buf(), blob.clone());
         let packed = tokio::task::spawn_blocking(move || -> Result<layers::pack::PackedLayer, LayerError> {
             let file = std::fs::File::create(&blob_c).map_err(|e| LayerError::Publish(e.to_string()))?;
-            layers::pack::pack_layer(&upper_c, HOST_ID_BASE, &NOT_IN_LAYERS, std::io::BufWriter::new(file))
+            layers::pack::pack_layer(&dir_c, HOST_ID_BASE, &NOT_IN_LAYERS, std::io::BufWriter::new(file))
                 .map_err(|e| LayerError::Publish(e.to_string()))
         })
         .await
-        .map_err(|e| publish(e.to_string()))?;
-        let packed = match packed {
-            Ok(p) => p,
-            Err(err) => {
-                let _ = tokio::fs::remove_file(&blob).await;
-                return Err(err);
-            }
+        .map_err(|e| publish(e.to_string()))
+        .and_then(|p| p);
+        let stored = match &packed {
+            Ok(p) => match blob_key(&p.digest.to_string()) {
+                Ok(key) => self
+                    .store
+                    .put_file(&key, &blob)
+                    .await
+                    .map_err(|e| publish(format!("to the blob store: {e}"))),
+                Err(e) => Err(e),
+            },
+            Err(_) => Ok(()),
         };
-        let digest = packed.digest.to_string();
-        let key = blob_key(&digest)?;
-        let stored = self.store.put_file(&key, &blob).await;
         let _ = tokio::fs::remove_file(&blob).await;
-        stored.map_err(|e| publish(format!("to the blob store: {e}")))?;
-        let path = layer_path(&self.root, &digest)?;
+        let packed = packed?;
+        stored?;
+        Ok(Layer {
+            digest: packed.digest.to_string(),
+            size: packed.size,
+        })
+    }
+
+    /// Publishes a build step's writable directory as a layer: packed into the store
+    /// ([`LayerCache::pack`]), the directory itself moved into the cache. Consumes `upper`.
+    pub async fn publish(&self, upper: &Path) -> Result<Layer, LayerError> {
+        let layer = self.pack(upper).await?;
+        let publish = |e: String| LayerError::Publish(e);
+        let path = layer_path(&self.root, &layer.digest)?;
         if path.is_dir() {
             let _ = tokio::fs::remove_dir_all(upper).await;
         } else {
@@ -348,10 +361,7 @@ impl LayerCache {
                 .await
                 .map_err(|e| publish(e.to_string()))?;
         }
-        Ok(Layer {
-            digest,
-            size: packed.size,
-        })
+        Ok(layer)
     }
 }
 

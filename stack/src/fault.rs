@@ -362,6 +362,12 @@ impl Node for NodeProxy {
     type SnapshotStream = Chunks;
     type BuildStream = BuildEvents;
 
+    async fn capture(&self, request: Request<npb::LifecycleRequest>) -> Result<Response<npb::TemplateImage>, Status> {
+        self.faults.gate("Capture")?;
+        let result = self.upstream.clone().capture(request.into_inner()).await;
+        self.faults.reply("Capture", result)
+    }
+
     async fn build(&self, request: Request<npb::BuildRequest>) -> Result<Response<BuildEvents>, Status> {
         self.faults.gate("Build")?;
         let stream = self.upstream.clone().build(request.into_inner()).await?.into_inner();

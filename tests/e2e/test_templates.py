@@ -214,3 +214,38 @@ def test_a_template_from_a_registry_image_has_that_root(stack):
         assert sbx.files.read("/home/user/note.txt") == "written through envd"
     finally:
         sbx.kill()
+
+
+def test_snapshots_and_forks_start_from_the_sandboxs_files(stack):
+    sbx = Sandbox.create(timeout=120, envs={"FROM_SOURCE": "yes"})
+    try:
+        sbx.files.write("/home/user/state.txt", "before")
+        name = f"e2e-snap-{uuid.uuid4().hex[:8]}"
+        snapshot = sbx.create_snapshot(name=name)
+        assert snapshot.snapshot_id == f"{name}:default"
+        # The source runs on, changed after the snapshot.
+        sbx.files.write("/home/user/state.txt", "after")
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+        assert [s.snapshot_id for s in sbx.list_snapshots().next_items()] == [snapshot.snapshot_id]
+
+        restored = Sandbox.create(snapshot.snapshot_id, timeout=60)
+        try:
+            assert restored.files.read("/home/user/state.txt") == "before"
+            assert restored.commands.run("echo $FROM_SOURCE").stdout == "yes\n"
+        finally:
+            restored.kill()
+
+        forks = sbx.fork(count=2, timeout=60)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        try:
+            assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3
+            for f in forks:
+                assert f.files.read("/home/user/state.txt") == "after"
+        finally:
+            for f in forks:
+                f.kill()
+
+        assert Sandbox.delete_snapshot(snapshot.snapshot_id)
+        assert _api("POST", "/sandboxes", json={"templateID": snapshot.snapshot_id}).status_code == 404
+    finally:
+        sbx.kill()

@@ -6,8 +6,10 @@
 //! pauses, resumes and changes timeouts; `hibernation` keeps the files of
 //! a sandbox paused without memory off its node and brings them back; `reaper` ends
 //! sandboxes whose time is up; `idempotency` makes a create with an `Idempotency-Key` happen
-//! once; `nodes` pools the gateway's node clients.
+//! once; `capture` takes a sandbox's files as an image (snapshots and forks); `nodes` pools the
+//! gateway's node clients.
 
+mod capture;
 mod claim;
 mod create;
 mod hibernation;

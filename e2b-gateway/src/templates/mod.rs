@@ -116,6 +116,7 @@ impl Templates {
                 memory_mb: memory_mb.unwrap_or(0),
                 tags: [(DEFAULT_TAG.to_string(), BASE_BUILD_ID.to_string())].into(),
                 builds: vec![BASE_BUILD_ID.to_string()],
+                snapshot_of: None,
                 created_at_unix_ms: now,
                 updated_at_unix_ms: now,
             };
@@ -268,6 +269,7 @@ impl Templates {
                     memory_mb: req.memory_mb.unwrap_or(DEFAULT_BUILD_MEMORY_MB),
                     tags: Default::default(),
                     builds: vec![build_id.clone()],
+                    snapshot_of: None,
                     created_at_unix_ms: now,
                     updated_at_unix_ms: now,
                 };
@@ -305,6 +307,99 @@ impl Templates {
             build_id,
             tags,
         })
+    }
+
+    /// Registers a snapshot of sandbox `source` (E2B's snapshots are templates): under
+    /// `name` (a new build of the team's template of that name, or a new template), or under a
+    /// new template's ID; its `default` tag points at a build that is ready with `image`.
+    /// Returns the template.
+    pub async fn register_snapshot(
+        &self,
+        team: &str,
+        name: Option<&str>,
+        source: &str,
+        mut image: Image,
+        (vcpus, memory_mb): (u32, u64),
+    ) -> Result<TemplateDoc, Failure> {
+        if let Some(name) = name {
+            check_name("name", name).map_err(Failure::Invalid)?;
+        }
+        let now = now_ms();
+        let build_id = uuid::Uuid::new_v4().to_string();
+        image.build_id = build_id.clone();
+        let existing = match name {
+            Some(name) => match self.ledger.get::<TemplateNameDoc>(TEMPLATE_NAME_KIND, name).await? {
+                Some(owner) => {
+                    self.ledger
+                        .get::<TemplateDoc>(TEMPLATE_KIND, &owner.value.template_id)
+                        .await?
+                }
+                None => None,
+            },
+            None => None,
+        };
+        let (template, txn) = match existing {
+            Some(doc) if doc.value.team_id != team => {
+                return Err(Failure::Forbidden(format!(
+                    "the template name {:?} is taken by another team",
+                    name.unwrap_or_default()
+                )))
+            }
+            Some(mut doc) => {
+                doc.value.builds.push(build_id.clone());
+                doc.value.tags.insert(DEFAULT_TAG.to_string(), build_id.clone());
+                doc.value.snapshot_of = Some(source.to_string());
+                doc.value.updated_at_unix_ms = now;
+                let txn = Txn::new().update_read(&doc, &doc.value)?;
+                (doc.value, txn)
+            }
+            None => {
+                let template = TemplateDoc {
+                    template_id: new_id("s"),
+                    team_id: team.to_string(),
+                    public: false,
+                    names: name.map(|n| vec![n.to_string()]).unwrap_or_default(),
+                    vcpus,
+                    memory_mb,
+                    tags: [(DEFAULT_TAG.to_string(), build_id.clone())].into(),
+                    builds: vec![build_id.clone()],
+                    snapshot_of: Some(source.to_string()),
+                    created_at_unix_ms: now,
+                    updated_at_unix_ms: now,
+                };
+                let mut txn = Txn::new().create(TEMPLATE_KIND, &template.template_id, &template)?;
+                if let Some(name) = name {
+                    txn = txn.create(
+                        TEMPLATE_NAME_KIND,
+                        name,
+                        &TemplateNameDoc {
+                            template_id: template.template_id.clone(),
+                        },
+                    )?;
+                }
+                (template, txn)
+            }
+        };
+        let build = BuildDoc {
+            build_id: build_id.clone(),
+            template_id: template.template_id.clone(),
+            team_id: team.to_string(),
+            status: BuildStatus::Ready,
+            vcpus,
+            memory_mb,
+            tags: vec![DEFAULT_TAG.to_string()],
+            image: Some(image),
+            created_at_unix_ms: now,
+            updated_at_unix_ms: now,
+            finished_at_unix_ms: Some(now),
+            ..BuildDoc::default()
+        };
+        self.ledger
+            .compare_resolving(txn.create(BUILD_KIND, &build_id, &build)?, RESOLVE_ATTEMPTS)
+            .await
+            .map_err(|e| conflict_or(e, || format!("snapshot of {source} raced another write; retry")))?;
+        self.forget_resolved();
+        Ok(template)
     }
 
     /// A build of a template `team` may see.
