@@ -297,7 +297,12 @@ impl Host {
         let dir = StateDir::new(&config.state_dir);
         let adopted = {
             let (dir, runtime) = (dir.clone(), runtime.clone());
-            blocking(move || readopt(&dir, runtime.as_ref())).await?
+            blocking(move || {
+                let adopted = readopt(&dir, runtime.as_ref())?;
+                sweep(&dir, runtime.as_ref(), &adopted);
+                Ok(adopted)
+            })
+            .await?
         };
         let slots = adopted
             .into_iter()
@@ -1106,6 +1111,28 @@ fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, 
         adopted.push(record);
     }
     Ok(adopted)
+}
+
+/// Removes, at start, what no record accounts for: sandbox folders without a record (creates
+/// cut short), with their containers, mounts and groups, and containers the runtime still
+/// holds with no folder at all. Such a sandbox was never acknowledged (a create answers only
+/// once its record is written), so no manifest can be waiting for it (blocking).
+fn sweep(dir: &StateDir, runtime: &dyn Runtime, adopted: &[SandboxRecord]) {
+    for id in dir.orphans().unwrap_or_default() {
+        runtime.discard(&id, &dir.home(&id));
+        match std::fs::remove_dir_all(dir.sandbox_dir(&id)) {
+            Ok(()) => {
+                tracing::warn!(sandbox_id = %id, "removed the folder of a create cut short (no record)");
+                metrics::counter!("node_janitor_removed_total", "what" => "folder").increment(1);
+            }
+            Err(err) => tracing::warn!(sandbox_id = %id, %err, "the folder of a create cut short was not removed"),
+        }
+    }
+    let keep: std::collections::HashSet<String> = adopted.iter().map(|r| r.id.clone()).collect();
+    for id in runtime.discard_unknown(&keep) {
+        tracing::warn!(sandbox_id = %id, "removed a container no record accounts for");
+        metrics::counter!("node_janitor_removed_total", "what" => "container").increment(1);
+    }
 }
 
 /// What re-adoption does with a sandbox found in the state directory.

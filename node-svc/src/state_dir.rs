@@ -101,6 +101,24 @@ impl StateDir {
         Ok(records)
     }
 
+    /// Sandbox folders with no record at all: creates cut short before the record was written
+    /// (a create is acknowledged only after it is), which no one can be owed. A folder with an
+    /// unreadable record is not one of them (see [`StateDir::load`]).
+    pub fn orphans(&self) -> std::io::Result<Vec<String>> {
+        let mut orphans = Vec::new();
+        for entry in std::fs::read_dir(&self.root)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || !entry.file_type()?.is_dir() {
+                continue;
+            }
+            if !entry.path().join(RECORD).exists() {
+                orphans.push(name);
+            }
+        }
+        Ok(orphans)
+    }
+
     /// Deletes sandbox `id`'s folder: renamed away first (one atomic step that frees the ID
     /// on disk), then deleted.
     pub fn remove(&self, id: &str) -> std::io::Result<()> {

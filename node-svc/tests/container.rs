@@ -944,3 +944,39 @@ async fn a_built_template_runs_and_moves_to_a_node_that_never_had_its_layers() {
     b.stop().await;
     let _ = std::fs::remove_dir_all(&blobs);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_at_start_removes_a_create_cut_short_and_keeps_the_rest() {
+    let a = node(None).await;
+    a.create("kept", 128 << 20).await;
+    a.create("cut", 128 << 20).await;
+    let (dir, id) = (a.dir.clone(), a.id.clone());
+    let mut a = a;
+    if let Some(running) = a.node.take() {
+        running.stop().await;
+    }
+    // As if the node died between starting the container and writing its record.
+    std::fs::remove_file(dir.join("sandboxes/cut/sandbox.json")).unwrap();
+    let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
+    config.runtime = RuntimeKind::Container { oci_runtime: None };
+    a.node = Some(node_svc::server::start(config).await.unwrap());
+    assert!(
+        !dir.join("sandboxes/cut").exists(),
+        "the folder of the create cut short is gone"
+    );
+    assert!(!dir.join("container/runtime/cut").exists(), "and its container");
+    let cgroups = std::fs::read_dir("/sys/fs/cgroup")
+        .unwrap()
+        .flatten()
+        .map(|h| h.path().join(format!("sandboxsched-{id}")).join("cut"))
+        .filter(|p| p.exists())
+        .collect::<Vec<_>>();
+    assert!(cgroups.is_empty(), "its groups: {cgroups:?}");
+    let (out, code) = a.sh("kept", "user", "echo still").await;
+    assert_eq!(
+        (out.as_str(), code),
+        ("still\n", 0),
+        "the sandbox with a record was adopted"
+    );
+    a.stop().await;
+}

@@ -63,6 +63,20 @@ pub trait Runtime: Send + Sync + 'static {
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
     /// Reaps processes that ended by themselves (no zombies).
     fn reap(&self) {}
+
+    /// Removes whatever the runtime may still hold of sandbox `id`, which the node has no
+    /// record of (a create cut short by a crash): its processes, its root's mount, its groups.
+    /// `home` is where its writable folder would be.
+    fn discard(&self, id: &str, home: &Path) {
+        let _ = (id, home);
+    }
+
+    /// Removes what the runtime holds of sandboxes not in `keep` (found at start, with no
+    /// folder at all); returns their IDs.
+    fn discard_unknown(&self, keep: &std::collections::HashSet<String>) -> Vec<String> {
+        let _ = keep;
+        Vec::new()
+    }
     /// CPU time (ns) the node's sandboxes have used so far, where the runtime measures it.
     fn cpu_time_ns(&self) -> Option<u64> {
         None

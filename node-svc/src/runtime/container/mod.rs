@@ -475,6 +475,36 @@ impl Runtime for ContainerRuntime {
         self.cgroups.cpu_time_ns()
     }
 
+    fn discard(&self, id: &str, home: &Path) {
+        if self.cli.knows(id) {
+            if let Err(err) = self.cli.delete(id) {
+                tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a record was not deleted");
+            }
+        }
+        if let Err(err) = rootfs::unmount(&parts(home).rootfs) {
+            tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a record was not unmounted");
+        }
+        self.cgroups.remove(id);
+    }
+
+    fn discard_unknown(&self, keep: &std::collections::HashSet<String>) -> Vec<String> {
+        let mut gone = Vec::new();
+        for entry in std::fs::read_dir(self.cli.root()).into_iter().flatten().flatten() {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            if keep.contains(&id) {
+                continue;
+            }
+            match self.cli.delete(&id) {
+                Ok(()) => {
+                    self.cgroups.remove(&id);
+                    gone.push(id);
+                }
+                Err(err) => tracing::warn!(sandbox_id = %id, %err, "an unknown container was not deleted"),
+            }
+        }
+        gone
+    }
+
     fn cpu_time_ns_of(&self, record: &SandboxRecord) -> Option<u64> {
         self.cgroups.cpu_usage_ns(&record.id)
     }

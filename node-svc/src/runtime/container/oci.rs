@@ -135,6 +135,11 @@ impl Cli {
         }
     }
 
+    /// The folder where the runtime keeps its containers' state.
+    pub fn root(&self) -> &std::path::Path {
+        &self.root
+    }
+
     /// Whether the runtime may know container `id`: runc-compatible runtimes keep a folder per
     /// container under their root (a stale one is cleaned by `delete`).
     pub fn knows(&self, id: &str) -> bool {
