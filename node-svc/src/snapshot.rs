@@ -103,6 +103,47 @@ fn opaque(dir: &Path) -> bool {
     n == 1 && value[0] == b'y'
 }
 
+/// The `user.*` extended attributes of `path` (not following a symlink): where envd keeps
+/// files' metadata (E2B's file metadata), which a move must carry.
+fn user_xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let Ok(c) = cpath(path) else { return Vec::new() };
+    let mut names = vec![0u8; 4096];
+    // SAFETY: a valid C string and a buffer of the stated length.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n <= 0 {
+        return Vec::new();
+    }
+    names.truncate(n as usize);
+    let mut found = Vec::new();
+    for name in names.split(|b| *b == 0).filter(|n| n.starts_with(b"user.")) {
+        let Ok(cname) = std::ffi::CString::new(name) else {
+            continue;
+        };
+        let mut value = vec![0u8; 64 * 1024];
+        // SAFETY: valid C strings and a buffer of the stated length.
+        let len = unsafe { libc::lgetxattr(c.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        if len >= 0 {
+            value.truncate(len as usize);
+            found.push((String::from_utf8_lossy(name).into_owned(), value));
+        }
+    }
+    found
+}
+
+/// Appends `path` as `name`, its `user.*` attributes first as PAX records (`SCHILY.xattr.*`,
+/// which unpacking applies).
+fn append_entry<W: Write>(archive: &mut tar::Builder<W>, path: &Path, name: &Path) -> std::io::Result<()> {
+    let xattrs = user_xattrs(path);
+    if !xattrs.is_empty() {
+        let records: Vec<(String, &[u8])> = xattrs
+            .iter()
+            .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
+            .collect();
+        archive.append_pax_extensions(records.iter().map(|(k, v)| (k.as_str(), *v)))?;
+    }
+    archive.append_path_with_name(path, name)
+}
+
 /// An empty entry named `name` (a whiteout or an opaque mark).
 fn append_mark<W: Write>(archive: &mut tar::Builder<W>, name: &Path) -> std::io::Result<()> {
     let mut header = tar::Header::new_gnu();
@@ -116,7 +157,7 @@ fn append_mark<W: Write>(archive: &mut tar::Builder<W>, name: &Path) -> std::io:
 /// overlayfs's marks as OCI whiteouts.
 fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    archive.append_path_with_name(dir, name)?;
+    append_entry(archive, dir, name)?;
     if opaque(dir) {
         append_mark(archive, &name.join(OPAQUE_MARK))?;
     }
@@ -133,7 +174,7 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
         } else if file_type.is_dir() {
             append_tree(archive, &path, &name.join(&file_name))?;
         } else {
-            archive.append_path_with_name(&path, name.join(&file_name))?;
+            append_entry(archive, &path, &name.join(&file_name))?;
         }
     }
     Ok(())
@@ -182,6 +223,9 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
     archive.set_preserve_ownerships(true);
     archive.set_preserve_permissions(true);
     archive.set_preserve_mtime(true);
+    // Files' metadata (envd's `user.*` attributes) arrives with them; the archive carries no
+    // other kind.
+    archive.set_unpack_xattrs(true);
     let corrupt = |e: std::io::Error| NodeError::Corrupt(format!("unpacking: {e}"));
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
@@ -379,6 +423,11 @@ mod tests {
         let big: Vec<u8> = (0..(CHUNK * 2 + 12345)).map(|i| (i % 251) as u8).collect();
         std::fs::write(home.join("sub/big.bin"), &big).expect("big");
         std::fs::write(home.join("small.txt"), "small").expect("small");
+        let c = cpath(&home.join("small.txt")).expect("path");
+        let (name, value) = (std::ffi::CString::new("user.e2b.meta").expect("name"), b"{\"k\":\"v\"}");
+        // SAFETY: valid C strings and a value of the stated length.
+        let set = unsafe { libc::lsetxattr(c.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        assert_eq!(set, 0, "setting a user xattr: {}", std::io::Error::last_os_error());
         let parts = take(&home);
         let data_chunks = parts.iter().filter(|p| matches!(p, Ok(SnapshotPart::Data(_)))).count();
         assert!(data_chunks >= 3, "{data_chunks} chunks");
@@ -391,6 +440,11 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(into.join("home/small.txt")).expect("small"),
             "small"
+        );
+        assert_eq!(
+            user_xattrs(&into.join("home/small.txt")),
+            vec![("user.e2b.meta".to_string(), value.to_vec())],
+            "files' metadata moves with them"
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
