@@ -77,6 +77,10 @@ struct UpArgs {
     /// or a directory. Unset: `blobs/` in the data directory.
     #[arg(long, env = "SANDBOXSCHED_BLOB_STORE")]
     blob_store: Option<String>,
+    /// Registries (`host:port`, comma-separated) template builds may pull from although they
+    /// resolve to a private or loopback address (such as a registry on this machine).
+    #[arg(long, env = "SANDBOXSCHED_PRIVATE_REGISTRIES", value_delimiter = ',')]
+    private_registries: Vec<String>,
     /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
     #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
     node_memory_mb: Option<u64>,
@@ -221,7 +225,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         };
         let envd_binary = args.envd_binary.clone();
         let blob_store = args.blob_store.clone();
+        let private_registries = args.private_registries.clone();
         builder = builder.named_node(format!("node-{i}"), move |c| {
+            c.host.private_registries = private_registries;
             c.runtime = runtime;
             c.envd_binary = envd_binary;
             if let Some(url) = blob_store {

@@ -42,13 +42,15 @@ struct Scratch {
     id: String,
 }
 
-async fn node(tag: &str, blobs: &std::path::Path, envd: &std::path::Path) -> anyhow::Result<Scratch> {
+async fn node(tag: &str, blobs: &std::path::Path, envd: &std::path::Path, registry: &str) -> anyhow::Result<Scratch> {
     let id = format!("bench-{tag}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let dir = std::env::temp_dir().join(&id);
     let mut config = NodeConfig::new("127.0.0.1:0".parse()?, &id, &dir);
     config.runtime = RuntimeKind::Container { oci_runtime: None };
     config.host.blob_store = Some(blobs.display().to_string());
     config.envd_binary = Some(envd.to_path_buf());
+    // The benchmark's registry is on loopback, which builds may not reach unless allowed.
+    config.host.private_registries = vec![registry.to_string()];
     let node = node_svc::server::start(config).await?;
     Ok(Scratch { node, dir, id })
 }

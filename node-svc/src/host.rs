@@ -113,6 +113,12 @@ pub struct HostConfig {
     pub blob_store: Option<String>,
     /// How many bytes of template layers the node keeps cached.
     pub layer_cache_bytes: u64,
+    /// Registries (`host:port`) a build may pull from although they resolve to an address of
+    /// the egress floor (a registry on the operator's private network or on loopback).
+    pub private_registries: Vec<String>,
+    /// The egress floor (set by the server from the network's): a registry resolving into it
+    /// is refused, or a build could make the node fetch from the control plane's own network.
+    pub registry_floor: Vec<common::egress::Cidr>,
 }
 
 /// Template layers a node keeps cached unless told otherwise: 20 GiB.
@@ -386,6 +392,11 @@ impl Host {
 
     pub fn state_dir(&self) -> &std::path::Path {
         &self.shared.config.state_dir
+    }
+
+    /// The host's configuration.
+    pub fn config(&self) -> &HostConfig {
+        &self.shared.config
     }
 
     /// Captures a sandbox's files as a template image (its template's layers plus one of what
@@ -1405,6 +1416,8 @@ mod tests {
             },
             blob_store: None,
             layer_cache_bytes: DEFAULT_LAYER_CACHE_BYTES,
+            private_registries: Vec::new(),
+            registry_floor: Vec::new(),
         }
     }
 

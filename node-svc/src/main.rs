@@ -81,6 +81,11 @@ struct Args {
     /// one a sandbox here uses).
     #[arg(long, env = "NODE_LAYER_CACHE_MB", default_value_t = 20 * 1024)]
     layer_cache_mb: u64,
+    /// Registries (`host:port`, comma-separated) template builds may pull from although they
+    /// resolve to a private, loopback or link-local address (any other such registry is
+    /// refused: a build must not make the node fetch from the control plane's own network).
+    #[arg(long, env = "SANDBOXSCHED_PRIVATE_REGISTRIES", value_delimiter = ',')]
+    private_registries: Vec<String>,
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
@@ -107,6 +112,7 @@ async fn serve() -> anyhow::Result<()> {
     config.advertise_envd = args.advertise_envd;
     config.host.templates_dir = args.templates_dir;
     config.host.layer_cache_bytes = args.layer_cache_mb << 20;
+    config.host.private_registries = args.private_registries;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store
     } else {

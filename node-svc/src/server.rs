@@ -65,6 +65,8 @@ impl NodeConfig {
                 capacity: host_capacity(),
                 blob_store: None,
                 layer_cache_bytes: crate::host::DEFAULT_LAYER_CACHE_BYTES,
+                private_registries: Vec::new(),
+                registry_floor: Vec::new(),
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),
@@ -170,7 +172,9 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         RuntimeKind::Unisolated { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),
         RuntimeKind::Sim { used_share } => Arc::new(SimRuntime { used_share }),
     };
-    let host = Arc::new(Host::open(config.host.clone(), runtime).await?);
+    let mut host_config = config.host.clone();
+    host_config.registry_floor = config.network.floor.clone();
+    let host = Arc::new(Host::open(host_config, runtime).await?);
     let listener = Listener::bind(config.listen).await?;
     let addr = listener.addr();
     let envd_listener = Listener::bind(config.envd_listen).await?;

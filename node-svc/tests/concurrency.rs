@@ -166,6 +166,8 @@ impl Node {
             },
             blob_store: None,
             layer_cache_bytes: node_svc::host::DEFAULT_LAYER_CACHE_BYTES,
+            private_registries: Vec::new(),
+            registry_floor: Vec::new(),
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 

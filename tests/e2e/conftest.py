@@ -50,6 +50,8 @@ def _start(nodes: int, log_level: str, **extra):
         # A second team, for the tests that attack one team's sandbox from another.
         SANDBOXSCHED_API_KEYS=f"{OTHER_TEAM_KEY}=other-team",
         RUST_LOG=log_level,
+        # The template tests' registry, on loopback: builds may pull from it only when allowed.
+        SANDBOXSCHED_PRIVATE_REGISTRIES=os.environ.get("BLOBS_TEST_REGISTRY", "127.0.0.1:5056"),
         **_static_envd(),
         **extra,
     )

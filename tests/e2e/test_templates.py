@@ -112,6 +112,16 @@ def test_an_unknown_base_image_fails_with_a_message(stack):
     assert "does-not-exist" in str(failed.value), str(failed.value)
 
 
+@pytest.mark.parametrize("image", ["169.254.169.254/latest/meta-data:1", "10.0.0.1:5000/internal:1", "127.0.0.1:6379/redis:1"])
+def test_a_build_cannot_make_the_node_fetch_from_private_addresses(stack, image):
+    # The cloud's metadata service, the operator's network, the node's own loopback (Redis):
+    # a template names any registry, and the node must not become the way in.
+    template = Template().from_image(image).run_cmd("true")
+    with pytest.raises(BuildException) as failed:
+        Template.build(template, f"e2e-ssrf-{uuid.uuid4().hex[:8]}")
+    assert "may not reach" in str(failed.value), str(failed.value)
+
+
 def _registry_up():
     try:
         return httpx.get(f"http://{REGISTRY}/v2/", timeout=2).status_code in (200, 401)

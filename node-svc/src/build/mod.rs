@@ -220,6 +220,7 @@ impl Build {
             return Err(failed("base", format!("this node cannot build from an image: {why}")));
         }
         self.log("info", "base", &format!("FROM {}", request.from_image));
+        self.registry_allowed(&request.from_image).await?;
         let auth = if request.registry_username.is_empty() {
             blobs::registry::RegistryAuth::Anonymous
         } else {
@@ -272,6 +273,52 @@ impl Build {
             .await?;
         image.layers.extend(provisioned);
         Ok((image, key))
+    }
+
+    /// Refuses a registry that resolves into the egress floor (private, loopback, link-local:
+    /// the control plane's own network, a cloud's metadata service) unless the operator named
+    /// it in `--private-registries`: a build names any host, and the node fetches from its own
+    /// network, outside any sandbox's rules. (The pull resolves the name again; a name that
+    /// changes its answer in between is not caught here.)
+    async fn registry_allowed(&self, image: &str) -> Result<(), Failed> {
+        let reference = blobs::registry::parse_reference(image).map_err(|e| failed("base", e))?;
+        let registry = reference.resolve_registry().to_string();
+        let config = self.host.config();
+        if config.private_registries.iter().any(|r| *r == registry) {
+            return Ok(());
+        }
+        let with_port = if registry.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+            registry.clone()
+        } else {
+            format!("{registry}:443")
+        };
+        let addresses = tokio::net::lookup_host(&with_port)
+            .await
+            .map_err(|e| failed("base", format!("registry {registry}: {e}")))?;
+        for address in addresses {
+            let private = match address.ip() {
+                std::net::IpAddr::V4(v4) => config.registry_floor.iter().any(|c| c.contains(v4)),
+                std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                    Some(v4) => config.registry_floor.iter().any(|c| c.contains(v4)),
+                    None => {
+                        v6.is_loopback()
+                            || v6.is_unspecified()
+                            || (v6.segments()[0] & 0xfe00) == 0xfc00
+                            || (v6.segments()[0] & 0xffc0) == 0xfe80
+                    }
+                },
+            };
+            if private {
+                return Err(failed(
+                    "base",
+                    format!(
+                        "registry {registry} resolves to {}, an address sandboxes may not reach; an operator can allow it with --private-registries",
+                        address.ip()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The layer a step made before (same parent, same step), or the one it makes now.
