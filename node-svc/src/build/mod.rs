@@ -284,7 +284,7 @@ impl Build {
         let reference = blobs::registry::parse_reference(image).map_err(|e| failed("base", e))?;
         let registry = reference.resolve_registry().to_string();
         let config = self.host.config();
-        if config.private_registries.iter().any(|r| *r == registry) {
+        if config.private_registries.contains(&registry) {
             return Ok(());
         }
         let with_port = if registry.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
