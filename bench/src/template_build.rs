@@ -268,8 +268,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let http = reqwest::Client::new();
     let image = push_image(&http, &args.registry).await?;
     let (a, b) = (
-        node("builder", &blobs, &args.envd).await?,
-        node("runner", &blobs, &args.envd).await?,
+        node("builder", &blobs, &args.envd, &args.registry).await?,
+        node("runner", &blobs, &args.envd, &args.registry).await?,
     );
     let step = |kind: &str, args: &[String]| pb::BuildStep {
         kind: kind.into(),
