@@ -235,6 +235,7 @@ pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> 
             Err(response) => response,
         };
     }
+    let (request, rest) = drained(request);
     let mut parts = match Multipart::from_request(request, &()).await {
         Ok(parts) => parts,
         Err(e) => return rest_error(StatusCode::BAD_REQUEST, e.body_text()),
@@ -272,5 +273,58 @@ pub async fn upload(scope: &Scope<'_>, path: Option<&str>, request: Request) -> 
     if done.is_empty() {
         return rest_error(StatusCode::BAD_REQUEST, "the multipart body has no parts");
     }
+    // The parser stops at the closing boundary; what a client sends after it (the epilogue,
+    // often a last CRLF in a chunk of its own) is read before answering. Answering first
+    // would close the connection under a client still writing, which then sees an error
+    // instead of this answer.
+    drop(parts);
+    let _ = rest.await;
     written(done)
+}
+
+/// `request` with its body passed through a task that reads the original to its end, even
+/// after the returned request's body is dropped; await the task to know the body is consumed.
+fn drained(request: Request) -> (Request, tokio::task::JoinHandle<()>) {
+    let (head, body) = request.into_parts();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, axum::Error>>(4);
+    let task = tokio::spawn(async move {
+        let mut stream = body.into_data_stream();
+        let mut forwarding = true;
+        while let Some(chunk) = stream.next().await {
+            if forwarding && tx.send(chunk).await.is_err() {
+                forwarding = false;
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    (Request::from_parts(head, body), task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_drained_body_is_read_to_its_end_though_its_reader_stops_early() {
+        let read = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = read.clone();
+        let chunks = futures::stream::iter(["part", "closing boundary", "\r\n"]).map(move |c| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, std::io::Error>(axum::body::Bytes::from(c))
+        });
+        let request = Request::new(Body::from_stream(chunks));
+        let (request, rest) = drained(request);
+        let mut body = request.into_body().into_data_stream();
+        assert_eq!(
+            body.next().await.map(|c| c.map(|b| b.to_vec()).ok()),
+            Some(Some(b"part".to_vec()))
+        );
+        drop(body);
+        rest.await.expect("the draining task");
+        assert_eq!(
+            read.load(std::sync::atomic::Ordering::SeqCst),
+            3,
+            "the epilogue was read too"
+        );
+    }
 }
