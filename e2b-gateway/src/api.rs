@@ -738,6 +738,33 @@ fn entry_json(e: &proto::node::v1::LogEntry) -> Value {
 }
 
 /// `limit` of a logs request: 0 to 1000, 1000 when absent.
+/// Log levels, least severe first.
+pub(crate) const LEVELS: [&str; 4] = ["debug", "info", "warn", "error"];
+
+/// A log query's `level` (the least severe wanted; empty: all).
+pub(crate) fn level_of(query: &HashMap<String, String>) -> Result<String, ApiError> {
+    match query.get("level").map(String::as_str) {
+        None => Ok(String::new()),
+        Some(l) if LEVELS.contains(&l) => Ok(l.to_string()),
+        Some(_) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "level must be debug, info, warn or error",
+        )),
+    }
+}
+
+/// Whether a log query's `direction` is `backward` (default `forward`).
+pub(crate) fn backward_of(query: &HashMap<String, String>) -> Result<bool, ApiError> {
+    match query.get("direction").map(String::as_str) {
+        None | Some("forward") => Ok(false),
+        Some("backward") => Ok(true),
+        Some(_) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "direction must be forward or backward",
+        )),
+    }
+}
+
 fn log_limit(query: &HashMap<String, String>) -> Result<u32, ApiError> {
     match query.get("limit") {
         None => Ok(1000),
@@ -790,26 +817,8 @@ pub async fn logs_v2(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
-    let backward = match query.get("direction").map(String::as_str) {
-        None | Some("forward") => false,
-        Some("backward") => true,
-        Some(_) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "direction must be forward or backward",
-            ))
-        }
-    };
-    let level = match query.get("level").map(String::as_str) {
-        None => String::new(),
-        Some(l @ ("debug" | "info" | "warn" | "error")) => l.to_string(),
-        Some(_) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "level must be debug, info, warn or error",
-            ))
-        }
-    };
+    let backward = backward_of(&query)?;
+    let level = level_of(&query)?;
     let request = proto::node::v1::LogsRequest {
         sandbox_id: id.clone(),
         cursor_unix_ms: unix_ms(&query, "cursor")?,

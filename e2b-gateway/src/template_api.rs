@@ -15,7 +15,7 @@ use common::template::{check_name, BuildDoc, BuildLogEntry, BuildStatus, Templat
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::api::{json_body, rfc3339, ApiError, Gateway, ENVD_VERSION};
+use crate::api::{backward_of, json_body, level_of, rfc3339, ApiError, Gateway, ENVD_VERSION, LEVELS};
 use crate::sandboxes::Failure;
 use crate::templates::build::{effective_status, StartBuild};
 use crate::templates::{files, BuildRequest};
@@ -204,8 +204,6 @@ fn log_json(e: &BuildLogEntry) -> Value {
     })
 }
 
-const LEVELS: [&str; 4] = ["debug", "info", "warn", "error"];
-
 /// Whether `entry` is at least as severe as `level` (empty: every entry).
 fn at_least(entry: &BuildLogEntry, level: &str) -> bool {
     let rank = |l: &str| LEVELS.iter().position(|x| *x == l).unwrap_or(1);
@@ -221,17 +219,6 @@ fn query_u64(query: &HashMap<String, String>, name: &str, default: u64, max: u64
                 format!("{name} must be an integer from 0 to {max}"),
             )
         }),
-    }
-}
-
-fn level_of(query: &HashMap<String, String>) -> Result<String, ApiError> {
-    match query.get("level").map(String::as_str) {
-        None => Ok(String::new()),
-        Some(l) if LEVELS.contains(&l) => Ok(l.to_string()),
-        Some(_) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "level must be debug, info, warn or error",
-        )),
     }
 }
 
@@ -300,16 +287,7 @@ pub async fn build_logs(
     let cursor = query_u64(&query, "cursor", 0, u64::MAX)?;
     let limit = query_u64(&query, "limit", 100, 100)? as usize;
     let level = level_of(&query)?;
-    let backward = match query.get("direction").map(String::as_str) {
-        None | Some("forward") => false,
-        Some("backward") => true,
-        Some(_) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "direction must be forward or backward",
-            ))
-        }
-    };
+    let backward = backward_of(&query)?;
     let build = g
         .templates
         .build_of(&team, &template_id, &build_id)

@@ -120,13 +120,7 @@ impl Templates {
                 created_at_unix_ms: now,
                 updated_at_unix_ms: now,
             };
-            let mut txn = Txn::new().create(TEMPLATE_KIND, &name, &template)?.create(
-                TEMPLATE_NAME_KIND,
-                &name,
-                &TemplateNameDoc {
-                    template_id: name.clone(),
-                },
-            )?;
+            let mut txn = Self::create_txn(&template, Some(&name))?;
             if name == BASE {
                 txn = txn.create(BUILD_KIND, BASE_BUILD_ID, &base_build)?;
             }
@@ -138,34 +132,43 @@ impl Templates {
         Ok(())
     }
 
-    /// The template with this ID or name, if `team` may see it.
-    pub async fn find(&self, team: &str, id_or_name: &str) -> Result<Option<Versioned<TemplateDoc>>, Failure> {
-        let (name, _) = split_name(id_or_name);
-        if let Some(doc) = self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, name).await? {
-            return Ok(doc.value.visible_to(team).then_some(doc));
-        }
+    /// The template holding `name`, whoever owns it.
+    async fn named(&self, name: &str) -> Result<Option<Versioned<TemplateDoc>>, Failure> {
         let Some(owner) = self.ledger.get::<TemplateNameDoc>(TEMPLATE_NAME_KIND, name).await? else {
             return Ok(None);
         };
         Ok(self
             .ledger
             .get::<TemplateDoc>(TEMPLATE_KIND, &owner.value.template_id)
-            .await?
-            .filter(|doc| doc.value.visible_to(team)))
+            .await?)
+    }
+
+    /// The template with this ID or name, if `team` may see it.
+    pub async fn find(&self, team: &str, id_or_name: &str) -> Result<Option<Versioned<TemplateDoc>>, Failure> {
+        let (name, _) = split_name(id_or_name);
+        if let Some(doc) = self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, name).await? {
+            return Ok(doc.value.visible_to(team).then_some(doc));
+        }
+        Ok(self.named(name).await?.filter(|doc| doc.value.visible_to(team)))
     }
 
     /// Whether a name is taken: `Some(true)` by a template `team` may see, `Some(false)` by
     /// another team's.
     pub async fn name_taken(&self, team: &str, name: &str) -> Result<Option<(bool, TemplateDoc)>, Failure> {
         let (name, _) = split_name(name);
-        let Some(owner) = self.ledger.get::<TemplateNameDoc>(TEMPLATE_NAME_KIND, name).await? else {
-            return Ok(None);
-        };
-        let doc = self
-            .ledger
-            .get::<TemplateDoc>(TEMPLATE_KIND, &owner.value.template_id)
-            .await?;
-        Ok(doc.map(|d| (d.value.visible_to(team), d.value)))
+        Ok(self.named(name).await?.map(|d| (d.value.visible_to(team), d.value)))
+    }
+
+    /// A transaction creating `template` and, when given, the `name` it holds.
+    fn create_txn(template: &TemplateDoc, name: Option<&str>) -> Result<Txn, Failure> {
+        let mut txn = Txn::new().create(TEMPLATE_KIND, &template.template_id, template)?;
+        if let Some(name) = name {
+            let holder = TemplateNameDoc {
+                template_id: template.template_id.clone(),
+            };
+            txn = txn.create(TEMPLATE_NAME_KIND, name, &holder)?;
+        }
+        Ok(txn)
     }
 
     /// Resolves `name:tag` (or an ID) to the image a create starts, as `team` sees it.
@@ -233,14 +236,7 @@ impl Templates {
         }
         let now = now_ms();
         let build_id = uuid::Uuid::new_v4().to_string();
-        let existing = match self.ledger.get::<TemplateNameDoc>(TEMPLATE_NAME_KIND, name).await? {
-            Some(owner) => {
-                self.ledger
-                    .get::<TemplateDoc>(TEMPLATE_KIND, &owner.value.template_id)
-                    .await?
-            }
-            None => None,
-        };
+        let existing = self.named(name).await?;
         let (template, txn) = match existing {
             Some(doc) if doc.value.team_id != team => {
                 return Err(Failure::Forbidden(format!(
@@ -273,15 +269,7 @@ impl Templates {
                     created_at_unix_ms: now,
                     updated_at_unix_ms: now,
                 };
-                let txn = Txn::new()
-                    .create(TEMPLATE_KIND, &template.template_id, &template)?
-                    .create(
-                        TEMPLATE_NAME_KIND,
-                        name,
-                        &TemplateNameDoc {
-                            template_id: template.template_id.clone(),
-                        },
-                    )?;
+                let txn = Self::create_txn(&template, Some(name))?;
                 (template, txn)
             }
         };
@@ -328,14 +316,7 @@ impl Templates {
         let build_id = uuid::Uuid::new_v4().to_string();
         image.build_id = build_id.clone();
         let existing = match name {
-            Some(name) => match self.ledger.get::<TemplateNameDoc>(TEMPLATE_NAME_KIND, name).await? {
-                Some(owner) => {
-                    self.ledger
-                        .get::<TemplateDoc>(TEMPLATE_KIND, &owner.value.template_id)
-                        .await?
-                }
-                None => None,
-            },
+            Some(name) => self.named(name).await?,
             None => None,
         };
         let (template, txn) = match existing {
@@ -367,16 +348,7 @@ impl Templates {
                     created_at_unix_ms: now,
                     updated_at_unix_ms: now,
                 };
-                let mut txn = Txn::new().create(TEMPLATE_KIND, &template.template_id, &template)?;
-                if let Some(name) = name {
-                    txn = txn.create(
-                        TEMPLATE_NAME_KIND,
-                        name,
-                        &TemplateNameDoc {
-                            template_id: template.template_id.clone(),
-                        },
-                    )?;
-                }
+                let txn = Self::create_txn(&template, name)?;
                 (template, txn)
             }
         };

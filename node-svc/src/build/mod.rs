@@ -534,7 +534,14 @@ impl Build {
         let started = tokio::task::spawn_blocking(move || -> Result<SandboxRecord, String> {
             let _ = std::fs::remove_dir_all(h.parent().unwrap_or(&h));
             std::fs::create_dir_all(&h).map_err(|e| e.to_string())?;
-            r.pgid = runtime.start(&r, &h).map_err(|e| e.to_string())?;
+            match runtime.start(&r, &h) {
+                Ok(pgid) => r.pgid = pgid,
+                Err(err) => {
+                    // Nothing of a builder that did not start stays behind.
+                    let _ = std::fs::remove_dir_all(h.parent().unwrap_or(&h));
+                    return Err(err.to_string());
+                }
+            }
             Ok(r)
         })
         .await
