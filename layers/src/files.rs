@@ -43,10 +43,24 @@ pub fn extract_files(
     owner: (u32, u32),
     mode: Option<u32>,
 ) -> Result<u64, FilesError> {
+    extract_files_within(reader, gzip, dest, owner, mode, u64::MAX)
+}
+
+/// [`extract_files`], failing once the uncompressed archive passes `max_bytes` (an uploaded
+/// archive is untrusted: a small gzip can inflate to fill a disk).
+pub fn extract_files_within(
+    reader: impl Read,
+    gzip: bool,
+    dest: &Path,
+    owner: (u32, u32),
+    mode: Option<u32>,
+    max_bytes: u64,
+) -> Result<u64, FilesError> {
     if gzip {
-        extract_tar(flate2::read::MultiGzDecoder::new(reader), dest, owner, mode)
+        let inflated = crate::unpack::Bounded::new(flate2::read::MultiGzDecoder::new(reader), max_bytes);
+        extract_tar(inflated, dest, owner, mode)
     } else {
-        extract_tar(reader, dest, owner, mode)
+        extract_tar(crate::unpack::Bounded::new(reader, max_bytes), dest, owner, mode)
     }
 }
 

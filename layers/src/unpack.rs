@@ -89,10 +89,60 @@ pub fn unpack_layer(
     dest: &Path,
     shift: u32,
 ) -> Result<UnpackStats, UnpackError> {
+    unpack_layer_within(reader, media, dest, shift, u64::MAX)
+}
+
+/// [`unpack_layer`], failing once the uncompressed archive passes `max_bytes`: a few
+/// compressed megabytes can inflate to terabytes (a decompression bomb), and a layer is
+/// untrusted input written to the host's disk.
+pub fn unpack_layer_within(
+    reader: impl Read,
+    media: Compression,
+    dest: &Path,
+    shift: u32,
+    max_bytes: u64,
+) -> Result<UnpackStats, UnpackError> {
     match media {
-        Compression::None => unpack_tar(reader, dest, shift),
-        Compression::Gzip => unpack_tar(flate2::read::MultiGzDecoder::new(reader), dest, shift),
-        Compression::Zstd => unpack_tar(ZstdReader::new(reader), dest, shift),
+        Compression::None => unpack_tar(Bounded::new(reader, max_bytes), dest, shift),
+        Compression::Gzip => unpack_tar(
+            Bounded::new(flate2::read::MultiGzDecoder::new(reader), max_bytes),
+            dest,
+            shift,
+        ),
+        Compression::Zstd => unpack_tar(Bounded::new(ZstdReader::new(reader), max_bytes), dest, shift),
+    }
+}
+
+/// A reader that fails once more than its bound has been read through it.
+pub(crate) struct Bounded<R> {
+    inner: R,
+    left: u64,
+    bound: u64,
+}
+
+impl<R> Bounded<R> {
+    pub(crate) fn new(inner: R, bound: u64) -> Self {
+        Self {
+            inner,
+            left: bound,
+            bound,
+        }
+    }
+}
+
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        match self.left.checked_sub(n as u64) {
+            Some(left) => {
+                self.left = left;
+                Ok(n)
+            }
+            None => Err(io::Error::other(format!(
+                "the layer unpacks to more than {} bytes",
+                self.bound
+            ))),
+        }
     }
 }
 
@@ -259,6 +309,35 @@ impl<R: Read> Read for ZstdReader<R> {
                 Err(e) => return Err(io::Error::other(e)),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_that_inflates_past_the_bound_is_refused() {
+        let mut tar = tar::Builder::new(Vec::new());
+        let data = vec![0u8; 1 << 20];
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        header.set_cksum();
+        tar.append_data(&mut header, "zeros", data.as_slice()).unwrap();
+        let plain = tar.into_inner().unwrap();
+        let dest = std::env::temp_dir().join(format!("bounded-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dest);
+        std::fs::create_dir_all(&dest).unwrap();
+        let refused = unpack_layer_within(plain.as_slice(), Compression::None, &dest, 100_000, 64 << 10);
+        assert!(refused.is_err(), "1 MiB through a 64 KiB bound");
+        let _ = std::fs::remove_dir_all(&dest);
+        std::fs::create_dir_all(&dest).unwrap();
+        assert!(unpack_layer_within(plain.as_slice(), Compression::None, &dest, 100_000, 4 << 20).is_ok());
+        std::fs::remove_dir_all(&dest).unwrap();
     }
 }
 

@@ -116,6 +116,11 @@ impl LayerCache {
         &self.root
     }
 
+    /// The most bytes of layers the cache keeps (and so the largest one layer may be).
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
     pub fn store(&self) -> &Arc<dyn BlobStore> {
         &self.store
     }
@@ -178,6 +183,7 @@ impl LayerCache {
                 .await
                 .map_err(|e| failed(format!("from the blob store: {e}")))?;
             let (blob_c, dir_c, digest_c, path_c) = (blob.clone(), dir.clone(), digest.to_string(), path.to_path_buf());
+            let max_bytes = self.max_bytes;
             tokio::task::spawn_blocking(move || -> Result<(), LayerError> {
                 let failed = |reason: String| LayerError::Fetch {
                     digest: digest_c.clone(),
@@ -193,8 +199,16 @@ impl LayerCache {
                 let compression = compression_of(&blob_c).map_err(|e| failed(e.to_string()))?;
                 let file = std::fs::File::open(&blob_c).map_err(|e| failed(e.to_string()))?;
                 std::fs::create_dir_all(&dir_c).map_err(|e| failed(e.to_string()))?;
-                layers::unpack::unpack_layer(std::io::BufReader::new(file), compression, &dir_c, HOST_ID_BASE)
-                    .map_err(|e| failed(format!("unpacking: {e}")))?;
+                // A layer larger than the whole cache could never be kept: the bound also stops
+                // a decompression bomb before it fills the disk.
+                layers::unpack::unpack_layer_within(
+                    std::io::BufReader::new(file),
+                    compression,
+                    &dir_c,
+                    HOST_ID_BASE,
+                    max_bytes,
+                )
+                .map_err(|e| failed(format!("unpacking: {e}")))?;
                 if let Some(parent) = path_c.parent() {
                     std::fs::create_dir_all(parent).map_err(|e| failed(e.to_string()))?;
                 }

@@ -463,6 +463,8 @@ impl Build {
             .await
             .map_err(|e| failed(label, format!("the step's files: {e}")))?;
         let (src, dest, workdir, tar_c) = (src.to_string(), dest.to_string(), image.workdir.clone(), tar.clone());
+        // A step's files can be no larger than the layer cache that must hold them.
+        let max_bytes = self.cache.max_bytes();
         let made = self
             .host_layer(label, move |layer| {
                 let extracted = layer.with_extension("extract");
@@ -474,8 +476,15 @@ impl Build {
                         let mut magic = [0u8; 2];
                         std::fs::File::open(&tar_c)?.read(&mut magic)? == 2 && magic == [0x1f, 0x8b]
                     };
-                    layers::files::extract_files(std::io::BufReader::new(file), gzip, &extracted, owner, mode)
-                        .map_err(std::io::Error::other)?;
+                    layers::files::extract_files_within(
+                        std::io::BufReader::new(file),
+                        gzip,
+                        &extracted,
+                        owner,
+                        mode,
+                        max_bytes,
+                    )
+                    .map_err(std::io::Error::other)?;
                     let source = extracted.join(steps::in_sandbox(&src, "/"));
                     let is_dir = std::fs::symlink_metadata(&source)
                         .map_err(|_| std::io::Error::other(format!("{src:?} is not in the uploaded files")))?;
