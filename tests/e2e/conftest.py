@@ -51,7 +51,8 @@ def _start(nodes: int, log_level: str, **extra):
         SANDBOXSCHED_API_KEYS=f"{OTHER_TEAM_KEY}=other-team",
         RUST_LOG=log_level,
         # The template tests' registry, on loopback: builds may pull from it only when allowed.
-        SANDBOXSCHED_PRIVATE_REGISTRIES=os.environ.get("BLOBS_TEST_REGISTRY", "127.0.0.1:5056"),
+        # (and 127.0.0.1:5059, where nothing listens: the unreachable-registry test).
+        SANDBOXSCHED_PRIVATE_REGISTRIES=os.environ.get("BLOBS_TEST_REGISTRY", "127.0.0.1:5056") + ",127.0.0.1:5059",
         **_static_envd(),
         **extra,
     )

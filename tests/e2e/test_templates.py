@@ -14,9 +14,11 @@ import uuid
 import httpx
 import pytest
 from conftest import OTHER_TEAM_KEY
-from e2b import BuildException, Sandbox, Template, wait_for_port
+from e2b import BuildException, Sandbox, Template, wait_for_file, wait_for_port
 
 REGISTRY = os.environ.get("BLOBS_TEST_REGISTRY", "127.0.0.1:5056")
+# A registry address the stack allows (conftest) where nothing listens.
+UNREACHABLE = "127.0.0.1:5059"
 BUSYBOX = "/bin/busybox"
 
 
@@ -110,6 +112,17 @@ def test_an_unknown_base_image_fails_with_a_message(stack):
     with pytest.raises(BuildException) as failed:
         Template.build(template, name)
     assert "does-not-exist" in str(failed.value), str(failed.value)
+    assert _api("POST", "/sandboxes", json={"templateID": name}).status_code == 404
+
+
+def test_an_unreachable_registry_fails_with_a_message(stack):
+    # Allowed (the stack names it a private registry) but nothing listens there.
+    name = f"e2e-unreachable-{uuid.uuid4().hex[:8]}"
+    template = Template().from_image(f"{UNREACHABLE}/e2e/anything:1").run_cmd("true")
+    with pytest.raises(BuildException) as failed:
+        Template.build(template, name)
+    assert UNREACHABLE in str(failed.value), str(failed.value)
+    assert _api("POST", "/sandboxes", json={"templateID": name}).status_code == 404
 
 
 @pytest.mark.parametrize("image", ["169.254.169.254/latest/meta-data:1", "10.0.0.1:5000/internal:1", "127.0.0.1:6379/redis:1"])
@@ -140,7 +153,7 @@ def _busybox_layer():
             info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
             tar.addfile(info)
         tar.add(BUSYBOX, arcname="bin/busybox")
-        for applet in ("sh", "cat", "echo", "id", "ls", "grep", "mkdir", "chown", "stat", "env", "pwd", "sleep", "true", "readlink"):
+        for applet in ("sh", "cat", "echo", "id", "ls", "grep", "mkdir", "chown", "stat", "env", "pwd", "sleep", "true", "readlink", "touch", "test", "["):
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
@@ -197,23 +210,30 @@ def _push(repository, tag):
     assert put.status_code == 201, put.text
 
 
-def test_a_template_from_a_registry_image_has_that_root(stack):
+def test_a_template_from_a_registry_image_has_that_root(stack, tmp_path):
     if not _registry_up():
         raise RuntimeError(f"no registry answers at {REGISTRY}: run scripts/blob-services")
     repository = f"e2e/busybox-{uuid.uuid4().hex[:8]}"
     _push(repository, "1")
     name = f"e2e-busybox-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "app.conf").write_text("copied into busybox\n")
     template = (
-        Template()
+        Template(file_context_path=str(tmp_path))
         .from_image(f"{REGISTRY}/{repository}:1")
+        .copy("app.conf", "/home/user/app/")
         .run_cmd("echo made-in-busybox > /greeting", user="root")
-        .set_workdir("/home/user")
+        .set_workdir("/home/user/app")
+        .set_envs({"TEMPLATE_VAR": "from-the-template"})
+        .set_start_cmd("touch /tmp/started; sleep 600", wait_for_file("/tmp/started"))
     )
     logs = []
     Template.build(template, name, on_build_logs=logs.append)
     sbx = Sandbox.create(name, timeout=60)
     try:
         assert sbx.commands.run("cat /greeting").stdout == "made-in-busybox\n"
+        assert sbx.commands.run("cat app.conf; pwd").stdout == "copied into busybox\n/home/user/app\n"
+        assert sbx.commands.run("echo $TEMPLATE_VAR").stdout == "from-the-template\n"
+        assert sbx.commands.run("test -f /tmp/started && echo started").stdout == "started\n"
         # The image's own root, not the host's: no python, busybox as every tool.
         assert sbx.commands.run("ls /usr/bin").stdout == ""
         assert sbx.commands.run("readlink /bin/sh").stdout == "busybox\n"
