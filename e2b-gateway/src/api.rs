@@ -441,6 +441,8 @@ pub async fn pause(
 #[serde(default)]
 struct TimeoutBody {
     timeout: Option<i64>,
+    /// `ConnectSandboxV2.memory`: false is the SDK's `on_resume="reboot"`.
+    memory: Option<bool>,
 }
 
 /// The caller's team and the timeout its body asks for (E2B's default when absent).
@@ -473,8 +475,11 @@ pub async fn connect(
     SandboxId(id): SandboxId,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let (team, secs) = team_and_timeout(&g, &headers, &body, true)?;
-    let (doc, resumed) = g.sandboxes.resume(&team, &id, secs).await?;
+    let team = g.team(&headers)?;
+    let req: TimeoutBody = json_body(&headers, &body, true)?;
+    let secs = intent::timeout(req.timeout)?;
+    let reboot = req.memory == Some(false);
+    let (doc, resumed) = g.sandboxes.resume_as(&team, &id, secs, reboot).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(sandbox_json(&doc, &g.domain))).into_response())
 }

@@ -313,3 +313,24 @@ def test_what_envd_0_6_3_and_the_lifecycle_give(stack):
         assert back.files.read("/home/user/kept.txt") == "kept"
     finally:
         back.kill()
+
+
+def test_on_resume_reboot_starts_afresh_from_the_files(stack):
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        sbx.commands.run("sleep 1000", background=True)
+        running = lambda s: "sleep 1000" in s.commands.run("ps -eo args").stdout  # noqa: E731
+        assert running(sbx)
+        # Restore (the default): where it stood, its processes too.
+        sbx.pause()
+        restored = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert running(restored)
+        # Reboot: the files, and nothing of what ran.
+        restored.pause()
+        rebooted = Sandbox.connect(sbx.sandbox_id, timeout=60, on_resume="reboot")
+        assert rebooted.files.read("/home/user/kept.txt") == "kept"
+        assert not running(rebooted)
+        assert rebooted.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)

@@ -265,10 +265,10 @@ def test_snapshots_and_forks_start_from_the_sandboxs_files(stack):
         finally:
             restored.kill()
 
-        forks = sbx.fork(count=2, timeout=60)
-        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        forks = sbx.fork(count=3, timeout=60)
+        assert len(forks) == 3 and all(isinstance(f, Sandbox) for f in forks), forks
         try:
-            assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3
+            assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 4
             for f in forks:
                 assert f.files.read("/home/user/state.txt") == "after"
         finally:

@@ -3,7 +3,7 @@
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
-use ledger_client::{LedgerError, Txn};
+use ledger_client::{LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 
 use tonic::Code;
@@ -144,11 +144,26 @@ impl Sandboxes {
 
     /// Resumes a paused sandbox (true) or finds it running already (false), and sets its end.
     pub async fn resume(&self, team: &str, id: &str, timeout_secs: u64) -> Result<(SandboxDoc, bool), Failure> {
+        self.resume_as(team, id, timeout_secs, false).await
+    }
+
+    /// [`Sandboxes::resume`]; with `reboot` (E2B's `on_resume="reboot"`), a paused sandbox
+    /// starts afresh from its files instead of continuing where it stood: its files go to the
+    /// blob store as a filesystem pause takes them, its frozen copy is killed, and it is woken
+    /// wherever placement chooses.
+    pub async fn resume_as(
+        &self,
+        team: &str,
+        id: &str,
+        timeout_secs: u64,
+        reboot: bool,
+    ) -> Result<(SandboxDoc, bool), Failure> {
         let mut doc = self.claim(team, id, "resume").await?;
         let resumed = doc.value.phase != SandboxPhase::Running;
         let woken = match doc.value.phase {
             SandboxPhase::Running => Ok(()),
             SandboxPhase::Hibernated => self.wake(&mut doc).await,
+            SandboxPhase::Paused if reboot => self.reboot(&mut doc).await,
             SandboxPhase::Paused | SandboxPhase::Creating => self.node_call(&doc.value, Freeze::Resume).await,
         };
         if let Err(err) = woken {
@@ -162,6 +177,20 @@ impl Sandboxes {
         self.save(&doc).await?;
         self.routes.set_running(id, true).await;
         Ok((doc.value, resumed))
+    }
+
+    /// A paused sandbox's files off its node, its frozen copy killed, then woken from the files.
+    async fn reboot(&self, doc: &mut Versioned<SandboxDoc>) -> Result<(), Failure> {
+        self.hibernate(&doc.value).await?;
+        self.stop_on_node(&doc.value).await;
+        doc.value.node_id.clear();
+        doc.value.node_address.clear();
+        doc.value.envd_address.clear();
+        doc.value.epoch += 1;
+        doc.value.phase = SandboxPhase::Hibernated;
+        doc.version = self.save(doc).await?;
+        self.routes.forget(&doc.value.sandbox_id).await;
+        self.wake(doc).await
     }
 
     /// Sets when the sandbox ends, `secs` from now: one compare-and-swap on the version read,
