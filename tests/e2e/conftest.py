@@ -87,7 +87,8 @@ def _stop(proc, data):
 def stack():
     proc, data, _log, exports = _start(2, "warn")
     os.environ.update(exports)
-    yield exports
+    # The stack's process (gateway and nodes in one), for tests that measure its memory.
+    yield {**exports, "pid": proc.pid}
     _stop(proc, data)
 
 

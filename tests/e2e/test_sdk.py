@@ -334,3 +334,125 @@ def test_on_resume_reboot_starts_afresh_from_the_files(stack):
         assert rebooted.commands.run("echo alive").stdout == "alive\n"
     finally:
         Sandbox.kill(sbx.sandbox_id)
+
+
+def _rss_mib(pid, field):
+    with open(f"/proc/{pid}/status") as status:
+        line = next(l for l in status if l.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_gib_goes_up_and_comes_back_with_bounded_memory(stack):
+    """1 GiB up with files.write (a file object: streamed) and back with files.read as a
+    stream, checked by SHA-256, while the stack's process (the gateway and the nodes, which
+    relay every byte) grows by less than 64 MiB at its peak."""
+    import hashlib
+    import tempfile
+
+    size = 1 << 30
+    pid = stack["pid"]
+    with tempfile.TemporaryFile() as src:
+        digest = hashlib.sha256()
+        block = bytes(range(256)) * 4096  # 1 MiB
+        for i in range(size // len(block)):
+            chunk = block[i % 256 :] + block[: i % 256]
+            digest.update(chunk)
+            src.write(chunk)
+        src.seek(0)
+        sbx = Sandbox.create(timeout=300)
+        try:
+            before = _rss_mib(pid, "VmRSS")
+            with open(f"/proc/{pid}/clear_refs", "w") as refs:
+                refs.write("5")  # resets the peak (VmHWM) to what is resident now
+            sbx.files.write("/home/user/big.bin", src, request_timeout=600)
+            back = hashlib.sha256()
+            for piece in sbx.files.read("/home/user/big.bin", format="stream", request_timeout=600):
+                back.update(piece)
+            assert back.hexdigest() == digest.hexdigest()
+            peak = _rss_mib(pid, "VmHWM")
+            assert peak - before < 64, f"the stack grew from {before:.0f} to a peak of {peak:.0f} MiB"
+        finally:
+            sbx.kill()
+
+
+def test_an_upgraded_connection_to_a_port_is_spliced_both_ways(stack):
+    """What WebSocket rides: an HTTP/1.1 Upgrade to a sandbox's port through the gateway (by
+    host name) answered 101, then bytes echoed both ways on the same connection."""
+    import socket
+
+    server = (
+        "import socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', 8765)); s.listen(1)\n"
+        "c, _ = s.accept(); head = b''\n"
+        "while b'\\r\\n\\r\\n' not in head: head += c.recv(1024)\n"
+        "c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: echo\\r\\nConnection: Upgrade\\r\\n\\r\\n')\n"
+        "while True:\n"
+        "    data = c.recv(1024)\n"
+        "    if not data: break\n"
+        "    c.sendall(data.upper())\n"
+    )
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/home/user/echo.py", server)
+        sbx.commands.run("python3 /home/user/echo.py", background=True)
+        url = httpx.URL(stack["E2B_SANDBOX_URL"])
+        for _ in range(100):
+            conn = socket.create_connection((url.host, url.port), timeout=10)
+            conn.sendall(
+                f"GET / HTTP/1.1\r\nHost: {sbx.get_host(8765)}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode()
+            )
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                more = conn.recv(1024)
+                if not more:
+                    break
+                answer += more
+            if answer.startswith(b"HTTP/1.1 101"):
+                break
+            conn.close()  # not listening yet (502): try again
+            time.sleep(0.05)
+        assert answer.startswith(b"HTTP/1.1 101"), answer
+        for word in (b"ping", b"spliced both ways"):
+            conn.sendall(word)
+            echoed = b""
+            while len(echoed) < len(word):
+                echoed += conn.recv(1024)
+            assert echoed == word.upper()
+        conn.close()
+    finally:
+        sbx.kill()
+
+
+def test_auto_resume_metrics_and_list_filters(stack):
+    """Traffic resumes a paused sandbox made with auto_resume; get_metrics is a series that
+    grows (the nodes sample every few seconds); list filters by template and start time."""
+    import datetime
+
+    started = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=1)
+    sbx = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True},
+                         metadata={"suite": "filters"})
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        sbx.pause()
+        assert sbx.get_info().state == "paused"
+        # envd traffic to the paused sandbox resumes it, and the request goes through.
+        assert sbx.files.read("/home/user/kept.txt") == "kept"
+        assert sbx.get_info().state == "running"
+
+        samples = []
+        for _ in range(150):
+            samples = sbx.get_metrics()
+            if len(samples) >= 2:
+                break
+            time.sleep(0.1)  # the node samples on its own clock: the series is what is tested
+        assert len(samples) >= 2, samples
+        assert samples[-1].mem_total > 0 and samples[-1].cpu_count >= 1
+
+        query = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "filters"}, **kw)).next_items()]  # noqa: E731
+        assert query(template="base") == [sbx.sandbox_id]
+        assert query(template="no-such-template") == []
+        assert query(started_after=started) == [sbx.sandbox_id]
+        assert query(started_after=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)) == []
+    finally:
+        sbx.kill()
