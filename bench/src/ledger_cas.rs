@@ -32,6 +32,13 @@ pub struct Args {
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     postgres_url: String,
+    /// MariaDB to use with `--backend mysql` (a scratch database is created and dropped).
+    #[arg(
+        long,
+        env = "SANDBOXSCHED_TEST_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: String,
     /// Concurrent writers.
     #[arg(long, default_value_t = 32)]
     writers: usize,
@@ -47,12 +54,15 @@ pub struct Args {
 enum BackendArg {
     Sqlite,
     Postgres,
+    /// MariaDB (or MySQL).
+    Mysql,
 }
 
 /// Where the benchmark's ledger keeps its data, and how to clean it up.
 enum Scratch {
     Dir(std::path::PathBuf),
     Schema { base: String, schema: String },
+    Database { base: String, database: String },
 }
 
 impl Scratch {
@@ -83,6 +93,27 @@ impl Scratch {
                     url,
                 ))
             }
+            BackendArg::Mysql => {
+                let database = format!("bench_{tag}");
+                let mut conn = sqlx::MySqlConnection::connect(&args.mysql_url)
+                    .await
+                    .with_context(|| format!("MariaDB is not reachable at {}", args.mysql_url))?;
+                sqlx::query(&format!("CREATE DATABASE {database}"))
+                    .execute(&mut conn)
+                    .await?;
+                let server = args
+                    .mysql_url
+                    .rsplit_once('/')
+                    .map_or(args.mysql_url.as_str(), |(s, _)| s);
+                let url = format!("{server}/{database}");
+                Ok((
+                    Scratch::Database {
+                        base: args.mysql_url.clone(),
+                        database,
+                    },
+                    url,
+                ))
+            }
         }
     }
 
@@ -94,6 +125,13 @@ impl Scratch {
             Scratch::Schema { base, schema } => {
                 if let Ok(mut conn) = sqlx::PgConnection::connect(&base).await {
                     let _ = sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+                        .execute(&mut conn)
+                        .await;
+                }
+            }
+            Scratch::Database { base, database } => {
+                if let Ok(mut conn) = sqlx::MySqlConnection::connect(&base).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE {database}"))
                         .execute(&mut conn)
                         .await;
                 }
@@ -122,6 +160,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let backend = match args.backend {
         BackendArg::Sqlite => "sqlite",
         BackendArg::Postgres => "postgres",
+        BackendArg::Mysql => "mariadb",
     };
     let mut report = Report::new(format!(
         "ledger-cas on {backend}, {} writers, {:.1} s a phase",

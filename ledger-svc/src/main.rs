@@ -5,7 +5,8 @@ use std::net::SocketAddr;
 use clap::Parser;
 use ledger_svc::LedgerConfig;
 
-/// Versioned JSON documents with compare-and-swap and a change feed, on SQLite or PostgreSQL.
+/// Versioned JSON documents with compare-and-swap and a change feed, on SQLite, PostgreSQL or
+/// MariaDB.
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
@@ -19,7 +20,8 @@ struct Args {
     /// Where Prometheus metrics are served (`GET /metrics`); port 0 picks a free one.
     #[arg(long, env = "LEDGER_METRICS_LISTEN", default_value = "127.0.0.1:0")]
     metrics_listen: SocketAddr,
-    /// `sqlite://PATH` for the embedded default, or `postgres://USER@HOST:PORT/DB`.
+    /// `sqlite://PATH` for the embedded default, `postgres://USER@HOST:PORT/DB`, or
+    /// `mysql://USER@HOST:PORT/DB` (MariaDB or MySQL).
     #[arg(long, env = "LEDGER_DATABASE_URL", default_value = "sqlite://data/ledger.db")]
     database_url: String,
     /// Change-log revisions kept for watchers that reconnect.

@@ -15,8 +15,11 @@ pub use ledger_client::{Conflict, DocKey, Document};
 
 /// Largest payload a document may carry.
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
-/// Longest kind or id, in bytes.
+/// Longest id, in bytes.
 pub const MAX_KEY_BYTES: usize = 512;
+/// Longest kind, in bytes (kinds are a service's few names; the bound keeps a document's key
+/// within every backend's index limits, MariaDB's the tightest).
+pub const MAX_KIND_BYTES: usize = 128;
 /// Most entries one compare may name.
 pub const MAX_ENTRIES: usize = 128;
 
@@ -52,15 +55,16 @@ fn invalid(msg: impl Into<String>) -> Invalid {
     Invalid(msg.into())
 }
 
-/// Checks a kind and id: non-empty, at most [`MAX_KEY_BYTES`], no control characters.
+/// Checks a kind and id: non-empty, at most [`MAX_KIND_BYTES`] and [`MAX_KEY_BYTES`], no
+/// control characters.
 pub fn validate_key(kind: &str, id: &str) -> Result<(), Invalid> {
-    for (what, value) in [("kind", kind), ("id", id)] {
+    for (what, value, max) in [("kind", kind, MAX_KIND_BYTES), ("id", id, MAX_KEY_BYTES)] {
         if value.is_empty() {
             return Err(invalid(format!("{what} must not be empty")));
         }
-        if value.len() > MAX_KEY_BYTES {
+        if value.len() > max {
             return Err(invalid(format!(
-                "{what} is {} bytes; at most {MAX_KEY_BYTES} are allowed",
+                "{what} is {} bytes; at most {max} are allowed",
                 value.len()
             )));
         }
@@ -421,6 +425,8 @@ mod tests {
         assert!(validate_key("k", "").is_err());
         assert!(validate_key("k", "a\nb").is_err());
         assert!(validate_key("k", &"x".repeat(MAX_KEY_BYTES + 1)).is_err());
+        assert!(validate_key(&"k".repeat(MAX_KIND_BYTES + 1), "x").is_err());
+        assert!(validate_key(&"k".repeat(MAX_KIND_BYTES), &"x".repeat(MAX_KEY_BYTES)).is_ok());
         assert!(validate_payload(&key("a"), "{not json").is_err());
         assert!(validate_payload(&key("a"), &format!("\"{}\"", "x".repeat(MAX_PAYLOAD_BYTES))).is_err());
         assert!(validate_entries(&[]).is_err());

@@ -1,8 +1,11 @@
-//! The SQL adapter: documents, change log and revision counter on SQLite or PostgreSQL.
+//! The SQL adapter: documents, change log and revision counter on SQLite, PostgreSQL or
+//! MariaDB (MySQL).
 //!
-//! Both backends run the same statements (sqlx's `QueryBuilder` writes each one's placeholder
-//! style), so one body of code serves both: [`with_pool!`] expands it once per backend with
-//! concrete types, which keeps sqlx's generic bounds out of sight.
+//! The backends run the same statements where their SQL agrees (sqlx's `QueryBuilder` writes
+//! each one's placeholder style), so one body of code serves all: [`with_pool!`] expands it once
+//! per backend with concrete types, which keeps sqlx's generic bounds out of sight. Where
+//! MariaDB's dialect differs ([`Dialect`]: no `UPDATE … RETURNING`, `ON DUPLICATE KEY` for
+//! upserts, row lists for `IN`, `?` placeholders), the statement text is chosen by backend.
 //!
 //! # Why writes are batched
 //! A global revision means writes must commit in revision order, or a watcher could read
@@ -21,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row};
@@ -123,12 +127,15 @@ pub struct Filter {
 pub enum Backend {
     Sqlite,
     Postgres,
+    /// MariaDB, or MySQL.
+    Mysql,
 }
 
 #[derive(Clone)]
 enum DbPool {
     Sqlite(SqlitePool),
     Postgres(PgPool),
+    Mysql(MySqlPool),
 }
 
 /// Runs `$body` with `$pool` bound to the concrete pool of whichever backend is in use.
@@ -137,9 +144,76 @@ macro_rules! with_pool {
         match &$self.pool {
             DbPool::Sqlite($pool) => $body,
             DbPool::Postgres($pool) => $body,
+            DbPool::Mysql($pool) => $body,
         }
     };
 }
+
+/// Reads text column `$i` of `$row`. MariaDB reports a `utf8mb4_bin` column (kinds and ids,
+/// which must compare byte-wise) as binary, so there it arrives as bytes.
+macro_rules! text {
+    ($row:expr, $i:expr) => {
+        match $row.try_get::<Option<String>, _>($i) {
+            Ok(text) => text,
+            Err(_) => $row
+                .try_get::<Option<Vec<u8>>, _>($i)?
+                .map(|bytes| String::from_utf8(bytes).map_err(|e| sqlx::Error::Decode(Box::new(e))))
+                .transpose()?,
+        }
+    };
+}
+
+/// [`text!`] of a column that is never NULL.
+macro_rules! text_req {
+    ($row:expr, $i:expr) => {
+        text!($row, $i).ok_or_else(|| sqlx::Error::ColumnDecode {
+            index: $i.to_string(),
+            source: "unexpected NULL".into(),
+        })?
+    };
+}
+
+/// The statements whose text differs on MariaDB.
+struct Dialect {
+    /// Locks the revision counter's row for the transaction and reads it.
+    lock_head: &'static str,
+    /// Opens `(kind, id) IN (…)` over a list of pairs, and how each pair after the first starts.
+    pairs_in: &'static str,
+    /// Appended to a multi-row `INSERT INTO documents …`: replace a document that exists.
+    upsert: &'static str,
+    get: &'static str,
+    set_head: &'static str,
+    compact_changes: &'static str,
+    compact_meta: &'static str,
+}
+
+const STANDARD: Dialect = Dialect {
+    lock_head: "UPDATE ledger_meta SET revision = revision WHERE singleton = 1 RETURNING revision",
+    pairs_in: "(kind, id) IN (VALUES ",
+    upsert: " ON CONFLICT (kind, id) DO UPDATE SET version = excluded.version, \
+             create_revision = excluded.create_revision, \
+             mod_revision = excluded.mod_revision, payload = excluded.payload",
+    get: "SELECT m.revision, d.version, d.create_revision, d.mod_revision, d.payload \
+          FROM ledger_meta m LEFT JOIN documents d ON d.kind = $1 AND d.id = $2 \
+          WHERE m.singleton = 1",
+    set_head: "UPDATE ledger_meta SET revision = $1 WHERE singleton = 1",
+    compact_changes: "DELETE FROM changes WHERE revision <= $1",
+    compact_meta: "UPDATE ledger_meta SET compacted = $1 WHERE singleton = 1 AND compacted < $1",
+};
+
+const MARIADB: Dialect = Dialect {
+    lock_head: "SELECT revision FROM ledger_meta WHERE singleton = 1 FOR UPDATE",
+    pairs_in: "(kind, id) IN (",
+    upsert: " ON DUPLICATE KEY UPDATE version = VALUES(version), \
+             create_revision = VALUES(create_revision), \
+             mod_revision = VALUES(mod_revision), payload = VALUES(payload)",
+    get: "SELECT m.revision, d.version, d.create_revision, d.mod_revision, d.payload \
+          FROM ledger_meta m LEFT JOIN documents d ON d.kind = ? AND d.id = ? \
+          WHERE m.singleton = 1",
+    set_head: "UPDATE ledger_meta SET revision = ? WHERE singleton = 1",
+    compact_changes: "DELETE FROM changes WHERE revision <= ?",
+    compact_meta: "UPDATE ledger_meta SET compacted = ? WHERE singleton = 1 AND compacted < ?",
+};
 
 /// The ledger's tables on one database.
 #[derive(Clone)]
@@ -151,6 +225,7 @@ fn migrator(backend: Backend) -> Migrator {
     let sql = match backend {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_documents.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_documents.sql"),
+        Backend::Mysql => include_str!("../migrations/mysql/0001_documents.sql"),
     };
     Migrator {
         migrations: vec![Migration::new(
@@ -219,8 +294,28 @@ impl Store {
                     .acquire_timeout(Duration::from_secs(3))
                     .connect_lazy_with(options),
             )
+        } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
+            let url = url.replacen("mariadb:", "mysql:", 1);
+            // A lock waited on longer than this fails the statement instead of holding a writer.
+            let options = MySqlConnectOptions::from_str(&url).map_err(|e| bad(e.to_string()))?;
+            DbPool::Mysql(
+                MySqlPoolOptions::new()
+                    .max_connections(16)
+                    .acquire_timeout(Duration::from_secs(3))
+                    .after_connect(|conn, _| {
+                        Box::pin(async move {
+                            sqlx::query("SET SESSION innodb_lock_wait_timeout = 5")
+                                .execute(conn)
+                                .await
+                                .map(drop)
+                        })
+                    })
+                    .connect_lazy_with(options),
+            )
         } else {
-            return Err(bad("expected sqlite://PATH or postgres://…".to_string()));
+            return Err(bad(
+                "expected sqlite://PATH, postgres://… or mysql://… (MariaDB)".to_string()
+            ));
         };
         Ok(Self { pool })
     }
@@ -229,6 +324,14 @@ impl Store {
         match self.pool {
             DbPool::Sqlite(_) => Backend::Sqlite,
             DbPool::Postgres(_) => Backend::Postgres,
+            DbPool::Mysql(_) => Backend::Mysql,
+        }
+    }
+
+    fn dialect(&self) -> &'static Dialect {
+        match self.pool {
+            DbPool::Mysql(_) => &MARIADB,
+            DbPool::Sqlite(_) | DbPool::Postgres(_) => &STANDARD,
         }
     }
 
@@ -259,9 +362,7 @@ impl Store {
 
     /// One document (if it exists) and the revision the read saw, from one snapshot.
     pub async fn get(&self, key: &DocKey) -> Result<(Option<Document>, u64), StoreError> {
-        let sql = "SELECT m.revision, d.version, d.create_revision, d.mod_revision, d.payload \
-                   FROM ledger_meta m LEFT JOIN documents d ON d.kind = $1 AND d.id = $2 \
-                   WHERE m.singleton = 1";
+        let sql = self.dialect().get;
         with_pool!(self, pool => {
             let row = sqlx::query(sql).bind(&key.kind).bind(&key.id).fetch_one(pool).await?;
             let revision = to_u64(row.try_get::<i64, _>(0)?);
@@ -307,7 +408,7 @@ impl Store {
             let mut docs = Vec::with_capacity(rows.len());
             for row in rows {
                 revision = to_u64(row.try_get::<i64, _>(0)?);
-                let Some(id) = row.try_get::<Option<String>, _>(1)? else { continue };
+                let Some(id) = text!(row, 1) else { continue };
                 docs.push(Document {
                     key: DocKey::new(kind, id),
                     version: to_u64(row.try_get::<i64, _>(2)?),
@@ -330,20 +431,16 @@ impl Store {
         let mut keys: Vec<&DocKey> = compares.iter().flatten().map(|e| &e.key).collect();
         keys.sort();
         keys.dedup();
+        let dialect = self.dialect();
         with_pool!(self, pool => {
             let mut tx = pool.begin().await?;
             // Taking the counter's row lock first orders this batch against every other writer,
             // and (on SQLite) makes this a write transaction from its first statement.
-            let head: i64 = sqlx::query_scalar(
-                "UPDATE ledger_meta SET revision = revision WHERE singleton = 1 RETURNING revision",
-            )
-            .fetch_one(&mut *tx)
-            .await?;
+            let head: i64 = sqlx::query_scalar(dialect.lock_head).fetch_one(&mut *tx).await?;
             let mut current = HashMap::with_capacity(keys.len());
             for chunk in keys.chunks(ROWS_PER_STATEMENT) {
-                let mut qb = QueryBuilder::new(
-                    "SELECT kind, id, version, create_revision FROM documents WHERE (kind, id) IN (VALUES ",
-                );
+                let mut qb = QueryBuilder::new("SELECT kind, id, version, create_revision FROM documents WHERE ");
+                qb.push(dialect.pairs_in);
                 for (i, key) in chunk.iter().enumerate() {
                     qb.push(if i == 0 { "(" } else { ", (" });
                     qb.push_bind(key.kind.as_str()).push(", ").push_bind(key.id.as_str()).push(")");
@@ -351,7 +448,7 @@ impl Store {
                 qb.push(")");
                 for row in qb.build().fetch_all(&mut *tx).await? {
                     current.insert(
-                        DocKey::new(row.try_get::<String, _>(0)?, row.try_get::<String, _>(1)?),
+                        DocKey::new(text_req!(row, 0), text_req!(row, 1)),
                         Current {
                             version: to_u64(row.try_get::<i64, _>(2)?),
                             create_revision: to_u64(row.try_get::<i64, _>(3)?),
@@ -388,11 +485,7 @@ impl Store {
                         .push_bind(to_i64(*modified))
                         .push_bind(payload.as_ref());
                 });
-                qb.push(
-                    " ON CONFLICT (kind, id) DO UPDATE SET version = excluded.version, \
-                     create_revision = excluded.create_revision, \
-                     mod_revision = excluded.mod_revision, payload = excluded.payload",
-                );
+                qb.push(dialect.upsert);
                 qb.build().execute(&mut *tx).await?;
             }
             let deletes: Vec<&DocKey> = plan
@@ -402,7 +495,8 @@ impl Store {
                 .map(|(key, _)| key)
                 .collect();
             for chunk in deletes.chunks(ROWS_PER_STATEMENT) {
-                let mut qb = QueryBuilder::new("DELETE FROM documents WHERE (kind, id) IN (VALUES ");
+                let mut qb = QueryBuilder::new("DELETE FROM documents WHERE ");
+                qb.push(dialect.pairs_in);
                 for (i, key) in chunk.iter().enumerate() {
                     qb.push(if i == 0 { "(" } else { ", (" });
                     qb.push_bind(key.kind.as_str()).push(", ").push_bind(key.id.as_str()).push(")");
@@ -425,7 +519,7 @@ impl Store {
                 });
                 qb.build().execute(&mut *tx).await?;
             }
-            sqlx::query("UPDATE ledger_meta SET revision = $1 WHERE singleton = 1")
+            sqlx::query(dialect.set_head)
                 .bind(to_i64(plan.head))
                 .execute(&mut *tx)
                 .await?;
@@ -462,7 +556,7 @@ impl Store {
                 changes.push(Change {
                     revision: to_u64(row.try_get::<i64, _>(0)?),
                     seq: u32::try_from(row.try_get::<i32, _>(1)?).unwrap_or(0),
-                    key: DocKey::new(row.try_get::<String, _>(2)?, row.try_get::<String, _>(3)?),
+                    key: DocKey::new(text_req!(row, 2), text_req!(row, 3)),
                     version: to_u64(row.try_get::<i64, _>(4)?),
                     create_revision: to_u64(row.try_get::<i64, _>(5)?),
                     payload: row.try_get::<Option<String>, _>(6)?.map(Arc::from),
@@ -475,16 +569,20 @@ impl Store {
     /// Deletes change-log rows up to and including `upto` and records the compaction point.
     /// Watches that start at or before it get OUT_OF_RANGE and must re-list.
     pub async fn compact(&self, upto: u64) -> Result<(), StoreError> {
+        let dialect = self.dialect();
+        let mysql = self.backend() == Backend::Mysql;
         with_pool!(self, pool => {
             let mut tx = pool.begin().await?;
-            sqlx::query("DELETE FROM changes WHERE revision <= $1")
+            sqlx::query(dialect.compact_changes)
                 .bind(to_i64(upto))
                 .execute(&mut *tx)
                 .await?;
-            sqlx::query("UPDATE ledger_meta SET compacted = $1 WHERE singleton = 1 AND compacted < $1")
-                .bind(to_i64(upto))
-                .execute(&mut *tx)
-                .await?;
+            // `$1` is bound once and used twice; MariaDB's `?` takes one value each.
+            let mut meta = sqlx::query(dialect.compact_meta).bind(to_i64(upto));
+            if mysql {
+                meta = meta.bind(to_i64(upto));
+            }
+            meta.execute(&mut *tx).await?;
             tx.commit().await?;
         });
         Ok(())

@@ -23,6 +23,10 @@ macro_rules! for_both_backends {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name(super::Backend::Postgres).await })*
         }
+        mod mariadb {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Backend::Mysql).await })*
+        }
     };
 }
 

@@ -2,8 +2,10 @@
 //! TCP proxy that can cut a ledger off from PostgreSQL.
 //!
 //! PostgreSQL tests use `SANDBOXSCHED_TEST_POSTGRES_URL` (default
-//! `postgres://postgres@127.0.0.1:5432/test`) and a schema of their own. When PostgreSQL is
-//! not reachable they fail, saying how to start it; they never skip.
+//! `postgres://postgres@127.0.0.1:5432/test`) and a schema of their own; MariaDB tests
+//! `SANDBOXSCHED_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and a database of
+//! their own. When the server is not reachable they fail, saying how to start it; they never
+//! skip.
 
 #![allow(dead_code)]
 
@@ -23,6 +25,7 @@ use tokio::task::JoinHandle;
 pub enum Backend {
     Sqlite,
     Postgres,
+    Mysql,
 }
 
 pub fn postgres_base_url() -> String {
@@ -46,6 +49,8 @@ pub struct TestDb {
     pub url: String,
     dir: Option<PathBuf>,
     schema: Option<String>,
+    /// A MariaDB database of the test's own.
+    database: Option<String>,
 }
 
 impl TestDb {
@@ -61,6 +66,7 @@ impl TestDb {
                     url,
                     dir: Some(dir),
                     schema: None,
+                    database: None,
                 }
             }
             Backend::Postgres => {
@@ -80,6 +86,26 @@ impl TestDb {
                     url,
                     dir: None,
                     schema: Some(schema),
+                    database: None,
+                }
+            }
+            Backend::Mysql => {
+                let base = stack::services::mysql_url();
+                let database = format!("t_{tag}");
+                let mut conn = sqlx::MySqlConnection::connect(&base)
+                    .await
+                    .unwrap_or_else(|err| stack::services::mysql_missing(err));
+                sqlx::query(&format!("CREATE DATABASE {database}"))
+                    .execute(&mut conn)
+                    .await
+                    .expect("create test database");
+                let server = base.rsplit_once('/').map_or(base.as_str(), |(server, _)| server);
+                Self {
+                    backend,
+                    url: format!("{server}/{database}"),
+                    dir: None,
+                    schema: None,
+                    database: Some(database),
                 }
             }
         }
@@ -109,6 +135,13 @@ impl TestDb {
     pub async fn cleanup(self) {
         if let Some(dir) = &self.dir {
             let _ = std::fs::remove_dir_all(dir);
+        }
+        if let Some(database) = &self.database {
+            if let Ok(mut conn) = sqlx::MySqlConnection::connect(&stack::services::mysql_url()).await {
+                let _ = sqlx::query(&format!("DROP DATABASE {database}"))
+                    .execute(&mut conn)
+                    .await;
+            }
         }
         if let Some(schema) = &self.schema {
             if let Ok(mut conn) = sqlx::PgConnection::connect(&postgres_base_url()).await {
