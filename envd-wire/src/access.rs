@@ -168,6 +168,12 @@ pub fn authorize(expected: Option<&str>, presented: &Presented<'_>, now: u64) ->
     }
 }
 
+/// Whether two secrets are equal, compared in constant time (no early exit an attacker could
+/// time).
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    bool::from(a.ct_eq(b))
+}
+
 /// Whether a request may reach a sandbox's port (any but envd's): always, unless the sandbox
 /// was created with `network.allowPublicTraffic: false`, which gave it a traffic token that
 /// must then come in `e2b-traffic-access-token` (compared in constant time).
@@ -177,7 +183,7 @@ pub fn authorize_traffic(expected: Option<&str>, presented: Option<&[u8]>) -> Re
     };
     match presented {
         None => Err("this sandbox's ports are private: send its traffic access token in e2b-traffic-access-token"),
-        Some(given) if bool::from(given.ct_eq(expected.as_bytes())) => Ok(()),
+        Some(given) if same_secret(given, expected.as_bytes()) => Ok(()),
         Some(_) => Err("wrong e2b-traffic-access-token for this sandbox"),
     }
 }

@@ -215,33 +215,6 @@ pub async fn until_ok(socket: &Path, command: &Command, deadline: Duration) -> R
     }
 }
 
-/// Waits until envd answers on `socket` (it starts as the container's first process).
-pub async fn wait_ready(socket: &Path, deadline: Duration) -> Result<(), EnvdError> {
-    let until = tokio::time::Instant::now() + deadline;
-    let mut pause = Duration::from_millis(2);
-    loop {
-        match run(
-            socket,
-            &Command {
-                script: "true".into(),
-                user: "root".into(),
-                ..Command::default()
-            },
-            Duration::from_secs(5),
-            |_, _| {},
-        )
-        .await
-        {
-            Ok(_) => return Ok(()),
-            Err(err) if tokio::time::Instant::now() >= until => return Err(err),
-            Err(_) => {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(100));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

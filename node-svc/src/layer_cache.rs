@@ -125,11 +125,6 @@ impl LayerCache {
         &self.store
     }
 
-    /// Whether the layer is here already.
-    pub fn has(&self, layer: &Layer) -> bool {
-        layer_path(&self.root, &layer.digest).is_ok_and(|p| p.is_dir())
-    }
-
     /// Makes every layer of an image present; returns how many had to be fetched.
     pub async fn ensure_all(&self, layers: &[Layer]) -> Result<usize, LayerError> {
         let mut fetched = 0;

@@ -93,7 +93,7 @@ impl Sandboxes {
                 tracing::error!(%err, "could not delete the manifest of a failed create");
             }
         };
-        let image = crate::templates::build::image_to_pb(&intent.image);
+        let image = node_pb::TemplateImage::from(&intent.image);
         let placed = match self.place_and_start(&doc, &image).await {
             Ok(placed) => placed,
             Err(err) => {

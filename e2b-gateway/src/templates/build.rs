@@ -82,26 +82,9 @@ fn check_steps(steps: &[Step]) -> Result<(), Failure> {
         return Err(Failure::Invalid(format!("a build may have at most {MAX_STEPS} steps")));
     }
     for (i, step) in steps.iter().enumerate() {
-        let n = i + 1;
-        let bad = |why: &str| Err(Failure::Invalid(format!("step {n} ({}): {why}", step.kind)));
-        if step.args.iter().any(|a| a.contains('\0')) {
-            return bad("an argument contains a NUL byte");
-        }
-        match step.kind.as_str() {
-            "RUN" if step.args.is_empty() || step.args[0].trim().is_empty() => return bad("needs a command"),
-            "COPY" if step.args.len() < 2 => return bad("needs a source and a destination"),
-            "COPY" if step.files_hash.as_deref().is_none_or(str::is_empty) => return bad("needs filesHash"),
-            "ENV" if step.args.is_empty() || !step.args.len().is_multiple_of(2) => {
-                return bad("needs name and value pairs")
-            }
-            "WORKDIR" | "USER" if step.args.len() != 1 || step.args[0].is_empty() => return bad("needs one argument"),
-            "RUN" | "COPY" | "ENV" | "WORKDIR" | "USER" => {}
-            other => {
-                return bad(&format!(
-                    "unknown step type {other:?} (RUN, COPY, ENV, WORKDIR and USER are supported)"
-                ))
-            }
-        }
+        let files = step.files_hash.as_deref().unwrap_or_default();
+        common::template::Step::parse(&step.kind, &step.args, files)
+            .map_err(|bad| Failure::Invalid(format!("step {}: {bad}", i + 1)))?;
     }
     Ok(())
 }
@@ -122,11 +105,6 @@ pub fn effective_status(build: &BuildDoc, now_ms: u64) -> (BuildStatus, Option<B
         );
     }
     (build.status, build.reason.clone())
-}
-
-/// The node's description of an image (for a build's base, or a create).
-pub fn image_to_pb(image: &Image) -> node_pb::TemplateImage {
-    image.into()
 }
 
 /// Starts and drives builds.
@@ -179,7 +157,7 @@ impl Builder {
         match (from_image, spec.from_template.as_deref()) {
             (Some(_), Some(_)) => return Err(Failure::Invalid("give fromImage or fromTemplate, not both".into())),
             (Some(image), None) if SDK_DEFAULT_IMAGES.contains(&image) => {
-                request.from_template = Some(image_to_pb(&Image::base()));
+                request.from_template = Some((&Image::base()).into());
             }
             (Some(image), None) => {
                 request.from_image = image.to_string();
@@ -199,7 +177,7 @@ impl Builder {
                 let base = self.templates.resolve(team, reference).await?.ok_or_else(|| {
                     Failure::NotFound(format!("template {reference:?} (fromTemplate) has no ready build"))
                 })?;
-                request.from_template = Some(image_to_pb(&base.image));
+                request.from_template = Some((&base.image).into());
             }
         }
         for (i, step) in spec.steps.iter().enumerate() {

@@ -66,7 +66,7 @@ pub fn upload_token(api_key: &str, template_id: &str, hash: &str) -> String {
 
 /// Compares two tokens in constant time.
 pub fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    envd_wire::access::same_secret(a.as_bytes(), b.as_bytes())
 }
 
 impl Files {

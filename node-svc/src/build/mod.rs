@@ -40,7 +40,7 @@ use crate::host::Host;
 use crate::layer_cache::{LayerCache, NOT_IN_LAYERS};
 use crate::runtime::container::spec::{HOST_ID_BASE, ID_RANGE};
 use crate::sandbox::{Resources, SandboxRecord, State};
-use steps::Step;
+use common::template::Step;
 
 /// The longest one RUN step may take.
 const STEP_DEADLINE: Duration = Duration::from_secs(1800);

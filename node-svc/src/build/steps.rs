@@ -1,92 +1,10 @@
-//! The pure part of a template build: the steps as the node reads them, the build cache's
-//! keys, and the small rules of E2B's step arguments (users, paths, COPY destinations).
+//! The pure part of a template build: the build cache's keys, and the small rules of E2B's
+//! step arguments (users, paths, COPY destinations). The steps themselves are read by
+//! `common::template::Step`, the grammar the gateway checks requests with too.
 
 use std::path::{Component, Path, PathBuf};
 
 use sha2::{Digest as _, Sha256};
-
-/// One step, read from the wire.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Step {
-    /// `/bin/sh -c SCRIPT` as `user` (empty: the build's current user).
-    Run {
-        script: String,
-        user: String,
-    },
-    /// The archive at `files` (a blob store key), its `src` placed at `dest`, owned by `user`,
-    /// with `mode` when given.
-    Copy {
-        files: String,
-        src: String,
-        dest: String,
-        user: String,
-        mode: Option<u32>,
-    },
-    Env(Vec<(String, String)>),
-    Workdir(String),
-    User(String),
-}
-
-/// Why a step cannot be read.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct BadStep(pub String);
-
-impl Step {
-    /// Reads E2B's `{type, args, filesHash}`.
-    pub fn parse(kind: &str, args: &[String], files: &str) -> Result<Self, BadStep> {
-        let arg = |i: usize| args.get(i).cloned().unwrap_or_default();
-        match kind {
-            "RUN" if !arg(0).trim().is_empty() => Ok(Step::Run {
-                script: arg(0),
-                user: arg(1),
-            }),
-            "COPY" if args.len() >= 2 && !files.is_empty() => {
-                let mode = match arg(3).trim() {
-                    "" => None,
-                    m => Some(
-                        u32::from_str_radix(m, 8)
-                            .ok()
-                            .filter(|m| *m <= 0o7777)
-                            .ok_or_else(|| BadStep(format!("COPY mode {m:?} is not octal permissions")))?,
-                    ),
-                };
-                Ok(Step::Copy {
-                    files: files.to_string(),
-                    src: arg(0),
-                    dest: arg(1),
-                    user: arg(2),
-                    mode,
-                })
-            }
-            "ENV" if !args.is_empty() && args.len().is_multiple_of(2) => Ok(Step::Env(
-                args.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect(),
-            )),
-            "WORKDIR" if args.len() == 1 && !args[0].is_empty() => Ok(Step::Workdir(arg(0))),
-            "USER" if args.len() == 1 && !args[0].is_empty() => Ok(Step::User(arg(0))),
-            "RUN" | "COPY" | "ENV" | "WORKDIR" | "USER" => Err(BadStep(format!("{kind} with arguments {args:?}"))),
-            other => Err(BadStep(format!("unknown step type {other:?}"))),
-        }
-    }
-
-    /// How the build's log names it (`RUN echo hi`, as a Dockerfile would).
-    pub fn describe(&self) -> String {
-        match self {
-            Step::Run { script, .. } => format!("RUN {script}"),
-            Step::Copy { src, dest, .. } => format!("COPY {src} {dest}"),
-            Step::Env(pairs) => format!(
-                "ENV {}",
-                pairs
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            ),
-            Step::Workdir(dir) => format!("WORKDIR {dir}"),
-            Step::User(user) => format!("USER {user}"),
-        }
-    }
-}
 
 /// The build cache key of a step: what came before it (the parent's key) and the step
 /// itself, so an unchanged prefix of steps finds its layers again.
@@ -189,35 +107,6 @@ mod tests {
 
     fn strings(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn steps_read_as_the_sdk_sends_them() {
-        assert_eq!(
-            Step::parse("RUN", &strings(&["echo hi", "root"]), "").unwrap(),
-            Step::Run {
-                script: "echo hi".into(),
-                user: "root".into()
-            }
-        );
-        assert_eq!(
-            Step::parse("COPY", &strings(&["a.txt", "/app/", "", "0755"]), "files/t/ab").unwrap(),
-            Step::Copy {
-                files: "files/t/ab".into(),
-                src: "a.txt".into(),
-                dest: "/app/".into(),
-                user: String::new(),
-                mode: Some(0o755)
-            }
-        );
-        assert_eq!(
-            Step::parse("ENV", &strings(&["A", "1", "B", "2"]), "").unwrap(),
-            Step::Env(vec![("A".into(), "1".into()), ("B".into(), "2".into())])
-        );
-        assert!(Step::parse("COPY", &strings(&["a", "b", "", "9"]), "k").is_err());
-        assert!(Step::parse("COPY", &strings(&["a", "b"]), "").is_err());
-        assert!(Step::parse("ENV", &strings(&["A"]), "").is_err());
-        assert!(Step::parse("FROM", &strings(&["x"]), "").is_err());
     }
 
     #[test]
