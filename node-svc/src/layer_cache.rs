@@ -350,10 +350,15 @@ impl LayerCache {
     }
 
     /// Publishes a build step's writable directory as a layer: packed into the store
-    /// ([`LayerCache::pack`]), the directory itself moved into the cache. Consumes `upper`.
-    pub async fn publish(&self, upper: &Path) -> Result<Layer, LayerError> {
-        let layer = self.pack(upper).await?;
+    /// ([`LayerCache::pack`]), the directory itself moved into the cache. `None` (and the
+    /// directory removed) when the step changed nothing: no empty layers. Consumes `upper`.
+    pub async fn publish(&self, upper: &Path) -> Result<Option<Layer>, LayerError> {
         let publish = |e: String| LayerError::Publish(e);
+        if !has_content(upper).map_err(|e| publish(e.to_string()))? {
+            let _ = tokio::fs::remove_dir_all(upper).await;
+            return Ok(None);
+        }
+        let layer = self.pack(upper).await?;
         let path = layer_path(&self.root, &layer.digest)?;
         if path.is_dir() {
             let _ = tokio::fs::remove_dir_all(upper).await;
@@ -370,8 +375,19 @@ impl LayerCache {
                 .await
                 .map_err(|e| publish(e.to_string()))?;
         }
-        Ok(layer)
+        Ok(Some(layer))
     }
+}
+
+/// Whether a layer directory holds anything a layer carries (anything but [`NOT_IN_LAYERS`]).
+fn has_content(dir: &Path) -> std::io::Result<bool> {
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        if !NOT_IN_LAYERS.iter().any(|i| std::ffi::OsStr::new(i) == name) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Marks a layer as just used (its directory's modification time is its place in the LRU).

@@ -146,17 +146,6 @@ pub fn place(from: &Path, to: &Path) -> io::Result<()> {
     std::fs::rename(from, to)
 }
 
-/// Whether a layer directory has anything in it besides `ignored` top-level names.
-pub fn has_content(dir: &Path, ignored: &[&str]) -> io::Result<bool> {
-    for entry in std::fs::read_dir(dir)? {
-        let name = entry?.file_name();
-        if !ignored.iter().any(|i| OsStr::new(i) == name) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ use tokio::sync::mpsc;
 
 use crate::envd_client;
 use crate::host::Host;
-use crate::layer_cache::{LayerCache, NOT_IN_LAYERS};
+use crate::layer_cache::LayerCache;
 use crate::runtime::container::spec::{HOST_ID_BASE, ID_RANGE};
 use crate::sandbox::{Resources, SandboxRecord, State};
 use common::template::Step;
@@ -400,25 +400,18 @@ impl Build {
     {
         let dir = self.scratch_layer();
         let d = dir.clone();
-        let written = tokio::task::spawn_blocking(move || -> std::io::Result<bool> {
+        let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             files::new_layer_dir(&d, HOST_ID_BASE)?;
-            write(&d)?;
-            files::has_content(&d, &NOT_IN_LAYERS)
+            write(&d)
         })
         .await
         .map_err(|e| failed(label, e))
         .and_then(|r| r.map_err(|e| failed(label, e)));
-        match written {
-            Ok(true) => self.cache.publish(&dir).await.map(Some).map_err(|e| failed(label, e)),
-            Ok(false) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                Ok(None)
-            }
-            Err(err) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                Err(err)
-            }
+        if let Err(err) = written {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            return Err(err);
         }
+        self.cache.publish(&dir).await.map_err(|e| failed(label, e))
     }
 
     async fn workdir(&self, image: &Image, dir: &str) -> Result<Option<Layer>, Failed> {
@@ -626,11 +619,7 @@ impl Build {
             Err(err) => return Err(failed(label, err)),
         }
         let dir = self.host.sandbox_dir(&record.id);
-        let published = match files::has_content(&home, &NOT_IN_LAYERS) {
-            Ok(true) => self.cache.publish(&home).await.map(Some).map_err(|e| failed(label, e)),
-            Ok(false) => Ok(None),
-            Err(e) => Err(failed(label, e)),
-        };
+        let published = self.cache.publish(&home).await.map_err(|e| failed(label, e));
         let _ = tokio::fs::remove_dir_all(&dir).await;
         published
     }
