@@ -66,17 +66,23 @@ pub fn ensure_base(dir: &Path) -> io::Result<Vec<PathBuf>> {
             }
         }
     }
-    let marker = dir.join(".sandboxsched-base");
-    if std::fs::read_to_string(&marker).is_ok_and(|v| v == BASE_VERSION) {
-        return Ok(binds);
+    build_once(dir, ".sandboxsched-base", BASE_VERSION, build_base)?;
+    Ok(binds)
+}
+
+/// Builds a generated layer at `dir` with `build` unless one of `version` is there (its
+/// `marker` file says which): in a scratch directory renamed into place whole, so a layer that
+/// exists is complete.
+fn build_once(dir: &Path, marker: &str, version: &str, build: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+    if std::fs::read_to_string(dir.join(marker)).is_ok_and(|v| v == version) {
+        return Ok(());
     }
     let scratch = dir.with_extension(format!("new-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
-    build_base(&scratch)?;
-    std::fs::write(scratch.join(".sandboxsched-base"), BASE_VERSION)?;
+    build(&scratch)?;
+    std::fs::write(scratch.join(marker), version)?;
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&scratch, dir)?;
-    Ok(binds)
+    std::fs::rename(&scratch, dir)
 }
 
 /// Bumped whenever the shim changes.
@@ -87,12 +93,10 @@ const SHIM_VERSION: &str = "1";
 /// resolution every sandbox gets (`/etc/hosts`, `/etc/resolv.conf`, as the base has them), so
 /// a sandbox's writable layer starts empty and a build's layers never carry them.
 pub fn ensure_shim(dir: &Path) -> io::Result<()> {
-    let marker = dir.join(".sandboxsched-shim");
-    if std::fs::read_to_string(&marker).is_ok_and(|v| v == SHIM_VERSION) {
-        return Ok(());
-    }
-    let scratch = dir.with_extension(format!("new-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
+    build_once(dir, ".sandboxsched-shim", SHIM_VERSION, build_shim)
+}
+
+fn build_shim(scratch: &Path) -> io::Result<()> {
     let root_id = host_id(0);
     for rel in ["", "proc", "sys", "dev", "etc", ".sandboxsched"] {
         let path = scratch.join(rel);
@@ -110,9 +114,7 @@ pub fn ensure_shim(dir: &Path) -> io::Result<()> {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
         chown(&path, Some(root_id), Some(root_id))?;
     }
-    std::fs::write(scratch.join(".sandboxsched-shim"), SHIM_VERSION)?;
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&scratch, dir)
+    Ok(())
 }
 
 const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
