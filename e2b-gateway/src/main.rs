@@ -42,6 +42,14 @@ struct Args {
     /// paused), e.g. `30days`, `12h`.
     #[arg(long, env = "GATEWAY_PAUSED_RETENTION", default_value = "30days", value_parser = humantime::parse_duration)]
     paused_retention: Duration,
+    /// How long a create may stay unfinished before it is resolved against the nodes (adopted
+    /// where a node runs it, else removed): a gateway that died mid-create leaves such.
+    #[arg(long, env = "GATEWAY_ABANDONED_CREATE_AFTER", default_value = "5min", value_parser = humantime::parse_duration)]
+    abandoned_create_after: Duration,
+    /// How long a kill, pause or resume may hold a sandbox before another operation may take
+    /// it over; the reaper resolves a claim no operation comes for (its gateway died).
+    #[arg(long, env = "GATEWAY_CLAIM_TTL", default_value = "2min", value_parser = humantime::parse_duration)]
+    claim_ttl: Duration,
     /// A JSON file of templates the registry is seeded with at start, besides `base`: names
     /// with fixed resources over the base image, `[{"name": "...", "vcpus": 2, "memory_mb": 1024}]`.
     #[arg(long, env = "GATEWAY_TEMPLATES")]
@@ -88,6 +96,8 @@ async fn main() -> anyhow::Result<()> {
         hibernate_dir: args.hibernate_dir,
         domain: args.domain,
         paused_retention: args.paused_retention,
+        abandoned_create_after: args.abandoned_create_after,
+        claim_ttl: args.claim_ttl,
     })
     .await?;
     common::shutdown::signal().await;

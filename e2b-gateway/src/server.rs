@@ -46,6 +46,12 @@ pub struct GatewayConfig {
     /// How long a paused sandbox is kept (it does not time out while paused) before the
     /// reaper kills it.
     pub paused_retention: Duration,
+    /// How long a create may stay unfinished (its manifest `creating`) before the reaper
+    /// resolves it against the nodes: its gateway is taken to have stopped mid-way.
+    pub abandoned_create_after: Duration,
+    /// How long a user operation's claim on a sandbox holds before another operation (or the
+    /// reaper) may take it over.
+    pub claim_ttl: Duration,
 }
 
 /// Paused sandboxes are kept this long unless configured otherwise: 30 days.
@@ -130,7 +136,11 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         &config.placement,
         config.hibernate_dir.clone(),
         store.clone(),
-        config.paused_retention,
+        crate::sandboxes::Patience {
+            paused_retention: config.paused_retention,
+            abandoned_create_after: config.abandoned_create_after,
+            claim_ttl: config.claim_ttl,
+        },
     )
     .map_err(|e| StartError::Config(e.to_string()))?;
     let templates = Templates::new(

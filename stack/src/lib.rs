@@ -319,6 +319,8 @@ impl StackBuilder {
                     hibernate_dir: dir.join("hibernated"),
                     domain: String::new(),
                     paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
+                    abandoned_create_after: e2b_gateway::sandboxes::DEFAULT_ABANDONED_CREATE_AFTER,
+                    claim_ttl: e2b_gateway::sandboxes::DEFAULT_CLAIM_TTL,
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;

@@ -8,9 +8,10 @@
 //! sandbox (it needs no owner), nodes refuse any call under an older epoch, and the operation
 //! ends by writing its result and clearing the owner in one more compare-and-swap.
 //!
-//! A gateway that dies mid-operation leaves its claim behind; the next user operation takes
-//! over a claim older than [`CLAIM_TTL`] (its new epoch fences whatever the dead one might
-//! still do).
+//! A gateway that dies mid-operation (or cannot reach the ledger to end it) leaves its claim
+//! behind; the next user operation takes over a claim older than the claim's time to live (its
+//! new epoch fences whatever the dead one might still do), and the reaper resolves one that no
+//! user operation comes for.
 
 use std::time::Duration;
 
@@ -20,17 +21,18 @@ use ledger_client::{LedgerError, Txn, Versioned};
 
 use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS, WAIT_FOR_MOVE};
 
-/// How long a user operation may hold a sandbox before another may take it over: far longer
-/// than any kill, pause or resume takes, hibernation of a large sandbox included.
-pub(super) const CLAIM_TTL: Duration = Duration::from_secs(120);
+/// How long a user operation may hold a sandbox before another may take it over, unless the
+/// gateway is told otherwise (`--claim-ttl`): far longer than any kill, pause or resume takes,
+/// hibernation of a large sandbox included.
+pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_secs(120);
 
 /// The operation name of a kill's claim.
 pub(super) const KILL: &str = "kill";
 
 /// Whether user operation `op` may displace the manifest's owner at `now`: a user claim past
-/// its time to live, or — for a kill — another kill's claim at once (kills are idempotent,
+/// its time to live `ttl`, or — for a kill — another kill's claim at once (kills are idempotent,
 /// and one whose node did not answer leaves its claim for the next to finish).
-pub(super) fn may_take_over(doc: &SandboxDoc, op: &str, now: u64) -> bool {
+pub(super) fn may_take_over(doc: &SandboxDoc, op: &str, now: u64, ttl: Duration) -> bool {
     let Some(owner) = doc.lifecycle_owner.as_deref() else {
         return true;
     };
@@ -39,7 +41,7 @@ pub(super) fn may_take_over(doc: &SandboxDoc, op: &str, now: u64) -> bool {
     };
     let kill_after_kill = op == KILL && claim.split(':').next() == Some(KILL);
     let since = doc.lifecycle_claimed_at_unix_ms.unwrap_or(0);
-    kill_after_kill || now.saturating_sub(since) >= CLAIM_TTL.as_millis() as u64
+    kill_after_kill || now.saturating_sub(since) >= u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Sandboxes {
@@ -53,7 +55,7 @@ impl Sandboxes {
             let changed = self.routes.changed();
             let mut doc = self.get(team, id).await?;
             if let Some(current) = &doc.value.lifecycle_owner {
-                if !may_take_over(&doc.value, op, now_ms()) {
+                if !may_take_over(&doc.value, op, now_ms(), self.patience.claim_ttl) {
                     if tokio::time::timeout_at(deadline, changed).await.is_err() {
                         return Err(Failure::Conflict(format!(
                             "sandbox {id} is busy ({current}); retry in a few seconds"
@@ -104,7 +106,8 @@ mod tests {
 
     #[test]
     fn user_claims_are_taken_over_when_expired_or_by_a_kill_after_a_kill() {
-        let ttl = CLAIM_TTL.as_millis() as u64;
+        let ttl = DEFAULT_CLAIM_TTL.as_millis() as u64;
+        let may_take_over = |doc: &SandboxDoc, op: &str, now: u64| may_take_over(doc, op, now, DEFAULT_CLAIM_TTL);
         let doc = |owner: Option<&str>, since: u64| SandboxDoc {
             lifecycle_owner: owner.map(str::to_string),
             lifecycle_claimed_at_unix_ms: Some(since),

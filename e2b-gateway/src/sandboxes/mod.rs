@@ -17,6 +17,8 @@ pub mod idempotency;
 mod lifecycle;
 mod nodes;
 mod reaper;
+pub use claim::DEFAULT_CLAIM_TTL;
+pub use reaper::{Patience, DEFAULT_ABANDONED_CREATE_AFTER};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,8 +98,8 @@ pub struct Sandboxes {
     /// The cluster's blob store, where hibernated sandboxes' files wait (pause with
     /// `memory: false`).
     store: std::sync::Arc<dyn blobs::BlobStore>,
-    /// How long a paused sandbox is kept before the reaper kills it.
-    paused_retention: Duration,
+    /// How long the reaper lets paused sandboxes and unfinished creates be.
+    patience: reaper::Patience,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
     pub routes: crate::proxy::Routes,
     placement: PlacementClient<TracedChannel>,
@@ -110,7 +112,7 @@ impl Sandboxes {
         placement_endpoint: &str,
         hibernate_dir: std::path::PathBuf,
         store: Arc<dyn blobs::BlobStore>,
-        paused_retention: Duration,
+        patience: reaper::Patience,
     ) -> Result<Arc<Self>, Failure> {
         let channel = Endpoint::from_shared(placement_endpoint.to_string())
             .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
@@ -120,7 +122,7 @@ impl Sandboxes {
             ledger,
             hibernate_dir,
             store,
-            paused_retention,
+            patience,
             routes: crate::proxy::Routes::default(),
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::default(),

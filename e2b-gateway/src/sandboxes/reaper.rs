@@ -6,8 +6,10 @@
 //! been paused for the gateway's `--paused-retention`; `connect` or a resume gives it a
 //! timeout again.
 
+use std::time::Duration;
+
 use common::clock::now_ms;
-use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND, USER_CLAIM_PREFIX};
 use ledger_client::Txn;
 
 use proto::node::v1 as node_pb;
@@ -20,8 +22,28 @@ use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 const AT_ONCE: usize = 16;
 
 /// A manifest still `creating` this long after its create began belongs to a create whose
-/// gateway stopped mid-way (a create takes milliseconds to seconds).
-pub(super) const CREATE_ABANDONED_AFTER_MS: u64 = 5 * 60 * 1000;
+/// gateway stopped mid-way (a create takes milliseconds to seconds), unless the gateway is
+/// told otherwise (`--abandoned-create-after`).
+pub const DEFAULT_ABANDONED_CREATE_AFTER: Duration = Duration::from_secs(5 * 60);
+
+/// How long the reaper lets a sandbox wait in a phase that does not end by itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Patience {
+    /// A paused sandbox is kept this long (it does not time out while paused).
+    pub paused_retention: Duration,
+    /// A manifest still `creating` this long after its create began is resolved against the
+    /// nodes: a create's gateway stopped mid-way.
+    pub abandoned_create_after: Duration,
+    /// A user operation's claim on a sandbox older than this may be taken over; the reaper
+    /// resolves one that no user operation came for.
+    pub claim_ttl: Duration,
+}
+
+impl Patience {
+    fn ms(d: Duration) -> u64 {
+        u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+    }
+}
 
 /// What the reaper does to a manifest now, if anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,12 +55,37 @@ pub(super) enum Reap {
     },
     /// A create abandoned half-way: its process may run on any node.
     EndCreate,
+    /// A pause, resume or network change whose gateway stopped (or lost the ledger) before it
+    /// ended: the manifest is made to say what the node holds, and released.
+    ResolveClaim,
 }
 
-pub(super) fn reap(doc: &SandboxDoc, now: u64, retention_ms: u64) -> Option<Reap> {
+/// What to do about a running or paused sandbox's user claim past its time to live: finish a
+/// kill (the user asked for it; kills are idempotent), resolve anything else against the node.
+fn stale_claim(doc: &SandboxDoc, now: u64, ttl_ms: u64) -> Option<Reap> {
+    let claim = doc.lifecycle_owner.as_deref()?.strip_prefix(USER_CLAIM_PREFIX)?;
+    let since = doc.lifecycle_claimed_at_unix_ms.unwrap_or(0);
+    if now.saturating_sub(since) < ttl_ms {
+        return None;
+    }
+    Some(if claim.split(':').next() == Some(KILL) {
+        Reap::Kill
+    } else {
+        Reap::ResolveClaim
+    })
+}
+
+pub(super) fn reap(doc: &SandboxDoc, now: u64, patience: Patience) -> Option<Reap> {
+    let retention_ms = Patience::ms(patience.paused_retention);
+    if matches!(doc.phase, SandboxPhase::Running | SandboxPhase::Paused) {
+        if let Some(what) = stale_claim(doc, now, Patience::ms(patience.claim_ttl)) {
+            return Some(what);
+        }
+    }
     match doc.phase {
         SandboxPhase::Creating => {
-            let abandoned = doc.started_at_unix_ms.saturating_add(CREATE_ABANDONED_AFTER_MS) <= now;
+            let after = Patience::ms(patience.abandoned_create_after);
+            let abandoned = doc.started_at_unix_ms.saturating_add(after) <= now;
             abandoned.then_some(Reap::EndCreate)
         }
         SandboxPhase::Paused | SandboxPhase::Hibernated => {
@@ -60,12 +107,11 @@ impl Sandboxes {
     pub async fn reap(&self) -> Result<usize, Failure> {
         use futures::StreamExt;
         let now = now_ms();
-        let retention = u64::try_from(self.paused_retention.as_millis()).unwrap_or(u64::MAX);
         let due: Vec<_> = self
             .all()
             .await?
             .into_iter()
-            .filter_map(|doc| reap(&doc.value, now, retention).map(|what| (what, doc.value)))
+            .filter_map(|doc| reap(&doc.value, now, self.patience).map(|what| (what, doc.value)))
             .collect();
         let ended = futures::stream::iter(due)
             .map(|(what, d)| async move {
@@ -73,6 +119,7 @@ impl Sandboxes {
                     Reap::Pause { memory } => self.pause(&d.team_id, &d.sandbox_id, memory).await,
                     Reap::Kill => self.kill(&d.team_id, &d.sandbox_id).await,
                     Reap::EndCreate => self.end_abandoned_create(&d.team_id, &d.sandbox_id).await,
+                    Reap::ResolveClaim => self.resolve_claim(&d.team_id, &d.sandbox_id).await,
                 };
                 match result {
                     Ok(()) => 1,
@@ -86,6 +133,52 @@ impl Sandboxes {
             .fold(0, |sum, n| async move { sum + n })
             .await;
         Ok(ended)
+    }
+
+    /// Resolves a user operation's claim left past its time to live: takes it over (epoch + 1,
+    /// fencing whatever the stopped operation might still do), asks the sandbox's node whether
+    /// it runs or is paused, writes that phase and releases the claim. A node that does not
+    /// answer, or does not hold the sandbox, leaves the new claim for a later round.
+    async fn resolve_claim(&self, team: &str, id: &str) -> Result<(), Failure> {
+        let mut doc = self.claim(team, id, "resolve").await?;
+        let held = match self.nodes.client(&doc.value.node_address).await {
+            Ok(mut node) => node
+                .list(node_pb::ListRequest {})
+                .await
+                .map(|listed| listed.into_inner().sandboxes.into_iter().find(|s| s.sandbox_id == id))
+                .map_err(|status| status.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        let running = match held {
+            Ok(Some(s)) if s.state == node_pb::SandboxState::Running as i32 => true,
+            Ok(Some(s)) if s.state == node_pb::SandboxState::Paused as i32 => false,
+            Ok(other) => {
+                return Err(Failure::Unavailable(format!(
+                    "a stale claim on {id}: its node {} holds it as {:?}",
+                    doc.value.node_id,
+                    other.map(|s| s.state)
+                )))
+            }
+            Err(why) => {
+                return Err(Failure::Unavailable(format!(
+                    "a stale claim on {id}: its node {} did not answer ({why})",
+                    doc.value.node_id
+                )))
+            }
+        };
+        if running {
+            doc.value.phase = SandboxPhase::Running;
+            doc.value.paused_at_unix_ms = None;
+        } else {
+            doc.value.phase = SandboxPhase::Paused;
+            doc.value.paused_at_unix_ms.get_or_insert(now_ms());
+        }
+        released(&mut doc.value);
+        self.save(&doc).await?;
+        self.routes.set_running(id, running).await;
+        metrics::counter!("gateway_stale_claims_resolved_total").increment(1);
+        tracing::warn!(sandbox_id = %id, node_id = %doc.value.node_id, running, "resolved a claim its operation left behind");
+        Ok(())
     }
 
     /// Resolves a create whose gateway stopped before writing where it runs, against the
@@ -164,7 +257,12 @@ mod tests {
             ..SandboxDoc::default()
         };
         let (now, keep) = (10_000, 50_000);
-        let reap = |d: &SandboxDoc, now| reap(d, now, keep);
+        let patience = Patience {
+            paused_retention: Duration::from_millis(keep),
+            abandoned_create_after: DEFAULT_ABANDONED_CREATE_AFTER,
+            claim_ttl: super::super::claim::DEFAULT_CLAIM_TTL,
+        };
+        let reap = |d: &SandboxDoc, now| reap(d, now, patience);
         assert_eq!(reap(&doc(SandboxPhase::Running, now + 1, false), now), None);
         assert_eq!(reap(&doc(SandboxPhase::Running, now, false), now), Some(Reap::Kill));
         assert_eq!(
@@ -183,10 +281,41 @@ mod tests {
         }
         // A create in progress is left alone however its timeout stands, until abandoned.
         assert_eq!(reap(&doc(SandboxPhase::Creating, 0, false), now), None);
-        let late = 1_000 + CREATE_ABANDONED_AFTER_MS;
+        let late = 1_000 + 5 * 60 * 1000;
         assert_eq!(
             reap(&doc(SandboxPhase::Creating, 0, false), late),
             Some(Reap::EndCreate)
         );
+    }
+
+    #[test]
+    fn a_user_claim_left_past_its_time_is_finished_or_resolved() {
+        let ttl = 10_000;
+        let patience = Patience {
+            paused_retention: Duration::from_secs(3600),
+            abandoned_create_after: DEFAULT_ABANDONED_CREATE_AFTER,
+            claim_ttl: Duration::from_millis(ttl),
+        };
+        let claimed = |phase, owner: &str| SandboxDoc {
+            phase,
+            end_at_unix_ms: u64::MAX,
+            lifecycle_owner: Some(owner.into()),
+            lifecycle_claimed_at_unix_ms: Some(1_000),
+            ..SandboxDoc::default()
+        };
+        let pause = claimed(SandboxPhase::Running, "user:pause:1");
+        assert_eq!(reap(&pause, 1_000 + ttl - 1, patience), None, "still within its time");
+        assert_eq!(reap(&pause, 1_000 + ttl, patience), Some(Reap::ResolveClaim));
+        let resume = claimed(SandboxPhase::Paused, "user:resume:1");
+        assert_eq!(reap(&resume, 1_000 + ttl, patience), Some(Reap::ResolveClaim));
+        let kill = claimed(SandboxPhase::Running, "user:kill:1");
+        assert_eq!(reap(&kill, 1_000 + ttl, patience), Some(Reap::Kill));
+        // A move's ownership is the balancer's; a create's claim is the abandoned-create rule's.
+        assert_eq!(
+            reap(&claimed(SandboxPhase::Running, "plan.0"), u64::MAX / 2, patience),
+            None
+        );
+        let creating = claimed(SandboxPhase::Creating, "user:kill:1");
+        assert_eq!(reap(&creating, 1_000 + ttl, patience), None);
     }
 }
