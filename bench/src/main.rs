@@ -5,6 +5,7 @@
 //! machine is shared and noisy.
 
 mod balance_convergence;
+mod chaos;
 mod fixture;
 mod gateway_create;
 mod ledger_cas;
@@ -15,6 +16,7 @@ mod placement_distribution;
 mod placement_throughput;
 mod proxy;
 mod report;
+mod soak;
 mod template_build;
 
 use clap::{Parser, Subcommand};
@@ -53,6 +55,13 @@ enum Scenario {
     /// from the node, a download from a port, 1 GiB through /files with peak memory.
     Proxy(proxy::Args),
     TemplateBuild(template_build::Args),
+    /// A seeded fault suite: a multi-process cluster under a client workload while services
+    /// are killed and nodes cut off, then a history checker (lost, duplicated, files lost,
+    /// accounting error, stuck, leaked).
+    Chaos(chaos::Args),
+    /// The fault suite's cluster and workload without faults, for a long time: resident
+    /// memory and open descriptors of every service sampled, growth after warm-up.
+    Soak(soak::Args),
 }
 
 #[global_allocator]
@@ -81,6 +90,8 @@ async fn run() -> anyhow::Result<()> {
         Scenario::MoveFaults(args) => move_faults::run(args).await?,
         Scenario::Proxy(args) => proxy::run(args).await?,
         Scenario::TemplateBuild(args) => template_build::run(args).await?,
+        Scenario::Chaos(args) => chaos::run(args).await?,
+        Scenario::Soak(args) => soak::run(args).await?,
     };
     report.print(cli.json);
     Ok(())
