@@ -251,6 +251,79 @@ async fn a_stale_user_claim_is_taken_over() {
     s.stop().await;
 }
 
+/// A claim no user operation comes for is resolved by the reaper once its time to live has
+/// passed (the fault suite found manifests left owned for good by gateways killed mid-pause):
+/// a pause that reached the node but not the manifest leaves it saying paused and unowned; a
+/// kill left unconfirmed is finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
+    use proto::node::v1 as node_pb;
+    let s = stack(4096).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let abandon_claim = |id: String, op: &'static str| {
+        let ledger = ledger.clone();
+        async move {
+            let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
+            let mut claimed = doc.value.clone();
+            claimed.lifecycle_owner = Some(format!("user:{op}:dead-gateway"));
+            claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms() - 10 * 60 * 1000);
+            claimed.epoch += 1;
+            ledger
+                .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &claimed).unwrap())
+                .await
+                .unwrap();
+            claimed
+        }
+    };
+    let settled = |id: String| {
+        let ledger = ledger.clone();
+        async move {
+            for _ in 0..100 {
+                match ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap() {
+                    Some(doc) if doc.value.lifecycle_owner.is_some() => {}
+                    other => return other.map(|d| d.value),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("the claim on {id} was never resolved");
+        }
+    };
+
+    // The dead gateway's pause reached the node, not the manifest.
+    let paused = create(&s, r#"{"templateID":"base"}"#).await;
+    let claimed = abandon_claim(paused.clone(), "pause").await;
+    let mut node = proto::node::v1::node_client::NodeClient::connect(s.node().endpoint())
+        .await
+        .unwrap();
+    node.pause(node_pb::LifecycleRequest {
+        operation_id: "pause-by-the-dead-gateway".into(),
+        epoch: claimed.epoch,
+        sandbox_id: paused.clone(),
+    })
+    .await
+    .unwrap();
+    let doc = settled(paused.clone()).await.expect("the paused sandbox's manifest");
+    assert_eq!(doc.phase, SandboxPhase::Paused);
+    assert!(doc.epoch > claimed.epoch, "the resolution fences the dead operation");
+    let (status, detail) = s
+        .call("GET", &format!("/sandboxes/{paused}"), Some("key-a"), None)
+        .await;
+    assert_eq!((status, detail["state"].as_str()), (200, Some("paused")));
+
+    // A kill the node never confirmed: finished.
+    let killed = create(&s, r#"{"templateID":"base"}"#).await;
+    abandon_claim(killed.clone(), "kill").await;
+    assert!(
+        settled(killed.clone()).await.is_none(),
+        "the manifest of the kill is gone"
+    );
+    assert!(
+        s.node().host().get(&killed).await.is_none(),
+        "the sandbox is gone from its node"
+    );
+    s.stop().await;
+}
+
 /// A create whose gateway stopped after starting the sandbox but before writing where it
 /// runs leaves a `creating` manifest naming no node. The reaper ends it once abandoned: the
 /// process goes from the node that started it, and the manifest goes.

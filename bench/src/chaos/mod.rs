@@ -222,7 +222,11 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
         "chaos: seed {}, {} s of faults, {} clients, 3 nodes, 2 placers on Redis, 2 gateways, ledger on PostgreSQL, balance",
         args.seed, args.seconds, args.clients
     ));
-    let tally = shared.tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let tally = shared
+        .tally
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
     for finding in &verdict.findings {
         report.line(format!("  finding: {finding}"));
     }
