@@ -278,6 +278,14 @@ pub async fn health() -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
+/// What this gateway serves of E2B's API, as OpenAPI 3 (what schemathesis tests it against).
+pub const OPENAPI: &str = include_str!("../openapi.yaml");
+
+/// `GET /openapi.yaml`: [`OPENAPI`].
+pub async fn openapi() -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/yaml")], OPENAPI).into_response()
+}
+
 pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let team = g.team(&headers)?;
     let key = match headers.get("idempotency-key") {
@@ -309,6 +317,7 @@ async fn resolve_template(g: &Gateway, team: &str, reference: &str) -> Result<Op
     if reference.is_empty() {
         return Ok(None);
     }
+    crate::template_api::check_id("templateID", reference)?;
     let resolved = g.templates.resolve(team, reference).await?;
     Ok(resolved.map(|r| Template {
         name: r.template.template_id,

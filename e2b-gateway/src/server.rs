@@ -168,6 +168,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     };
     let mut api_router = Router::new()
         .route("/health", get(api::health))
+        .route("/openapi.yaml", get(api::openapi))
         .route("/sandboxes", get(api::list).post(api::create))
         .route("/v2/sandboxes", get(api::list).post(api::create))
         .route("/v2/sandboxes/{id}/connect", post(api::connect))

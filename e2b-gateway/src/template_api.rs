@@ -32,8 +32,9 @@ fn failure(f: Failure) -> ApiError {
     }
 }
 
-/// Checks an ID from a path: plain characters only, as any other ID at the edge.
-fn check_id(what: &str, id: &str) -> Result<(), ApiError> {
+/// Checks a template ID, name or reference (`team/name:tag`) from a path or a body: plain
+/// characters only, as any other ID at the edge.
+pub(crate) fn check_id(what: &str, id: &str) -> Result<(), ApiError> {
     let ok = !id.is_empty()
         && id.len() <= 256
         && id

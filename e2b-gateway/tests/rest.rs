@@ -63,6 +63,10 @@ async fn bad_input_gets_e2b_errors_and_changes_nothing() {
         r#"{"templateID":"base","cpuCount":1000000000}"#,
         r#"{"templateID":"base","metadata":{"a\u0000b":"x"}}"#,
         r#"{"templateID":"base","metadata":{"k":"line\u0007"}}"#,
+        // A template reference with a control character (schemathesis found it answered 500,
+        // the ledger's refusal of the key passed on as a server error).
+        r#"{"templateID":"ba\u001cse"}"#,
+        r#"{"templateID":"base\u0000"}"#,
     ] {
         assert_e2b_error(&s.call("POST", "/sandboxes", key, Some(body)).await, 400);
     }

@@ -72,6 +72,9 @@ impl From<LedgerError> for Failure {
             LedgerError::OutcomeUnknown(m) => Failure::Unknown(format!(
                 "the ledger did not confirm the write ({m}); read the sandbox to see whether it applied"
             )),
+            // What the ledger refuses as malformed came from the request (an ID, a name, a
+            // value too large): the caller's to fix, never a server error.
+            LedgerError::Invalid(m) => Failure::Invalid(format!("the request was refused: {m}")),
             other => Failure::Internal(other.to_string()),
         }
     }
