@@ -15,8 +15,9 @@ pub struct Args {
     /// Minutes the workload runs.
     #[arg(long, default_value_t = 20)]
     minutes: u64,
-    /// Minutes not judged: caches, pools and allocators fill first.
-    #[arg(long, default_value_t = 3)]
+    /// Minutes not judged: caches, pools and allocators fill first (a node's operation
+    /// answers are kept 5 minutes).
+    #[arg(long, default_value_t = 6)]
     warmup_minutes: u64,
     /// Seconds between samples.
     #[arg(long, default_value_t = 60)]

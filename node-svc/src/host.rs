@@ -55,8 +55,11 @@ use crate::state_dir::StateDir;
 use crate::template::{self, Template, TemplateError};
 use crate::usage::CpuRate;
 
-/// Answers kept for operation-ID retries.
+/// Answers kept for operation-ID retries: at most this many...
 const ANSWERS_KEPT: usize = 10_000;
+/// ...for at most this long (retries come within seconds; a move's next executor within a
+/// lease's time to live).
+const ANSWERS_MAX_AGE_MS: u64 = 5 * 60 * 1000;
 
 /// Why a node operation failed.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -337,7 +340,7 @@ impl Host {
                 runtime,
                 dir,
                 slots: Mutex::new(slots),
-                answers: Mutex::new(Answers::new(ANSWERS_KEPT)),
+                answers: Mutex::new(Answers::new(ANSWERS_KEPT, ANSWERS_MAX_AGE_MS)),
                 layers,
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
@@ -609,7 +612,7 @@ impl Shared {
         if operation_id.is_empty() {
             return None;
         }
-        match lock(&self.answers).recall(operation_id, call) {
+        match lock(&self.answers).recall(operation_id, call, common::clock::now_ms()) {
             Recall::New => None,
             Recall::Answered(answer) => Some(answer),
             Recall::Reused { first } => Some(Err(NodeError::OperationReused {
@@ -622,7 +625,7 @@ impl Shared {
     /// Keeps `answer` for retries of `operation_id`, when it is final.
     fn remember(&self, operation_id: &str, call: &str, answer: &Answer) {
         if is_final(answer) {
-            lock(&self.answers).remember(operation_id, call, answer.clone());
+            lock(&self.answers).remember(operation_id, call, answer.clone(), common::clock::now_ms());
         }
     }
 

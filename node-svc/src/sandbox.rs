@@ -136,10 +136,16 @@ pub fn next_state(record: &SandboxRecord, action: Move) -> Result<Option<State>,
 }
 
 /// Remembers the answers to recent operations, so a retry with the same operation ID gets
-/// the first answer and does nothing twice. Bounded: the oldest answers are forgotten first.
+/// the first answer and does nothing twice. Bounded twice: answers older than `max_age_ms`
+/// are forgotten (a retry comes within seconds, or after a takeover within a lease's time),
+/// and past `capacity` the oldest go first. The age bound is what keeps a busy node's memory
+/// flat: by count alone the store grows for as long as it takes to fill (hours on a quiet
+/// node, each answer a whole sandbox record).
 pub struct Answers<T> {
     capacity: usize,
-    order: VecDeque<String>,
+    max_age_ms: u64,
+    /// Operation IDs in the order answered, with when (unix ms).
+    order: VecDeque<(String, u64)>,
     answers: HashMap<String, (String, T)>,
 }
 
@@ -155,16 +161,18 @@ pub enum Recall<T> {
 }
 
 impl<T: Clone> Answers<T> {
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(capacity: usize, max_age_ms: u64) -> Self {
         Self {
             capacity,
+            max_age_ms,
             order: VecDeque::new(),
             answers: HashMap::new(),
         }
     }
 
     /// Looks `operation_id` up for the call described by `call` (method and sandbox).
-    pub fn recall(&self, operation_id: &str, call: &str) -> Recall<T> {
+    pub fn recall(&mut self, operation_id: &str, call: &str, now_ms: u64) -> Recall<T> {
+        self.forget_old(now_ms);
         match self.answers.get(operation_id) {
             None => Recall::New,
             Some((first, answer)) if first == call => Recall::Answered(answer.clone()),
@@ -172,19 +180,31 @@ impl<T: Clone> Answers<T> {
         }
     }
 
-    pub fn remember(&mut self, operation_id: &str, call: &str, answer: T) {
+    pub fn remember(&mut self, operation_id: &str, call: &str, answer: T, now_ms: u64) {
         if operation_id.is_empty() {
             return;
         }
         // The first answer stands: a concurrent retry that raced it must not replace it.
         if let std::collections::hash_map::Entry::Vacant(slot) = self.answers.entry(operation_id.to_string()) {
             slot.insert((call.to_string(), answer));
-            self.order.push_back(operation_id.to_string());
+            self.order.push_back((operation_id.to_string(), now_ms));
         }
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.answers.remove(&old);
+        self.forget_old(now_ms);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.answers.len()
+    }
+
+    fn forget_old(&mut self, now_ms: u64) {
+        while let Some((id, at)) = self.order.front() {
+            let expired = at.saturating_add(self.max_age_ms) <= now_ms;
+            if !expired && self.order.len() <= self.capacity {
+                break;
             }
+            self.answers.remove(id);
+            self.order.pop_front();
         }
     }
 }
@@ -252,13 +272,27 @@ mod tests {
 
     #[test]
     fn answers_are_recalled_bounded_and_guarded() {
-        let mut a = Answers::new(2);
-        a.remember("op1", "pause s", 1);
-        assert_eq!(a.recall("op1", "pause s"), Recall::Answered(1));
-        assert!(matches!(a.recall("op1", "kill s"), Recall::Reused { .. }));
-        a.remember("op2", "x", 2);
-        a.remember("op3", "y", 3);
-        assert_eq!(a.recall("op1", "pause s"), Recall::New);
-        assert_eq!(a.recall("op3", "y"), Recall::Answered(3));
+        let mut a = Answers::new(2, 60_000);
+        a.remember("op1", "pause s", 1, 0);
+        assert_eq!(a.recall("op1", "pause s", 0), Recall::Answered(1));
+        assert!(matches!(a.recall("op1", "kill s", 0), Recall::Reused { .. }));
+        a.remember("op2", "x", 2, 0);
+        a.remember("op3", "y", 3, 0);
+        assert_eq!(a.recall("op1", "pause s", 0), Recall::New);
+        assert_eq!(a.recall("op3", "y", 0), Recall::Answered(3));
+        assert_eq!(a.len(), 2);
+    }
+
+    #[test]
+    fn answers_are_forgotten_once_old() {
+        let mut a = Answers::new(100, 1_000);
+        a.remember("early", "x", 1, 0);
+        a.remember("later", "y", 2, 600);
+        assert_eq!(a.recall("early", "x", 999), Recall::Answered(1));
+        assert_eq!(a.recall("early", "x", 1_000), Recall::New, "past its age");
+        assert_eq!(a.recall("later", "y", 1_000), Recall::Answered(2));
+        // Remembering prunes too: a node that only answers new calls stays bounded by age.
+        a.remember("new", "z", 3, 5_000);
+        assert_eq!(a.len(), 1);
     }
 }
