@@ -388,13 +388,16 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
         libc::setsid();
         // A fresh session keyring, so the container cannot reach keys "possessed" through
         // the caller's session keyring (runc does the same). ENOSYS: no keyring support.
+        // EPERM: a seccomp filter around the node (Docker's default profile, when the node
+        // itself runs in a container) denies keyctl; filters are inherited, so the sandbox
+        // cannot call keyctl either and there is no keyring for it to reach.
         const KEYCTL_JOIN_SESSION_KEYRING: libc::c_long = 1;
         let rc = libc::syscall(
             libc::SYS_keyctl,
             KEYCTL_JOIN_SESSION_KEYRING,
             std::ptr::null::<libc::c_char>(),
         );
-        if rc < 0 && Errno::last().0 != libc::ENOSYS {
+        if rc < 0 && !matches!(Errno::last().0, libc::ENOSYS | libc::EPERM) {
             return Err(Failure::Sys {
                 what: "join a new session keyring",
                 errno: Errno::last(),

@@ -1099,6 +1099,11 @@ impl Shared {
 /// Loads the state directory and takes charge of every sandbox in it (blocking): killed ones
 /// are deleted, the others adopted by the runtime, and a running one whose start command
 /// died with the old node-svc is started again.
+///
+/// One sandbox that cannot be taken back (its container will not start again on this host)
+/// does not keep the node down, which would strand every other sandbox with it: it is kept,
+/// listed with no process (so it stays accounted, and a kill removes it), and counted in
+/// `node_readoption_failures_total`.
 fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, NodeError> {
     dir.create().map_err(io)?;
     let mut adopted = Vec::new();
@@ -1107,24 +1112,34 @@ fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, 
             let _ = dir.remove(&record.id);
             continue;
         }
-        runtime.adopt(&record)?;
-        let alive = runtime.alive(&record);
-        match readoption(record.state, alive, has_process(runtime, &record)) {
-            Readoption::AsFound => {}
-            Readoption::Restart => {
-                record.pgid = runtime.start(&record, &dir.home(&record.id))?;
-                tracing::warn!(sandbox_id = %record.id, "start command was not running; restarted");
-                dir.persist(&record).map_err(io)?;
-            }
-            Readoption::Stopped => {
-                record.pgid = 0;
-                dir.persist(&record).map_err(io)?;
-            }
+        if let Err(err) = readopt_one(dir, runtime, &mut record) {
+            tracing::error!(sandbox_id = %record.id, %err, "could not take the sandbox back; it is kept with no process");
+            metrics::counter!("node_readoption_failures_total").increment(1);
+            record.pgid = 0;
+            let _ = dir.persist(&record);
         }
-        tracing::info!(sandbox_id = %record.id, state = ?record.state, alive, "re-adopted sandbox");
         adopted.push(record);
     }
     Ok(adopted)
+}
+
+fn readopt_one(dir: &StateDir, runtime: &dyn Runtime, record: &mut SandboxRecord) -> Result<(), NodeError> {
+    runtime.adopt(record)?;
+    let alive = runtime.alive(record);
+    match readoption(record.state, alive, has_process(runtime, record)) {
+        Readoption::AsFound => {}
+        Readoption::Restart => {
+            record.pgid = runtime.start(record, &dir.home(&record.id))?;
+            tracing::warn!(sandbox_id = %record.id, "start command was not running; restarted");
+            dir.persist(record).map_err(io)?;
+        }
+        Readoption::Stopped => {
+            record.pgid = 0;
+            dir.persist(record).map_err(io)?;
+        }
+    }
+    tracing::info!(sandbox_id = %record.id, state = ?record.state, alive, "re-adopted sandbox");
+    Ok(())
 }
 
 /// Removes, at start, what no record accounts for: sandbox folders without a record (creates

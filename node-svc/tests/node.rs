@@ -299,6 +299,46 @@ async fn a_restarted_node_readopts_its_sandboxes() {
     node.cleanup().await;
 }
 
+/// A sandbox that cannot be started again after a restart (its files gone, as on a host
+/// that lost them) used to stop the whole node from starting, stranding every other sandbox
+/// (found running a node in a Docker container). Now the node starts, keeps the others, and
+/// lists the broken one with no process, so it stays accounted and a kill removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sandbox_that_cannot_come_back_does_not_keep_the_node_down() {
+    let mut node = TestNode::start(None, None, None).await;
+    let mut c = node.client().await;
+    let kept = c.create(create("kept", COUNTER)).await.unwrap().into_inner();
+    let broken = c.create(create("broken", COUNTER)).await.unwrap().into_inner();
+    let broken_root = node.dir.join("sandboxes/broken/rootfs");
+    node.stop().await;
+    // Its processes die with the host; its root's mount point is no longer a directory.
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", broken.pgid)])
+        .status();
+    for _ in 0..100 {
+        if !alive(broken.pgid) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(&broken_root)
+        .status();
+    std::fs::remove_dir_all(&broken_root).unwrap();
+    std::fs::write(&broken_root, b"not a directory").unwrap();
+
+    let (dir, id) = (node.dir.clone(), node.node_id.clone());
+    let node = TestNode::start(Some(dir), Some(id), None).await;
+    let mut c = node.client().await;
+    let list = c.list(pb::ListRequest {}).await.unwrap().into_inner().sandboxes;
+    let listed: Vec<(&str, u32)> = list.iter().map(|s| (s.sandbox_id.as_str(), s.pgid)).collect();
+    assert_eq!(listed, vec![("broken", 0), ("kept", kept.pgid)], "{list:?}");
+    assert!(alive(kept.pgid), "the other sandbox carries on");
+    c.kill(lifecycle("broken", "k", 1)).await.unwrap();
+    node.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operation_ids_and_epochs_guard_every_mutation() {
     let node = TestNode::start(None, None, None).await;
