@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use crate::cgroup::{Cgroup, CgroupError, Hierarchy};
 use crate::cli::RunArgs;
+use crate::namespaces;
 use crate::process::{self, ProcessError};
 use crate::rootfs::{RootfsError, RootfsPlan};
 use crate::spec::{self, SpecError};
@@ -111,6 +112,15 @@ pub fn run(dir: &StateDir, log: &Logger, a: &RunArgs) -> Result<(), ContainerErr
     // Written before the cgroup exists, so that `delete` can clean up after a crash.
     dir.save(&st)?;
     let seccomp = config.seccomp.take();
+    // Where /proc and /sys are masked around us (a node in a Docker container), the masks are
+    // lifted in a mount namespace of this process's own, or the sandbox could not mount its
+    // own /proc and /sys.
+    if config.namespaces.mount {
+        if let Err(e) = namespaces::unmask_proc_and_sys() {
+            let _ = cgroup.remove(true);
+            return Err(ContainerError::Process(e.into()));
+        }
+    }
     let spawned = cgroup
         .create(&config.resources)
         .map_err(ContainerError::from)

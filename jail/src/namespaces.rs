@@ -54,6 +54,70 @@ pub enum NamespaceError {
     Domainname(Errno),
     #[error("bring up the loopback interface: {0}")]
     Loopback(Errno),
+    #[error("unmask /proc in a mount namespace of our own: {what}: {errno}")]
+    Unmask { what: &'static str, errno: Errno },
+}
+
+/// Mount points strictly under `/proc` or `/sys` in a `/proc/self/mountinfo` text, deepest
+/// first; never the cgroup hierarchies (`/sys/fs/cgroup`), which the runtime writes to and
+/// which cover an empty directory of sysfs, hiding nothing.
+fn masking_submounts(mountinfo: &str) -> Vec<String> {
+    let mut points: Vec<String> = mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        // Octal escapes (`\040` for a space) are left as they are: such a path is not one a
+        // runtime masks, and unmounting it by its escaped name simply fails.
+        .filter(|point| point.starts_with("/proc/") || point.starts_with("/sys/"))
+        .filter(|point| *point != "/sys/fs/cgroup" && !point.starts_with("/sys/fs/cgroup/"))
+        .map(str::to_string)
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.matches('/').count()));
+    points.dedup();
+    points
+}
+
+/// When this process runs where `/proc` or `/sys` have mounts over parts of them (Docker and
+/// other runtimes mask `/proc/kcore`, `/proc/keys`, `/proc/sys`, `/sys/firmware`, ... in the
+/// containers they run, which is where a node runs under compose), the kernel refuses a new
+/// `proc` or `sysfs` mount in any user namespace below: it would reveal what the masks hide. So before the
+/// sandbox's process is created, this process moves into a mount namespace of its own
+/// (its mounts made slaves first, so nothing here reaches the node's or the host's mount
+/// table) and lifts the masks there; the sandbox inherits that view and mounts its own
+/// `/proc` and `/sys`, which the sandbox's own masked paths (the spec's) then cover again.
+/// With nothing mounted under them, nothing is done. Must be called single-threaded.
+pub fn unmask_proc_and_sys() -> Result<usize, NamespaceError> {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").map_err(|e| NamespaceError::Unmask {
+        what: "read /proc/self/mountinfo",
+        errno: Errno(e.raw_os_error().unwrap_or(libc::EIO)),
+    })?;
+    let masks = masking_submounts(&mountinfo);
+    if masks.is_empty() {
+        return Ok(0);
+    }
+    let fail = |what| move |errno| NamespaceError::Unmask { what, errno };
+    // SAFETY: unshare and mount with constant, NUL-terminated arguments.
+    unsafe {
+        check(libc::unshare(libc::CLONE_NEWNS)).map_err(fail("unshare the mount namespace"))?;
+        check(libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_SLAVE,
+            std::ptr::null(),
+        ))
+        .map_err(fail("make every mount a slave"))?;
+    }
+    let mut lifted = 0;
+    for point in masks {
+        let Ok(path) = std::ffi::CString::new(point) else {
+            continue;
+        };
+        // SAFETY: umount2 of a NUL-terminated path.
+        if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } == 0 {
+            lifted += 1;
+        }
+    }
+    Ok(lifted)
 }
 
 /// Creates the child process with `flags` (`CLONE_NEW*`). Returns the child's host PID in
@@ -145,6 +209,38 @@ pub fn loopback_up() -> Result<(), NamespaceError> {
         }
         libc::close(fd);
         r.map(drop).map_err(NamespaceError::Loopback)
+    }
+}
+
+#[cfg(test)]
+mod proc_tests {
+    use super::masking_submounts;
+
+    #[test]
+    fn the_mounts_over_proc_and_sys_are_found_deepest_first_and_cgroups_kept() {
+        let mountinfo = "\
+22 1 0:21 / / rw,relatime - overlay overlay rw
+23 22 0:22 / /proc rw,nosuid - proc proc rw
+24 23 0:23 / /proc/bus ro,relatime - proc proc ro
+25 23 0:5 /null /proc/kcore rw,nosuid - devtmpfs udev rw
+26 23 0:24 / /proc/sys ro - proc proc ro
+27 26 0:25 / /proc/sys/fs/binfmt_misc rw - binfmt_misc binfmt_misc rw
+28 22 0:26 / /sys ro - sysfs sysfs ro
+29 22 0:27 / /processes rw - tmpfs tmpfs rw
+30 28 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw
+31 30 0:29 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory
+32 28 0:30 / /sys/firmware ro - tmpfs tmpfs ro";
+        assert_eq!(
+            masking_submounts(mountinfo),
+            [
+                "/proc/sys/fs/binfmt_misc",
+                "/proc/bus",
+                "/proc/kcore",
+                "/proc/sys",
+                "/sys/firmware"
+            ]
+        );
+        assert!(masking_submounts("23 22 0:22 / /proc rw - proc proc rw").is_empty());
     }
 }
 

@@ -286,10 +286,7 @@ impl Network {
             None => Some("nft (nftables) is not installed".to_string()),
             Some(binary) => run_nft(binary, &host_ruleset(&config.floor), None)
                 .map_err(|e| format!("installing the host's rules: {e}"))
-                .and_then(|()| {
-                    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
-                        .map_err(|e| format!("turning on IPv4 forwarding: {e}"))
-                })
+                .and_then(|()| ip_forward())
                 .err(),
         };
         if let Some(problem) = &problem {
@@ -476,6 +473,16 @@ async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::Raw
         .await
         .map_err(netlink)?;
     Ok(link)
+}
+
+/// Turns on IPv4 forwarding, unless it is on already: in a container /proc/sys is read-only
+/// and the container's own setting (compose's `sysctls`) is what there is.
+fn ip_forward() -> Result<(), String> {
+    const PATH: &str = "/proc/sys/net/ipv4/ip_forward";
+    if std::fs::read_to_string(PATH).is_ok_and(|v| v.trim() == "1") {
+        return Ok(());
+    }
+    std::fs::write(PATH, "1").map_err(|e| format!("turning on IPv4 forwarding: {e}"))
 }
 
 #[cfg(test)]
