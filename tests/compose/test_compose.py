@@ -1,0 +1,154 @@
+"""compose.yaml started for real (with compose.ci.yaml, whose images need no registry:
+scripts/compose-images builds them), then the E2B Python SDK through the published gateway
+port: create, a command, files, pause and connect, a sandbox's port, a drain that moves a
+sandbox between the two node containers, a node container killed and started again with its
+sandbox taken back, and `down -v` leaving nothing behind.
+
+Run by scripts/test-compose (after scripts/compose-images)."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = "sandboxsched-ci"
+COMPOSE = ["docker-compose", "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), "-f", str(ROOT / "compose.ci.yaml")]
+URL = "http://127.0.0.1:3000"
+KEY = "e2b_local_dev_key"
+
+
+def compose(*args, check=True, timeout=300):
+    done = subprocess.run([*COMPOSE, *args], capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def ctl(*args):
+    """sandboxsched-ctl inside the balance container, against the services' own addresses."""
+    out = compose(
+        "exec", "-T",
+        "-e", "SANDBOXSCHED_LEDGER=http://ledger:7001",
+        "-e", "SANDBOXSCHED_PLACEMENT=http://placement:7002",
+        "-e", "SANDBOXSCHED_BALANCE=http://127.0.0.1:7003",
+        "balance", "sandboxsched-ctl", "--json", *args,
+    )
+    return json.loads(out) if out.strip().startswith(("{", "[")) else out
+
+
+def eventually(what, check, within=120):
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def every_health_check_passes():
+    """Every container with a health check reports healthy (a wrong port or command in one
+    of compose.yaml's checks keeps it "starting", then "unhealthy")."""
+    ids = compose("ps", "-q").split()
+    if not ids:
+        return False
+    states = subprocess.run(
+        ["docker", "inspect", "-f", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}", *ids],
+        capture_output=True, text=True,
+    ).stdout.split()
+    return len(states) == len(ids) and all(s in ("healthy", "none") for s in states)
+
+
+def healthy():
+    try:
+        return httpx.get(f"{URL}/health", timeout=2).status_code == 204
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack():
+    compose("down", "-v", "--remove-orphans", check=False)
+    try:
+        compose("up", "-d", "--no-build", timeout=600)
+        eventually("the gateway through its published port", healthy, within=180)
+        eventually("every container's health check", every_health_check_passes, within=120)
+        os.environ.update(E2B_API_URL=URL, E2B_SANDBOX_URL=URL, E2B_API_KEY=KEY)
+        yield
+    except BaseException:
+        print(compose("logs", "--tail", "60", check=False))
+        raise
+    finally:
+        compose("down", "-v", "--remove-orphans", check=False, timeout=300)
+        left = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+            capture_output=True, text=True,
+        ).stdout.split()
+        assert left == [], f"down -v left containers: {left}"
+        volumes = subprocess.run(
+            ["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+            capture_output=True, text=True,
+        ).stdout.split()
+        assert volumes == [], f"down -v left volumes: {volumes}"
+
+
+def node_of(sandbox_id):
+    return next(s for s in ctl("sandboxes") if s["sandbox"] == sandbox_id)["node"]
+
+
+def test_the_sdk_through_compose(stack):
+    sbx = Sandbox.create(timeout=600)
+    try:
+        assert sbx.commands.run("echo hi from $(hostname)").stdout.strip() == f"hi from {sbx.sandbox_id}"
+        assert sbx.commands.run("id -u", user="root").stdout.strip() == "0"
+        sbx.files.write("/tmp/notes.txt", "kept across moves")
+        assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
+
+        sbx.beta_pause()
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
+
+        # A port of the sandbox, by the gateway's routing headers.
+        sbx.files.write("/home/user/index.html", "served")
+        sbx.commands.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+        sbx.commands.run(
+            "for i in $(seq 100); do python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8000))\" "
+            "2>/dev/null && exit 0; sleep 0.05; done; exit 1"
+        )
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        r = httpx.get(f"{URL}/index.html", headers=headers, timeout=10)
+        assert (r.status_code, r.text) == (200, "served")
+
+        # A drain moves it to the other node container, files and all.
+        source = node_of(sbx.sandbox_id)
+        ctl("drain", source)
+        target = eventually("the sandbox to move", lambda: (n := node_of(sbx.sandbox_id)) != source and n)
+        ctl("drain", source, "--undo")
+        assert target in ("node-1", "node-2") and target != source
+        assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
+
+        # Its node container killed and started again: the sandbox is taken back (its
+        # processes died with the container; its files and identity did not).
+        compose("kill", target)
+        compose("start", target)
+        eventually(
+            "the sandbox to answer again",
+            lambda: _answers(sbx),
+            within=120,
+        )
+        assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
+    finally:
+        sbx.kill()
+
+
+def _answers(sbx):
+    try:
+        return sbx.commands.run("true", timeout=5).exit_code == 0
+    except Exception:  # noqa: BLE001 - any failure means "not yet"
+        return False
