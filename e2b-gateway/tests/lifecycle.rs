@@ -229,6 +229,21 @@ async fn a_kill_the_node_does_not_confirm_is_not_reported_done() {
     s.stop().await;
 }
 
+/// Leaves `id` claimed by a user operation `op` of a gateway that died ten minutes ago (owner,
+/// claim time and epoch + 1, as the dead operation wrote them); returns the manifest so.
+async fn abandon_claim(ledger: &LedgerClient, id: &str, op: &str) -> SandboxDoc {
+    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.unwrap().unwrap();
+    let mut claimed = doc.value.clone();
+    claimed.lifecycle_owner = Some(format!("user:{op}:dead-gateway"));
+    claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms() - 10 * 60 * 1000);
+    claimed.epoch += 1;
+    ledger
+        .compare(Txn::new().update(SANDBOX_KIND, id, doc.version, &claimed).unwrap())
+        .await
+        .unwrap();
+    claimed
+}
+
 /// A claim left by a gateway that died mid-operation is taken over once its time to live has
 /// passed (its epoch raised again, so the dead operation's calls are refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,15 +251,7 @@ async fn a_stale_user_claim_is_taken_over() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
-    let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
-    let mut claimed = doc.value.clone();
-    claimed.lifecycle_owner = Some("user:pause:dead-gateway".into());
-    claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms() - 10 * 60 * 1000);
-    claimed.epoch += 1;
-    ledger
-        .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &claimed).unwrap())
-        .await
-        .unwrap();
+    abandon_claim(&ledger, &id, "pause").await;
     let killed = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     assert_eq!(killed.0, 204, "{killed:?}");
     assert!(s.node().host().get(&id).await.is_none());
@@ -260,21 +267,6 @@ async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
     use proto::node::v1 as node_pb;
     let s = stack(4096).await;
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
-    let abandon_claim = |id: String, op: &'static str| {
-        let ledger = ledger.clone();
-        async move {
-            let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
-            let mut claimed = doc.value.clone();
-            claimed.lifecycle_owner = Some(format!("user:{op}:dead-gateway"));
-            claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms() - 10 * 60 * 1000);
-            claimed.epoch += 1;
-            ledger
-                .compare(Txn::new().update(SANDBOX_KIND, &id, doc.version, &claimed).unwrap())
-                .await
-                .unwrap();
-            claimed
-        }
-    };
     let settled = |id: String| {
         let ledger = ledger.clone();
         async move {
@@ -291,7 +283,7 @@ async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
 
     // The dead gateway's pause reached the node, not the manifest.
     let paused = create(&s, r#"{"templateID":"base"}"#).await;
-    let claimed = abandon_claim(paused.clone(), "pause").await;
+    let claimed = abandon_claim(&ledger, &paused, "pause").await;
     let mut node = proto::node::v1::node_client::NodeClient::connect(s.node().endpoint())
         .await
         .unwrap();
@@ -312,7 +304,7 @@ async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
 
     // A kill the node never confirmed: finished.
     let killed = create(&s, r#"{"templateID":"base"}"#).await;
-    abandon_claim(killed.clone(), "kill").await;
+    abandon_claim(&ledger, &killed, "kill").await;
     assert!(
         settled(killed.clone()).await.is_none(),
         "the manifest of the kill is gone"
