@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+mod trace_sink;
+
 #[derive(Parser, Debug)]
 #[command(version, about = "sandboxsched: an E2B-compatible sandbox control plane")]
 struct Cli {
@@ -27,7 +29,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the whole local stack in this process until Ctrl-C.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
+    /// Receive OTLP traces and print a line per span (a stand-in for a tracing backend).
+    TraceSink(trace_sink::TraceSinkArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -113,7 +117,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
 async fn launch() -> anyhow::Result<()> {
     let telemetry = common::telemetry::init("sandboxsched");
     let result = match common::config::parse::<Cli>("sandboxsched").command {
-        Command::Up(args) => up(args).await,
+        Command::Up(args) => up(*args).await,
+        Command::TraceSink(args) => trace_sink::run(args).await,
     };
     telemetry.shutdown().await;
     result

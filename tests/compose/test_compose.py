@@ -2,7 +2,8 @@
 scripts/compose-images builds them), then the E2B Python SDK through the published gateway
 port: create, a command, files, pause and connect, a sandbox's port, a drain that moves a
 sandbox between the two node containers, a node container killed and started again with its
-sandbox taken back, and `down -v` leaving nothing behind.
+sandbox taken back, the services' traces arriving at an OTLP receiver (the `jaeger` service of
+the override: `sandboxsched trace-sink`), and `down -v` leaving nothing behind.
 
 Run by scripts/test-compose (after scripts/compose-images)."""
 
@@ -145,6 +146,15 @@ def test_the_sdk_through_compose(stack):
         assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
     finally:
         sbx.kill()
+    # The create's spans, from the gateway and a node, reached the receiver.
+    eventually(
+        "the services' traces at the OTLP receiver",
+        lambda: all(
+            line in compose("logs", "--no-color", "jaeger")
+            for line in ("service=e2b-gateway name=POST /sandboxes", "service=node-svc")
+        ),
+        within=60,
+    )
 
 
 def _answers(sbx):
