@@ -8,7 +8,6 @@ import io
 import json
 import os
 import tarfile
-import time
 import uuid
 
 import httpx
@@ -41,9 +40,7 @@ def test_a_template_built_from_base_runs_as_built(stack, tmp_path):
         .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000))
     )
     logs = []
-    started = time.monotonic()
     Template.build(template, f"{name}:v1", on_build_logs=logs.append)
-    cold = time.monotonic() - started
     messages = [entry.message for entry in logs]
     assert any("RUN echo built" in m for m in messages), messages
     assert Template.exists(name)
@@ -69,13 +66,12 @@ def test_a_template_built_from_base_runs_as_built(stack, tmp_path):
     sbx = Sandbox.create(f"{name}:prod", timeout=60)
     sbx.kill()
 
-    # The same steps again: every step comes from the build cache.
+    # The same steps again: every step comes from the build cache. (How much faster that is
+    # belongs to `bench template-build`; here both builds are under a second, dominated by the
+    # SDK's status polling, and comparing them failed CI once: 0.469 s against 0.464 s.)
     logs.clear()
-    started = time.monotonic()
     Template.build(template, f"{name}:v2", on_build_logs=logs.append)
-    cached = time.monotonic() - started
     assert sum("CACHED" in e.message for e in logs) >= 3, [e.message for e in logs]
-    assert cached < cold, (cached, cold)
 
     # Another team sees none of it.
     other = _api("GET", f"/templates/aliases/{name}", key=OTHER_TEAM_KEY)
