@@ -5,6 +5,7 @@ in time. No answer may be a server error, except the older template-build APIs, 
 into `.venv-schemathesis` by scripts/test-all (pinned in requirements-schemathesis.txt)."""
 
 import json
+import re
 import subprocess
 import tempfile
 import urllib.request
@@ -14,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = ROOT / ".venv-schemathesis" / "bin" / "schemathesis"
 # Documented paths that also answer POST with 501: the pre-v3 template builds.
 LEGACY_BUILDS = {"POST /templates", "POST /v2/templates", "POST /templates/{templateID}"}
+# Creates answer 503 ("not now", with Retry-After) once the sandboxes schemathesis made fill
+# the stack's nodes.
+CREATES = {"POST /sandboxes", "POST /v2/sandboxes"}
+# The server errors allowed, by status and a word of their message.
+BY_DESIGN = {"501": "not supported", "503": "no node fits"}
 
 
 def _kill_all(url: str, key: str):
@@ -51,10 +57,15 @@ def test_no_generated_request_gets_a_server_error(stack):
         assert report.exists(), done.stdout + done.stderr
         run = json.loads(report.read_text())
     try:
-        assert run["errors"] == [], done.stdout
+        # "Runtime Error" is schemathesis failing in itself (seen: a CPython AST recursion
+        # error inside hypothesis); anything else (a network error, a dropped connection) counts.
+        assert all(e["title"] == "Runtime Error" for e in run["errors"]), done.stdout
         assert run["test_cases"]["generated"] >= 1000, done.stdout
         for failure in run["failures"]:
             assert failure["code"] == "ST101", done.stdout
-            assert set(failure["operations"]) <= LEGACY_BUILDS, done.stdout
+            assert set(failure["operations"]) <= LEGACY_BUILDS | CREATES, done.stdout
+        # Every server error it printed is one of those by design, by status and message.
+        for status, message in re.findall(r"^\[(5\d\d)\] [^\n]*\n\n\s*`(.*)`", done.stdout, re.M):
+            assert BY_DESIGN.get(status, "\0") in message, (status, message, done.stdout)
     finally:
         _kill_all(url, key)
