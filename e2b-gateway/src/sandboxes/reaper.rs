@@ -141,15 +141,7 @@ impl Sandboxes {
     /// answer, or does not hold the sandbox, leaves the new claim for a later round.
     async fn resolve_claim(&self, team: &str, id: &str) -> Result<(), Failure> {
         let mut doc = self.claim(team, id, "resolve").await?;
-        let held = match self.nodes.client(&doc.value.node_address).await {
-            Ok(mut node) => node
-                .list(node_pb::ListRequest {})
-                .await
-                .map(|listed| listed.into_inner().sandboxes.into_iter().find(|s| s.sandbox_id == id))
-                .map_err(|status| status.to_string()),
-            Err(err) => Err(err.to_string()),
-        };
-        let running = match held {
+        let running = match self.held_on(&doc.value.node_address, id).await {
             Ok(Some(s)) if s.state == node_pb::SandboxState::Running as i32 => true,
             Ok(Some(s)) if s.state == node_pb::SandboxState::Paused as i32 => false,
             Ok(other) => {
@@ -181,6 +173,14 @@ impl Sandboxes {
         Ok(())
     }
 
+    /// What the node at `address` holds of sandbox `id` (its listing entry), or why it did not
+    /// answer.
+    async fn held_on(&self, address: &str, id: &str) -> Result<Option<node_pb::SandboxInfo>, String> {
+        let mut node = self.nodes.client(address).await.map_err(|e| e.to_string())?;
+        let listed = node.list(node_pb::ListRequest {}).await.map_err(|s| s.to_string())?;
+        Ok(listed.into_inner().sandboxes.into_iter().find(|s| s.sandbox_id == id))
+    }
+
     /// Resolves a create whose gateway stopped before writing where it runs, against the
     /// nodes: claims the manifest (epoch + 1) and asks every node placement knows whether it
     /// runs the sandbox. One that does keeps it: the manifest is completed as running there
@@ -191,18 +191,8 @@ impl Sandboxes {
         let mut doc = self.claim(team, id, KILL).await?;
         let mut running_on = Vec::new();
         for node in self.nodes().await? {
-            let Ok(mut client) = self.nodes.client(&node.address).await else {
-                continue;
-            };
-            let Ok(listed) = client.list(node_pb::ListRequest {}).await else {
-                continue;
-            };
-            let runs = listed
-                .into_inner()
-                .sandboxes
-                .iter()
-                .any(|s| s.sandbox_id == id && s.state == node_pb::SandboxState::Running as i32);
-            if runs {
+            let held = self.held_on(&node.address, id).await;
+            if matches!(held, Ok(Some(s)) if s.state == node_pb::SandboxState::Running as i32) {
                 running_on.push(node);
             }
         }
