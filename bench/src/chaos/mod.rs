@@ -197,6 +197,7 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
     let mut observation = observation.ok_or_else(|| anyhow::anyhow!("the cluster could never be observed"))?;
     let mut verdict = verdict.unwrap_or_default();
     let expected_files = check::expected_files(&history);
+    let alive = check::expected_alive(&history);
     if verdict.clean() {
         let paused: BTreeSet<String> = observation
             .manifests
@@ -238,11 +239,7 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
         .figure("faults_injected", plan.len() as u64, "")
         .figure("drains", tally.drains, "")
         .figure("acked_creates", tally.acked_creates, "")
-        .figure(
-            "alive_at_end",
-            check::expected_alive(&history).len() as u64,
-            "sandboxes",
-        )
+        .figure("alive_at_end", alive.len() as u64, "sandboxes")
         .figure("files_checked", expected_files.len() as u64, "")
         .figure("lost", verdict.lost, "")
         .figure("duplicated", verdict.duplicated, "")
@@ -268,7 +265,7 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
         let victim = observation
             .manifests
             .iter()
-            .find(|m| check::expected_alive(&history).contains(&m.id) && m.phase == "running")
+            .find(|m| alive.contains(&m.id) && m.phase == "running")
             .cloned();
         let caught = match victim {
             Some(m) => {
