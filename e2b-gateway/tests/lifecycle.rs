@@ -95,6 +95,43 @@ async fn placement_down_is_503_and_leaves_nothing() {
     s.stop().await;
 }
 
+/// A node that cannot start a sandbox (here: its sandbox network has one address, taken)
+/// makes the create a 503 saying why, with nothing left behind, and the same create succeeds
+/// once the address is free again: "not now", never a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_start_a_sandbox_is_503_not_500() {
+    // One /30 of its own (one sandbox link), unlikely to be another test's.
+    let pid = std::process::id();
+    let pool = format!("10.201.{}.{}/30", (pid >> 6) % 256, (pid % 64) * 4);
+    let s = stack::Stack::builder()
+        .heartbeat(Duration::from_millis(50))
+        .node(move |c| c.network.pool = pool.parse().expect("a /30"))
+        .gateway(|c| {
+            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
+        })
+        .start()
+        .await
+        .expect("the test stack starts");
+    let s = support::Stack(s);
+    let linked = r#"{"templateID":"base","allow_internet_access":true}"#;
+    let first = create(&s, linked).await;
+
+    let answer = s.call("POST", "/sandboxes", Some("key-a"), Some(linked)).await;
+    assert_e2b_error(&answer, 503);
+    let message = answer.1["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no free address"), "the cause is named: {message}");
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let (docs, _) = ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await.unwrap();
+    assert_eq!(docs.len(), 1, "the failed create left its manifest");
+
+    let (status, _) = s
+        .call("DELETE", &format!("/sandboxes/{first}"), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    create(&s, linked).await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reaper_survives_a_gateway_restart() {
     let mut s = stack(4096).await;

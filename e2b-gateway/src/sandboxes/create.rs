@@ -228,6 +228,14 @@ impl Sandboxes {
         .map_err(|s| match s.code() {
             // Not "no such sandbox": something the create needs is not on that node.
             tonic::Code::NotFound => Failure::Unavailable(format!("node create: {}", s.message())),
+            // The node could not start it (its host lacks something, its sandbox network is
+            // full): not the request's fault, and another node or a later try may manage.
+            // "Not now" (503 with Retry-After), never a server error the client cannot act on.
+            tonic::Code::Internal => Failure::Unavailable(format!(
+                "node {} could not start the sandbox: {}",
+                placed.node_id,
+                s.message()
+            )),
             _ => from_status("node create", s),
         })?;
         match self.nodes.envd(&placed.node_address).await {

@@ -1,5 +1,5 @@
 //! Shared by the gateway's tests: a whole stack (ledger on SQLite, placement in memory, one
-//! process-runtime node, the gateway with two teams) from the project's stack builder, and an
+//! container node, the gateway with two teams) from the project's stack builder, and an
 //! HTTP caller.
 
 #![allow(dead_code)]
@@ -10,7 +10,7 @@ use serde_json::Value;
 pub const DOMAIN: &str = "sandbox.test";
 
 /// A started stack with one node and a gateway.
-pub struct Stack(stack::Stack);
+pub struct Stack(pub stack::Stack);
 
 impl std::ops::Deref for Stack {
     type Target = stack::Stack;
