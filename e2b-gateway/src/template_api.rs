@@ -353,12 +353,10 @@ fn template_json(t: &TemplateDoc, builds: &[BuildDoc]) -> Value {
 /// `GET /templates` and `GET /v2/templates`.
 pub async fn list(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
-    let mut out = Vec::new();
-    for t in g.templates.list(&team).await.map_err(failure)? {
-        let builds = g.templates.builds(&t).await.map_err(failure)?;
-        out.push(template_json(&t, &builds));
-    }
-    Ok(Json(Value::Array(out)))
+    let listed = g.templates.list_with_builds(&team).await.map_err(failure)?;
+    Ok(Json(Value::Array(
+        listed.iter().map(|(t, builds)| template_json(t, builds)).collect(),
+    )))
 }
 
 async fn found(g: &Gateway, team: &str, id: &str) -> Result<TemplateDoc, ApiError> {

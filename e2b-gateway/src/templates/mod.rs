@@ -62,6 +62,9 @@ pub struct Requested {
     pub tags: Vec<String>,
 }
 
+/// Ledger reads one listing keeps in flight.
+const LEDGER_READS_AT_ONCE: usize = 8;
+
 /// The registry.
 pub struct Templates {
     pub ledger: LedgerClient,
@@ -405,15 +408,39 @@ impl Templates {
         Ok(docs)
     }
 
-    /// Builds of a template, oldest first.
+    /// Builds of a template, oldest first: read a few at a time, so a template with many
+    /// builds costs a few round trips to the ledger rather than one per build.
     pub async fn builds(&self, template: &TemplateDoc) -> Result<Vec<BuildDoc>, Failure> {
-        let mut builds = Vec::new();
-        for id in &template.builds {
-            if let Some(b) = self.ledger.get::<BuildDoc>(BUILD_KIND, id).await? {
-                builds.push(b.value);
-            }
+        use futures::{StreamExt as _, TryStreamExt as _};
+        // Owned IDs and a client per read: the futures borrow nothing, so the handler stays
+        // `Send` for any lifetime.
+        let found: Vec<_> = futures::stream::iter(template.builds.clone())
+            .map(|id| {
+                let ledger = self.ledger.clone();
+                async move { ledger.get::<BuildDoc>(BUILD_KIND, &id).await }
+            })
+            .buffered(LEDGER_READS_AT_ONCE)
+            .try_collect()
+            .await?;
+        Ok(found.into_iter().flatten().map(|b| b.value).collect())
+    }
+
+    /// Every template `team` sees, newest first, each with its builds (oldest first): the
+    /// templates' builds are read concurrently, a bounded number at a time.
+    pub async fn list_with_builds(&self, team: &str) -> Result<Vec<(TemplateDoc, Vec<BuildDoc>)>, Failure> {
+        use futures::{StreamExt as _, TryStreamExt as _};
+        let templates = self.list(team).await?;
+        let mut listed = Vec::with_capacity(templates.len());
+        let mut reads = futures::stream::iter(templates)
+            .map(|t| async move {
+                let builds = self.builds(&t).await;
+                builds.map(|b| (t, b))
+            })
+            .buffered(LEDGER_READS_AT_ONCE);
+        while let Some(entry) = reads.try_next().await? {
+            listed.push(entry);
         }
-        Ok(builds)
+        Ok(listed)
     }
 
     /// Deletes a template `team` owns: its document, names and builds. Sandboxes running it
