@@ -964,7 +964,10 @@ async fn a_node_at_start_removes_a_create_cut_short_and_keeps_the_rest() {
         !dir.join("sandboxes/cut").exists(),
         "the folder of the create cut short is gone"
     );
-    assert!(!dir.join("container/runtime/cut").exists(), "and its container");
+    assert!(
+        !node_svc::runtime::container::run_dir(&dir).join("runtime/cut").exists(),
+        "and its container"
+    );
     let cgroups = std::fs::read_dir("/sys/fs/cgroup")
         .unwrap()
         .flatten()

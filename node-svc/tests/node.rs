@@ -309,7 +309,7 @@ async fn one_sandbox_that_cannot_come_back_does_not_keep_the_node_down() {
     let mut c = node.client().await;
     let kept = c.create(create("kept", COUNTER)).await.unwrap().into_inner();
     let broken = c.create(create("broken", COUNTER)).await.unwrap().into_inner();
-    let broken_root = node.dir.join("sandboxes/broken/rootfs");
+    let broken_root = node_svc::runtime::container::run_dir(&node.dir).join("sandboxes/broken/rootfs");
     node.stop().await;
     // Its processes die with the host; its root's mount point is no longer a directory.
     let _ = std::process::Command::new("kill")

@@ -13,14 +13,18 @@
 //! operator who needs VM-grade isolation points `--oci-runtime` at gVisor's `runsc` or Kata's
 //! runtime; nothing else changes.
 //!
-//! The sandbox's folder on the host holds `home/` (the writable layer: what snapshots carry),
-//! `work/` (overlayfs's), `rootfs/` (the mounted root), `config.json` (the bundle's spec),
-//! `envd.sock` and `container.log` (envd's output and the runtime's errors).
+//! The sandbox's folder in the node's state directory holds `home/` (the writable layer: what
+//! snapshots carry), `work/` (overlayfs's) and `container.log` (envd's output and the
+//! runtime's errors); its bundle, in the node's [`run_dir`] (in memory), holds `config.json`
+//! (the spec), `container.pid`, `envd.sock` and `rootfs/` (the mounted root).
 
 pub mod network;
 pub mod oci;
 pub mod rootfs;
+pub mod run_dir;
 pub mod spec;
+
+pub use run_dir::run_dir;
 
 use std::io;
 use std::os::fd::AsFd as _;
@@ -41,15 +45,28 @@ struct Parts {
     log: PathBuf,
 }
 
-fn parts(home: &Path) -> Parts {
+/// The parts of the sandbox whose writable layer is `home` (`STATE/sandboxes/ID/home`): the
+/// bundle in the node's run directory `run` ([`run_dir`]), the rest beside `home`.
+fn parts(run: &Path, home: &Path) -> Parts {
     let dir = home.parent().unwrap_or(home).to_path_buf();
+    let bundle = run.join("sandboxes").join(dir.file_name().unwrap_or_default());
     Parts {
-        rootfs: dir.join("rootfs"),
+        rootfs: bundle.join("rootfs"),
         work: dir.join("work"),
-        socket: dir.join("envd.sock"),
-        pid_file: dir.join("container.pid"),
+        socket: bundle.join("envd.sock"),
+        pid_file: bundle.join("container.pid"),
         log: dir.join("container.log"),
-        bundle: dir,
+        bundle,
+    }
+}
+
+/// Unmounts the sandbox's root and deletes its bundle: what a container leaves in the run
+/// directory once the runtime has deleted it.
+fn dismantle(parts: &Parts) -> io::Result<()> {
+    rootfs::unmount(&parts.rootfs)?;
+    match std::fs::remove_dir_all(&parts.bundle) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 
@@ -102,9 +119,45 @@ pub fn multicall_binary() -> Option<PathBuf> {
     found
 }
 
+/// The stand-alone runtime and envd binaries a build makes beside the node's (`jail` and
+/// `envd` crates): preferred to the multicall binary when present.
+const JAIL_COMPANION: &str = "sandboxsched-jail";
+const ENVD_COMPANION: &str = "sandboxsched-envd";
+
+/// `name` beside this executable, or one folder up (as [`multicall_binary`] looks).
+///
+/// Why prefer them: every create and kill runs the runtime, and every sandbox's PID 1 is
+/// envd. Started from the multicall binary (the whole node, over a hundred megabytes) each
+/// of those `exec`s relocates and faults in the node's code and data; the stand-alone
+/// binaries are a fraction of that, and the same code.
+pub fn companion_binary(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let found = [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join(name))
+        .find(|candidate| candidate.is_file());
+    found
+}
+
+/// How to call the runtime: `oci_runtime` when given, else the stand-alone jail when it is
+/// there, else the multicall binary's `jail`.
+fn runtime_cli(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathBuf) -> Option<oci::Cli> {
+    if let Some(program) = oci_runtime {
+        return Some(oci::Cli::new(program.to_path_buf(), Vec::new(), root));
+    }
+    if let Some(jail) = companion_binary(JAIL_COMPANION) {
+        return Some(oci::Cli::new(jail, Vec::new(), root));
+    }
+    carrier.map(|carrier| oci::Cli::new(carrier, vec!["jail".into()], root))
+}
+
 pub struct ContainerRuntime {
     node_id: String,
     dirs: StateDir,
+    /// What lives only as long as the containers ([`run_dir`]).
+    run: PathBuf,
     cli: oci::Cli,
     base: PathBuf,
     /// The layer above an image's own (templates not built on the host's userland): the mount
@@ -142,11 +195,10 @@ fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) 
 /// their roots: for cleaning up after a node that will not come back (a test that failed
 /// half-way, a host being retired). `oci_runtime` is the runtime that node used.
 pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
-    let root = state_dir.join("container").join("runtime");
-    let cli = match (oci_runtime, multicall_binary()) {
-        (Some(program), _) => oci::Cli::new(program.to_path_buf(), Vec::new(), root.clone()),
-        (None, Some(carrier)) => oci::Cli::new(carrier, vec!["jail".into()], root.clone()),
-        (None, None) => return,
+    let run = run_dir(state_dir);
+    let root = run.join("runtime");
+    let Some(cli) = runtime_cli(oci_runtime, multicall_binary(), root.clone()) else {
+        return;
     };
     let dirs = StateDir::new(state_dir);
     for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
@@ -154,8 +206,9 @@ pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
         if let Err(err) = cli.delete(&id) {
             tracing::warn!(sandbox_id = %id, %err, "left-over container not deleted");
         }
-        let _ = rootfs::unmount(&parts(&dirs.home(&id)).rootfs);
+        let _ = dismantle(&parts(&run, &dirs.home(&id)));
     }
+    let _ = std::fs::remove_dir_all(&run);
 }
 
 /// Reaps the sandbox's init (this node's child, as subreaper) as soon as it dies, on a thread
@@ -269,14 +322,18 @@ impl ContainerRuntime {
                 Vec::new()
             }
         };
-        let carrier = multicall_binary().unwrap_or_else(|| {
-            missing.push("a node-svc or sandboxsched binary to run envd and jail from".to_string());
-            PathBuf::from("/nonexistent/node-svc")
-        });
-        let cli = match &config.oci_runtime {
-            Some(program) => oci::Cli::new(program.clone(), Vec::new(), root.join("runtime")),
-            None => oci::Cli::new(carrier.clone(), vec!["jail".into()], root.join("runtime")),
-        };
+        let run = run_dir(&config.state_dir);
+        if let Err(e) = run_dir::prepare(&run).and_then(|()| searchable(&run)) {
+            missing.push(format!("a run directory at {}: {e}", run.display()));
+        }
+        let carrier = multicall_binary();
+        let cli =
+            runtime_cli(config.oci_runtime.as_deref(), carrier.clone(), run.join("runtime")).unwrap_or_else(|| {
+                missing.push(format!(
+                    "an OCI runtime: no {JAIL_COMPANION}, node-svc or sandboxsched binary beside this one"
+                ));
+                oci::Cli::new(PathBuf::from("/nonexistent/jail"), Vec::new(), run.join("runtime"))
+            });
         // Absolute: the runtime reads the spec's paths from each sandbox's bundle directory.
         let envd_binary = match config.envd_binary.clone().map(|e| std::path::absolute(&e).unwrap_or(e)) {
             Some(envd) if envd.is_file() => envd,
@@ -284,7 +341,12 @@ impl ContainerRuntime {
                 missing.push(format!("the envd binary {} (--envd-binary)", envd.display()));
                 envd
             }
-            None => carrier,
+            None => companion_binary(ENVD_COMPANION).or(carrier).unwrap_or_else(|| {
+                missing.push(format!(
+                    "an envd: no {ENVD_COMPANION}, node-svc or sandboxsched binary beside this one"
+                ));
+                PathBuf::from("/nonexistent/envd")
+            }),
         };
         let network = network::Network::new(config.network.clone());
         if let Some(problem) = network.problem() {
@@ -296,10 +358,11 @@ impl ContainerRuntime {
         for line in &degraded {
             tracing::warn!(node_id, "container runtime: {line}");
         }
-        tracing::info!(node_id, runtime = %cli.describe(), "sandboxes are OCI containers");
+        tracing::info!(node_id, runtime = %cli.describe(), envd = %envd_binary.display(), "sandboxes are OCI containers");
         Self {
             node_id: node_id.to_string(),
             dirs: StateDir::new(&config.state_dir),
+            run,
             cli,
             base,
             shim,
@@ -392,7 +455,7 @@ impl Runtime for ContainerRuntime {
                 return Err(start_error(record, format!("its template is an image, and {why}")));
             }
         }
-        let parts = parts(home);
+        let parts = parts(&self.run, home);
         // A container of this ID left from before (a restore over a dead copy) goes first; the
         // runtime keeps a folder per container under its root, so a new ID costs no call.
         if self.cli.knows(&record.id) {
@@ -400,6 +463,7 @@ impl Runtime for ContainerRuntime {
         }
         rootfs::prepare_upper(home, &parts.work).map_err(|e| start_error(record, format!("writable layer: {e}")))?;
         let lower = self.lower_dirs(record).map_err(|e| start_error(record, e))?;
+        std::fs::create_dir_all(&parts.bundle).map_err(|e| start_error(record, format!("bundle: {e}")))?;
         rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs).map_err(|e| start_error(record, e))?;
         let started = (|| -> Result<u32, String> {
             self.write_spec(record, &parts)?;
@@ -429,7 +493,7 @@ impl Runtime for ContainerRuntime {
             Ok(pid)
         })();
         started.map_err(|e| {
-            let _ = rootfs::unmount(&parts.rootfs);
+            let _ = dismantle(&parts);
             start_error(record, e)
         })
     }
@@ -451,9 +515,7 @@ impl Runtime for ContainerRuntime {
     fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
         reap_when_dead(record.pgid);
         self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
-        // Unmounted before anyone deletes the sandbox's folder, or the deletion would walk
-        // into the mounted root.
-        rootfs::unmount(&parts(&self.dirs.home(&record.id)).rootfs).map_err(|e| control(record, "kill", e))
+        dismantle(&parts(&self.run, &self.dirs.home(&record.id))).map_err(|e| control(record, "kill", e))
     }
 
     fn memory_used(&self, record: &SandboxRecord) -> u64 {
@@ -481,7 +543,7 @@ impl Runtime for ContainerRuntime {
                 tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a record was not deleted");
             }
         }
-        if let Err(err) = rootfs::unmount(&parts(home).rootfs) {
+        if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a record was not unmounted");
         }
         self.cgroups.remove(id);
@@ -524,7 +586,7 @@ impl Runtime for ContainerRuntime {
     }
 
     fn envd_socket(&self, home: &Path) -> Option<PathBuf> {
-        Some(parts(home).socket)
+        Some(parts(&self.run, home).socket)
     }
 
     fn runs_envd(&self) -> bool {
@@ -532,7 +594,7 @@ impl Runtime for ContainerRuntime {
     }
 
     fn log_file(&self, home: &Path) -> Option<PathBuf> {
-        Some(parts(home).log)
+        Some(parts(&self.run, home).log)
     }
 
     /// An image brings its own C library, or none: envd must need nothing of it.
