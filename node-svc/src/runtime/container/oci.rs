@@ -184,7 +184,7 @@ fn spawn_and_wait(
     output: &std::fs::File,
     passed: &[BorrowedFd<'_>],
 ) -> std::io::Result<ExitStatus> {
-    use nix::spawn::{posix_spawn, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
+    use nix::spawn::{posix_spawn, posix_spawnp, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     use nix::sys::signal::{SigSet, Signal};
 
     if passed.len() > MAX_PASSED {
@@ -242,7 +242,12 @@ fn spawn_and_wait(
             c_string(&kv)
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let child = posix_spawn(path.as_c_str(), &actions, &attr, &argv, &envp)?;
+    // A bare name (`--oci-runtime runc`) is looked up on PATH, as `Command` does.
+    let child = if program.as_os_str().as_bytes().contains(&b'/') {
+        posix_spawn(path.as_c_str(), &actions, &attr, &argv, &envp)?
+    } else {
+        posix_spawnp(path.as_c_str(), &actions, &attr, &argv, &envp)?
+    };
     drop(moved);
     let mut status = 0;
     loop {
@@ -254,5 +259,46 @@ fn spawn_and_wait(
         if err.kind() != std::io::ErrorKind::Interrupted {
             return Err(err);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read as _, Seek as _, Write as _};
+    use std::os::fd::AsFd as _;
+
+    use super::*;
+
+    /// What `run` relies on: the passed descriptors arrive as 3, 4, ... in the order given
+    /// (two pipes, told apart by what they carry), stdout and stderr land in the output file,
+    /// a bare program name is found on PATH, and the exit status comes back.
+    #[test]
+    fn spawned_programs_get_their_descriptors_in_order_and_their_status_back() {
+        let (first_r, mut first_w) = std::io::pipe().unwrap();
+        let (second_r, mut second_w) = std::io::pipe().unwrap();
+        first_w.write_all(b"first\n").unwrap();
+        second_w.write_all(b"second\n").unwrap();
+        drop((first_w, second_w));
+        let mut output = tempfile_in_tmp();
+        let args = ["-c", "cat <&3; cat <&4; echo to-stderr >&2; exit 7"].map(OsString::from);
+        let status = spawn_and_wait(Path::new("sh"), &args, &output, &[first_r.as_fd(), second_r.as_fd()]).unwrap();
+        assert_eq!(status.code(), Some(7));
+        let mut said = String::new();
+        output.rewind().unwrap();
+        output.read_to_string(&mut said).unwrap();
+        assert_eq!(said, "first\nsecond\nto-stderr\n");
+    }
+
+    fn tempfile_in_tmp() -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("oci-spawn-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let _ = std::fs::remove_file(&path);
+        file
     }
 }
