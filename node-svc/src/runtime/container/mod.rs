@@ -60,6 +60,14 @@ fn parts(run: &Path, home: &Path) -> Parts {
     }
 }
 
+/// FNV-1a of `bytes`: a hash stable across builds and platforms (which `DefaultHasher` does
+/// not promise), for names and spreads that must come out the same in every process.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash: u64, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Unmounts the sandbox's root and deletes its bundle: what a container leaves in the run
 /// directory once the runtime has deleted it.
 fn dismantle(parts: &Parts) -> io::Result<()> {
@@ -106,15 +114,21 @@ pub static MULTICALL_HERE: std::sync::atomic::AtomicBool = std::sync::atomic::At
 /// `node_svc::multicall` (node-svc, the launcher, the bench), else node-svc or the launcher
 /// beside it or one folder up (a test executable in `target/*/deps` finds `target/*/node-svc`).
 pub fn multicall_binary() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
     if MULTICALL_HERE.load(std::sync::atomic::Ordering::Relaxed) {
-        return Some(exe);
+        return std::env::current_exe().ok();
     }
+    beside_this_executable(&MULTICALL)
+}
+
+/// The first of `names` beside this executable, or one folder up (a test executable in
+/// `target/*/deps` finds `target/*/NAME`).
+fn beside_this_executable(names: &[&str]) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
     let found = [Some(dir), dir.parent()]
         .into_iter()
         .flatten()
-        .flat_map(|d| MULTICALL.iter().map(move |name| d.join(name)))
+        .flat_map(|d| names.iter().map(move |name| d.join(name)))
         .find(|candidate| candidate.is_file());
     found
 }
@@ -124,21 +138,14 @@ pub fn multicall_binary() -> Option<PathBuf> {
 const JAIL_COMPANION: &str = "sandboxsched-jail";
 const ENVD_COMPANION: &str = "sandboxsched-envd";
 
-/// `name` beside this executable, or one folder up (as [`multicall_binary`] looks).
+/// `name` where [`multicall_binary`] looks.
 ///
 /// Why prefer them: every create and kill runs the runtime, and every sandbox's PID 1 is
 /// envd. Started from the multicall binary (the whole node, over a hundred megabytes) each
 /// of those `exec`s relocates and faults in the node's code and data; the stand-alone
 /// binaries are a fraction of that, and the same code.
 pub fn companion_binary(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?;
-    let found = [Some(dir), dir.parent()]
-        .into_iter()
-        .flatten()
-        .map(|d| d.join(name))
-        .find(|candidate| candidate.is_file());
-    found
+    beside_this_executable(&[name])
 }
 
 /// How to call the runtime: `oci_runtime` when given, else the stand-alone jail when it is

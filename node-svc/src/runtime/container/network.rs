@@ -124,16 +124,10 @@ pub fn slots(pool: &Cidr) -> u64 {
 /// Where a sandbox starts looking for a free slot: spread by its ID, so nodes sharing a host
 /// rarely try the same one.
 fn first_slot(sandbox: &str, count: u64) -> u64 {
-    // FNV-1a: stable and good enough to spread IDs.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in sandbox.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
     if count == 0 {
         0
     } else {
-        hash % count
+        super::fnv1a(sandbox.as_bytes()) % count
     }
 }
 

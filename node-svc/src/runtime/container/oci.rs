@@ -6,7 +6,7 @@
 //! its boot pipe passed as fds 3 and 4 with `--preserve-fds 2`), `state`, `pause`, `resume`,
 //! `delete --force`.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::OsString;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::process::ExitStatusExt as _;
@@ -165,10 +165,6 @@ impl Cli {
 /// The most descriptors `run` passes through.
 const MAX_PASSED: usize = 8;
 
-fn c_string(s: &OsStr) -> std::io::Result<CString> {
-    CString::new(s.as_bytes()).map_err(|_| std::io::Error::other(format!("{s:?} holds a NUL byte")))
-}
-
 /// Runs `program args` with stdin from `/dev/null`, stdout and stderr to `output`, and
 /// `passed` as its fds 3, 4, ..., and waits for it to exit.
 ///
@@ -229,17 +225,17 @@ fn spawn_and_wait(
     attr.set_sigdefault(&default)?;
     attr.set_flags(PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
 
-    let path = c_string(program.as_os_str())?;
+    let path = super::rootfs::cstring(program)?;
     let argv = std::iter::once(program.as_os_str())
         .chain(args.iter().map(OsString::as_os_str))
-        .map(c_string)
+        .map(super::rootfs::cstring)
         .collect::<std::io::Result<Vec<_>>>()?;
     let envp = std::env::vars_os()
         .map(|(k, v)| {
             let mut kv = k;
             kv.push("=");
             kv.push(v);
-            c_string(&kv)
+            super::rootfs::cstring(&kv)
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     // A bare name (`--oci-runtime runc`) is looked up on PATH, as `Command` does.

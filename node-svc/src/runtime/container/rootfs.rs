@@ -261,8 +261,29 @@ pub fn prepare_upper(upper: &Path, work: &Path) -> io::Result<()> {
     std::fs::create_dir_all(work)
 }
 
-fn cstring(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
+/// A path (or any OS string) for a system call.
+pub(super) fn cstring(s: impl AsRef<std::ffi::OsStr>) -> io::Result<CString> {
+    CString::new(s.as_ref().as_encoded_bytes()).map_err(io::Error::other)
+}
+
+/// Mounts a new `fstype` file system (its source named as its type) at `target`.
+pub(super) fn mount_new(fstype: &str, target: &Path, flags: libc::c_ulong, data: &str) -> io::Result<()> {
+    let (fstype, target, data) = (cstring(fstype)?, cstring(target)?, cstring(data)?);
+    // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
+    let rc = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Whether `path` is a mount point (its device differs from its parent's).
@@ -288,30 +309,8 @@ pub fn mount_overlay(lower: &[PathBuf], upper: &Path, work: &Path, target: &Path
         upper.display(),
         work.display()
     );
-    let (source, fstype, target_c, data) = (
-        CString::new("overlay").map_err(io::Error::other)?,
-        CString::new("overlay").map_err(io::Error::other)?,
-        cstring(target)?,
-        CString::new(options).map_err(io::Error::other)?,
-    );
-    // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target_c.as_ptr(),
-            fstype.as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::other(format!(
-            "mounting the overlay at {}: {}",
-            target.display(),
-            io::Error::last_os_error()
-        )));
-    }
-    Ok(())
+    mount_new("overlay", target, libc::MS_NOSUID | libc::MS_NODEV, &options)
+        .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())))
 }
 
 /// Unmounts the overlay at `target` if one is mounted there.

@@ -32,17 +32,12 @@ pub fn run_dir(state_dir: &Path) -> PathBuf {
     let path = std::fs::canonicalize(state_dir)
         .or_else(|_| std::path::absolute(state_dir))
         .unwrap_or_else(|_| state_dir.to_path_buf());
-    // FNV-1a: stable across builds and platforms, which `DefaultHasher` does not promise.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in path.as_os_str().as_encoded_bytes() {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
+    let hash = super::fnv1a(path.as_os_str().as_encoded_bytes());
     Path::new(RUN_ROOT).join(format!("{hash:016x}"))
 }
 
 fn on_tmpfs(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+    let Ok(c) = super::rootfs::cstring(path) else {
         return false;
     };
     // SAFETY: statfs writes only into `stat`, from a valid NUL-terminated path.
@@ -68,37 +63,13 @@ pub fn prepare(dir: &Path) -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
         if !on_tmpfs(root) {
-            if let Err(e) = mount_tmpfs(root) {
+            let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            if let Err(e) = super::rootfs::mount_new("tmpfs", root, flags, TMPFS_OPTIONS) {
                 tracing::warn!(path = RUN_ROOT, %e, "no tmpfs for containers' run directories; they stay on disk");
             }
         }
     }
     std::fs::create_dir_all(dir)
-}
-
-fn mount_tmpfs(target: &Path) -> io::Result<()> {
-    let c = |s: &[u8]| std::ffi::CString::new(s).map_err(io::Error::other);
-    let (source, fstype, target, data) = (
-        c(b"tmpfs")?,
-        c(b"tmpfs")?,
-        c(target.as_os_str().as_encoded_bytes())?,
-        c(TMPFS_OPTIONS.as_bytes())?,
-    );
-    // SAFETY: valid NUL-terminated strings for the duration of the call.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 #[cfg(test)]
