@@ -107,6 +107,41 @@ fn percentile(samples: &mut [Duration], p: f64) -> f64 {
     samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1_000.0)
 }
 
+/// What idmapping a sandbox's layers (each sandbox's own host ids) adds to mounting its root:
+/// the base layer under an empty writable layer, mounted `rounds` times each way, interleaved,
+/// in the node's state directory; the p50s in microseconds, plain then idmapped.
+fn overlay_mounts(state_dir: &std::path::Path, rounds: usize) -> anyhow::Result<(f64, f64)> {
+    use node_svc::runtime::container::{base_dir, ids::IdRanges, rootfs};
+    let scratch = state_dir.join("overlay-bench");
+    std::fs::create_dir_all(&scratch)?;
+    let ranges = IdRanges::probe(&scratch);
+    if let Some(why) = ranges.shared() {
+        anyhow::bail!("{why}");
+    }
+    let ids = ranges.claim("overlay-bench")?;
+    let lower = [base_dir(state_dir)];
+    let (mut plain, mut idmapped) = (Vec::new(), Vec::new());
+    for i in 0..rounds {
+        for (way, samples, userns) in [
+            ("plain", &mut plain, None),
+            ("idmapped", &mut idmapped, ids.userns.as_ref()),
+        ] {
+            let dir = scratch.join(format!("{i}-{way}"));
+            let (home, work, root) = (dir.join("home"), dir.join("work"), dir.join("root"));
+            rootfs::prepare_upper(&home, &work)?;
+            let started = Instant::now();
+            rootfs::mount_overlay(&lower, &home, &work, &root, userns.map(std::os::fd::AsFd::as_fd))?;
+            samples.push(started.elapsed());
+            rootfs::unmount(&root)?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok((
+        percentile(&mut plain, 0.5) * 1_000.0,
+        percentile(&mut idmapped, 0.5) * 1_000.0,
+    ))
+}
+
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
@@ -162,6 +197,23 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             answering += 1;
             exec.push(started.elapsed());
         }
+    }
+    // Each sandbox's second command: what the first one paid once (envd's first connection,
+    // its first spawn, faults of a process that was idle) set apart from the steady path.
+    let mut exec_warm = Vec::new();
+    for i in 0..args.sandboxes {
+        let started = Instant::now();
+        if exec_true(&http, &envd, &format!("s{i}")).await.is_ok() {
+            exec_warm.push(started.elapsed());
+        }
+    }
+    // The floor under both: starting `true` from this process, with nothing between.
+    let mut spawn_true = Vec::new();
+    for _ in 0..args.sandboxes {
+        let started = Instant::now();
+        let status = std::process::Command::new("true").status().context("running true")?;
+        anyhow::ensure!(status.success(), "true failed: {status}");
+        spawn_true.push(started.elapsed());
     }
     let listed = a.node.host().list().await;
     let charged: u64 = listed.iter().map(|(_, used)| *used).sum();
@@ -240,6 +292,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         "the restored files differ"
     );
     ca.kill(lifecycle("big", "big-kill".into())).await?;
+    let (mount_plain_us, mount_idmapped_us) = overlay_mounts(&a.dir, 200)?;
     let mut kill_b = lifecycle("big", "big-kill-b".into());
     kill_b.epoch = 2;
     cb.kill(kill_b).await?;
@@ -258,6 +311,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         )
         .figure("create_p99_ms", round2(percentile(&mut create, 0.99)), "ms")
         .figure(
+            "overlay_mount_p50_us",
+            mount_plain_us.round(),
+            "µs, a sandbox's root (base layer, empty writable layer) mounted as is",
+        )
+        .figure(
+            "overlay_mount_idmapped_p50_us",
+            mount_idmapped_us.round(),
+            "µs, the same root with its layers idmapped to the sandbox's own ids",
+        )
+        .figure(
             "create_linked_p50_ms",
             round2(percentile(&mut linked, 0.5)),
             "ms, with E2B's default network: a link out through the host's NAT",
@@ -271,9 +334,19 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .figure(
             "exec_p50_ms",
             round2(percentile(&mut exec, 0.5)),
-            "ms, `true` through envd",
+            "ms, `true` through envd, each sandbox's first command",
         )
         .figure("exec_p99_ms", round2(percentile(&mut exec, 0.99)), "ms")
+        .figure(
+            "exec_warm_p50_ms",
+            round2(percentile(&mut exec_warm, 0.5)),
+            "ms, each sandbox's second command",
+        )
+        .figure(
+            "spawn_true_p50_ms",
+            round2(percentile(&mut spawn_true, 0.5)),
+            "ms, `true` started and awaited by the bench itself: the part of exec that is the host's",
+        )
         .figure(
             "idle_overhead_mib",
             (idle_mib * 100.0).round() / 100.0,

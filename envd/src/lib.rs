@@ -267,11 +267,10 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    // One thread serves: a sandbox's envd is mostly idle and waits on I/O when it is not, and
+    // a command is started with fork (it must change user), whose copy-on-write faults after
+    // it shoot down TLB entries on every CPU another thread of this process runs on.
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("envd: cannot start: {e}");

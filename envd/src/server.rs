@@ -230,6 +230,36 @@ async fn process_rpc(
     }
 }
 
+/// Runs `call` on the blocking pool with an owned copy of `scope`: a deep listing, the removal
+/// of a large tree or a recursive watch takes as long as the disk does, and envd's one serving
+/// thread must go on answering everything else meanwhile.
+async fn off_thread<T: Send + 'static>(
+    scope: &Scope<'_>,
+    call: impl FnOnce(&OwnedScope) -> Result<T, RpcError> + Send + 'static,
+) -> Result<T, RpcError> {
+    let owned = OwnedScope::of(scope);
+    tokio::task::spawn_blocking(move || call(&owned))
+        .await
+        .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("filesystem call failed: {e}"))))
+}
+
+/// A unary filesystem call, run [`off_thread`].
+async fn on_disk<Req, Res>(
+    scope: &Scope<'_>,
+    body: &Bytes,
+    call: impl FnOnce(&Scope<'_>, Req) -> Result<Res, RpcError> + Send + 'static,
+) -> Response
+where
+    Req: serde::de::DeserializeOwned + Send + 'static,
+    Res: serde::Serialize + Send + 'static,
+{
+    let request = match unary_request(body) {
+        Ok(request) => request,
+        Err(err) => return err.into_response(),
+    };
+    unary_response(off_thread(scope, move |owned| call(&owned.scope(), request)).await)
+}
+
 async fn filesystem_rpc(
     State(envd): State<Envd>,
     Path(method): Path<String>,
@@ -242,17 +272,21 @@ async fn filesystem_rpc(
     };
     let scope = envd.scope(&user);
     match method.as_str() {
-        "Stat" => unary_response(unary_request(&body).and_then(|r| filesystem::stat(&scope, r))),
-        "MakeDir" => unary_response(unary_request(&body).and_then(|r| filesystem::make_dir(&scope, r))),
-        "Move" => unary_response(unary_request(&body).and_then(|r| filesystem::rename(&scope, r))),
-        "ListDir" => unary_response(unary_request(&body).and_then(|r| filesystem::list_dir(&scope, r))),
-        "Remove" => unary_response(unary_request(&body).and_then(|r| filesystem::remove(&scope, r))),
-        "CreateWatcher" => unary_response(unary_request(&body).and_then(|r: wire::WatchRequest| {
-            let dir = scope.resolve(&r.path)?;
-            let entries = r.include_entry.then(|| OwnedScope::of(&scope));
-            let watcher_id = envd.watchers.create(&dir, r.recursive, entries)?;
-            Ok(serde_json::json!({ "watcherId": watcher_id }))
-        })),
+        "Stat" => on_disk(&scope, &body, filesystem::stat).await,
+        "MakeDir" => on_disk(&scope, &body, filesystem::make_dir).await,
+        "Move" => on_disk(&scope, &body, filesystem::rename).await,
+        "ListDir" => on_disk(&scope, &body, filesystem::list_dir).await,
+        "Remove" => on_disk(&scope, &body, filesystem::remove).await,
+        "CreateWatcher" => {
+            let watchers = envd.watchers.clone();
+            let create = move |scope: &Scope<'_>, r: wire::WatchRequest| {
+                let dir = scope.resolve(&r.path)?;
+                let entries = r.include_entry.then(|| OwnedScope::of(scope));
+                let watcher_id = watchers.create(&dir, r.recursive, entries)?;
+                Ok(serde_json::json!({ "watcherId": watcher_id }))
+            };
+            on_disk(&scope, &body, create).await
+        }
         "GetWatcherEvents" => unary_response(unary_request(&body).and_then(|r: wire::WatcherRef| {
             let events = envd.watchers.take(&r.watcher_id)?;
             Ok(serde_json::json!({ "events": events }))
@@ -262,10 +296,16 @@ async fn filesystem_rpc(
             Ok(wire::Empty {})
         })),
         "WatchDir" => {
-            let watching = stream_request(&body).and_then(|r: wire::WatchRequest| {
-                let dir = scope.resolve(&r.path)?;
-                watch::stream(&dir, r.recursive, r.include_entry.then(|| OwnedScope::of(&scope)))
-            });
+            let watching = match stream_request::<wire::WatchRequest>(&body) {
+                Ok(r) => {
+                    off_thread(&scope, move |owned| {
+                        let dir = owned.scope().resolve(&r.path)?;
+                        watch::stream(&dir, r.recursive, r.include_entry.then(|| owned.clone()))
+                    })
+                    .await
+                }
+                Err(err) => Err(err),
+            };
             match watching {
                 Ok((watcher, events)) => {
                     let start = futures::stream::iter([Ok(serde_json::json!({"start": {}}))]);

@@ -22,9 +22,13 @@
 //! The root and version are parameters ([`Hierarchy`]), so the unit tests below run the same
 //! code against fake trees in a temporary directory. **What ran where**: the v1 code ran on
 //! a real cgroup v1 machine (Linux 6.18, hybrid layout) in the integration tests — limits,
-//! `cgroup.procs`, freezing, OOM kills, removal. The v2 code ran only against the fake tree
-//! in this module's tests (files created the way the kernel presents them); it has not been
-//! exercised on a real cgroup2 mount.
+//! `cgroup.procs`, freezing, OOM kills, removal. The v2 code runs on that machine's real
+//! cgroup2 mount (`unified/`, no controllers) in `tests/cgroup_v2.rs`: creation, joining,
+//! forks following, freezing and thawing as `cgroup.events` reports them, `cgroup.kill`,
+//! removal. Its limits (`memory.max`, `cpu.max`, `pids.max`, controller delegation) ran only
+//! against the fake tree in this module's tests (files created the way the kernel presents
+//! them): v1 holds those controllers there. On a pure v2 host the same test writes and reads
+//! them back.
 
 use std::collections::BTreeSet;
 use std::fs;

@@ -179,6 +179,12 @@ fn status(st: &ContainerState) -> Status {
     }
 }
 
+/// The status of container `id`, as `state` reports it, for a program that links this
+/// library rather than parsing the JSON.
+pub fn status_of(dir: &StateDir, id: &str) -> Result<Status, ContainerError> {
+    Ok(status(&dir.load(id)?))
+}
+
 /// `state ID`: runc's JSON.
 pub fn state(dir: &StateDir, id: &str) -> Result<String, ContainerError> {
     let st = dir.load(id)?;

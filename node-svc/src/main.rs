@@ -68,6 +68,11 @@ struct Args {
     /// and other sandboxes are always out of reach.
     #[arg(long, env = "NODE_EGRESS_DENY", value_delimiter = ',')]
     egress_deny: Option<Vec<common::egress::Cidr>>,
+    /// The resolvers the node asks for its sandboxes' names (comma-separated `IP` or
+    /// `IP:PORT`; default: the host's, from its /etc/resolv.conf). Sandboxes ask the node,
+    /// which may reach resolvers they may not.
+    #[arg(long, env = "NODE_SANDBOX_DNS", value_delimiter = ',', value_parser = resolver_address)]
+    sandbox_dns: Vec<std::net::SocketAddr>,
     /// The envd to inject into sandboxes: a statically linked one (scripts/build-static-envd)
     /// runs in any template's root filesystem; default: this binary (needs glibc there).
     #[arg(long, env = "NODE_ENVD_BINARY")]
@@ -89,6 +94,13 @@ struct Args {
     /// Do not use cgroups even where the host allows.
     #[arg(long, env = "NODE_NO_CGROUPS")]
     no_cgroups: bool,
+}
+
+/// `IP` (port 53) or `IP:PORT`.
+fn resolver_address(text: &str) -> Result<std::net::SocketAddr, String> {
+    text.parse::<std::net::SocketAddr>()
+        .or_else(|_| text.parse::<std::net::IpAddr>().map(|ip| (ip, 53).into()))
+        .map_err(|_| format!("{text:?} is not an IP address or IP:PORT"))
 }
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
@@ -135,6 +147,7 @@ async fn serve() -> anyhow::Result<()> {
     };
     config.network.pool = args.sandbox_network;
     config.envd_binary = args.envd_binary;
+    config.network.resolvers = args.sandbox_dns;
     if let Some(floor) = args.egress_deny {
         config.network.floor = floor;
     }

@@ -62,15 +62,23 @@ async fn node_sharing(
     envd: Option<PathBuf>,
     blobs: Option<&std::path::Path>,
 ) -> Node {
+    node_configured(oci_runtime, |config| {
+        config.host.blob_store = blobs.map(|b| b.display().to_string());
+        config.host.templates_dir = templates;
+        config.envd_binary = envd;
+    })
+    .await
+}
+
+/// A node on `oci_runtime` with whatever else `adjust` sets.
+async fn node_configured(oci_runtime: Option<PathBuf>, adjust: impl FnOnce(&mut NodeConfig)) -> Node {
     let id = format!("c{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let dir = std::env::temp_dir().join(format!("container-test-{id}"));
     let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
-    config.host.blob_store = blobs.map(|b| b.display().to_string());
     config.runtime = RuntimeKind::Container {
         oci_runtime: oci_runtime.clone(),
     };
-    config.host.templates_dir = templates;
-    config.envd_binary = envd;
+    adjust(&mut config);
     let node = node_svc::server::start(config).await.unwrap();
     let features = node.host().features();
     assert!(
@@ -255,6 +263,78 @@ async fn root_inside_is_nobody_outside_and_the_hosts_files_are_out_of_sight() {
         // The user cannot become root again (no_new_privs; /usr is nosuid anyway).
         let (out, _) = n.sh("iso", "user", "grep NoNewPrivs /proc/self/status").await;
         assert!(out.contains('1'), "{runtime:?}: {out}");
+        n.stop().await;
+    }
+}
+
+/// The host uid root inside `sandbox` runs as, from its init's `uid_map`.
+async fn host_root_of(n: &Node, sandbox: &str) -> (u32, u32) {
+    let pid = n.running().host().get(sandbox).await.expect("a record").pgid;
+    let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).unwrap();
+    let host = map
+        .split_whitespace()
+        .nth(1)
+        .and_then(|h| h.parse().ok())
+        .expect("a map");
+    (pid, host)
+}
+
+/// Runs `script` on the host as uid and gid `id` (what code that escaped a sandbox's
+/// namespaces would be): its output and whether it succeeded.
+fn on_host_as(id: u32, script: &str) -> (String, bool) {
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new("/bin/sh")
+        .args(["-c", script])
+        .uid(id)
+        .gid(id)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (text, out.status.success())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_sandbox_is_a_stranger_to_every_other_sandbox() {
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("mine", 128 << 20).await;
+        n.create("theirs", 128 << 20).await;
+        let (_, code) = n
+            .sh("theirs", "root", "umask 077; echo their-secret > /root/secret")
+            .await;
+        assert_eq!(code, 0);
+        let (_, me) = host_root_of(&n, "mine").await;
+        let (their_pid, them) = host_root_of(&n, "theirs").await;
+        assert_ne!(me, them, "{runtime:?}: two sandboxes run as the same host ids");
+        for id in [me, them] {
+            assert!(id > 165_535, "{runtime:?}: {id} is in the storage range or below");
+        }
+        // Inside, nothing changed: root is 0 and owns /, user owns its home.
+        let (out, _) = n.sh("mine", "root", "id -u; stat -c %u / /home/user").await;
+        assert_eq!(out, "0\n0\n1000\n", "{runtime:?}");
+        // From the host, as "mine"'s root: "theirs" can be neither signalled nor read, through
+        // its root or on disk.
+        let on_disk = n.running().host().home("theirs").join("root/secret");
+        let (out, ok) = on_host_as(me, &format!("kill -0 {their_pid}"));
+        assert!(!ok, "{runtime:?}: signalled another sandbox's init: {out}");
+        for path in [
+            format!("/proc/{their_pid}/root/root/secret"),
+            on_disk.display().to_string(),
+        ] {
+            let (out, ok) = on_host_as(me, &format!("cat {path}"));
+            assert!(!ok && !out.contains("their-secret"), "{runtime:?}: read {path}: {out}");
+        }
+        // What stops it is the ids: "theirs"'s own root may signal its init, and the storage
+        // range's owner (whom no sandbox runs as) may read the file on disk.
+        let (out, ok) = on_host_as(them, &format!("kill -0 {their_pid}"));
+        assert!(ok, "{runtime:?}: {out}");
+        let (out, ok) = on_host_as(100_000, &format!("cat {}", on_disk.display()));
+        assert!(ok && out.contains("their-secret"), "{runtime:?}: {out}");
+        assert_eq!(
+            std::fs::metadata(&on_disk).unwrap().uid(),
+            100_000,
+            "{runtime:?}: on disk, the storage range"
+        );
         n.stop().await;
     }
 }
@@ -470,6 +550,176 @@ async fn egress_reaches_the_internet_and_honours_the_lists_and_the_floor() {
         assert_ne!(code, 0, "{runtime:?}: {out}");
         n.stop().await;
     }
+}
+
+/// A resolver on the host that no sandbox may reach, as a private resolver (10.x) or
+/// systemd-resolved (127.0.0.53) is: it listens on every address of the host, TCP and UDP, and
+/// answers every A question with 192.0.2.7 (and every other with no records).
+struct PrivateResolver {
+    port: u16,
+}
+
+impl PrivateResolver {
+    fn start() -> PrivateResolver {
+        let udp = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        let port = udp.local_addr().unwrap().port();
+        let tcp = TcpListener::bind(("0.0.0.0", port)).unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok((len, peer)) = udp.recv_from(&mut buf) {
+                if let Some(answer) = dns_answer(&buf[..len]) {
+                    let _ = udp.send_to(&answer, peer);
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for mut stream in tcp.incoming().flatten() {
+                use std::io::{Read, Write};
+                let mut len = [0u8; 2];
+                if stream.read_exact(&mut len).is_err() {
+                    continue;
+                }
+                let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                if stream.read_exact(&mut query).is_err() {
+                    continue;
+                }
+                if let Some(answer) = dns_answer(&query) {
+                    let _ = stream.write_all(&(answer.len() as u16).to_be_bytes());
+                    let _ = stream.write_all(&answer);
+                }
+            }
+        });
+        PrivateResolver { port }
+    }
+}
+
+/// The answer to a one-question DNS `query`: its header and question, an A record of
+/// 192.0.2.7 when it asks for one.
+fn dns_answer(query: &[u8]) -> Option<Vec<u8>> {
+    let mut at = 12;
+    while *query.get(at)? != 0 {
+        at += 1 + usize::from(query[at]);
+    }
+    let qtype = u16::from_be_bytes([*query.get(at + 1)?, *query.get(at + 2)?]);
+    let mut answer = query.get(..at + 5)?.to_vec();
+    answer[2] = 0x81; // a response, recursion desired
+    answer[3] = 0x80; // recursion available, no error
+    answer[6..12].copy_from_slice(&[0, u8::from(qtype == 1), 0, 0, 0, 0]);
+    if qtype == 1 {
+        answer.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, 192, 0, 2, 7]);
+    }
+    Some(answer)
+}
+
+/// Python that asks `169.254.0.53` for `db.example.test` over TCP and prints the address and
+/// the answer count.
+const TCP_QUERY: &str = r#"
+import socket, struct
+q = struct.pack('>HHHHHH', 0x4242, 0x0100, 1, 0, 0, 0)
+q += b''.join(bytes([len(p)]) + p.encode() for p in 'db.example.test'.split('.')) + b'\x00'
+q += struct.pack('>HH', 1, 1)
+s = socket.create_connection(('169.254.0.53', 53), timeout=5)
+s.sendall(struct.pack('>H', len(q)) + q)
+n = struct.unpack('>H', s.recv(2))[0]
+a = b''
+while len(a) < n:
+    a += s.recv(n - len(a))
+print(socket.inet_ntoa(a[-4:]), struct.unpack('>H', a[6:8])[0])
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_resolve_through_the_node_when_its_resolver_is_out_of_the_sandboxs_reach() {
+    let resolver = PrivateResolver::start();
+    // A sandbox network of this test's own: its forwarder is this node's alone.
+    let pool: common::egress::Cidr = "10.201.253.0/24".parse().unwrap();
+    let forwarder_port = node_svc::runtime::container::resolver::port_of(&pool);
+    let python = |script: &str| format!("python3 - <<'EOF'\n{script}\nEOF");
+    let reach = |port: u16| {
+        python(&format!(
+            "import socket, subprocess\ngw = subprocess.run(['ip', '-4', 'route', 'show', 'default'], capture_output=True, text=True).stdout.split()[2]\ntry:\n    socket.create_connection((gw, {port}), timeout=2)\n    print('reached', gw)\nexcept OSError as e:\n    print('walled', gw, e)"
+        ))
+    };
+    for runtime in runtimes() {
+        let n = node_configured(runtime.clone(), |config| {
+            config.network.pool = pool;
+            config.network.resolvers = vec![([127, 0, 0, 1], resolver.port).into()];
+        })
+        .await;
+        let features = n.running().host().features();
+        assert!(
+            !features.degraded.iter().any(|d| d.contains("resolve")),
+            "{runtime:?}: {:?}",
+            features.degraded
+        );
+        n.create_with("named", 256 << 20, internet()).await;
+        let only_one = Some(pb::NetworkPolicy {
+            internet: false,
+            allow_out: vec![INTERNET.to_string()],
+            deny_out: Vec::new(),
+        });
+        n.create_with("listed", 256 << 20, only_one).await;
+        let (out, _) = n.sh("named", "user", "cat /etc/resolv.conf").await;
+        assert_eq!(out.trim(), "nameserver 169.254.0.53", "{runtime:?}");
+        // Through the C library (UDP), and over TCP, as a truncated answer is asked again.
+        let lookup = "python3 -c \"import socket; print(socket.gethostbyname('db.example.test'))\"";
+        for sandbox in ["named", "listed"] {
+            let (out, code) = n.sh(sandbox, "user", lookup).await;
+            assert_eq!((out.trim(), code), ("192.0.2.7", 0), "{runtime:?} {sandbox}");
+        }
+        let (out, code) = n.sh("named", "user", &python(TCP_QUERY)).await;
+        assert_eq!((out.trim(), code), ("192.0.2.7 1", 0), "{runtime:?}");
+        // From the attacker's side: neither the resolver nor the forwarder is reachable at
+        // the host's address directly; only a query redirected from 169.254.0.53:53 is.
+        for port in [resolver.port, forwarder_port] {
+            let (out, _) = n.sh("named", "root", &reach(port)).await;
+            assert!(out.starts_with("walled"), "{runtime:?}: port {port}: {out}");
+        }
+        let spoofed = python(
+            "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.settimeout(2)\ns.sendto(b'\\x42\\x42\\x01\\x00\\x00\\x01' + bytes(6) + b'\\x02db\\x00\\x00\\x01\\x00\\x01', ('169.254.0.53', 5353))\ntry:\n    s.recv(512)\n    print('answered')\nexcept OSError as e:\n    print('walled', e)",
+        );
+        let (out, _) = n.sh("named", "root", &spoofed).await;
+        assert!(
+            out.starts_with("walled"),
+            "{runtime:?}: another port of 169.254.0.53: {out}"
+        );
+        n.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_dns_port_is_taken_says_so_and_resolves_names_once_it_is_free() {
+    let resolver = PrivateResolver::start();
+    let pool: common::egress::Cidr = "10.201.251.0/24".parse().unwrap();
+    let port = node_svc::runtime::container::resolver::port_of(&pool);
+    // Another program on the forwarder's port, without SO_REUSEPORT: the node cannot share it.
+    let squatter = std::net::UdpSocket::bind(("0.0.0.0", port)).expect("the forwarder's port is free to take");
+    let n = node_configured(None, |config| {
+        config.network.pool = pool;
+        config.network.resolvers = vec![([127, 0, 0, 1], resolver.port).into()];
+    })
+    .await;
+    let unresolving = || {
+        n.running()
+            .host()
+            .features()
+            .degraded
+            .into_iter()
+            .find(|d| d.contains("cannot resolve names"))
+    };
+    assert!(unresolving().is_some(), "the node does not say its forwarder is down");
+    // The node keeps running sandboxes meanwhile.
+    n.create_with("named", 256 << 20, internet()).await;
+    drop(squatter);
+    // The node tries again on its own (every DNS_RETRY) and stops saying it cannot.
+    let deadline = std::time::Instant::now() + node_svc::runtime::container::network::DNS_RETRY * 5;
+    while let Some(still) = unresolving() {
+        assert!(std::time::Instant::now() < deadline, "still degraded: {still}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let lookup = "python3 -c \"import socket; print(socket.gethostbyname('db.example.test'))\"";
+    let (out, code) = n.sh("named", "user", lookup).await;
+    assert_eq!((out.trim(), code), ("192.0.2.7", 0));
+    n.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -87,8 +87,9 @@ def _stop(proc, data):
 def stack():
     proc, data, _log, exports = _start(2, "warn")
     os.environ.update(exports)
-    # The stack's process (gateway and nodes in one), for tests that measure its memory.
-    yield {**exports, "pid": proc.pid}
+    # The stack's process (gateway and nodes in one), for tests that measure its memory, and
+    # its data directory, where its sandboxes' files are, for tests that need room there.
+    yield {**exports, "pid": proc.pid, "state": str(data)}
     _stop(proc, data)
 
 

@@ -2,12 +2,13 @@
 //!
 //! Each sandbox is a container with its own root filesystem ([`rootfs`]: the template's
 //! read-only layers under the sandbox's writable layer), user namespace (root inside is an
-//! unprivileged host uid), PID, mount, network (loopback only), IPC and UTS namespaces, a
-//! container capability set, `no_new_privs`, a seccomp filter and cgroup limits, as
-//! [`spec`] writes them. envd runs inside as PID 1 and listens on a Unix socket the node opens
-//! and hands in, so the node reaches it without any network route and nothing inside can
-//! replace that socket. An OCI runtime does the work ([`oci`]): the node's own `jail` by
-//! default, or any runc-compatible binary.
+//! unprivileged host uid, in a range no other sandbox on the node runs as: [`ids`]), PID,
+//! mount, network (loopback only), IPC and UTS namespaces, a container capability set,
+//! `no_new_privs`, a seccomp filter and cgroup limits, as [`spec`] writes them. envd runs
+//! inside as PID 1 and listens on a Unix socket the node opens and hands in, so the node
+//! reaches it without any network route and nothing inside can replace that socket. An OCI
+//! runtime does the work ([`oci`]): the node's own `jail` by default, or any runc-compatible
+//! binary.
 //!
 //! Namespaces are not a VM: a kernel bug reachable from inside a sandbox reaches the host. An
 //! operator who needs VM-grade isolation points `--oci-runtime` at gVisor's `runsc` or Kata's
@@ -18,8 +19,10 @@
 //! runtime's errors); its bundle, in the node's [`run_dir`] (in memory), holds `config.json`
 //! (the spec), `container.pid`, `envd.sock` and `rootfs/` (the mounted root).
 
+pub mod ids;
 pub mod network;
 pub mod oci;
+pub mod resolver;
 pub mod rootfs;
 pub mod run_dir;
 pub mod spec;
@@ -155,9 +158,9 @@ fn runtime_cli(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathB
         return Some(oci::Cli::new(program.to_path_buf(), Vec::new(), root));
     }
     if let Some(jail) = companion_binary(JAIL_COMPANION) {
-        return Some(oci::Cli::new(jail, Vec::new(), root));
+        return Some(oci::Cli::own(jail, Vec::new(), root));
     }
-    carrier.map(|carrier| oci::Cli::new(carrier, vec!["jail".into()], root))
+    carrier.map(|carrier| oci::Cli::own(carrier, vec!["jail".into()], root))
 }
 
 pub struct ContainerRuntime {
@@ -178,6 +181,8 @@ pub struct ContainerRuntime {
     cgroups: Cgroups,
     /// Links out, and the host's floor.
     network: network::Network,
+    /// Which host ids each sandbox runs as.
+    ids: ids::IdRanges,
     /// Why this host cannot run isolated sandboxes, if it cannot: every start is refused.
     missing: Vec<String>,
     degraded: Vec<String>,
@@ -355,6 +360,10 @@ impl ContainerRuntime {
                 PathBuf::from("/nonexistent/envd")
             }),
         };
+        let ids = ids::IdRanges::probe(&root);
+        if let Some(shared) = ids.shared() {
+            degraded.push(shared.to_string());
+        }
         let network = network::Network::new(config.network.clone());
         if let Some(problem) = network.problem() {
             degraded.push(format!("sandboxes that need a network are refused: {problem}"));
@@ -378,6 +387,7 @@ impl ContainerRuntime {
             envd_binary,
             cgroups,
             network,
+            ids,
             missing,
             degraded,
         }
@@ -409,7 +419,7 @@ impl ContainerRuntime {
         Ok(lower)
     }
 
-    fn write_spec(&self, record: &SandboxRecord, parts: &Parts) -> Result<(), String> {
+    fn write_spec(&self, record: &SandboxRecord, parts: &Parts, host_ids: u32) -> Result<(), String> {
         let host_userland = record.image.as_ref().is_none_or(|i| i.host_userland);
         let inputs = spec::Inputs {
             rootfs: &parts.rootfs,
@@ -417,6 +427,7 @@ impl ContainerRuntime {
             cgroups_path: self.cgroups_path(record),
             host_dirs: if host_userland { &self.host_dirs } else { &[] },
             host_userland,
+            host_ids,
         };
         let spec = spec::spec(record, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
@@ -443,7 +454,18 @@ impl Runtime for ContainerRuntime {
             cgroup_memory: self.cgroups.has_memory(),
             freezer: self.cgroups.has_freezer(),
             namespaces: self.missing.is_empty(),
-            degraded: self.degraded.clone(),
+            // The DNS forwarder's state is read each time: one that could not start is tried
+            // again, and the node stops saying so once it runs.
+            degraded: self
+                .degraded
+                .iter()
+                .cloned()
+                .chain(
+                    self.network
+                        .dns_problem()
+                        .map(|p| format!("sandboxes cannot resolve names: {p}")),
+                )
+                .collect(),
         }
     }
 
@@ -468,12 +490,20 @@ impl Runtime for ContainerRuntime {
         if self.cli.knows(&record.id) {
             self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
         }
-        rootfs::prepare_upper(home, &parts.work).map_err(|e| start_error(record, format!("writable layer: {e}")))?;
-        let lower = self.lower_dirs(record).map_err(|e| start_error(record, e))?;
-        std::fs::create_dir_all(&parts.bundle).map_err(|e| start_error(record, format!("bundle: {e}")))?;
-        rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs).map_err(|e| start_error(record, e))?;
+        let ids = self.ids.claim(&record.id).map_err(|e| start_error(record, e))?;
         let started = (|| -> Result<u32, String> {
-            self.write_spec(record, &parts)?;
+            rootfs::prepare_upper(home, &parts.work).map_err(|e| format!("writable layer: {e}"))?;
+            let lower = self.lower_dirs(record)?;
+            std::fs::create_dir_all(&parts.bundle).map_err(|e| format!("bundle: {e}"))?;
+            rootfs::mount_overlay(
+                &lower,
+                home,
+                &parts.work,
+                &parts.rootfs,
+                ids.userns.as_ref().map(|fd| fd.as_fd()),
+            )
+            .map_err(|e| e.to_string())?;
+            self.write_spec(record, &parts, ids.host_base)?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
             // envd starts the start command when this pipe closes: after the network is up.
             let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
@@ -501,6 +531,7 @@ impl Runtime for ContainerRuntime {
         })();
         started.map_err(|e| {
             let _ = dismantle(&parts);
+            self.ids.release(&record.id);
             start_error(record, e)
         })
     }
@@ -522,6 +553,8 @@ impl Runtime for ContainerRuntime {
     fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
         reap_when_dead(record.pgid);
         self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
+        // Every process of the sandbox is gone with its container: its ids may be reused.
+        self.ids.release(&record.id);
         dismantle(&parts(&self.run, &self.dirs.home(&record.id))).map_err(|e| control(record, "kill", e))
     }
 
@@ -536,7 +569,8 @@ impl Runtime for ContainerRuntime {
         )
     }
 
-    fn adopt(&self, _record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+        self.ids.adopt(&record.id, record.pgid);
         Ok(())
     }
 
@@ -553,6 +587,7 @@ impl Runtime for ContainerRuntime {
         if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a record was not unmounted");
         }
+        self.ids.release(id);
         self.cgroups.remove(id);
     }
 

@@ -16,7 +16,9 @@
 //! **The floor** is one nftables table, `inet sandboxsched`, shared by every node of the host
 //! and replaced whole (one atomic transaction) when a node starts ([`host_ruleset`]):
 //! - nothing from a sandbox reaches the host itself, by any of its addresses, IPv4 or IPv6
-//!   (`input`): Redis, PostgreSQL, the ledger, every node's gRPC and envd ports, the gateway;
+//!   (`input`): Redis, PostgreSQL, the ledger, every node's gRPC and envd ports, the gateway.
+//!   The one exception is what the node's DNS forwarder was redirected to answer: a
+//!   sandbox's queries to [`super::resolver::RESOLVER`] port 53;
 //! - no sandbox reaches another (`forward`, sandbox link to sandbox link), nothing outside
 //!   opens a connection to a sandbox, and no sandbox sends IPv6 beyond its link;
 //! - the operator's `--egress-deny` blocks (by default private, link-local, shared and
@@ -40,8 +42,12 @@ use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use common::egress::{Cidr, NetworkPolicy};
+
+use super::resolver::{self, Resolver};
 
 /// The host end's name prefix: what the floor's rules match.
 pub const HOST_PREFIX: &str = "sbx";
@@ -71,6 +77,9 @@ pub struct NetworkConfig {
     pub pool: Cidr,
     /// Destinations no sandbox reaches, whatever its `allowOut`.
     pub floor: Vec<Cidr>,
+    /// The resolvers sandboxes' names are asked of ([`super::resolver`]); empty: the host's
+    /// own, from its `/etc/resolv.conf`.
+    pub resolvers: Vec<std::net::SocketAddr>,
 }
 
 impl Default for NetworkConfig {
@@ -78,6 +87,7 @@ impl Default for NetworkConfig {
         NetworkConfig {
             pool: DEFAULT_POOL.parse().unwrap_or(Cidr::ANY),
             floor: DEFAULT_FLOOR.iter().filter_map(|c| c.parse().ok()).collect(),
+            resolvers: Vec::new(),
         }
     }
 }
@@ -139,6 +149,7 @@ fn elements(cidrs: &[Cidr]) -> String {
 /// the `delete` valid when the table does not exist yet).
 pub fn host_ruleset(floor: &[Cidr]) -> String {
     let p = HOST_PREFIX;
+    let resolver = super::resolver::RESOLVER;
     let floor_set = if floor.is_empty() {
         String::new()
     } else {
@@ -158,6 +169,7 @@ table inet {TABLE} {{
   }}
   chain input {{
     type filter hook input priority -10; policy accept;
+    iifname \"{p}*\" ct status dnat ct original ip daddr {resolver} meta l4proto {{ tcp, udp }} ct original proto-dst 53 accept
     iifname \"{p}*\" reject with icmpx type admin-prohibited
   }}
   chain forward {{
@@ -178,18 +190,25 @@ table inet {TABLE} {{
 }
 
 /// The sandbox's own lists as rules inside its namespace, or `None` when it has none. The
-/// loopback is always open (a sandbox without internet still talks to itself); allowed
-/// blocks are accepted before denied ones are refused.
+/// loopback is always open (a sandbox without internet still talks to itself), and so is
+/// name resolution for a sandbox that may reach anything at all (an `allowOut` list of
+/// addresses is little use when no name resolves); allowed blocks are accepted before denied
+/// ones are refused.
 pub fn sandbox_ruleset(policy: &NetworkPolicy) -> Option<String> {
     let denied = policy.denied();
     if denied.is_empty() {
         return None;
     }
-    let allow = if policy.allow_out.is_empty() {
-        String::new()
-    } else {
-        format!("    ip daddr {{ {} }} accept\n", elements(&policy.allow_out))
-    };
+    let mut allow = String::new();
+    if policy.needs_link() {
+        allow = format!(
+            "    ip daddr {} meta l4proto {{ tcp, udp }} th dport 53 accept\n",
+            super::resolver::RESOLVER
+        );
+    }
+    if !policy.allow_out.is_empty() {
+        allow += &format!("    ip daddr {{ {} }} accept\n", elements(&policy.allow_out));
+    }
     Some(format!(
         "table inet egress {{
   chain output {{
@@ -262,12 +281,76 @@ fn run_nft(binary: &Path, rules: &str, netns: Option<&std::fs::File>) -> Result<
     }
 }
 
-/// The node's side of sandbox networking: the floor installed, forwarding on.
+/// The node's side of sandbox networking: the floor installed, forwarding on, the DNS
+/// forwarder answering.
 pub struct Network {
     config: NetworkConfig,
     nft: Option<PathBuf>,
     /// Why no sandbox can have a link on this host, if none can.
     problem: Option<String>,
+    dns: Arc<Mutex<Dns>>,
+}
+
+/// How long a node whose DNS forwarder could not start waits before it tries again.
+pub const DNS_RETRY: Duration = Duration::from_secs(2);
+
+/// The node's DNS forwarder, or why it is not running. One that could not start (another
+/// program holds its port, nft failed) is tried again every [`DNS_RETRY`] until it starts, by a
+/// thread that ends then or when the node's [`Network`] is dropped.
+#[derive(Default)]
+struct Dns {
+    /// Kept for as long as the node runs: dropping it stops it.
+    resolver: Option<Resolver>,
+    /// Why linked sandboxes cannot resolve names, if they cannot.
+    problem: Option<String>,
+}
+
+impl Dns {
+    fn lock(dns: &Mutex<Dns>) -> std::sync::MutexGuard<'_, Dns> {
+        dns.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts the forwarder into `dns`; whether it runs.
+    fn start(dns: &Mutex<Dns>, config: &NetworkConfig, nft: &Path) -> bool {
+        match start_resolver(config, nft) {
+            Ok(resolver) => {
+                let asks = resolver
+                    .upstreams()
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                tracing::info!(port = resolver.port(), %asks, "sandboxes' names resolved through the node");
+                let mut dns = Self::lock(dns);
+                dns.resolver = Some(resolver);
+                dns.problem = None;
+                true
+            }
+            Err(problem) => {
+                let mut dns = Self::lock(dns);
+                if dns.problem.as_deref() != Some(&problem) {
+                    tracing::warn!(%problem, retry_in = ?DNS_RETRY, "sandboxes cannot resolve names");
+                }
+                dns.problem = Some(problem);
+                false
+            }
+        }
+    }
+
+    fn retry(dns: Weak<Mutex<Dns>>, config: NetworkConfig, nft: PathBuf) {
+        let retrying = std::thread::Builder::new()
+            .name("sandbox-dns-retry".into())
+            .spawn(move || loop {
+                std::thread::sleep(DNS_RETRY);
+                let Some(dns) = dns.upgrade() else { return };
+                if Self::start(&dns, &config, &nft) {
+                    return;
+                }
+            });
+        if let Err(err) = retrying {
+            tracing::error!(%err, "the DNS forwarder will not be tried again");
+        }
+    }
 }
 
 impl Network {
@@ -288,12 +371,29 @@ impl Network {
         } else {
             tracing::info!(pool = %config.pool, floor = %elements(&config.floor), "sandbox egress through the host");
         }
-        Network { config, nft, problem }
+        let dns = Arc::new(Mutex::new(Dns::default()));
+        if let (None, Some(binary)) = (&problem, &nft) {
+            if !Dns::start(&dns, &config, binary) {
+                Dns::retry(Arc::downgrade(&dns), config.clone(), binary.clone());
+            }
+        }
+        Network {
+            config,
+            nft,
+            problem,
+            dns,
+        }
     }
 
     /// Why sandboxes cannot reach out here, if they cannot.
     pub fn problem(&self) -> Option<&str> {
         self.problem.as_deref()
+    }
+
+    /// Why sandboxes that reach out cannot resolve names here, if they cannot (yet: the
+    /// forwarder is being tried again).
+    pub fn dns_problem(&self) -> Option<String> {
+        Dns::lock(&self.dns).problem.clone()
     }
 
     /// Gives the sandbox whose init is `pid` what `policy` asks for: a link out and its own
@@ -469,6 +569,19 @@ async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::Raw
     Ok(link)
 }
 
+/// Starts the DNS forwarder of the node's pool and the redirect to it.
+fn start_resolver(config: &NetworkConfig, nft: &Path) -> Result<Resolver, String> {
+    let upstreams = if config.resolvers.is_empty() {
+        resolver::host_upstreams()
+    } else {
+        config.resolvers.clone()
+    };
+    let resolver = Resolver::start(config.pool, upstreams).map_err(|e| e.to_string())?;
+    run_nft(nft, &resolver::redirect_ruleset(&config.pool, resolver.port()), None)
+        .map_err(|e| format!("redirecting sandboxes' queries: {e}"))?;
+    Ok(resolver)
+}
+
 /// Turns on IPv4 forwarding, unless it is on already: in a container /proc/sys is read-only
 /// and the container's own setting (compose's `sysctls`) is what there is.
 fn ip_forward() -> Result<(), String> {
@@ -505,6 +618,13 @@ mod tests {
         assert!(rules.starts_with("add table inet sandboxsched\ndelete table inet sandboxsched\n"));
         assert!(rules.contains("elements = { 10.0.0.0/8, 169.254.0.0/16 }"));
         assert!(rules.contains("hook input") && rules.contains("iifname \"sbx*\" reject"));
+        let redirected = rules
+            .find("ct status dnat ct original ip daddr 169.254.0.53 meta l4proto { tcp, udp } ct original proto-dst 53 accept")
+            .unwrap();
+        assert!(
+            redirected < rules.find("iifname \"sbx*\" reject").unwrap(),
+            "only queries redirected to the forwarder reach the host"
+        );
         assert!(rules.contains("iifname \"sbx*\" oifname \"sbx*\" reject"));
         assert!(rules.contains("fib saddr . iif oif missing drop"));
         assert!(rules.contains("masquerade"));
@@ -529,6 +649,18 @@ mod tests {
             closed.find("ip daddr { 0.0.0.0/0 } reject").unwrap(),
         );
         assert!(lo < allow && allow < deny, "{closed}");
+        let dns = closed
+            .find("ip daddr 169.254.0.53 meta l4proto { tcp, udp } th dport 53 accept")
+            .unwrap();
+        assert!(
+            lo < dns && dns < deny,
+            "names resolve for a sandbox with a link: {closed}"
+        );
+        let refused = sandbox_ruleset(&policy(false, &[], &[])).unwrap();
+        assert!(
+            !refused.contains("169.254.0.53"),
+            "a sandbox that may reach nothing resolves nothing: {refused}"
+        );
         let denied = sandbox_ruleset(&policy(true, &[], &["8.8.8.8"])).unwrap();
         assert!(
             denied.contains("ip daddr { 8.8.8.8/32 } reject") && !denied.contains("} accept"),

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use super::spec::{HOST_ID_BASE, SANDBOX_USER_ID};
 
 /// Bumped whenever the generated layer changes, so nodes rebuild it.
-const BASE_VERSION: &str = "2";
+const BASE_VERSION: &str = "3";
 
 /// Host `/etc` entries the host userland needs inside (dynamic linker cache, alternatives
 /// symlinks, certificates, shell profiles, time zone, protocol tables).
@@ -86,7 +86,7 @@ fn build_once(dir: &Path, marker: &str, version: &str, build: impl FnOnce(&Path)
 }
 
 /// Bumped whenever the shim changes.
-const SHIM_VERSION: &str = "1";
+const SHIM_VERSION: &str = "2";
 
 /// Builds, unless a complete one is there, the layer placed above an image's own layers: the
 /// mount points the spec needs (`/proc`, `/sys`, `/dev`, envd's binary) and the name
@@ -118,9 +118,9 @@ fn build_shim(scratch: &Path) -> io::Result<()> {
 }
 
 const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
-// Public resolvers, as on E2B: reached through the sandbox's link out like any other
-// destination (the host's own resolver is on an address no sandbox may reach).
-const RESOLV_CONF: &str = "nameserver 8.8.8.8\nnameserver 1.1.1.1\n";
+// The node's forwarder, at the same address in every sandbox (see `resolver`): the host's
+// own resolver is on an address no sandbox may reach, and on a closed network the only one.
+const RESOLV_CONF: &str = "nameserver 169.254.0.53\n";
 
 fn build_base(root: &Path) -> io::Result<()> {
     let root_id = host_id(0);
@@ -297,20 +297,61 @@ fn mounted(path: &Path) -> bool {
 
 /// Mounts the overlay of `lower` layers (topmost first) under `upper` at `target`, unless
 /// something is mounted there already (a restarted node finds its sandboxes' roots mounted).
-pub fn mount_overlay(lower: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> io::Result<()> {
+///
+/// With `idmap` (a user namespace, see [`super::ids`]) every layer is reached through an
+/// idmapped copy of its mount, so the files' storage ids show as the sandbox's own; `upper` and
+/// `work` then share one copy of their common parent's mount, as overlayfs wants them on one
+/// mount. The copies are detached: once the overlay holds them, closing them unmounts nothing.
+pub fn mount_overlay(
+    lower: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    idmap: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
     std::fs::create_dir_all(target)?;
     if mounted(target) {
         return Ok(());
     }
-    let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
-    let options = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lowers.join(":"),
-        upper.display(),
-        work.display()
-    );
-    mount_new("overlay", target, libc::MS_NOSUID | libc::MS_NODEV, &options)
-        .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())))
+    let mut held = Vec::new();
+    let (lowers, upper, work) = match idmap {
+        None => (
+            lower.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+            upper.display().to_string(),
+            work.display().to_string(),
+        ),
+        Some(userns) => {
+            let mut lowers = Vec::with_capacity(lower.len());
+            for layer in lower {
+                let tree = super::ids::idmapped(layer, userns)?;
+                lowers.push(super::ids::fd_path(&tree));
+                held.push(tree);
+            }
+            let (Some(parent), Some(up), Some(wk)) = (upper.parent(), upper.file_name(), work.file_name()) else {
+                return Err(io::Error::other("the writable layer has no parent folder"));
+            };
+            if work.parent() != Some(parent) {
+                return Err(io::Error::other(format!(
+                    "{} and {} are not in one folder",
+                    upper.display(),
+                    work.display()
+                )));
+            }
+            let tree = super::ids::idmapped(parent, userns)?;
+            let folder = super::ids::fd_path(&tree);
+            held.push(tree);
+            (
+                lowers,
+                format!("{folder}/{}", up.display()),
+                format!("{folder}/{}", wk.display()),
+            )
+        }
+    };
+    let options = format!("lowerdir={},upperdir={upper},workdir={work}", lowers.join(":"));
+    let mounted = mount_new("overlay", target, libc::MS_NOSUID | libc::MS_NODEV, &options)
+        .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())));
+    drop(held);
+    mounted
 }
 
 /// Unmounts the overlay at `target` if one is mounted there.
@@ -331,6 +372,14 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
+
+    #[test]
+    fn sandboxes_ask_the_nodes_forwarder_for_names() {
+        assert_eq!(
+            RESOLV_CONF,
+            format!("nameserver {}\n", super::super::resolver::RESOLVER)
+        );
+    }
 
     #[test]
     fn the_base_layer_has_its_own_accounts_and_none_of_the_hosts_secrets() {

@@ -2,9 +2,10 @@
 //! record and where things are, so what a sandbox may do is read and tested in one place.
 //!
 //! What it asks the runtime for, and why:
-//! - namespaces: user (root inside is host uid [`HOST_ID_BASE`], files a sandbox writes are
-//!   never host-root files), pid, mount, network (only loopback: no route to the host or
-//!   anywhere else), ipc, uts (hostname = sandbox ID), cgroup;
+//! - namespaces: user (root inside is the unprivileged host uid [`Inputs::host_ids`] starts,
+//!   a range of the sandbox's own (see `ids`); files a sandbox writes are never host-root
+//!   files), pid, mount, network (only loopback: no route to the host or anywhere else), ipc,
+//!   uts (hostname = sandbox ID), cgroup;
 //! - the root filesystem the node mounted (an overlay of the template's read-only layers and
 //!   the sandbox's own writable layer), plus the host's `/usr` read-only (the built-in `base`
 //!   template's userland) and envd's binary read-only at [`ENVD_PATH`];
@@ -21,7 +22,9 @@ use serde_json::{json, Value};
 
 use crate::sandbox::SandboxRecord;
 
-/// Host uid and gid that root inside every sandbox maps to.
+/// Host uid and gid of root inside in the storage range: the ids files of layers and of
+/// sandboxes' writable layers have on disk (and the ids sandboxes run as on a host that cannot
+/// give each its own range; see `ids`).
 pub const HOST_ID_BASE: u32 = 100_000;
 /// How many ids each sandbox maps (0-65535 inside).
 pub const ID_RANGE: u32 = 65_536;
@@ -48,6 +51,8 @@ pub struct Inputs<'a> {
     /// Whether the host's `/usr` is bound in (templates built on `base`); an image's own root
     /// brings its own.
     pub host_userland: bool,
+    /// The host uid and gid root inside runs as: the first of the sandbox's [`ID_RANGE`] ids.
+    pub host_ids: u32,
 }
 
 const CAPABILITIES: [&str; 14] = [
@@ -180,8 +185,8 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
                 {"type": "user"}, {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
                 {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}
             ],
-            "uidMappings": [{"containerID": 0, "hostID": HOST_ID_BASE, "size": ID_RANGE}],
-            "gidMappings": [{"containerID": 0, "hostID": HOST_ID_BASE, "size": ID_RANGE}],
+            "uidMappings": [{"containerID": 0, "hostID": inputs.host_ids, "size": ID_RANGE}],
+            "gidMappings": [{"containerID": 0, "hostID": inputs.host_ids, "size": ID_RANGE}],
             "cgroupsPath": inputs.cgroups_path,
             "resources": {
                 "memory": {"limit": memory, "swap": memory},
@@ -245,6 +250,7 @@ mod tests {
             cgroups_path: "/sandboxsched-n1/sbx1".into(),
             host_dirs: &[],
             host_userland: true,
+            host_ids: 1 << 24,
         };
         let spec = spec(&record(), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
@@ -257,7 +263,8 @@ mod tests {
         for kind in ["user", "pid", "network", "ipc", "uts", "mount"] {
             assert!(kinds.contains(&kind), "{kind} missing: {kinds:?}");
         }
-        assert_eq!(json["linux"]["uidMappings"][0]["hostID"], HOST_ID_BASE);
+        assert_eq!(json["linux"]["uidMappings"][0]["hostID"], 1 << 24);
+        assert_eq!(json["linux"]["gidMappings"][0]["hostID"], 1 << 24);
         assert_eq!(json["hostname"], "sbx1");
         assert_eq!(json["process"]["noNewPrivileges"], true);
         assert_eq!(json["linux"]["resources"]["memory"]["limit"], 512 << 20);
@@ -291,6 +298,7 @@ mod tests {
             cgroups_path: "/sandboxsched-n1/sbx1".into(),
             host_dirs: &[],
             host_userland: false,
+            host_ids: HOST_ID_BASE,
         };
         let mut record = record();
         record.image = Some(common::template::Image {

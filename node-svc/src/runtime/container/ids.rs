@@ -1,0 +1,427 @@
+//! Each sandbox's own host uid and gid range.
+//!
+//! Root inside a sandbox is an unprivileged host uid; if every sandbox mapped to the same
+//! range, a process that escaped one sandbox's namespaces would be, to the host's kernel, the
+//! owner of every other sandbox's processes and files: it could signal and trace them and read
+//! their roots through `/proc/PID/root`. So each running sandbox gets a range of its own,
+//! [`RUN_ID_BASE`] + slot × [`ID_RANGE`], a slot no other live sandbox on the node holds.
+//!
+//! Files stay in one *storage* range on disk ([`HOST_ID_BASE`]: template layers, writable
+//! layers, snapshots), which no sandbox runs as. The node mounts every layer of a sandbox's
+//! root through an idmapped mount that shows storage ids as the sandbox's run ids, so inside,
+//! root owns `/` and `user` owns `/home/user` as before, what the sandbox writes lands on disk
+//! in the storage range, and a snapshot taken on one node restores under whatever range the
+//! next node gives it. An idmapped mount takes a user namespace holding the mapping: one per
+//! slot, made once (a short-lived child's namespace, kept open by a descriptor) and reused.
+//!
+//! A host that cannot idmap (a kernel before 5.19, or a state directory on a file system
+//! without idmapping) runs every sandbox in the storage range itself, as before, and says so
+//! in the node's `degraded` list: isolation between sandboxes then rests on their namespaces
+//! alone.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::Mutex;
+
+use super::spec::{HOST_ID_BASE, ID_RANGE};
+
+/// The host id of root in the sandbox of slot 0; slot N's is `RUN_ID_BASE + N * ID_RANGE`.
+/// Far above the storage range, the host's own accounts and the subordinate ranges
+/// `/etc/subuid` usually hands out from 100000.
+pub const RUN_ID_BASE: u32 = 1 << 24;
+/// Slots that fit between [`RUN_ID_BASE`] and the top of the 32-bit id space (whose last id
+/// is reserved as "no id").
+const SLOTS: u32 = (u32::MAX - RUN_ID_BASE) / ID_RANGE;
+
+/// Errors of giving a sandbox its ids.
+#[derive(Debug, thiserror::Error)]
+pub enum IdError {
+    #[error("every one of the node's {SLOTS} id ranges is in use")]
+    Exhausted,
+    #[error("a user namespace for the ids from {host}: {source}")]
+    Namespace { host: u32, source: io::Error },
+}
+
+/// Which host ids a sandbox's root runs as, and the namespace that idmaps its layers to them
+/// (`None`: the storage range itself, nothing to map).
+pub struct Ids {
+    pub host_base: u32,
+    pub userns: Option<OwnedFd>,
+}
+
+/// The node's slots: which sandbox holds which, and each slot's user namespace once made.
+pub struct IdRanges {
+    /// Why sandboxes share the storage range, if they do.
+    shared: Option<String>,
+    inner: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    held: HashMap<String, u32>,
+    namespaces: HashMap<u32, OwnedFd>,
+}
+
+impl Slots {
+    fn lowest_free(&self) -> Option<u32> {
+        let mut taken: Vec<u32> = self.held.values().copied().collect();
+        taken.sort_unstable();
+        let mut next = 0;
+        for slot in taken {
+            if slot > next {
+                break;
+            }
+            next = next.max(slot + 1);
+        }
+        (next < SLOTS).then_some(next)
+    }
+}
+
+/// The host id of root in slot `slot`.
+fn host_base(slot: u32) -> u32 {
+    RUN_ID_BASE + slot * ID_RANGE
+}
+
+impl IdRanges {
+    /// Ranges for a node whose sandboxes' files are under `scratch`'s file system: checks
+    /// there, with a small overlay of idmapped layers, that this host can give each sandbox a
+    /// range of its own.
+    pub fn probe(scratch: &Path) -> Self {
+        let mut slots = Slots::default();
+        let shared = match probe_idmapped_overlay(scratch) {
+            // The probe's namespace is slot 0's: the first sandbox needs no other.
+            Ok(userns) => {
+                slots.namespaces.insert(0, userns);
+                None
+            }
+            Err(e) => Some(format!(
+                "every sandbox runs as the same host ids ({HOST_ID_BASE}-): layers cannot be idmapped here: {e}"
+            )),
+        };
+        Self {
+            shared,
+            inner: Mutex::new(slots),
+        }
+    }
+
+    /// Why sandboxes share one range, if they do.
+    pub fn shared(&self) -> Option<&str> {
+        self.shared.as_deref()
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The ids for sandbox `id`: the slot it holds already (a start over its own dead copy),
+    /// or the lowest free one.
+    pub fn claim(&self, id: &str) -> Result<Ids, IdError> {
+        if self.shared.is_some() {
+            return Ok(Ids {
+                host_base: HOST_ID_BASE,
+                userns: None,
+            });
+        }
+        let mut slots = self.slots();
+        // A slot two sandboxes claim (one adopted through a PID the kernel had given to
+        // another's init) is kept by neither on a new start.
+        let slot = match slots.held.get(id) {
+            Some(slot) if slots.held.values().filter(|s| *s == slot).count() == 1 => *slot,
+            _ => slots.lowest_free().ok_or(IdError::Exhausted)?,
+        };
+        let host = host_base(slot);
+        let userns = match slots.namespaces.get(&slot) {
+            Some(fd) => fd.try_clone(),
+            None => mapping_namespace(host).and_then(|fd| {
+                let copy = fd.try_clone();
+                slots.namespaces.insert(slot, fd);
+                copy
+            }),
+        }
+        .map_err(|source| IdError::Namespace { host, source })?;
+        slots.held.insert(id.to_string(), slot);
+        Ok(Ids {
+            host_base: host,
+            userns: Some(userns),
+        })
+    }
+
+    /// Gives back `id`'s slot (its sandbox's processes are gone).
+    pub fn release(&self, id: &str) {
+        self.slots().held.remove(id);
+    }
+
+    /// Takes note of the slot a running sandbox found after a restart holds: the range its
+    /// init's user namespace maps root to (`/proc/PID/uid_map`).
+    pub fn adopt(&self, id: &str, pid: u32) {
+        if self.shared.is_some() || pid == 0 {
+            return;
+        }
+        let Ok(map) = std::fs::read_to_string(format!("/proc/{pid}/uid_map")) else {
+            return;
+        };
+        if let Some(slot) = slot_of_map(&map) {
+            self.slots().held.insert(id.to_string(), slot);
+        }
+    }
+}
+
+/// The slot whose range a `uid_map` maps root to, if it is one of the slots.
+fn slot_of_map(map: &str) -> Option<u32> {
+    let line = map.lines().find(|l| l.split_whitespace().next() == Some("0"))?;
+    let host: u32 = line.split_whitespace().nth(1)?.parse().ok()?;
+    let offset = host.checked_sub(RUN_ID_BASE)?;
+    (offset % ID_RANGE == 0 && offset / ID_RANGE < SLOTS).then_some(offset / ID_RANGE)
+}
+
+/// The `uid_map` (and `gid_map`) text of the namespace that idmaps layers for the range at
+/// `host`: storage ids become the sandbox's ids, and the host's root stays itself, because
+/// overlayfs makes its work directory and whiteouts as the root that mounted it.
+fn mapping_text(host: u32) -> String {
+    format!("0 0 1\n{HOST_ID_BASE} {host} {ID_RANGE}\n")
+}
+
+/// A user namespace whose maps are [`mapping_text`]`(host)`, held by a descriptor: made by a
+/// child cloned into a new user namespace, which waits only until its maps are written and
+/// its namespace opened.
+///
+/// The child shares the node's memory (`CLONE_VM`) and runs on a small stack of its own. A
+/// fork-like clone would copy the page tables of the whole node, a large threaded process,
+/// and then pay copy-on-write faults and TLB shootdowns on every CPU: 3 ms or more a slot,
+/// most of a sandbox's create wherever it needed a fresh slot.
+fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
+    let mut stack = vec![0u8; HOLDER_STACK];
+    // The stack grows down from its end, 16-byte aligned as the ABI wants.
+    let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+    // SAFETY: the signal sets are plain values on this stack. `hold` runs on `stack`, which
+    // outlives the child (it is reaped below, before `stack` is dropped), and touches no
+    // memory besides it. The child starts with every signal blocked, so no handler of the
+    // node's ever runs on its shared memory, and pause never returns to write errno.
+    let (pid, cloned) = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut before: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut before);
+        let pid = libc::clone(
+            hold,
+            top as *mut libc::c_void,
+            libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD,
+            std::ptr::null_mut(),
+        );
+        let cloned = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
+        (pid, cloned)
+    };
+    if pid < 0 {
+        return Err(io::Error::other(format!(
+            "cloning a user namespace for idmapped mounts: {cloned}"
+        )));
+    }
+    let opened = (|| {
+        let text = mapping_text(host);
+        std::fs::write(format!("/proc/{pid}/uid_map"), &text)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), &text)?;
+        std::fs::File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from)
+    })();
+    // SAFETY: signalling and reaping our own child.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        while libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL) < 0
+            && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+        {}
+    }
+    drop(stack);
+    opened
+}
+
+/// The stack of [`mapping_namespace`]'s child: it only calls `pause`.
+const HOLDER_STACK: usize = 64 * 1024;
+
+/// [`mapping_namespace`]'s child: waits to be killed (its signals are blocked, so nothing
+/// else ends the wait). It shares the node's memory, so it makes the system call and nothing
+/// else.
+extern "C" fn hold(_: *mut libc::c_void) -> libc::c_int {
+    loop {
+        // SAFETY: pause takes no arguments and touches no memory.
+        unsafe { libc::syscall(libc::SYS_pause) };
+    }
+}
+
+/// A detached copy of the mount at `path`, rooted there, showing its files' ids through the
+/// user namespace `userns` (storage ids as the sandbox's). Overlayfs takes it as a layer by
+/// its `/proc/self/fd/N` path.
+pub fn idmapped(path: &Path, userns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let c = super::rootfs::cstring(path)?;
+    // SAFETY: a valid NUL-terminated path; the call returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::other(format!(
+            "cloning the mount at {}: {}",
+            path.display(),
+            io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let attr = libc::mount_attr {
+        attr_set: libc::MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    // SAFETY: an empty path with AT_EMPTY_PATH names the descriptor; `attr` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::other(format!(
+            "idmapping the mount of {}: {}",
+            path.display(),
+            io::Error::last_os_error()
+        )));
+    }
+    Ok(tree)
+}
+
+/// The path by which overlayfs reaches a detached mount, `/proc/self/fd/N`.
+pub fn fd_path(fd: &impl AsFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd())
+}
+
+/// Mounts, under `scratch`, an overlay whose lower and upper layers are idmapped to slot 0's
+/// range, writes through it as that range's root, and checks the file lands in the storage
+/// range; then takes it all away. Returns slot 0's mapping namespace.
+fn probe_idmapped_overlay(scratch: &Path) -> io::Result<OwnedFd> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = scratch.join(format!("idmap-probe-{}", std::process::id()));
+    let _ = super::rootfs::unmount(&dir.join("root"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let result = (|| {
+        for rel in ["lower", "layer/upper", "layer/work", "root"] {
+            std::fs::create_dir_all(dir.join(rel))?;
+        }
+        for rel in ["lower", "layer/upper", "layer/work"] {
+            std::os::unix::fs::chown(dir.join(rel), Some(HOST_ID_BASE), Some(HOST_ID_BASE))?;
+        }
+        let host = host_base(0);
+        let userns = mapping_namespace(host)?;
+        super::rootfs::mount_overlay(
+            &[dir.join("lower")],
+            &dir.join("layer/upper"),
+            &dir.join("layer/work"),
+            &dir.join("root"),
+            Some(userns.as_fd()),
+        )?;
+        let seen = std::fs::metadata(dir.join("root"))?.uid();
+        std::fs::write(dir.join("root/probe"), b"")?;
+        std::os::unix::fs::chown(dir.join("root/probe"), Some(host + 1), Some(host + 1))?;
+        let stored = std::fs::metadata(dir.join("layer/upper/probe"))?.uid();
+        super::rootfs::unmount(&dir.join("root"))?;
+        if (seen, stored) != (host, HOST_ID_BASE + 1) {
+            return Err(io::Error::other(format!(
+                "the layers' root showed as {seen} (not {host}) and a file of {} was stored as {stored}",
+                host + 1
+            )));
+        }
+        Ok(userns)
+    })();
+    let _ = super::rootfs::unmount(&dir.join("root"));
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges() -> IdRanges {
+        IdRanges {
+            shared: None,
+            inner: Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn slots_are_the_lowest_free_and_a_sandbox_keeps_its_own() {
+        let mut slots = Slots::default();
+        assert_eq!(slots.lowest_free(), Some(0));
+        slots.held.insert("a".into(), 0);
+        slots.held.insert("c".into(), 2);
+        assert_eq!(slots.lowest_free(), Some(1));
+        slots.held.insert("b".into(), 1);
+        assert_eq!(slots.lowest_free(), Some(3));
+        slots.held.remove("a");
+        assert_eq!(slots.lowest_free(), Some(0));
+    }
+
+    #[test]
+    fn every_slot_is_a_whole_range_above_storage_within_32_bits() {
+        assert!(host_base(0) > HOST_ID_BASE + ID_RANGE);
+        let last = u64::from(host_base(SLOTS - 1)) + u64::from(ID_RANGE);
+        assert!(last <= u64::from(u32::MAX), "{last}");
+    }
+
+    #[test]
+    fn the_mapping_keeps_hosts_root_and_shows_storage_as_the_sandboxs_ids() {
+        assert_eq!(mapping_text(1 << 24), "0 0 1\n100000 16777216 65536\n");
+    }
+
+    #[test]
+    fn a_running_sandboxs_slot_is_read_off_its_uid_map() {
+        let map = format!("         0   {}      65536\n", host_base(7));
+        assert_eq!(slot_of_map(&map), Some(7));
+        assert_eq!(slot_of_map("0 100000 65536\n"), None, "the storage range is no slot");
+        assert_eq!(slot_of_map(&format!("0 {} 65536\n", host_base(1) + 5)), None);
+        assert_eq!(slot_of_map("garbage"), None);
+    }
+
+    #[test]
+    fn a_shared_host_hands_out_the_storage_range_and_holds_nothing() {
+        let r = IdRanges {
+            shared: Some("no idmapping".into()),
+            inner: Mutex::default(),
+        };
+        let ids = r.claim("a").unwrap();
+        assert_eq!(ids.host_base, HOST_ID_BASE);
+        assert!(ids.userns.is_none());
+        assert!(r.slots().held.is_empty());
+    }
+
+    #[test]
+    fn sandboxes_get_ranges_of_their_own_and_a_released_one_is_reused() {
+        let r = ranges();
+        let a = r.claim("a").expect("a user namespace (run as root)");
+        let b = r.claim("b").unwrap();
+        assert_eq!((a.host_base, b.host_base), (host_base(0), host_base(1)));
+        assert_eq!(
+            r.claim("a").unwrap().host_base,
+            a.host_base,
+            "a start over its own dead copy"
+        );
+        r.release("a");
+        assert_eq!(r.claim("c").unwrap().host_base, host_base(0));
+        // "d" adopted with "c"'s slot (its init's PID reused): its next start gets one alone.
+        r.slots().held.insert("d".into(), 0);
+        assert_eq!(r.claim("d").unwrap().host_base, host_base(2));
+        // The slot's namespace maps as it says.
+        let ns = a.userns.expect("a namespace");
+        let fd = format!("/proc/self/fd/{}", ns.as_raw_fd());
+        assert!(std::fs::read_link(fd).unwrap().to_string_lossy().starts_with("user:["));
+    }
+}
