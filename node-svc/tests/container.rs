@@ -561,9 +561,15 @@ struct PrivateResolver {
 
 impl PrivateResolver {
     fn start() -> PrivateResolver {
-        let udp = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-        let port = udp.local_addr().unwrap().port();
-        let tcp = TcpListener::bind(("0.0.0.0", port)).unwrap();
+        // A free UDP port whose TCP twin is free too (a connection may hold it): a few tries.
+        let (udp, tcp, port) = (0..64)
+            .find_map(|_| {
+                let udp = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+                let port = udp.local_addr().ok()?.port();
+                let tcp = TcpListener::bind(("0.0.0.0", port)).ok()?;
+                Some((udp, tcp, port))
+            })
+            .expect("a port free for both UDP and TCP");
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok((len, peer)) = udp.recv_from(&mut buf) {
@@ -719,6 +725,31 @@ async fn a_node_whose_dns_port_is_taken_says_so_and_resolves_names_once_it_is_fr
     let lookup = "python3 -c \"import socket; print(socket.gethostbyname('db.example.test'))\"";
     let (out, code) = n.sh("named", "user", lookup).await;
     assert_eq!((out.trim(), code), ("192.0.2.7", 0));
+    n.stop().await;
+}
+
+/// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
+/// freeing its namespace: with one address in the pool, the next sandbox gets it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sandboxs_address_is_free_when_the_kill_returns() {
+    let pool: common::egress::Cidr = "10.201.250.0/30".parse().unwrap();
+    let host_end = node_svc::runtime::container::network::slot(&pool, 0)
+        .unwrap()
+        .host_interface;
+    let n = node_configured(None, |config| config.network.pool = pool).await;
+    for round in 0..3 {
+        let sandbox = format!("relinked-{round}");
+        n.create_with(&sandbox, 128 << 20, internet()).await;
+        assert!(
+            std::path::Path::new("/sys/class/net").join(&host_end).exists(),
+            "round {round}: the sandbox has no link"
+        );
+        n.lifecycle(&sandbox, "kill").await;
+        assert!(
+            !std::path::Path::new("/sys/class/net").join(&host_end).exists(),
+            "round {round}: the link outlived its sandbox's kill"
+        );
+    }
     n.stop().await;
 }
 

@@ -551,6 +551,9 @@ impl Runtime for ContainerRuntime {
     }
 
     fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+        // The link first, while the sandbox still holds it: its address is free for the next
+        // sandbox when this returns, not when the kernel frees the namespace.
+        self.network.detach(&record.id);
         reap_when_dead(record.pgid);
         self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
         // Every process of the sandbox is gone with its container: its ids may be reused.
@@ -579,6 +582,7 @@ impl Runtime for ContainerRuntime {
     }
 
     fn discard(&self, id: &str, home: &Path) {
+        self.network.detach(id);
         if self.cli.knows(id) {
             if let Err(err) = self.cli.delete(id) {
                 tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a record was not deleted");
@@ -598,6 +602,7 @@ impl Runtime for ContainerRuntime {
             if keep.contains(&id) {
                 continue;
             }
+            self.network.detach(&id);
             match self.cli.delete(&id) {
                 Ok(()) => {
                     self.cgroups.remove(&id);

@@ -36,6 +36,7 @@
 //! node on the host, with nothing to leak. When the sandbox's namespace goes, its `eth0` goes
 //! and takes the host end with it.
 
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;
@@ -289,6 +290,19 @@ pub struct Network {
     /// Why no sandbox can have a link on this host, if none can.
     problem: Option<String>,
     dns: Arc<Mutex<Dns>>,
+    /// The host end each linked sandbox holds, by sandbox: its link is taken down with it
+    /// ([`Network::detach`]) instead of whenever the kernel gets round to freeing its network
+    /// namespace, so a sandbox's address is free again once its kill returns.
+    links: Mutex<HashMap<String, HostEnd>>,
+}
+
+/// A sandbox's host end: its name and its interface index, which the kernel does not give
+/// again to another interface soon (indexes are handed out in turn), so deleting by index
+/// never takes a link that has since been made, under the same name, for someone else.
+#[derive(Clone, Debug)]
+struct HostEnd {
+    name: String,
+    index: u32,
 }
 
 /// How long a node whose DNS forwarder could not start waits before it tries again.
@@ -382,6 +396,36 @@ impl Network {
             nft,
             problem,
             dns,
+            links: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn links(&self) -> std::sync::MutexGuard<'_, HashMap<String, HostEnd>> {
+        self.links.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Takes down the link of `sandbox`, if it has one this node made: both ends go at once,
+    /// and its addresses may be given to the next sandbox. Called while the sandbox still
+    /// runs, so the host end is certainly still its own. A sandbox adopted after a node
+    /// restart has no entry: its link goes when the kernel frees its namespace.
+    pub fn detach(&self, sandbox: &str) {
+        let Some(end) = self.links().remove(sandbox) else {
+            return;
+        };
+        let deleted = on_netlink_thread(move || async move {
+            let (connection, host, _) =
+                rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+            tokio::spawn(connection);
+            match host.link().del(end.index).execute().await {
+                Err(e) if no_such_device(&e) => Ok(()),
+                done => done.map_err(netlink),
+            }
+        });
+        match deleted {
+            Ok(()) => tracing::debug!(sandbox_id = sandbox, interface = %end.name, "sandbox unlinked"),
+            Err(err) => {
+                tracing::warn!(sandbox_id = sandbox, interface = %end.name, %err, "sandbox's link left to the kernel")
+            }
         }
     }
 
@@ -419,18 +463,14 @@ impl Network {
         let count = slots(&pool);
         let start = first_slot(sandbox, count);
         let netns_fd = netns.as_raw_fd();
-        let link = std::thread::scope(|scope| {
-            scope
-                .spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_io()
-                        .build()
-                        .map_err(|e| NetworkError::Netlink(e.to_string()))?;
-                    runtime.block_on(link_up(&pool, start, count, netns_fd))
-                })
-                .join()
-                .unwrap_or_else(|_| Err(NetworkError::Netlink("the set-up thread panicked".into())))
-        })?;
+        let (link, index) = on_netlink_thread(move || link_up(pool, start, count, netns_fd))?;
+        self.links().insert(
+            sandbox.to_string(),
+            HostEnd {
+                name: link.host_interface.clone(),
+                index,
+            },
+        );
         tracing::debug!(sandbox_id = sandbox, interface = %link.host_interface, address = %link.address, "sandbox linked");
         Ok(Some(link))
     }
@@ -479,11 +519,42 @@ fn already_exists(e: &rtnetlink::Error) -> bool {
     matches!(e, rtnetlink::Error::NetlinkError(m) if m.code.map(|c| c.get()) == Some(-libc::EEXIST))
 }
 
+fn no_such_device(e: &rtnetlink::Error) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.code.map(|c| c.get()) == Some(-libc::ENODEV))
+}
+
+/// Runs the netlink work `make` returns on a thread of its own with a runtime of its own: it
+/// may enter a sandbox's namespace (a thread that did so must not go back to a pool), and the
+/// callers are synchronous, on threads that may belong to another runtime.
+fn on_netlink_thread<T, F>(make: impl FnOnce() -> F + Send) -> Result<T, NetworkError>
+where
+    T: Send,
+    F: std::future::Future<Output = Result<T, NetworkError>>,
+{
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_io()
+                    .build()
+                    .map_err(|e| NetworkError::Netlink(e.to_string()))?;
+                runtime.block_on(make())
+            })
+            .join()
+            .unwrap_or_else(|_| Err(NetworkError::Netlink("the netlink thread panicked".into())))
+    })
+}
+
 /// Creates the veth pair (trying slots from `start` until a name is free), addresses both
-/// ends, brings them up and routes the sandbox through the host end. Runs on a thread of its
-/// own: it enters the sandbox's namespace to configure `eth0`, and a thread that did so must
-/// not go back to a pool.
-async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::RawFd) -> Result<Link, NetworkError> {
+/// ends, brings them up and routes the sandbox through the host end; the link and the host
+/// end's index. Runs [`on_netlink_thread`]: it enters the sandbox's namespace to configure
+/// `eth0`.
+async fn link_up(
+    pool: Cidr,
+    start: u64,
+    count: u64,
+    netns_fd: std::os::fd::RawFd,
+) -> Result<(Link, u32), NetworkError> {
     use futures::TryStreamExt as _;
     use rtnetlink::packet_route::link::{InfoData, InfoVeth};
     use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
@@ -492,7 +563,7 @@ async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::Raw
     tokio::spawn(connection);
     let mut chosen = None;
     for step in 0..count.min(4096) {
-        let Some(link) = slot(pool, (start + step) % count) else {
+        let Some(link) = slot(&pool, (start + step) % count) else {
             continue;
         };
         let peer = LinkMessageBuilder::<LinkUnspec>::new()
@@ -511,7 +582,7 @@ async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::Raw
             Err(e) => return Err(netlink(e)),
         }
     }
-    let link = chosen.ok_or(NetworkError::PoolExhausted(*pool))?;
+    let link = chosen.ok_or(NetworkError::PoolExhausted(pool))?;
     let index = |handle: rtnetlink::Handle, name: String| async move {
         handle
             .link()
@@ -566,7 +637,7 @@ async fn link_up(pool: &Cidr, start: u64, count: u64, netns_fd: std::os::fd::Raw
         .execute()
         .await
         .map_err(netlink)?;
-    Ok(link)
+    Ok((link, host_index))
 }
 
 /// Starts the DNS forwarder of the node's pool and the redirect to it.
