@@ -24,6 +24,7 @@ pub mod paths;
 pub mod process;
 pub mod pty;
 pub mod server;
+pub mod spawn;
 pub mod users;
 pub mod watch;
 pub mod wire;

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::ChildStdin;
 use tokio::sync::{broadcast, Mutex};
 
 use crate::connect::{Code, RpcError};
@@ -32,7 +31,7 @@ const BACKLOG: usize = 4096;
 
 struct Running {
     info: ProcessInfo,
-    stdin: Mutex<Option<ChildStdin>>,
+    stdin: Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     /// The terminal's master side, for a PTY session (input goes there, not to `stdin`).
     pty: Option<Arc<PtyMaster>>,
     events: broadcast::Sender<ProcessEvent>,
@@ -205,85 +204,47 @@ impl Commands {
             }
             None => None,
         };
-        let mut std_cmd = std::process::Command::new(program(&req.process.cmd, scope.hosted_home.is_some()));
-        std_cmd
-            .args(&req.process.args)
-            .env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("USER", &user.name)
-            .env("LOGNAME", &user.name)
-            .env("E2B_SANDBOX", "true")
-            .env("E2B_SANDBOX_ID", &sandbox.sandbox_id);
+        let mut env: Vec<(&str, &str)> = vec![
+            ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+            ("USER", &user.name),
+            ("LOGNAME", &user.name),
+            ("E2B_SANDBOX", "true"),
+            ("E2B_SANDBOX_ID", &sandbox.sandbox_id),
+        ];
         if terminal.is_some() {
-            std_cmd.env("TERM", "xterm-256color");
+            env.push(("TERM", "xterm-256color"));
         }
-        std_cmd.envs(&sandbox.vars).envs(&req.process.envs);
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: geteuid cannot fail and touches no memory.
-            let me = unsafe { libc::geteuid() };
-            if let Some(enclose) = enclose {
-                enclose(&mut std_cmd, &cwd).map_err(|e| RpcError::new(Code::Unavailable, e))?;
-            } else {
-                std_cmd.env("HOME", &user.home).current_dir(&cwd);
-            }
-            if enclose.is_some() {
-                // Hosted: commands run as the node runs them (the unisolated runtime).
-            } else if me == 0 && user.uid != 0 {
-                // std also drops supplementary groups when root changes the uid.
-                std_cmd.uid(user.uid).gid(user.gid);
-            } else if me != user.uid {
-                return Err(RpcError::new(
-                    Code::PermissionDenied,
-                    format!("envd runs as uid {me} and cannot act as {}", user.name),
-                ));
-            }
-            match &terminal {
-                // SAFETY: take_terminal makes only async-signal-safe system calls, in the
-                // forked child before exec; it runs after any pre_exec the enclosing added
-                // (closures run in the order they were added), so in the process that execs.
-                Some(_) => unsafe {
-                    std_cmd.pre_exec(|| crate::pty::take_terminal());
-                },
-                // Its own process group, so a signal reaches what it started too.
-                None if enclose.is_none() => {
-                    std_cmd.process_group(0);
-                }
-                None => {}
-            }
-        }
-        let mut cmd = tokio::process::Command::from(std_cmd);
-        match &terminal {
-            Some((_, slave)) => {
-                let stdio = || {
-                    slave
-                        .try_clone()
-                        .map(Stdio::from)
-                        .map_err(|e| RpcError::new(Code::Internal, format!("terminal: {e}")))
-                };
-                cmd.stdin(stdio()?).stdout(stdio()?).stderr(stdio()?);
-            }
-            None => {
-                let wants_stdin = req.stdin.unwrap_or(true);
-                cmd.stdin(if wants_stdin { Stdio::piped() } else { Stdio::null() })
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped());
-            }
-        }
-        let spawned = cmd.spawn();
+        env.extend(sandbox.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        env.extend(req.process.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let launch = Launch {
+            program: program(&req.process.cmd, scope.hosted_home.is_some()),
+            args: &req.process.args,
+            env,
+            cwd: &cwd,
+            user,
+            terminal: terminal.as_ref().map(|(_, slave)| slave),
+            stdin: req.stdin.unwrap_or(true),
+        };
+        let spawned = match enclose {
+            Some(enclose) => launch.hosted(enclose),
+            None => launch.inside(),
+        };
         // The command has its copies of the terminal; ours must close, or reading the master
         // would never see the end.
-        drop(cmd);
         let pty = terminal.map(|(master, _slave)| master);
-        let mut child = spawned.map_err(|e| {
-            RpcError::new(
+        let Spawned {
+            mut child,
+            stdin,
+            stdout,
+            stderr,
+        } = spawned.map_err(|e| match e {
+            LaunchError::Refused(e) => e,
+            LaunchError::Start(e) => RpcError::new(
                 Code::InvalidArgument,
                 format!("cannot start {:?}: {e}", req.process.cmd),
-            )
+            ),
         })?;
-        let pid = child
-            .id()
-            .ok_or_else(|| RpcError::new(Code::Internal, "the process ended before it started"))?;
+        let pid = child.id();
         let (events, first) = broadcast::channel(BACKLOG);
         let running = Arc::new(Running {
             info: ProcessInfo {
@@ -291,14 +252,13 @@ impl Commands {
                 pid,
                 tag: req.tag.clone(),
             },
-            stdin: Mutex::new(child.stdin.take()),
+            stdin: Mutex::new(stdin),
             pty: pty.clone(),
             events: events.clone(),
         });
         self.running.lock().await.insert(pid, running);
         tracing::debug!(pid, user = %user.name, cmd = %req.process.cmd, "command started");
 
-        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let this = self.clone();
         tokio::spawn(async move {
             let status = match pty {
@@ -435,4 +395,148 @@ fn program(cmd: &str, hosted: bool) -> &str {
         return "/bin/sh";
     }
     cmd
+}
+
+/// What starting one command takes, whichever way it starts.
+struct Launch<'a> {
+    program: &'a str,
+    args: &'a [String],
+    /// In order: a later value of a name replaces an earlier one.
+    env: Vec<(&'a str, &'a str)>,
+    cwd: &'a std::path::Path,
+    user: &'a crate::users::User,
+    /// The terminal's slave side, for a PTY session: the command's three streams.
+    terminal: Option<&'a std::os::fd::OwnedFd>,
+    /// Whether the command's stdin is a pipe envd writes (else `/dev/null`).
+    stdin: bool,
+}
+
+/// A started command and envd's ends of its pipes.
+struct Spawned {
+    child: Child,
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+    stdout: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>,
+    stderr: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>,
+}
+
+enum LaunchError {
+    /// Refused before anything started, in the RPC's own words.
+    Refused(RpcError),
+    /// The system would not start it.
+    Start(std::io::Error),
+}
+
+/// A started command: envd's own ([`crate::spawn`]) inside a sandbox, or std's for one the
+/// node hosts (its enclosing needs code run between fork and exec).
+enum Child {
+    Inside(crate::spawn::Child),
+    Hosted(tokio::process::Child),
+}
+
+impl Child {
+    fn id(&self) -> u32 {
+        match self {
+            Child::Inside(child) => child.id(),
+            // A child not yet waited for always has its PID.
+            Child::Hosted(child) => child.id().unwrap_or_default(),
+        }
+    }
+
+    async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        match self {
+            Child::Inside(child) => child.wait().await,
+            Child::Hosted(child) => child.wait().await,
+        }
+    }
+}
+
+impl Launch<'_> {
+    /// Envd inside its sandbox, as root: the command runs as the user, in its own process
+    /// group (or session, on a terminal), started without copying envd.
+    fn inside(self) -> Result<Spawned, LaunchError> {
+        use crate::spawn::{Command, Session, Stdio as Stream};
+        let mut cmd = Command::new(self.program);
+        cmd.args(self.args)
+            .envs(self.env.iter().copied())
+            .env("HOME", &self.user.home)
+            .current_dir(self.cwd);
+        // SAFETY: geteuid cannot fail and touches no memory.
+        let me = unsafe { libc::geteuid() };
+        if me == 0 && self.user.uid != 0 {
+            cmd.ids(self.user.uid, self.user.gid);
+        } else if me != self.user.uid {
+            return Err(LaunchError::Refused(RpcError::new(
+                Code::PermissionDenied,
+                format!("envd runs as uid {me} and cannot act as {}", self.user.name),
+            )));
+        }
+        let streams = match self.terminal {
+            Some(slave) => {
+                cmd.session(Session::Terminal);
+                let fd = || -> Result<Stream, LaunchError> {
+                    let copy = slave
+                        .try_clone()
+                        .map_err(|e| LaunchError::Refused(RpcError::new(Code::Internal, format!("terminal: {e}"))))?;
+                    Ok(Stream::Fd(copy))
+                };
+                (fd()?, fd()?, fd()?)
+            }
+            None => (
+                if self.stdin { Stream::Piped } else { Stream::Null },
+                Stream::Piped,
+                Stream::Piped,
+            ),
+        };
+        let mut child = cmd.spawn(streams.0, streams.1, streams.2).map_err(LaunchError::Start)?;
+        Ok(Spawned {
+            stdin: child.stdin.take().map(|s| Box::new(s) as _),
+            stdout: child.stdout.take().map(|s| Box::new(s) as _),
+            stderr: child.stderr.take().map(|s| Box::new(s) as _),
+            child: Child::Inside(child),
+        })
+    }
+
+    /// Envd hosted by the node (its unisolated mode): `enclose` puts the command into the
+    /// sandbox, sets its working directory and `HOME`, and runs it as the node runs.
+    fn hosted(self, enclose: &Enclose) -> Result<Spawned, LaunchError> {
+        use std::os::unix::process::CommandExt;
+        let mut std_cmd = std::process::Command::new(self.program);
+        std_cmd.args(self.args).env_clear().envs(self.env.iter().copied());
+        enclose(&mut std_cmd, self.cwd).map_err(|e| LaunchError::Refused(RpcError::new(Code::Unavailable, e)))?;
+        if self.terminal.is_some() {
+            // SAFETY: take_terminal makes only async-signal-safe system calls, in the forked
+            // child before exec; it runs after the enclosing's own (closures run in the order
+            // they were added), so in the process that execs.
+            unsafe {
+                std_cmd.pre_exec(|| crate::pty::take_terminal());
+            }
+        }
+        let mut cmd = tokio::process::Command::from(std_cmd);
+        match self.terminal {
+            Some(slave) => {
+                let stdio = || {
+                    slave
+                        .try_clone()
+                        .map(Stdio::from)
+                        .map_err(|e| LaunchError::Refused(RpcError::new(Code::Internal, format!("terminal: {e}"))))
+                };
+                cmd.stdin(stdio()?).stdout(stdio()?).stderr(stdio()?);
+            }
+            None => {
+                cmd.stdin(if self.stdin { Stdio::piped() } else { Stdio::null() })
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+            }
+        }
+        let spawned = cmd.spawn();
+        // The command has its copies of the terminal; these must close with the command.
+        drop(cmd);
+        let mut child = spawned.map_err(LaunchError::Start)?;
+        Ok(Spawned {
+            stdin: child.stdin.take().map(|s| Box::new(s) as _),
+            stdout: child.stdout.take().map(|s| Box::new(s) as _),
+            stderr: child.stderr.take().map(|s| Box::new(s) as _),
+            child: Child::Hosted(child),
+        })
+    }
 }
