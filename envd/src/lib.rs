@@ -248,6 +248,23 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The descriptors the node handed in (envd's listening socket, the boot pipe) arrive
+    // without close-on-exec, as every inherited descriptor does: every command would inherit
+    // them, and any user could accept the node's connections to envd, tokens and all.
+    let handed_in = [
+        match config.listen {
+            Listen::Fd(fd) => Some(fd),
+            Listen::Path(_) => None,
+        },
+        config.boot_fd,
+    ];
+    for fd in handed_in.into_iter().flatten() {
+        // SAFETY: F_SETFD on a descriptor number changes only its flags.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+            eprintln!("envd: descriptor {fd}: {}", std::io::Error::last_os_error());
+            return ExitCode::FAILURE;
+        }
+    }
     // SAFETY: removing variables before any thread exists.
     unsafe {
         std::env::remove_var(SANDBOX_ID_VAR);

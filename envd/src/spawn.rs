@@ -32,6 +32,9 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
 
+/// Where a program is looked for when the command's environment has no `PATH` (glibc's).
+const DEFAULT_PATH: &str = "/bin:/usr/bin";
+
 /// The child's stack: the few frames of [`child_main`] and the kernel's entry to it.
 const STACK_BYTES: usize = 64 * 1024;
 
@@ -69,7 +72,8 @@ pub struct Command {
 /// A started command.
 pub struct Child {
     pid: u32,
-    pidfd: AsyncFd<OwnedFd>,
+    /// Until the command is reaped.
+    pidfd: Option<AsyncFd<OwnedFd>>,
     status: Option<ExitStatus>,
     pub stdin: Option<pipe::Sender>,
     pub stdout: Option<pipe::Receiver>,
@@ -128,28 +132,27 @@ impl Command {
         self
     }
 
-    /// The file `execve` gets: the program itself when it names a path, else the first
-    /// executable of that name along the command's own `PATH`, as a shell looks it up (a
-    /// relative entry is relative to the command's working directory).
-    fn resolve(&self) -> io::Result<PathBuf> {
-        let program = Path::new(&self.program);
+    /// The files `execve` is tried on, in order, as `execvp` does: the program itself when
+    /// it names a path, else the program in each directory of the command's own `PATH` (an
+    /// empty or relative entry is relative to its working directory). The child tries them
+    /// after it has become the user, so what the user may not run is passed over as it
+    /// would be in a shell, and envd itself looks at no file.
+    fn candidates(&self) -> io::Result<Vec<CString>> {
         if self.program.as_bytes().contains(&b'/') {
-            return Ok(program.to_path_buf());
+            return Ok(vec![cstring(&self.program)?]);
         }
         let search = self
             .env
             .get(OsStr::new("PATH"))
-            .map(OsString::as_os_str)
-            .unwrap_or_default();
+            .map_or(OsStr::new(DEFAULT_PATH), OsString::as_os_str);
         std::env::split_paths(search)
-            .map(|dir| self.cwd.join(dir).join(program))
-            .find(|candidate| executable(candidate))
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))
+            .map(|dir| cstring(dir.join(&self.program).as_os_str()))
+            .collect()
     }
 
     /// Starts the command with its standard streams as given.
     pub fn spawn(&self, stdin: Stdio, stdout: Stdio, stderr: Stdio) -> io::Result<Child> {
-        let path = cstring(self.resolve()?.as_os_str())?;
+        let candidates = self.candidates()?;
         let argv = std::iter::once(cstring(&self.program))
             .chain(self.args.iter().map(|a| cstring(a)))
             .collect::<io::Result<Vec<_>>>()?;
@@ -164,17 +167,29 @@ impl Command {
             })
             .collect::<io::Result<Vec<_>>>()?;
         let cwd = cstring(self.cwd.as_os_str())?;
+        // envd's ends become the runtime's before the clone: nothing after it may fail but
+        // the child itself.
         let (stdin, our_stdin) = stream(stdin, Direction::In)?;
         let (stdout, our_stdout) = stream(stdout, Direction::Out)?;
         let (stderr, our_stderr) = stream(stderr, Direction::Out)?;
+        let our_stdin = our_stdin.map(pipe::Sender::from_owned_fd).transpose()?;
+        let our_stdout = our_stdout.map(pipe::Receiver::from_owned_fd).transpose()?;
+        let our_stderr = our_stderr.map(pipe::Receiver::from_owned_fd).transpose()?;
         let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
         argv_ptrs.push(std::ptr::null());
+        // For a file that is not a program the kernel knows (a script without `#!`), execvp's
+        // fallback: `/bin/sh FILE ARGS`, FILE put in place by the child.
+        let mut script_argv: Vec<*const libc::c_char> = vec![SH.as_ptr(), std::ptr::null()];
+        script_argv.extend(argv_ptrs.iter().skip(1));
+        let mut candidate_ptrs: Vec<*const libc::c_char> = candidates.iter().map(|c| c.as_ptr()).collect();
+        candidate_ptrs.push(std::ptr::null());
         let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
         envp_ptrs.push(std::ptr::null());
         let failure = AtomicI32::new(0);
         let plan = Plan {
-            path: path.as_ptr(),
+            candidates: candidate_ptrs.as_ptr(),
             argv: argv_ptrs.as_ptr(),
+            script_argv: script_argv.as_mut_ptr(),
             envp: envp_ptrs.as_ptr(),
             cwd: cwd.as_ptr(),
             stdio: [stdin.as_raw_fd(), stdout.as_raw_fd(), stderr.as_raw_fd()],
@@ -182,7 +197,17 @@ impl Command {
             session: self.session,
             failure: &failure,
         };
-        let pid = clone_vfork(&plan)?;
+        // A child that changes its ids makes the memory it shares non-dumpable (the kernel
+        // does that to the memory of whatever changes credentials), and that memory is envd's:
+        // its dumpability is put back once the child has gone on its way.
+        // SAFETY: PR_GET_DUMPABLE takes no pointer.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        let cloned = clone_vfork(&plan);
+        if dumpable >= 0 {
+            // SAFETY: PR_SET_DUMPABLE takes a number.
+            unsafe { libc::prctl(libc::PR_SET_DUMPABLE, dumpable as libc::c_ulong) };
+        }
+        let pid = cloned?;
         // The child has exec'd or ended: its ends of the streams are its own now, or unused.
         drop((stdin, stdout, stderr));
         let errno = failure.load(Ordering::Acquire);
@@ -201,11 +226,11 @@ impl Command {
         };
         Ok(Child {
             pid: pid.unsigned_abs(),
-            pidfd,
+            pidfd: Some(pidfd),
             status: None,
-            stdin: our_stdin.map(pipe::Sender::from_owned_fd).transpose()?,
-            stdout: our_stdout.map(pipe::Receiver::from_owned_fd).transpose()?,
-            stderr: our_stderr.map(pipe::Receiver::from_owned_fd).transpose()?,
+            stdin: our_stdin,
+            stdout: our_stdout,
+            stderr: our_stderr,
         })
     }
 }
@@ -221,8 +246,11 @@ impl Child {
             return Ok(status);
         }
         let pid = libc::pid_t::try_from(self.pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        let Some(pidfd) = &self.pidfd else {
+            return Err(io::Error::from_raw_os_error(libc::ECHILD));
+        };
         loop {
-            let mut ready = self.pidfd.readable().await?;
+            let mut ready = pidfd.readable().await?;
             let mut raw = 0;
             // SAFETY: waitpid writes only `raw`; the PID is our child, not reaped before.
             match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
@@ -236,10 +264,36 @@ impl Child {
                 _ => {
                     let status = ExitStatus::from_raw(raw);
                     self.status = Some(status);
+                    self.pidfd = None;
                     return Ok(status);
                 }
             }
         }
+    }
+}
+
+impl Drop for Child {
+    /// A command dropped before it was reaped (its waiter cancelled) is reaped when it ends,
+    /// by a task of its own, rather than left a zombie for the sandbox's life.
+    fn drop(&mut self) {
+        let (Some(pidfd), Ok(pid)) = (self.pidfd.take(), libc::pid_t::try_from(self.pid)) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            loop {
+                let Ok(mut ready) = pidfd.readable().await else { return };
+                let mut raw = 0;
+                // SAFETY: waitpid writes only `raw`; the PID is our child, not reaped before.
+                match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
+                    0 => ready.clear_ready(),
+                    -1 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+                    _ => return,
+                }
+            }
+        });
     }
 }
 
@@ -299,15 +353,6 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
     })
 }
 
-fn executable(path: &Path) -> bool {
-    let Ok(c) = cstring(path.as_os_str()) else {
-        return false;
-    };
-    // SAFETY: access reads a NUL-terminated path.
-    let runnable = unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0;
-    runnable && path.is_file()
-}
-
 /// A pidfd of `pid`, registered with the runtime: readable once the process has ended.
 fn watch(pid: libc::pid_t) -> io::Result<AsyncFd<OwnedFd>> {
     // SAFETY: pidfd_open takes a PID and flags, and returns a new descriptor.
@@ -334,8 +379,11 @@ fn reap(pid: libc::pid_t) {
 /// Everything the child needs, prepared by envd: pointers into memory that outlives the
 /// child's use of it (the parent thread waits in `clone` until the child has exec'd or ended).
 struct Plan<'a> {
-    path: *const libc::c_char,
+    /// Null-terminated: the files to try, in order.
+    candidates: *const *const libc::c_char,
     argv: *const *const libc::c_char,
+    /// `/bin/sh`, a slot for the file, then the arguments: for a file that is not a program.
+    script_argv: *mut *const libc::c_char,
     envp: *const *const libc::c_char,
     cwd: *const libc::c_char,
     stdio: [RawFd; 3],
@@ -404,6 +452,61 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     127
 }
 
+/// `/bin/sh`, for files that are not programs.
+const SH: &std::ffi::CStr = c"/bin/sh";
+
+/// Tries each candidate as execvp does: a file missing, in a missing directory or not the
+/// user's to run is passed over; a file the kernel cannot run is handed to `/bin/sh`. Returns
+/// (only on failure) EACCES if some file was found but not runnable, else the last error.
+///
+/// # Safety
+/// Only in the child of [`clone_vfork`], with its plan.
+unsafe fn exec_first(plan: &Plan<'_>) -> i32 {
+    let execve = |path: *const libc::c_char, argv: *const *const libc::c_char| {
+        // SAFETY: prepared, null-terminated arrays of prepared strings.
+        unsafe {
+            sys(
+                libc::SYS_execve,
+                [path as libc::c_long, argv as libc::c_long, plan.envp as libc::c_long, 0],
+            )
+        }
+        .err()
+        .unwrap_or(libc::ENOEXEC)
+    };
+    let (mut last, mut denied) = (libc::ENOENT, false);
+    let mut next = plan.candidates;
+    // SAFETY: `candidates` is null-terminated; `script_argv` has its slot at 1.
+    unsafe {
+        while !(*next).is_null() {
+            let candidate = *next;
+            next = next.add(1);
+            last = match execve(candidate, plan.argv) {
+                libc::ENOEXEC => {
+                    *plan.script_argv.add(1) = candidate;
+                    return execve(SH.as_ptr(), plan.script_argv);
+                }
+                libc::EACCES => {
+                    denied = true;
+                    libc::EACCES
+                }
+                errno @ (libc::ENOENT
+                | libc::ENOTDIR
+                | libc::ESTALE
+                | libc::ENODEV
+                | libc::ETIMEDOUT
+                | libc::ELOOP
+                | libc::ENAMETOOLONG) => errno,
+                errno => return errno,
+            };
+        }
+    }
+    if denied {
+        libc::EACCES
+    } else {
+        last
+    }
+}
+
 /// Returns only on failure, with the errno of the step that failed.
 ///
 /// # Safety
@@ -458,18 +561,7 @@ unsafe fn prepare_and_exec(plan: &Plan<'_>) -> i32 {
                     KERNEL_SIGSET_BYTES,
                 ],
             )?;
-            let errno = sys(
-                libc::SYS_execve,
-                [
-                    plan.path as libc::c_long,
-                    plan.argv as libc::c_long,
-                    plan.envp as libc::c_long,
-                    0,
-                ],
-            )
-            .err()
-            .unwrap_or(libc::ENOEXEC);
-            Err(errno)
+            Err(exec_first(plan))
         }
     };
     match step() {
@@ -525,6 +617,36 @@ mod tests {
             ["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"],
             "{out}"
         );
+    }
+
+    #[tokio::test]
+    async fn programs_are_looked_up_as_a_shell_does_as_the_user_and_envd_stays_dumpable() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("envd-spawn-path-{}", std::process::id()));
+        let (mine, theirs) = (dir.join("root-only"), dir.join("anyone"));
+        for (folder, mode, text) in [
+            (&mine, 0o700, "echo root only"),
+            (&theirs, 0o755, "echo anyone: \"$1\""),
+        ] {
+            std::fs::create_dir_all(folder).unwrap();
+            std::fs::set_permissions(folder, std::fs::Permissions::from_mode(0o755)).unwrap();
+            // No `#!`: the kernel cannot run it, /bin/sh does.
+            std::fs::write(folder.join("greet"), text).unwrap();
+            std::fs::set_permissions(folder.join("greet"), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        let path = format!("{}:{}", mine.display(), theirs.display());
+        let mut cmd = Command::new("greet");
+        cmd.args(["there"]).env("PATH", &path).ids(65534, 65534);
+        let (out, code) = sh(&mut cmd, Stdio::Null, b"").await;
+        // SAFETY: PR_GET_DUMPABLE takes no pointer.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            (out.as_str(), code),
+            ("anyone: there\n", Some(0)),
+            "the one nobody may run is passed over"
+        );
+        assert_eq!(dumpable, 1, "a child's change of ids made envd non-dumpable");
     }
 
     #[tokio::test]

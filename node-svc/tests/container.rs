@@ -728,6 +728,22 @@ async fn a_node_whose_dns_port_is_taken_says_so_and_resolves_names_once_it_is_fr
     n.stop().await;
 }
 
+/// A command holds its three standard streams and nothing else of envd's: not the socket
+/// envd listens on for the node (a command that could accept on it would read the node's
+/// requests, tokens and all, and answer them), not the boot pipe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_inherits_no_descriptor_of_envd() {
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("fds", 128 << 20).await;
+        for user in ["user", "root"] {
+            let (out, code) = n.sh("fds", user, "ls /proc/$$/fd | tr '\\n' ' '").await;
+            assert_eq!((out.as_str(), code), ("0 1 2 ", 0), "{runtime:?} as {user}");
+        }
+        n.stop().await;
+    }
+}
+
 /// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
 /// freeing its namespace: with one address in the pool, the next sandbox gets it at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
