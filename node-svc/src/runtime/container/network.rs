@@ -407,7 +407,8 @@ impl Network {
     /// Takes down the link of `sandbox`, if it has one this node made: both ends go at once,
     /// and its addresses may be given to the next sandbox. Called while the sandbox still
     /// runs, so the host end is certainly still its own. A sandbox adopted after a node
-    /// restart has no entry: its link goes when the kernel frees its namespace.
+    /// restart has no entry: its link goes when the kernel frees its namespace (which, measured
+    /// here, happened before its kill returned anyway).
     pub fn detach(&self, sandbox: &str) {
         let Some(end) = self.links().remove(sandbox) else {
             return;
@@ -555,7 +556,6 @@ async fn link_up(
     count: u64,
     netns_fd: std::os::fd::RawFd,
 ) -> Result<(Link, u32), NetworkError> {
-    use futures::TryStreamExt as _;
     use rtnetlink::packet_route::link::{InfoData, InfoVeth};
     use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
@@ -583,24 +583,24 @@ async fn link_up(
         }
     }
     let link = chosen.ok_or(NetworkError::PoolExhausted(pool))?;
-    let index = |handle: rtnetlink::Handle, name: String| async move {
-        handle
-            .link()
-            .get()
-            .match_name(name.clone())
-            .execute()
-            .try_next()
-            .await
-            .map_err(netlink)?
-            .map(|m| m.header.index)
-            .ok_or_else(|| NetworkError::Netlink(format!("{name} vanished")))
-    };
-    let host_index = index(host.clone(), link.host_interface.clone()).await?;
-    // The host end speaks IPv4 only: no link-local IPv6 address for a sandbox to find.
+    // The host end speaks IPv4 only: no link-local IPv6 address for a sandbox to find. (By
+    // name, in the host's /proc/sys/net: before this thread enters the sandbox's namespace.)
     let _ = std::fs::write(
         format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", link.host_interface),
         "1",
     );
+
+    // SAFETY: setns on this thread only; the thread ends when set-up does. The host's
+    // netlink socket stays in the host's namespace: a socket's namespace is the one it was
+    // made in.
+    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
+        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
+    }
+    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    // The host end by the index eth0 names as its peer, not by name: the name is the slot's,
+    // and a slot freed by another sandbox's death may be someone else's by now.
+    let (eth0, host_index) = eth0_and_peer(&inside).await?;
     host.address()
         .add(host_index, link.gateway.into(), 30)
         .execute()
@@ -611,14 +611,6 @@ async fn link_up(
         .execute()
         .await
         .map_err(netlink)?;
-
-    // SAFETY: setns on this thread only; the thread ends when set-up does.
-    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
-        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
-    }
-    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-    tokio::spawn(connection);
-    let eth0 = index(inside.clone(), "eth0".to_string()).await?;
     inside
         .address()
         .add(eth0, link.address.into(), 30)
@@ -638,6 +630,32 @@ async fn link_up(
         .await
         .map_err(netlink)?;
     Ok((link, host_index))
+}
+
+/// The index of the sandbox's `eth0` and of its peer, the host end (`inside` is a netlink
+/// handle in the sandbox's namespace). The kernel answers for the peer: no sandbox can rename
+/// or fake it, having no CAP_NET_ADMIN.
+async fn eth0_and_peer(inside: &rtnetlink::Handle) -> Result<(u32, u32), NetworkError> {
+    use futures::TryStreamExt as _;
+    use rtnetlink::packet_route::link::LinkAttribute;
+    let eth0 = inside
+        .link()
+        .get()
+        .match_name("eth0".to_string())
+        .execute()
+        .try_next()
+        .await
+        .map_err(netlink)?
+        .ok_or_else(|| NetworkError::Netlink("the sandbox has no eth0".into()))?;
+    let peer = eth0
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            LinkAttribute::Link(peer) => Some(*peer),
+            _ => None,
+        })
+        .ok_or_else(|| NetworkError::Netlink("eth0 names no peer".into()))?;
+    Ok((eth0.header.index, peer))
 }
 
 /// Starts the DNS forwarder of the node's pool and the redirect to it.
