@@ -576,6 +576,11 @@ mod tests {
 
     use super::*;
 
+    /// One test at a time: a child that changes its ids makes this whole process (every test
+    /// shares its memory) non-dumpable until its spawn puts that back, which another test's
+    /// reading of it must not fall into.
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
     /// Runs `script` with `sh -c`; (stdout, exit code).
     async fn sh(cmd: &mut Command, stdin: Stdio, input: &[u8]) -> (String, Option<i32>) {
         let mut child = cmd.spawn(stdin, Stdio::Piped, Stdio::Null).expect("sh starts");
@@ -597,6 +602,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_command_gets_its_ids_groups_directory_environment_and_streams() {
+        let _one = ONE_AT_A_TIME.lock().await;
         let mut cmd = script("id -u; id -g; id -G; pwd; echo \"$GREETING\"; cat; exit 3");
         cmd.env("GREETING", "hello").ids(65534, 65534).current_dir("/tmp");
         let (out, code) = sh(&mut cmd, Stdio::Piped, b"from stdin").await;
@@ -606,6 +612,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_command_leads_its_own_group_with_default_signals_and_nothing_blocked() {
+        let _one = ONE_AT_A_TIME.lock().await;
         let mut cmd = script("ps -o pgid= -p $$ | tr -d ' '; echo $$; grep -E '^Sig(Blk|Ign)' /proc/self/status; cat");
         let (out, code) = sh(&mut cmd, Stdio::Null, b"").await;
         let lines: Vec<&str> = out.lines().collect();
@@ -621,6 +628,7 @@ mod tests {
 
     #[tokio::test]
     async fn programs_are_looked_up_as_a_shell_does_as_the_user_and_envd_stays_dumpable() {
+        let _one = ONE_AT_A_TIME.lock().await;
         use std::os::unix::fs::PermissionsExt;
         let dir = std::env::temp_dir().join(format!("envd-spawn-path-{}", std::process::id()));
         let (mine, theirs) = (dir.join("root-only"), dir.join("anyone"));
@@ -651,6 +659,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_program_that_cannot_start_is_an_error_and_leaves_no_child() {
+        let _one = ONE_AT_A_TIME.lock().await;
         let missing = Command::new("no-such-program-anywhere")
             .env("PATH", "/usr/bin:/bin")
             .spawn(Stdio::Null, Stdio::Null, Stdio::Null)
