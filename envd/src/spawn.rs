@@ -249,25 +249,28 @@ impl Child {
         let Some(pidfd) = &self.pidfd else {
             return Err(io::Error::from_raw_os_error(libc::ECHILD));
         };
-        loop {
-            let mut ready = pidfd.readable().await?;
-            let mut raw = 0;
-            // SAFETY: waitpid writes only `raw`; the PID is our child, not reaped before.
-            match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
-                0 => ready.clear_ready(),
-                -1 => {
-                    let err = io::Error::last_os_error();
-                    if err.kind() != io::ErrorKind::Interrupted {
-                        return Err(err);
-                    }
-                }
-                _ => {
-                    let status = ExitStatus::from_raw(raw);
-                    self.status = Some(status);
-                    self.pidfd = None;
-                    return Ok(status);
+        let status = reaped(pidfd, pid).await?;
+        self.status = Some(status);
+        self.pidfd = None;
+        Ok(status)
+    }
+}
+
+/// Waits until `pid` (our child, not reaped before) has ended, then reaps it.
+async fn reaped(pidfd: &AsyncFd<OwnedFd>, pid: libc::pid_t) -> io::Result<ExitStatus> {
+    loop {
+        let mut ready = pidfd.readable().await?;
+        let mut raw = 0;
+        // SAFETY: waitpid writes only `raw`.
+        match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
+            0 => ready.clear_ready(),
+            -1 => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    return Err(err);
                 }
             }
+            _ => return Ok(ExitStatus::from_raw(raw)),
         }
     }
 }
@@ -283,16 +286,7 @@ impl Drop for Child {
             return;
         };
         runtime.spawn(async move {
-            loop {
-                let Ok(mut ready) = pidfd.readable().await else { return };
-                let mut raw = 0;
-                // SAFETY: waitpid writes only `raw`; the PID is our child, not reaped before.
-                match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
-                    0 => ready.clear_ready(),
-                    -1 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-                    _ => return,
-                }
-            }
+            let _ = reaped(&pidfd, pid).await;
         });
     }
 }
