@@ -760,6 +760,13 @@ async fn a_killed_sandboxs_address_is_free_when_the_kill_returns() {
             std::path::Path::new("/sys/class/net").join(&host_end).exists(),
             "round {round}: the sandbox has no link"
         );
+        // One queue each way, from creation (see `link_up`): not one per CPU cut down later.
+        let shown = std::process::Command::new("ip")
+            .args(["-d", "-o", "link", "show", "dev", &host_end])
+            .output()
+            .expect("ip (iproute2)");
+        let shown = String::from_utf8_lossy(&shown.stdout);
+        assert!(shown.contains("numtxqueues 1 numrxqueues 1 "), "round {round}: {shown}");
         n.lifecycle(&sandbox, "kill").await;
         assert!(
             !std::path::Path::new("/sys/class/net").join(&host_end).exists(),

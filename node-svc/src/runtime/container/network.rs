@@ -405,10 +405,13 @@ impl Network {
     }
 
     /// Takes down the link of `sandbox`, if it has one this node made: both ends go at once,
-    /// and its addresses may be given to the next sandbox. Called while the sandbox still
-    /// runs, so the host end is certainly still its own. A sandbox adopted after a node
-    /// restart has no entry: its link goes when the kernel frees its namespace (which, measured
-    /// here, happened before its kill returned anyway).
+    /// and its addresses may be given to the next sandbox. Called once the sandbox is dead
+    /// (its kill succeeded). The host end goes by its index, not its name: the slot's name
+    /// may belong to a newer sandbox by then (the kernel removes a dead namespace's links on
+    /// its own, later), but indexes are handed out in turn, so the index is still this
+    /// sandbox's or no one's. A sandbox adopted after a node restart has no entry: its link
+    /// goes when the kernel frees its namespace (which, measured here, happened before its
+    /// kill returned anyway).
     pub fn detach(&self, sandbox: &str) {
         let Some(end) = self.links().remove(sandbox) else {
             return;
@@ -556,7 +559,7 @@ async fn link_up(
     count: u64,
     netns_fd: std::os::fd::RawFd,
 ) -> Result<(Link, u32), NetworkError> {
-    use rtnetlink::packet_route::link::{InfoData, InfoVeth};
+    use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute};
     use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
     let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
@@ -566,12 +569,20 @@ async fn link_up(
         let Some(link) = slot(&pool, (start + step) % count) else {
             continue;
         };
+        // One queue each way on both ends, asked for at creation: a veth otherwise gets one
+        // per CPU and is then cut down to one, and cutting queues waits out an RCU grace
+        // period while holding the kernel's one networking lock (RTNL), which every other
+        // sandbox's link set-up and removal then queues behind.
         let peer = LinkMessageBuilder::<LinkUnspec>::new()
             .name("eth0".to_string())
             .setns_by_fd(netns_fd)
+            .append_extra_attribute(LinkAttribute::NumTxQueues(1))
+            .append_extra_attribute(LinkAttribute::NumRxQueues(1))
             .build();
         let message = LinkVeth::new(&link.host_interface, "eth0")
             .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+            .append_extra_attribute(LinkAttribute::NumTxQueues(1))
+            .append_extra_attribute(LinkAttribute::NumRxQueues(1))
             .build();
         match host.link().add(message).execute().await {
             Ok(()) => {
