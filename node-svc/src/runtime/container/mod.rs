@@ -551,11 +551,13 @@ impl Runtime for ContainerRuntime {
     }
 
     fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        // The link first, while the sandbox still holds it: its address is free for the next
-        // sandbox when this returns, not when the kernel frees the namespace.
-        self.network.detach(&record.id);
         reap_when_dead(record.pgid);
         self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
+        // Then its link, by the host end's index (which the kernel does not hand out again
+        // soon): its address is free for the next sandbox when this returns, not when the
+        // kernel frees the namespace. Not before the delete: a kill that fails leaves the
+        // sandbox running, and running with its network.
+        self.network.detach(&record.id);
         // Every process of the sandbox is gone with its container: its ids may be reused.
         self.ids.release(&record.id);
         dismantle(&parts(&self.run, &self.dirs.home(&record.id))).map_err(|e| control(record, "kill", e))
@@ -582,12 +584,12 @@ impl Runtime for ContainerRuntime {
     }
 
     fn discard(&self, id: &str, home: &Path) {
-        self.network.detach(id);
         if self.cli.knows(id) {
             if let Err(err) = self.cli.delete(id) {
                 tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a record was not deleted");
             }
         }
+        self.network.detach(id);
         if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a record was not unmounted");
         }
@@ -602,9 +604,9 @@ impl Runtime for ContainerRuntime {
             if keep.contains(&id) {
                 continue;
             }
-            self.network.detach(&id);
             match self.cli.delete(&id) {
                 Ok(()) => {
+                    self.network.detach(&id);
                     self.cgroups.remove(&id);
                     gone.push(id);
                 }
