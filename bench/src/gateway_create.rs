@@ -23,13 +23,18 @@ pub struct Args {
     seconds: f64,
 }
 
-async fn create_and_kill(http: &reqwest::Client, url: &str) -> anyhow::Result<Duration> {
+/// E2B's default create: the sandbox may reach the internet, so it gets a link out.
+const LINKED: &str = r#"{"templateID":"base"}"#;
+/// A create whose sandbox keeps loopback only: no veth pair, no addresses, no routes.
+const UNLINKED: &str = r#"{"templateID":"base","allow_internet_access":false}"#;
+
+async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let r = http
         .post(format!("{url}/sandboxes"))
         .header("X-API-Key", "bench")
         .header("Content-Type", "application/json")
-        .body(r#"{"templateID":"base"}"#)
+        .body(body)
         .send()
         .await?;
     anyhow::ensure!(r.status().as_u16() == 201, "create answered {}", r.status());
@@ -67,7 +72,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let http = reqwest::Client::new();
     // Until the node's first heartbeat lands, nothing can be placed.
     let ready = Instant::now();
-    while create_and_kill(&http, &url).await.is_err() {
+    while create_and_kill(&http, &url, LINKED).await.is_err() {
         anyhow::ensure!(
             ready.elapsed() < Duration::from_secs(10),
             "the stack never accepted a create"
@@ -77,32 +82,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 
     let mut latencies = Vec::with_capacity(args.creates);
     for _ in 0..args.creates {
-        latencies.push(create_and_kill(&http, &url).await?);
+        latencies.push(create_and_kill(&http, &url, LINKED).await?);
     }
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
     let (p50, p99) = (pct(0.5), pct(0.99));
 
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for _ in 0..args.clients {
-        let (http, url, done, stop) = (http.clone(), url.clone(), done.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                create_and_kill(&http, &url).await?;
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok::<_, anyhow::Error>(())
-        }));
-    }
-    let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await??;
-    }
-    let per_sec = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    let per_sec = throughput(&http, &url, &args, LINKED).await?;
+    // The same load without the link out, in the same run: what the veth pair, its addresses
+    // and routes (and their removal) cost, as a ratio this machine's noise does not swamp.
+    let unlinked_per_sec = throughput(&http, &url, &args, UNLINKED).await?;
 
     stack.shut_down().await;
 
@@ -118,6 +107,35 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             "creates_per_sec",
             per_sec.round() as u64,
             "creates/s (each followed by its kill)",
+        )
+        .figure(
+            "unlinked_creates_per_sec",
+            unlinked_per_sec.round() as u64,
+            "creates/s of sandboxes without internet access (no link out)",
         );
     Ok(report)
+}
+
+/// Create-and-kill cycles per second with `args.clients` clients for `args.seconds`.
+async fn throughput(http: &reqwest::Client, url: &str, args: &Args, body: &'static str) -> anyhow::Result<f64> {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..args.clients {
+        let (http, url, done, stop) = (http.clone(), url.to_string(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                create_and_kill(&http, &url, body).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<_, anyhow::Error>(())
+        }));
+    }
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
 }
