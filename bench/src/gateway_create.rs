@@ -51,14 +51,17 @@ async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) 
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let room = u32::try_from(args.clients.saturating_mul(4)).unwrap_or(u32::MAX);
     let stack = stack::Stack::builder()
         // Placement publishes no node documents here: the figure is the create path's alone.
         .placement(|c| c.ledger_endpoint = None)
         .heartbeat(Duration::from_millis(200))
-        .node(|c| {
+        // Room for every client's sandbox twice over (a killed one's reservation is released
+        // a moment after its kill answers): a create refused for room would end the run.
+        .node(move |c| {
             c.host.capacity = node_svc::sandbox::Resources {
-                vcpus: 256,
-                memory_bytes: 512 << 30,
+                vcpus: room.max(256),
+                memory_bytes: u64::from(room.max(256)) << 31,
             }
         })
         .gateway(|c| {
@@ -67,6 +70,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         })
         .start()
         .await?;
+    // Measured apart from the stack's start and shut-down, so a failed run still kills every
+    // sandbox it made instead of leaving them running on the host.
+    let measured = measure(&stack, &args).await;
+    stack.shut_down().await;
+    Ok(report(&args, measured?))
+}
+
+/// The latencies (p50, p99 in ms) and the linked and unlinked throughputs.
+async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<(f64, f64, f64, f64)> {
+    anyhow::ensure!(args.creates > 0, "--creates must be at least 1");
     let gateway = stack.gateway.as_ref().context("the stack has a gateway")?;
     let url = gateway.url();
     let http = reqwest::Client::new();
@@ -88,13 +101,14 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
     let (p50, p99) = (pct(0.5), pct(0.99));
 
-    let per_sec = throughput(&http, &url, &args, LINKED).await?;
+    let per_sec = throughput(&http, &url, args, LINKED).await?;
     // The same load without the link out, in the same run: what the veth pair, its addresses
     // and routes (and their removal) cost, as a ratio this machine's noise does not swamp.
-    let unlinked_per_sec = throughput(&http, &url, &args, UNLINKED).await?;
+    let unlinked_per_sec = throughput(&http, &url, args, UNLINKED).await?;
+    Ok((p50, p99, per_sec, unlinked_per_sec))
+}
 
-    stack.shut_down().await;
-
+fn report(args: &Args, (p50, p99, per_sec, unlinked_per_sec): (f64, f64, f64, f64)) -> Report {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(
         "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients)",
@@ -113,7 +127,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             unlinked_per_sec.round() as u64,
             "creates/s of sandboxes without internet access (no link out)",
         );
-    Ok(report)
+    report
 }
 
 /// Create-and-kill cycles per second with `args.clients` clients for `args.seconds`.
@@ -134,8 +148,15 @@ async fn throughput(http: &reqwest::Client, url: &str, args: &Args, body: &'stat
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
     stop.store(true, Ordering::Relaxed);
+    // Every client ends its cycle (its sandbox killed) before a failure is reported.
+    let mut failed = None;
     for t in tasks {
-        t.await??;
+        if let Err(e) = t.await.map_err(anyhow::Error::from).and_then(|r| r) {
+            failed.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failed {
+        return Err(e);
     }
     Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
 }
