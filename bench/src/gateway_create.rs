@@ -37,7 +37,10 @@ async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) 
         .body(body)
         .send()
         .await?;
-    anyhow::ensure!(r.status().as_u16() == 201, "create answered {}", r.status());
+    if r.status().as_u16() != 201 {
+        let status = r.status();
+        anyhow::bail!("create answered {status}: {}", r.text().await.unwrap_or_default());
+    }
     let took = started.elapsed();
     let body: serde_json::Value = r.json().await?;
     let id = body["sandboxID"].as_str().context("sandboxID")?;
