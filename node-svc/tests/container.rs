@@ -728,6 +728,12 @@ async fn a_node_whose_dns_port_is_taken_says_so_and_resolves_names_once_it_is_fr
     n.stop().await;
 }
 
+/// Prints which of the shell's descriptors 0 to 31 are open, using only the shell's builtins
+/// (`[ -e ]` is a `stat`, which opens nothing).
+const OPEN_DESCRIPTORS: &str =
+    "for f in 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31; \
+     do [ -e /proc/$$/fd/$f ] && printf '%s ' $f; done; true";
+
 /// A command holds its three standard streams and nothing else of envd's: not the socket
 /// envd listens on for the node (a command that could accept on it would read the node's
 /// requests, tokens and all, and answer them), not the boot pipe.
@@ -737,7 +743,10 @@ async fn a_command_inherits_no_descriptor_of_envd() {
         let n = node(runtime.clone()).await;
         n.create("fds", 128 << 20).await;
         for user in ["user", "root"] {
-            let (out, code) = n.sh("fds", user, "ls /proc/$$/fd | tr '\\n' ' '").await;
+            // The shell's own descriptors, by the shell alone: `ls /proc/$$/fd | tr ...` saw
+            // the pipe the shell makes for `|` (3 and 4) whenever `ls` ran before the shell
+            // closed its copies, and any listing by a program shows the folder it opened.
+            let (out, code) = n.sh("fds", user, OPEN_DESCRIPTORS).await;
             assert_eq!((out.as_str(), code), ("0 1 2 ", 0), "{runtime:?} as {user}");
         }
         n.stop().await;
