@@ -54,17 +54,19 @@ async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) 
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
-    let room = u32::try_from(args.clients.saturating_mul(4)).unwrap_or(u32::MAX);
+    // Room for every client's sandbox twice over (a killed one's reservation is released a
+    // moment after its kill answers): a create refused for room would end the run.
+    let vcpus = u32::try_from(args.clients.saturating_mul(4))
+        .unwrap_or(u32::MAX)
+        .max(256);
     let stack = stack::Stack::builder()
         // Placement publishes no node documents here: the figure is the create path's alone.
         .placement(|c| c.ledger_endpoint = None)
         .heartbeat(Duration::from_millis(200))
-        // Room for every client's sandbox twice over (a killed one's reservation is released
-        // a moment after its kill answers): a create refused for room would end the run.
         .node(move |c| {
             c.host.capacity = node_svc::sandbox::Resources {
-                vcpus: room.max(256),
-                memory_bytes: u64::from(room.max(256)) << 31,
+                vcpus,
+                memory_bytes: u64::from(vcpus) << 31,
             }
         })
         .gateway(|c| {
@@ -80,8 +82,15 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     Ok(report(&args, measured?))
 }
 
-/// The latencies (p50, p99 in ms) and the linked and unlinked throughputs.
-async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<(f64, f64, f64, f64)> {
+/// What one run measures.
+struct Figures {
+    p50_ms: f64,
+    p99_ms: f64,
+    per_sec: f64,
+    unlinked_per_sec: f64,
+}
+
+async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
     anyhow::ensure!(args.creates > 0, "--creates must be at least 1");
     let gateway = stack.gateway.as_ref().context("the stack has a gateway")?;
     let url = gateway.url();
@@ -102,32 +111,37 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<(f64, f64,
     }
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
-    let (p50, p99) = (pct(0.5), pct(0.99));
+    let (p50_ms, p99_ms) = (pct(0.5), pct(0.99));
 
     let per_sec = throughput(&http, &url, args, LINKED).await?;
     // The same load without the link out, in the same run: what the veth pair, its addresses
     // and routes (and their removal) cost, as a ratio this machine's noise does not swamp.
     let unlinked_per_sec = throughput(&http, &url, args, UNLINKED).await?;
-    Ok((p50, p99, per_sec, unlinked_per_sec))
+    Ok(Figures {
+        p50_ms,
+        p99_ms,
+        per_sec,
+        unlinked_per_sec,
+    })
 }
 
-fn report(args: &Args, (p50, p99, per_sec, unlinked_per_sec): (f64, f64, f64, f64)) -> Report {
+fn report(args: &Args, figures: Figures) -> Report {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(
         "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients)",
         args.creates, args.clients
     ));
     report
-        .figure("create_p50_ms", round(p50), "ms")
-        .figure("create_p99_ms", round(p99), "ms")
+        .figure("create_p50_ms", round(figures.p50_ms), "ms")
+        .figure("create_p99_ms", round(figures.p99_ms), "ms")
         .figure(
             "creates_per_sec",
-            per_sec.round() as u64,
+            figures.per_sec.round() as u64,
             "creates/s (each followed by its kill)",
         )
         .figure(
             "unlinked_creates_per_sec",
-            unlinked_per_sec.round() as u64,
+            figures.unlinked_per_sec.round() as u64,
             "creates/s of sandboxes without internet access (no link out)",
         );
     report

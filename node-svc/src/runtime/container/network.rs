@@ -559,7 +559,7 @@ async fn link_up(
     count: u64,
     netns_fd: std::os::fd::RawFd,
 ) -> Result<(Link, u32), NetworkError> {
-    use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute};
+    use rtnetlink::packet_route::link::{InfoData, InfoVeth};
     use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
     let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
@@ -569,21 +569,16 @@ async fn link_up(
         let Some(link) = slot(&pool, (start + step) % count) else {
             continue;
         };
-        // One queue each way on both ends, asked for at creation: a veth otherwise gets one
-        // per CPU and is then cut down to one, and cutting queues waits out an RCU grace
-        // period while holding the kernel's one networking lock (RTNL), which every other
-        // sandbox's link set-up and removal then queues behind.
-        let peer = LinkMessageBuilder::<LinkUnspec>::new()
-            .name("eth0".to_string())
-            .setns_by_fd(netns_fd)
-            .append_extra_attribute(LinkAttribute::NumTxQueues(1))
-            .append_extra_attribute(LinkAttribute::NumRxQueues(1))
-            .build();
-        let message = LinkVeth::new(&link.host_interface, "eth0")
-            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
-            .append_extra_attribute(LinkAttribute::NumTxQueues(1))
-            .append_extra_attribute(LinkAttribute::NumRxQueues(1))
-            .build();
+        let peer = one_queue_each_way(
+            LinkMessageBuilder::<LinkUnspec>::new()
+                .name("eth0".to_string())
+                .setns_by_fd(netns_fd),
+        )
+        .build();
+        let message = one_queue_each_way(
+            LinkVeth::new(&link.host_interface, "eth0").set_info_data(InfoData::Veth(InfoVeth::Peer(peer))),
+        )
+        .build();
         match host.link().add(message).execute().await {
             Ok(()) => {
                 chosen = Some(link);
@@ -641,6 +636,16 @@ async fn link_up(
         .await
         .map_err(netlink)?;
     Ok((link, host_index))
+}
+
+/// `link` asking for one queue each way at creation: a veth otherwise gets one per CPU and is
+/// then cut down to one, and cutting queues waits out an RCU grace period while holding the
+/// kernel's one networking lock (RTNL), which every other sandbox's link set-up and removal
+/// then queues behind.
+fn one_queue_each_way<T>(link: rtnetlink::LinkMessageBuilder<T>) -> rtnetlink::LinkMessageBuilder<T> {
+    use rtnetlink::packet_route::link::LinkAttribute;
+    link.append_extra_attribute(LinkAttribute::NumTxQueues(1))
+        .append_extra_attribute(LinkAttribute::NumRxQueues(1))
 }
 
 /// The index of the sandbox's `eth0` and of its peer, the host end (`inside` is a netlink
