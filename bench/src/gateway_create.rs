@@ -1,6 +1,8 @@
 //! `bench gateway-create`: creates through the REST API until the sandbox runs (201), then a
 //! kill, against the whole stack in this process on the embedded default (each sandbox a
-//! container): latency with one client at a time, and throughput with 64 concurrent clients.
+//! container): latency with one client at a time, and throughput with 64 concurrent clients,
+//! with what each create-and-kill cycle costs the host in CPU ([`HostCpu`]): the figure that
+//! bounds the throughput any concurrency can reach on this host's cores.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -8,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use crate::host_cpu::HostCpu;
 use crate::report::Report;
 
 #[derive(clap::Args, Debug)]
@@ -86,8 +89,25 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 struct Figures {
     p50_ms: f64,
     p99_ms: f64,
+    linked: Throughput,
+    unlinked: Throughput,
+}
+
+/// What the concurrent phase of one kind of create measures.
+struct Throughput {
+    /// Create-and-kill cycles completed per second.
     per_sec: f64,
-    unlinked_per_sec: f64,
+    /// The host's busy CPU time per cycle, in milliseconds (every process and kernel thread).
+    cpu_ms: f64,
+    /// The CPUs that time was spent on.
+    cores: usize,
+}
+
+impl Throughput {
+    /// Cycles per second the host's cores could complete at this CPU cost, all busy.
+    fn cpu_bound(&self) -> f64 {
+        self.cores as f64 * 1000.0 / self.cpu_ms.max(f64::MIN_POSITIVE)
+    }
 }
 
 async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
@@ -113,15 +133,15 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
     let (p50_ms, p99_ms) = (pct(0.5), pct(0.99));
 
-    let per_sec = throughput(&http, &url, args, LINKED).await?;
+    let linked = throughput(&http, &url, args, LINKED).await?;
     // The same load without the link out, in the same run: what the veth pair, its addresses
     // and routes (and their removal) cost, as a ratio this machine's noise does not swamp.
-    let unlinked_per_sec = throughput(&http, &url, args, UNLINKED).await?;
+    let unlinked = throughput(&http, &url, args, UNLINKED).await?;
     Ok(Figures {
         p50_ms,
         p99_ms,
-        per_sec,
-        unlinked_per_sec,
+        linked,
+        unlinked,
     })
 }
 
@@ -136,21 +156,39 @@ fn report(args: &Args, figures: Figures) -> Report {
         .figure("create_p99_ms", round(figures.p99_ms), "ms")
         .figure(
             "creates_per_sec",
-            figures.per_sec.round() as u64,
+            figures.linked.per_sec.round() as u64,
             "creates/s (each followed by its kill)",
         )
         .figure(
+            "cpu_ms_per_create",
+            round(figures.linked.cpu_ms),
+            "ms of host CPU per create and kill (all processes and kernel threads)",
+        )
+        .figure(
+            "cpu_bound_creates_per_sec",
+            figures.linked.cpu_bound().round() as u64,
+            &format!("creates/s at that cost with all {} cores busy", figures.linked.cores),
+        )
+        .figure(
             "unlinked_creates_per_sec",
-            figures.unlinked_per_sec.round() as u64,
+            figures.unlinked.per_sec.round() as u64,
             "creates/s of sandboxes without internet access (no link out)",
+        )
+        .figure(
+            "unlinked_cpu_ms_per_create",
+            round(figures.unlinked.cpu_ms),
+            "ms of host CPU per create and kill without the link out",
         );
     report
 }
 
-/// Create-and-kill cycles per second with `args.clients` clients for `args.seconds`.
-async fn throughput(http: &reqwest::Client, url: &str, args: &Args, body: &'static str) -> anyhow::Result<f64> {
+/// Create-and-kill cycles per second with `args.clients` clients for `args.seconds`, and the
+/// host CPU each cost.
+async fn throughput(http: &reqwest::Client, url: &str, args: &Args, body: &'static str) -> anyhow::Result<Throughput> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // Read before any client starts: an error here must not leave clients running.
+    let cpu_before = HostCpu::read().context("reading /proc/stat")?;
     let mut tasks = Vec::new();
     for _ in 0..args.clients {
         let (http, url, done, stop) = (http.clone(), url.to_string(), done.clone(), stop.clone());
@@ -175,5 +213,13 @@ async fn throughput(http: &reqwest::Client, url: &str, args: &Args, body: &'stat
     if let Some(e) = failed {
         return Err(e);
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = HostCpu::read().context("reading /proc/stat")?;
+    let cycles = done.load(Ordering::Relaxed);
+    anyhow::ensure!(cycles > 0, "no create-and-kill cycle completed in {elapsed:.1} s");
+    Ok(Throughput {
+        per_sec: cycles as f64 / elapsed,
+        cpu_ms: cpu_after.since(&cpu_before) / cycles as f64,
+        cores: cpu_after.cores,
+    })
 }

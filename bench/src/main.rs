@@ -8,6 +8,7 @@ mod balance_convergence;
 mod chaos;
 mod fixture;
 mod gateway_create;
+mod host_cpu;
 mod ledger_cas;
 mod migration;
 mod move_faults;
