@@ -5,13 +5,13 @@
 FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
+# envd and the jail, started for every sandbox, static and not PIE (see the script).
 RUN cargo build --release --locked --workspace --bins \
- && RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --locked -p envd \
-       --bin sandboxsched-envd --target x86_64-unknown-linux-gnu \
+ && scripts/build-static-envd --release \
  && mkdir /out \
  && cp target/release/sandboxsched target/release/ledger-svc target/release/placement-svc \
        target/release/node-svc target/release/e2b-gateway target/release/balance-svc \
-       target/release/sandboxsched-jail \
+       target/x86_64-unknown-linux-gnu/release/sandboxsched-jail \
        target/x86_64-unknown-linux-gnu/release/sandboxsched-envd /out/
 
 FROM debian:bookworm-slim
