@@ -576,6 +576,11 @@ impl Runtime for ContainerRuntime {
 
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
         self.ids.adopt(&record.id, record.pgid);
+        // Its link, so its kill takes it down (a restored sandbox has no process yet: its
+        // start links it).
+        if record.pgid > 1 && self.alive(record) {
+            self.network.adopt(&record.id, record.pgid);
+        }
         Ok(())
     }
 

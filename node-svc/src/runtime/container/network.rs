@@ -409,9 +409,8 @@ impl Network {
     /// (its kill succeeded). The host end goes by its index, not its name: the slot's name
     /// may belong to a newer sandbox by then (the kernel removes a dead namespace's links on
     /// its own, later), but indexes are handed out in turn, so the index is still this
-    /// sandbox's or no one's. A sandbox adopted after a node restart has no entry: its link
-    /// goes when the kernel frees its namespace (which, measured here, happened before its
-    /// kill returned anyway).
+    /// sandbox's or no one's. A sandbox adopted after a node restart has its entry from
+    /// [`Network::adopt`].
     pub fn detach(&self, sandbox: &str) {
         let Some(end) = self.links().remove(sandbox) else {
             return;
@@ -429,6 +428,40 @@ impl Network {
             Ok(()) => tracing::debug!(sandbox_id = sandbox, interface = %end.name, "sandbox unlinked"),
             Err(err) => {
                 tracing::warn!(sandbox_id = sandbox, interface = %end.name, %err, "sandbox's link left to the kernel")
+            }
+        }
+    }
+
+    /// Takes charge again of the link of a sandbox found running after a node restart (its
+    /// init is `pid`), so its kill takes the link down as a fresh sandbox's does: without it,
+    /// the link would last as long as anything held the sandbox's namespace. Found from
+    /// inside: `eth0` names its host end's index. A sandbox without `eth0` has no link; a
+    /// `pid` in the node's own namespace (its init gone and the number reused) is not a
+    /// sandbox's, and is left alone.
+    pub fn adopt(&self, sandbox: &str, pid: u32) {
+        use std::os::unix::fs::MetadataExt as _;
+        let namespace = |pid: &str| std::fs::metadata(format!("/proc/{pid}/ns/net")).map(|m| m.ino());
+        match (namespace(&pid.to_string()), namespace("self")) {
+            (Ok(theirs), Ok(ours)) if theirs != ours => {}
+            _ => return,
+        }
+        let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap_or_default();
+        if !dev.lines().any(|l| l.trim_start().starts_with("eth0:")) {
+            return;
+        }
+        let found = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .map_err(NetworkError::Namespace)
+            .and_then(|netns| {
+                let netns_fd = netns.as_raw_fd();
+                on_netlink_thread(move || host_end_of(netns_fd))
+            });
+        match found {
+            Ok(end) => {
+                tracing::debug!(sandbox_id = sandbox, interface = %end.name, "sandbox's link adopted");
+                self.links().insert(sandbox.to_string(), end);
+            }
+            Err(err) => {
+                tracing::warn!(sandbox_id = sandbox, %err, "sandbox's link not found: it goes when the kernel frees its namespace")
             }
         }
     }
@@ -651,6 +684,42 @@ fn one_queue_each_way<T>(link: rtnetlink::LinkMessageBuilder<T>) -> rtnetlink::L
 /// The index of the sandbox's `eth0` and of its peer, the host end (`inside` is a netlink
 /// handle in the sandbox's namespace). The kernel answers for the peer: no sandbox can rename
 /// or fake it, having no CAP_NET_ADMIN.
+/// The host end of the link of the namespace `netns_fd`: its index, as the namespace's
+/// `eth0` names it, and its name in the host's namespace. Runs [`on_netlink_thread`]: it
+/// enters the namespace.
+async fn host_end_of(netns_fd: std::os::fd::RawFd) -> Result<HostEnd, NetworkError> {
+    use futures::TryStreamExt as _;
+    use rtnetlink::packet_route::link::LinkAttribute;
+    // The host's socket first: a socket's namespace is the one it was made in.
+    let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    // SAFETY: setns on this thread only; the thread ends with this work.
+    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
+        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
+    }
+    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    let (_, index) = eth0_and_peer(&inside).await?;
+    let end = host
+        .link()
+        .get()
+        .match_index(index)
+        .execute()
+        .try_next()
+        .await
+        .map_err(netlink)?
+        .ok_or_else(|| NetworkError::Netlink(format!("no host link of index {index}")))?;
+    let name = end
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            LinkAttribute::IfName(name) => Some(name.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    Ok(HostEnd { name, index })
+}
+
 async fn eth0_and_peer(inside: &rtnetlink::Handle) -> Result<(u32, u32), NetworkError> {
     use futures::TryStreamExt as _;
     use rtnetlink::packet_route::link::LinkAttribute;
