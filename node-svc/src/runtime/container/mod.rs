@@ -576,8 +576,9 @@ impl Runtime for ContainerRuntime {
 
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
         self.ids.adopt(&record.id, record.pgid);
-        // Its link, so its kill takes it down (a restored sandbox has no process yet: its
-        // start links it).
+        // Its link, so its kill takes it down. Only while its container runs: a PID number
+        // reused by some other process must not hand that process's link to this kill. (A
+        // restored sandbox has no process yet: its start links it.)
         if record.pgid > 1 && self.alive(record) {
             self.network.adopt(&record.id, record.pgid);
         }

@@ -416,9 +416,7 @@ impl Network {
             return;
         };
         let deleted = on_netlink_thread(move || async move {
-            let (connection, host, _) =
-                rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-            tokio::spawn(connection);
+            let host = connect()?;
             match host.link().del(end.index).execute().await {
                 Err(e) if no_such_device(&e) => Ok(()),
                 done => done.map_err(netlink),
@@ -440,21 +438,15 @@ impl Network {
     /// sandbox's, and is left alone.
     pub fn adopt(&self, sandbox: &str, pid: u32) {
         use std::os::unix::fs::MetadataExt as _;
-        let namespace = |pid: &str| std::fs::metadata(format!("/proc/{pid}/ns/net")).map(|m| m.ino());
-        match (namespace(&pid.to_string()), namespace("self")) {
-            (Ok(theirs), Ok(ours)) if theirs != ours => {}
-            _ => return,
-        }
-        let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap_or_default();
-        if !dev.lines().any(|l| l.trim_start().starts_with("eth0:")) {
+        let Ok(netns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else {
+            return;
+        };
+        let ours = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).ok();
+        if netns.metadata().map(|m| m.ino()).ok() == ours || !has_eth0(pid).unwrap_or(false) {
             return;
         }
-        let found = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-            .map_err(NetworkError::Namespace)
-            .and_then(|netns| {
-                let netns_fd = netns.as_raw_fd();
-                on_netlink_thread(move || host_end_of(netns_fd))
-            });
+        let netns_fd = netns.as_raw_fd();
+        let found = on_netlink_thread(move || host_end_of(netns_fd));
         match found {
             Ok(end) => {
                 tracing::debug!(sandbox_id = sandbox, interface = %end.name, "sandbox's link adopted");
@@ -518,8 +510,7 @@ impl Network {
     /// transaction (no moment without them), and a link if it now needs one and has none. A
     /// link it no longer needs stays, behind rules that now refuse everything.
     pub fn update(&self, sandbox: &str, pid: u32, policy: &NetworkPolicy) -> Result<Option<Link>, NetworkError> {
-        let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).map_err(NetworkError::Namespace)?;
-        let linked = dev.lines().any(|l| l.trim_start().starts_with("eth0:"));
+        let linked = has_eth0(pid).map_err(NetworkError::Namespace)?;
         let rules = if linked && !policy.needs_link() {
             // Keeps the link, refuses everything but loopback.
             sandbox_ruleset(&NetworkPolicy {
@@ -546,6 +537,12 @@ impl Network {
         // them again, the same).
         self.attach(sandbox, pid, Some(policy))
     }
+}
+
+/// Whether the namespace of process `pid` has an `eth0`: a link this node made.
+fn has_eth0(pid: u32) -> std::io::Result<bool> {
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev"))?;
+    Ok(dev.lines().any(|l| l.trim_start().starts_with("eth0:")))
 }
 
 fn netlink(e: rtnetlink::Error) -> NetworkError {
@@ -595,8 +592,7 @@ async fn link_up(
     use rtnetlink::packet_route::link::{InfoData, InfoVeth};
     use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
-    let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-    tokio::spawn(connection);
+    let host = connect()?;
     let mut chosen = None;
     for step in 0..count.min(4096) {
         let Some(link) = slot(&pool, (start + step) % count) else {
@@ -629,14 +625,8 @@ async fn link_up(
         "1",
     );
 
-    // SAFETY: setns on this thread only; the thread ends when set-up does. The host's
-    // netlink socket stays in the host's namespace: a socket's namespace is the one it was
-    // made in.
-    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
-        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
-    }
-    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-    tokio::spawn(connection);
+    // The host's netlink socket stays in the host's namespace.
+    let inside = enter(netns_fd)?;
     // The host end by the index eth0 names as its peer, not by name: the name is the slot's,
     // and a slot freed by another sandbox's death may be someone else's by now.
     let (eth0, host_index) = eth0_and_peer(&inside).await?;
@@ -681,24 +671,34 @@ fn one_queue_each_way<T>(link: rtnetlink::LinkMessageBuilder<T>) -> rtnetlink::L
         .append_extra_attribute(LinkAttribute::NumRxQueues(1))
 }
 
-/// The index of the sandbox's `eth0` and of its peer, the host end (`inside` is a netlink
-/// handle in the sandbox's namespace). The kernel answers for the peer: no sandbox can rename
-/// or fake it, having no CAP_NET_ADMIN.
+/// A netlink handle in this thread's network namespace, its connection driven by the
+/// thread's runtime. A socket stays in the namespace it was made in, whatever the thread
+/// enters later.
+fn connect() -> Result<rtnetlink::Handle, NetworkError> {
+    let (connection, handle, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
+    tokio::spawn(connection);
+    Ok(handle)
+}
+
+/// Moves this thread into the network namespace `netns_fd` and returns a netlink handle
+/// there. Only on [`on_netlink_thread`]'s threads, which end with their work.
+fn enter(netns_fd: std::os::fd::RawFd) -> Result<rtnetlink::Handle, NetworkError> {
+    // SAFETY: setns on this thread only; the thread never returns to a pool.
+    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
+        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
+    }
+    connect()
+}
+
 /// The host end of the link of the namespace `netns_fd`: its index, as the namespace's
 /// `eth0` names it, and its name in the host's namespace. Runs [`on_netlink_thread`]: it
 /// enters the namespace.
 async fn host_end_of(netns_fd: std::os::fd::RawFd) -> Result<HostEnd, NetworkError> {
     use futures::TryStreamExt as _;
     use rtnetlink::packet_route::link::LinkAttribute;
-    // The host's socket first: a socket's namespace is the one it was made in.
-    let (connection, host, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-    tokio::spawn(connection);
-    // SAFETY: setns on this thread only; the thread ends with this work.
-    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
-        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
-    }
-    let (connection, inside, _) = rtnetlink::new_connection().map_err(|e| NetworkError::Netlink(e.to_string()))?;
-    tokio::spawn(connection);
+    // The host's socket before entering the namespace.
+    let host = connect()?;
+    let inside = enter(netns_fd)?;
     let (_, index) = eth0_and_peer(&inside).await?;
     let end = host
         .link()
@@ -720,6 +720,9 @@ async fn host_end_of(netns_fd: std::os::fd::RawFd) -> Result<HostEnd, NetworkErr
     Ok(HostEnd { name, index })
 }
 
+/// The index of the sandbox's `eth0` and of its peer, the host end (`inside` is a netlink
+/// handle in the sandbox's namespace). The kernel answers for the peer: no sandbox can rename
+/// or fake it, having no CAP_NET_ADMIN.
 async fn eth0_and_peer(inside: &rtnetlink::Handle) -> Result<(u32, u32), NetworkError> {
     use futures::TryStreamExt as _;
     use rtnetlink::packet_route::link::LinkAttribute;
