@@ -309,6 +309,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         gateway.url()
     );
     println!("  metrics        http://{metrics_addr}/metrics   (Prometheus, every service)");
+    if let Some(certs) = stack.certs.dir() {
+        println!(
+            "  gRPC is mutual TLS; certificates in {} (sandboxsched-ctl --tls-dir {0})",
+            certs.display()
+        );
+    }
     println!();
     println!("Point an unmodified E2B SDK at it:");
     println!("  export E2B_API_URL={}", gateway.url());

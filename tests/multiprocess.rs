@@ -54,7 +54,12 @@ fn free_port() -> u16 {
 }
 
 /// Child processes that are killed when the test ends, however it ends.
-struct Processes(Vec<(String, Child)>);
+struct Processes {
+    children: Vec<(String, Child)>,
+    /// The cluster's certificates: every child proves its role with them (`--tls-dir`), and
+    /// the test's own clients too.
+    certs: stack::Certs,
+}
 
 impl Processes {
     fn spawn(&mut self, name: &str, binary: &str, args: &[String], log: &std::path::Path) {
@@ -62,16 +67,20 @@ impl Processes {
         let child = Command::new(self::binary(binary))
             .args(args)
             .env("RUST_LOG", "info")
+            .env(
+                "SANDBOXSCHED_TLS_DIR",
+                self.certs.dir().expect("the test's cluster has certificates"),
+            )
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("log"))
             .stderr(out)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {binary}: {e}"));
-        self.0.push((name.to_string(), child));
+        self.children.push((name.to_string(), child));
     }
 
     fn assert_running(&mut self) {
-        for (name, child) in &mut self.0 {
+        for (name, child) in &mut self.children {
             if let Ok(Some(status)) = child.try_wait() {
                 panic!("{name} exited early with {status}; see its log");
             }
@@ -81,22 +90,18 @@ impl Processes {
 
 impl Drop for Processes {
     fn drop(&mut self) {
-        for (_, child) in &mut self.0 {
+        for (_, child) in &mut self.children {
             let _ = child.kill();
             let _ = child.wait();
         }
     }
 }
 
-async fn connect(endpoint: &str, procs: &mut Processes) -> Channel {
+async fn connect(endpoint: &str, peer: stack::Role, procs: &mut Processes) -> Channel {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         procs.assert_running();
-        match Channel::from_shared(endpoint.to_string())
-            .expect("endpoint")
-            .connect()
-            .await
-        {
+        match procs.certs.endpoint(endpoint, peer).expect("endpoint").connect().await {
             Ok(channel) => return channel,
             Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
             Err(err) => panic!("{endpoint} never came up: {err}"),
@@ -183,7 +188,10 @@ async fn base(prefix: &str) -> Base {
         .execute(&mut pg)
         .await
         .unwrap();
-    let mut procs = Processes(Vec::new());
+    let mut procs = Processes {
+        children: Vec::new(),
+        certs: stack::Certs::issue(&work.join("certs")).expect("the test cluster's certificates"),
+    };
     let ledger = format!("127.0.0.1:{}", free_port());
     procs.spawn(
         "ledger",
@@ -197,7 +205,7 @@ async fn base(prefix: &str) -> Base {
         &work,
     );
     let ledger_endpoint = format!("http://{ledger}");
-    connect(&ledger_endpoint, &mut procs).await;
+    connect(&ledger_endpoint, stack::Role::Ledger, &mut procs).await;
     Base {
         tag,
         work,
@@ -243,7 +251,9 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     }
     let mut p = Vec::new();
     for endpoint in &placers {
-        p.push(PlacementClient::new(connect(endpoint, &mut procs).await));
+        p.push(PlacementClient::new(
+            connect(endpoint, stack::Role::Placement, &mut procs).await,
+        ));
     }
 
     let mut nodes = BTreeMap::new();
@@ -275,7 +285,10 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
             &work,
         );
         let endpoint = format!("http://{addr}");
-        nodes.insert(id, NodeClient::new(connect(&endpoint, &mut procs).await));
+        nodes.insert(
+            id,
+            NodeClient::new(connect(&endpoint, stack::Role::Node, &mut procs).await),
+        );
     }
 
     // Both replicas see all three nodes.
@@ -390,7 +403,9 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     }
 
     // The placers published the node documents to the ledger on PostgreSQL.
-    let ledger_client = ledger_client::LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
+    let ledger_client =
+        ledger_client::LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Gateway))
+            .unwrap();
     let docs = eventually("three node documents", || {
         let (l, tag) = (ledger_client.clone(), tag.clone());
         async move {
@@ -478,10 +493,11 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             &work,
         );
         let endpoint = format!("http://127.0.0.1:{grpc}");
-        let client = NodeClient::new(connect(&endpoint, &mut procs).await);
+        let client = NodeClient::new(connect(&endpoint, stack::Role::Node, &mut procs).await);
         nodes.push((id, endpoint, format!("http://127.0.0.1:{envd}"), client));
     }
-    let ledger_client = LedgerClient::connect_lazy(&ledger_endpoint).unwrap();
+    let ledger_client =
+        LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Gateway)).unwrap();
     let balance = |halt: Option<String>| {
         let mut args = vec![
             "--listen".to_string(),

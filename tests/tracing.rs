@@ -187,6 +187,7 @@ async fn a_create_is_one_trace_and_its_move_links_back_to_it() {
         .await
         .unwrap();
     let mut bconfig = balance_svc::server::BalanceConfig::new("127.0.0.1:0".parse().unwrap(), stack.ledger_endpoint());
+    bconfig.security = stack.security(stack::Role::Balance);
     bconfig.tuning.interval = Duration::from_millis(100);
     bconfig.lease_ttl = Duration::from_secs(2);
     let balance = balance_svc::server::start(bconfig).await.unwrap();

@@ -12,6 +12,8 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    #[command(flatten)]
+    security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[balance-svc]`, keys = these flags' long names); environment
     /// variables and flags override it.
     #[arg(long, env = "SANDBOXSCHED_CONFIG")]
@@ -104,6 +106,10 @@ async fn main() -> anyhow::Result<()> {
     config.tuning.sweep_every = Duration::from_secs(args.sweep_every_secs);
     config.tuning.orphan_grace = Duration::from_secs(args.orphan_grace_secs);
     config.halt = args.fault_halt;
+    config.security = args
+        .security
+        .security(mtls::Role::Balance)
+        .map_err(anyhow::Error::msg)?;
     let mut running = balance_svc::server::start(config).await?;
     tokio::select! {
         _ = common::shutdown::signal() => {}

@@ -11,7 +11,6 @@ use proto::balance::v1::balance_server::BalanceServer;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::Endpoint;
 
 use crate::api::BalanceApi;
 use crate::balancer::{BalanceTuning, Balancer};
@@ -37,7 +36,19 @@ pub struct BalanceConfig {
     pub holder: Option<String>,
     /// Crash tests only: stop the loop as if the process died at this point of a move.
     pub halt: Option<Halt>,
+    /// Mutual TLS with the cluster's certificates (every binary), or plaintext for a test.
+    pub security: mtls::Security,
 }
+
+/// Who may call the balancer: the operator only (status, history, drain, pause and the
+/// dead-target override all belong to whoever runs the cluster).
+pub const POLICY: mtls::Policy = mtls::Policy {
+    service: "sandboxsched.balance.v1.Balance",
+    rules: &[(
+        &["Status", "History", "GetPlan", "Drain", "SetPaused", "ReleaseTarget"],
+        &[mtls::Role::Operator],
+    )],
+};
 
 impl BalanceConfig {
     pub fn new(listen: SocketAddr, ledger_endpoint: String) -> Self {
@@ -50,6 +61,7 @@ impl BalanceConfig {
             lease_ttl: DEFAULT_LEASE_TTL,
             holder: None,
             halt: None,
+            security: mtls::Security::Plaintext,
         }
     }
 
@@ -90,6 +102,8 @@ pub enum StartError {
     Ledger(#[from] ledger_client::LedgerError),
     #[error("bad placement endpoint: {0}")]
     Placement(String),
+    #[error(transparent)]
+    Tls(#[from] mtls::TlsError),
 }
 
 /// A balance-svc that is serving and balancing.
@@ -135,10 +149,12 @@ impl RunningBalance {
 /// Binds, serves gRPC and runs the balance loop until [`RunningBalance::stop`].
 pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> {
     config.validate().map_err(StartError::Config)?;
-    let ledger = LedgerClient::connect_lazy(&config.ledger_endpoint)?;
+    let ledger = LedgerClient::connect_lazy(&config.ledger_endpoint, &config.security)?;
     let placement = match &config.placement_endpoint {
         Some(endpoint) => Some(PlacementClient::new(common::trace::traced(
-            Endpoint::from_shared(endpoint.clone())
+            config
+                .security
+                .endpoint(endpoint, mtls::Role::Placement)
                 .map_err(|e| StartError::Placement(e.to_string()))?
                 .connect_timeout(Duration::from_secs(2))
                 .connect_lazy(),
@@ -152,7 +168,8 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     let lease = Lease::new(ledger.clone(), holder, config.lease_ttl);
     let mover = Mover::new(ledger.clone(), placement.clone(), config.budget)
         .with_halt(config.halt)
-        .with_lease(lease.clone());
+        .with_lease(lease.clone())
+        .with_security(config.security.clone());
     let balancer = Arc::new(Balancer::new(ledger.clone(), lease, mover, config.tuning.clone()));
     let api = BalanceApi::new(ledger, placement, balancer.known());
 
@@ -162,7 +179,10 @@ pub async fn start(config: BalanceConfig) -> Result<RunningBalance, StartError> 
     serving.grpc(
         "balance-svc",
         listener,
-        Grpc::new().service(BalanceServer::new(api)).await,
+        Grpc::new()
+            .secure(&config.security, &[POLICY])?
+            .service(BalanceServer::new(api))
+            .await,
     );
     let looping = tokio::spawn(balance_loop(balancer, config.tuning.interval, serving.stopping()));
     tracing::info!(%addr, "balance-svc serving");
@@ -219,4 +239,13 @@ async fn balance_loop(balancer: Arc<Balancer>, interval: Duration, mut stopped: 
         }
     }
     balancer.lease().release().await;
+}
+
+#[cfg(test)]
+mod policy_tests {
+    #[test]
+    fn the_policy_names_every_rpc_of_the_balancer() {
+        let proto = include_str!("../../proto/proto/sandboxsched/balance.proto");
+        super::POLICY.check_against_proto(proto).unwrap();
+    }
 }

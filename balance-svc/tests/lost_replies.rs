@@ -20,7 +20,7 @@ use support::cluster;
 async fn a_switch_whose_reply_is_lost_is_recognised_not_rolled_back() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "switch", "sleep 600").await;
-    let ledger = LedgerProxy::start(&cluster.stack.ledger_endpoint()).await;
+    let ledger = LedgerProxy::start(&cluster.stack.ledger_endpoint(), &cluster.stack.certs).await;
     let target_node = format!("\"node_id\":\"{}\"", cluster.node_id(1));
     ledger.faults.drop_compare_reply(
         move |r| writes(r, SANDBOX_KIND, &target_node) && writes(r, SANDBOX_KIND, "\"lifecycle_owner\":null"),
@@ -46,7 +46,7 @@ async fn a_switch_whose_reply_is_lost_is_recognised_not_rolled_back() {
 async fn a_target_that_may_run_is_stopped_before_the_source_resumes() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "twice", "sleep 600").await;
-    let target = NodeProxy::start(&cluster.node(1).endpoint()).await;
+    let target = NodeProxy::start(&cluster.node(1).endpoint(), &cluster.stack.certs).await;
     target.faults.drop_reply_then_down("Resume", 1);
     let plan_id = "0000000000000-lost-resume";
     cluster.plan_one_via(plan_id, "twice", 0, 1, &target.endpoint()).await;
@@ -109,7 +109,7 @@ async fn a_stale_copy_on_the_target_is_replaced_not_adopted() {
 async fn an_ownership_write_whose_reply_is_lost_is_released_by_the_rollback() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "owned", "sleep 600").await;
-    let ledger = LedgerProxy::start(&cluster.stack.ledger_endpoint()).await;
+    let ledger = LedgerProxy::start(&cluster.stack.ledger_endpoint(), &cluster.stack.certs).await;
     ledger.faults.drop_compare_reply(
         |r| writes(r, SANDBOX_KIND, "\"lifecycle_owner\":\"0000000000000-owned.0\""),
         1,
@@ -143,7 +143,7 @@ async fn an_ownership_write_whose_reply_is_lost_is_released_by_the_rollback() {
 async fn a_pause_arriving_after_the_rollback_is_refused() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "late", "sleep 600").await;
-    let source = NodeProxy::start(&cluster.node(0).endpoint()).await;
+    let source = NodeProxy::start(&cluster.node(0).endpoint(), &cluster.stack.certs).await;
     source.faults.hold_next("Pause");
     let plan_id = "0000000000000-late-pause";
     cluster
@@ -186,12 +186,12 @@ async fn an_operator_releases_a_dead_target_and_the_rollback_finishes() {
     use proto::balance::v1::balance_client::BalanceClient;
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "stuck", "sleep 600").await;
-    let target = NodeProxy::start(&cluster.node(1).endpoint()).await;
+    let target = NodeProxy::start(&cluster.node(1).endpoint(), &cluster.stack.certs).await;
     target.faults.drop_reply_then_down("Resume", 1);
     let plan_id = "0000000000000-dead-target";
     cluster.plan_one_via(plan_id, "stuck", 0, 1, &target.endpoint()).await;
     let balance = cluster.balance(None).await;
-    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    let mut api = BalanceClient::new(cluster.stack.channel(&balance.endpoint(), stack::Role::Balance));
     cluster
         .until("the move waits for its target", || async {
             let plan = cluster.client.get::<PlanDoc>(PLAN_KIND, plan_id).await.ok()??;

@@ -125,7 +125,7 @@ async fn an_older_executor_is_fenced_out_by_the_epoch() {
     cluster.finished_plan(plan_id).await;
     second.stop().await;
     // The hung executor wakes up and tries its next action with its epoch: refused.
-    let mut source = NodeClient::connect(cluster.node(1).endpoint()).await.unwrap();
+    let mut source = NodeClient::new(cluster.stack.channel(&cluster.node(1).endpoint(), stack::Role::Node));
     let refused = source
         .pause(npb::LifecycleRequest {
             operation_id: "late".into(),
@@ -226,7 +226,7 @@ async fn a_skewed_cluster_is_balanced_until_satisfied() {
         })
         .await;
     let balance = cluster.balance(None).await;
-    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    let mut api = BalanceClient::new(cluster.stack.channel(&balance.endpoint(), stack::Role::Balance));
     let status = cluster
         .until("Satisfied after a move", || {
             let mut api = api.clone();
@@ -277,7 +277,7 @@ async fn a_drained_node_is_emptied() {
         cluster.sandbox(0, id, "sleep 600").await;
     }
     let balance = cluster.balance(None).await;
-    let mut api = BalanceClient::connect(balance.endpoint()).await.unwrap();
+    let mut api = BalanceClient::new(cluster.stack.channel(&balance.endpoint(), stack::Role::Balance));
     // Pausing is recorded and reported; resuming lets the drain proceed.
     let paused = api
         .set_paused(bpb::SetPausedRequest { paused: true })
@@ -324,10 +324,11 @@ async fn a_drained_node_is_emptied() {
         cluster.assert_runs_once(id, 1).await;
     }
     // Placement no longer offers the node.
-    let mut placement =
-        proto::placement::v1::placement_client::PlacementClient::connect(cluster.stack.placement_endpoint())
-            .await
-            .unwrap();
+    let mut placement = proto::placement::v1::placement_client::PlacementClient::new(
+        cluster
+            .stack
+            .channel(&cluster.stack.placement_endpoint(), stack::Role::Placement),
+    );
     let nodes = placement
         .nodes(proto::placement::v1::NodesRequest {})
         .await
@@ -490,9 +491,11 @@ async fn placement_checks_and_reserves_a_moves_target() {
     use proto::placement::v1::placement_client::PlacementClient;
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "refused", "sleep 600").await;
-    let mut placement = PlacementClient::connect(cluster.stack.placement_endpoint())
-        .await
-        .unwrap();
+    let mut placement = PlacementClient::new(
+        cluster
+            .stack
+            .channel(&cluster.stack.placement_endpoint(), stack::Role::Placement),
+    );
     placement
         .set_node_state(ppb::SetNodeStateRequest {
             node_id: cluster.node_id(1),

@@ -11,12 +11,13 @@ use proto::node::v1::node_client::NodeClient;
 /// manifest naming `node_id`, reached at `address` (the node's own endpoint, or a proxy's).
 pub async fn running_sandbox(
     ledger: &LedgerClient,
+    certs: &stack::Certs,
     node: &RunningNode,
     (node_id, address): (&str, &str),
     id: &str,
     memory_bytes: u64,
 ) -> anyhow::Result<()> {
-    let mut grpc = NodeClient::connect(node.endpoint()).await?;
+    let mut grpc = NodeClient::new(certs.endpoint(&node.endpoint(), stack::Role::Node)?.connect().await?);
     grpc.create(pb::CreateRequest {
         operation_id: format!("create-{id}"),
         epoch: 1,

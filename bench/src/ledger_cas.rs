@@ -145,7 +145,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let ledger = ledger_svc::start(LedgerConfig::new("127.0.0.1:0".parse()?, url)).await?;
     // A few connections, as several service replicas would have.
     let clients: Vec<LedgerClient> = (0..4)
-        .map(|_| LedgerClient::connect_lazy(&ledger.endpoint()))
+        .map(|_| LedgerClient::connect_lazy(&ledger.endpoint(), &mtls::Security::Plaintext))
         .collect::<Result<_, _>>()?;
     let duration = Duration::from_secs_f64(args.seconds);
 

@@ -39,6 +39,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let id = "moving";
     crate::fixture::running_sandbox(
         &client,
+        &stack.certs,
         nodes[0].1,
         (&nodes[0].0, &nodes[0].1.endpoint()),
         id,
@@ -53,7 +54,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         std::fs::write(home.join(format!("data-{f:03}.bin")), &block).context("writing sandbox files")?;
     }
 
-    let mover = Mover::new(client.clone(), None, balance_svc::migrate::Budget::SERIAL);
+    let mover = Mover::new(client.clone(), None, balance_svc::migrate::Budget::SERIAL)
+        .with_security(stack.security(stack::Role::Balance));
     let (mut downtime, mut total, mut rate) = (Vec::new(), Vec::new(), Vec::new());
     for n in 0..args.moves {
         let (from, to) = if n.is_multiple_of(2) { (0, 1) } else { (1, 0) };

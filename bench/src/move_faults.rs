@@ -117,15 +117,15 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let nodes: Vec<(String, Proxy)> = vec![
         (
             stack.nodes[0].id.clone(),
-            NodeProxy::start(&stack.nodes[0].running.endpoint()).await,
+            NodeProxy::start(&stack.nodes[0].running.endpoint(), &stack.certs).await,
         ),
         (
             stack.nodes[1].id.clone(),
-            NodeProxy::start(&stack.nodes[1].running.endpoint()).await,
+            NodeProxy::start(&stack.nodes[1].running.endpoint(), &stack.certs).await,
         ),
     ];
-    let ledger_proxy = LedgerProxy::start(&stack.ledger_endpoint()).await;
-    let ledger = LedgerClient::connect_lazy(&ledger_proxy.endpoint())?;
+    let ledger_proxy = LedgerProxy::start(&stack.ledger_endpoint(), &stack.certs).await;
+    let ledger = LedgerClient::connect_lazy(&ledger_proxy.endpoint(), &stack.security(stack::Role::Gateway))?;
     let direct = stack.ledger_client.clone();
 
     let ids: Vec<String> = (0..args.sandboxes).map(|i| format!("faulty{i}")).collect();
@@ -180,7 +180,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             64 << 20,
         );
         direct.compare(Txn::new().create(PLAN_KIND, &plan_id, &plan)?).await?;
-        let record = finish(&ledger, &plan_id, halt).await?;
+        let record = finish(&ledger, &stack.certs, &plan_id, halt).await?;
         // A lost reply whose call never came (the move failed earlier) must not hit the next.
         for (_, proxy) in &nodes {
             for call in ["Pause", "Restore", "Resume", "Kill"] {
@@ -230,6 +230,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 /// executor (as the next lease holder would), until the move is final.
 async fn finish(
     ledger: &LedgerClient,
+    certs: &stack::Certs,
     plan_id: &str,
     halt: Option<Halt>,
 ) -> anyhow::Result<balance_svc::record::MoveRecord> {
@@ -242,7 +243,9 @@ async fn finish(
         if plan.value.moves[0].step.is_final() {
             return Ok(plan.value.moves[0].clone());
         }
-        let mover = Mover::new(ledger.clone(), None, balance_svc::migrate::Budget::SERIAL).with_halt(halt.take());
+        let mover = Mover::new(ledger.clone(), None, balance_svc::migrate::Budget::SERIAL)
+            .with_halt(halt.take())
+            .with_security(certs.security(stack::Role::Balance));
         // A stop (a death, or a step left for the next cycle) is picked up by a fresh one.
         if mover.execute(plan).await.is_err() {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -255,7 +258,15 @@ async fn finish(
 /// proxy.
 async fn create(stack: &stack::Stack, ledger: &LedgerClient, id: &str, node: &(String, Proxy)) -> anyhow::Result<()> {
     let running = &stack.nodes[0].running;
-    crate::fixture::running_sandbox(ledger, running, (&node.0, &node.1.endpoint()), id, 64 << 20).await?;
+    crate::fixture::running_sandbox(
+        ledger,
+        &stack.certs,
+        running,
+        (&node.0, &node.1.endpoint()),
+        id,
+        64 << 20,
+    )
+    .await?;
     std::fs::write(running.host().home(id).join("marker.txt"), id)?;
     Ok(())
 }

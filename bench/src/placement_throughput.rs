@@ -13,8 +13,10 @@
 //!   shows) once the loops have left reservations on every node;
 //! - `decisions_per_sec`: the pure Best-of-K decision in-process, no I/O.
 //!
-//! The placer runs as it ships: the same allocator, its log subscriber recording the per-call
-//! spans, and the Prometheus recorder (`--bare` leaves the last two out, to see their cost).
+//! The placer runs as it ships: mutual TLS with a cluster's certificates (the clients are the
+//! gateway, the heartbeats a node), the same allocator, its log subscriber recording the
+//! per-call spans, and the Prometheus recorder (`--bare` leaves the last two out, and
+//! `--plaintext` the first, to see their cost).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,6 +52,9 @@ pub struct Args {
     /// to see what it costs.
     #[arg(long)]
     bare: bool,
+    /// Serve and call without TLS, to see what mutual TLS costs.
+    #[arg(long)]
+    plaintext: bool,
     /// Seconds each phase runs.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
@@ -93,17 +98,35 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         prefix: prefix.clone(),
     };
     config.rank.unhealthy_after_ms = 3_600_000;
+    let certs_dir = tempfile::tempdir()?;
+    let certs = if args.plaintext {
+        stack::Certs::plaintext()
+    } else {
+        stack::Certs::issue(certs_dir.path())?
+    };
+    config.security = certs.security(mtls::Role::Placement);
     let placement = placement_svc::server::start(config)
         .await
         .with_context(|| format!("placement-svc on Redis at {}", args.redis_url))?;
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
         channels.push(PlacementClient::new(
-            Channel::from_shared(placement.endpoint())?.connect().await?,
+            certs
+                .security(mtls::Role::Gateway)
+                .endpoint(&placement.endpoint(), mtls::Role::Placement)?
+                .connect()
+                .await?,
         ));
     }
+    let mut nodes = PlacementClient::new(
+        certs
+            .security(mtls::Role::Node)
+            .endpoint(&placement.endpoint(), mtls::Role::Placement)?
+            .connect()
+            .await?,
+    );
     for n in 0..args.nodes {
-        channels[0]
+        nodes
             .heartbeat(pb::HeartbeatRequest {
                 node_id: format!("node-{n:04}"),
                 boot_id: "bench".into(),
@@ -211,8 +234,9 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let decisions_per_sec = pure_decisions(args.nodes);
 
     let mut report = Report::new(format!(
-        "placement-throughput: {} nodes on Redis, Place+Created over gRPC",
-        args.nodes
+        "placement-throughput: {} nodes on Redis, Place+Created over gRPC ({})",
+        args.nodes,
+        if args.plaintext { "plaintext" } else { "mutual TLS" }
     ));
     report
         .figure(
@@ -221,6 +245,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             "placements/s (closed loop)",
         )
         .figure("clients", args.clients as u64, "")
+        .figure(
+            "mutual_tls",
+            u64::from(!args.plaintext),
+            "1: mutual TLS, 0: --plaintext",
+        )
         .figure("redis_cpu_us_per_placement", redis_us, "µs of Redis CPU (INFO cpu)")
         .figure(
             "process_cpu_us_per_placement",

@@ -82,6 +82,7 @@ async fn soak(args: &Args, cluster: &mut Cluster) -> anyhow::Result<Report> {
         args.seed,
         cluster.balance.clone(),
         nodes,
+        cluster.certs.clone(),
         shared.clone(),
     )));
 

@@ -208,3 +208,38 @@ mod tests {
         );
     }
 }
+
+/// How a binary's gRPC traffic is protected: the flags every service binary takes.
+///
+/// Mutual TLS is the only way a service serves a cluster; `--insecure-plaintext` exists for a
+/// developer's single-user machine and says so loudly. Neither given is refused, so a
+/// deployment that forgot its certificates does not start open.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SecurityArgs {
+    /// Directory of the cluster's certificates (`sandboxsched-ctl certs DIR` makes one):
+    /// `ca.pem` and this service's `<role>.pem` / `<role>.key` (0600).
+    #[arg(long, env = "SANDBOXSCHED_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Serve and call gRPC without TLS or authorisation: anyone who reaches the port is
+    /// trusted. Only for a machine with no other users and no network peers.
+    #[arg(long, env = "SANDBOXSCHED_INSECURE_PLAINTEXT", conflicts_with = "tls_dir")]
+    pub insecure_plaintext: bool,
+}
+
+impl SecurityArgs {
+    /// The security these flags ask for, as `role`.
+    pub fn security(&self, role: mtls::Role) -> Result<mtls::Security, String> {
+        match (&self.tls_dir, self.insecure_plaintext) {
+            (Some(dir), _) => mtls::Security::load(dir, role)
+                .map_err(|e| format!("loading the {role} certificate from {}: {e}", dir.display())),
+            (None, true) => {
+                tracing::warn!("gRPC in plaintext: every local user and network peer that reaches the port is trusted");
+                Ok(mtls::Security::Plaintext)
+            }
+            (None, false) => Err(format!(
+                "no certificates: give --tls-dir DIR (make one with `sandboxsched-ctl certs DIR`) \
+                 or, on a single-user development machine only, --insecure-plaintext ({role})"
+            )),
+        }
+    }
+}

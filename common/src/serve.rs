@@ -68,6 +68,8 @@ pub struct Grpc {
     routes: tonic::service::RoutesBuilder,
     health: HealthReporter,
     stream_window: Option<u32>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    authorize: Option<mtls::Authorize>,
 }
 
 impl Default for Grpc {
@@ -85,7 +87,24 @@ impl Grpc {
             routes,
             health,
             stream_window: None,
+            tls: None,
+            authorize: None,
         }
+    }
+
+    /// Serves with `security`: under mutual TLS every connection must present a certificate
+    /// of the cluster, and every call is held to `policies` (one per gRPC service served;
+    /// a method no policy names is refused). Plaintext serves everyone: tests of one service.
+    pub fn secure(mut self, security: &mtls::Security, policies: &[mtls::Policy]) -> Result<Self, mtls::TlsError> {
+        if let Some(tls) = security.server() {
+            // Built once here so a bad certificate or key fails the start, not the serving.
+            tonic::transport::Server::builder()
+                .tls_config(tls.clone())
+                .map_err(|e| mtls::TlsError::Config(e.to_string()))?;
+            self.tls = Some(tls);
+            self.authorize = Some(mtls::Authorize::new(policies.to_vec()));
+        }
+        Ok(self)
     }
 
     /// Adds a service and reports it `SERVING` (a service whose readiness changes later
@@ -172,7 +191,19 @@ impl Serving {
                 .initial_stream_window_size(Some(window))
                 .initial_connection_window_size(Some(window.saturating_mul(2)));
         }
-        let router = builder.add_routes(grpc.routes.routes());
+        if let Some(tls) = grpc.tls {
+            builder = match builder.tls_config(tls) {
+                Ok(builder) => builder,
+                // `Grpc::secure` built the same configuration already; this cannot fail.
+                Err(err) => {
+                    tracing::error!(server = name, %err, "TLS refused; not serving");
+                    return;
+                }
+            };
+        }
+        let router = builder
+            .layer(tower::util::option_layer(grpc.authorize))
+            .add_routes(grpc.routes.routes());
         let mut stopped = self.stopping();
         let task = tokio::spawn(async move {
             let result = router

@@ -48,12 +48,82 @@ struct Cli {
         default_value = "http://127.0.0.1:7003"
     )]
     balance: String,
+    /// The cluster's certificate directory; ctl proves the operator's role with
+    /// `operator.pem`/`operator.key` from it (`up` keeps them in `DATA_DIR/certs`).
+    #[arg(long, global = true, env = "SANDBOXSCHED_TLS_DIR", default_value = "data/certs")]
+    tls_dir: std::path::PathBuf,
+    /// Call the services without TLS (only a stack started with --insecure-plaintext).
+    #[arg(long, global = true, env = "SANDBOXSCHED_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
     #[command(subcommand)]
     command: Command,
 }
 
+/// Where the services are, and how ctl proves it is the operator.
+struct Cluster {
+    ledger: String,
+    placement: String,
+    balance: String,
+    security: mtls::Security,
+}
+
+impl Cluster {
+    fn new(cli: &Cli) -> anyhow::Result<Self> {
+        let security = if cli.insecure_plaintext {
+            mtls::Security::Plaintext
+        } else {
+            mtls::Security::load(&cli.tls_dir, mtls::Role::Operator).with_context(|| {
+                format!(
+                    "the operator's certificate in {} (--tls-dir; `sandboxsched-ctl certs DIR` makes a cluster's)",
+                    cli.tls_dir.display()
+                )
+            })?
+        };
+        Ok(Self {
+            ledger: cli.ledger.clone(),
+            placement: cli.placement.clone(),
+            balance: cli.balance.clone(),
+            security,
+        })
+    }
+
+    async fn channel(&self, endpoint: &str, role: mtls::Role) -> anyhow::Result<Channel> {
+        self.security
+            .endpoint(endpoint, role)
+            .with_context(|| format!("bad {role} endpoint {endpoint:?}"))?
+            .connect_timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach {role} at {endpoint} (is the stack running?)"))
+    }
+
+    async fn placement(&self) -> anyhow::Result<PlacementClient<Channel>> {
+        Ok(PlacementClient::new(
+            self.channel(&self.placement, mtls::Role::Placement).await?,
+        ))
+    }
+
+    async fn balance(&self) -> anyhow::Result<BalanceClient<Channel>> {
+        Ok(BalanceClient::new(
+            self.channel(&self.balance, mtls::Role::Balance).await?,
+        ))
+    }
+
+    fn ledger(&self) -> anyhow::Result<LedgerClient> {
+        Ok(LedgerClient::connect_lazy(&self.ledger, &self.security)?)
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Make a cluster's certificates in DIR (0700): a CA and one certificate per service
+    /// role and for the operator. Keeps what exists; `--renew` reissues every role's pair
+    /// from the same CA. Give each host `ca.pem` and its own role's pair only.
+    Certs {
+        dir: std::path::PathBuf,
+        #[arg(long)]
+        renew: bool,
+    },
     /// Nodes as placement sees them: capacity, reported, reserved, state, heartbeat age.
     Nodes,
     /// Sandboxes: node, phase, memory estimate and where it came from.
@@ -107,15 +177,6 @@ fn failed(what: &str) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
     move |status| anyhow::anyhow!("{what}: {} ({:?})", status.message(), status.code())
 }
 
-async fn channel(endpoint: &str, service: &str) -> anyhow::Result<Channel> {
-    tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .with_context(|| format!("bad {service} endpoint {endpoint:?}"))?
-        .connect_timeout(Duration::from_secs(3))
-        .connect()
-        .await
-        .with_context(|| format!("cannot reach {service} at {endpoint} (is the stack running?)"))
-}
-
 fn mib(bytes: u64) -> Value {
     json!(bytes >> 20)
 }
@@ -129,12 +190,12 @@ fn node_state(state: i32) -> &'static str {
     }
 }
 
-async fn manifests(ledger: &str) -> anyhow::Result<Vec<SandboxDoc>> {
-    let client = LedgerClient::connect_lazy(ledger)?;
+async fn manifests(cluster: &Cluster) -> anyhow::Result<Vec<SandboxDoc>> {
+    let client = cluster.ledger()?;
     let (docs, _) = client
         .list::<SandboxDoc>(SANDBOX_KIND, "")
         .await
-        .with_context(|| format!("listing sandboxes at {ledger}"))?;
+        .with_context(|| format!("listing sandboxes at {}", cluster.ledger))?;
     Ok(docs.into_iter().map(|d| d.value).collect())
 }
 
@@ -196,9 +257,14 @@ fn plan_rows(plans: &[bpb::PlanView]) -> Table {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Command::Certs { dir, renew } = &cli.command {
+        return certs(dir, *renew);
+    }
+    let cluster = Cluster::new(&cli)?;
     match cli.command {
+        Command::Certs { .. } => unreachable!("answered above"),
         Command::Nodes => {
-            let mut placement = PlacementClient::new(channel(&cli.placement, "placement-svc").await?);
+            let mut placement = cluster.placement().await?;
             let nodes = placement
                 .nodes(ppb::NodesRequest {})
                 .await
@@ -246,7 +312,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Sandboxes => {
             let mut t = Table::new(&["sandbox", "node", "phase", "vcpus", "memory_mib", "estimate", "owner"]);
-            for m in manifests(&cli.ledger).await? {
+            for m in manifests(&cluster).await? {
                 t.row(vec![
                     json!(m.sandbox_id),
                     if m.node_id.is_empty() {
@@ -263,9 +329,9 @@ async fn main() -> anyhow::Result<()> {
             }
             t.print(cli.json);
         }
-        Command::Sandbox { sandbox_id } => sandbox_story(&cli.ledger, &cli.balance, cli.json, &sandbox_id).await?,
+        Command::Sandbox { sandbox_id } => sandbox_story(&cluster, cli.json, &sandbox_id).await?,
         Command::Explain { vcpus, memory_mb } => {
-            let mut placement = PlacementClient::new(channel(&cli.placement, "placement-svc").await?);
+            let mut placement = cluster.placement().await?;
             let answer = placement
                 .explain(ppb::PlaceRequest {
                     sandbox_id: "explain".into(),
@@ -302,7 +368,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::Status => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let s = balance
                 .status(bpb::StatusRequest {})
                 .await
@@ -347,7 +413,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::History { limit } => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let plans = balance
                 .history(bpb::HistoryRequest { limit })
                 .await
@@ -357,7 +423,7 @@ async fn main() -> anyhow::Result<()> {
             plan_rows(&plans).print(cli.json);
         }
         Command::Plan { plan_id } => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let plan = balance
                 .get_plan(bpb::GetPlanRequest { plan_id })
                 .await
@@ -371,7 +437,7 @@ async fn main() -> anyhow::Result<()> {
             wait,
             timeout_secs,
         } => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let answer = balance
                 .drain(bpb::DrainRequest {
                     node_id: node_id.clone(),
@@ -387,11 +453,11 @@ async fn main() -> anyhow::Result<()> {
             let total = answer.remaining_sandboxes;
             println!("{node_id} is draining: {total} running sandbox(es) to move");
             if wait {
-                wait_for_drain(&cli.ledger, &node_id, total, Duration::from_secs(timeout_secs)).await?;
+                wait_for_drain(&cluster, &node_id, total, Duration::from_secs(timeout_secs)).await?;
             }
         }
         Command::ReleaseTarget { plan_id, move_index } => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let plan = balance
                 .release_target(bpb::ReleaseTargetRequest {
                     plan_id: plan_id.clone(),
@@ -404,7 +470,7 @@ async fn main() -> anyhow::Result<()> {
             plan_rows(&[plan]).print(cli.json);
         }
         Command::Balancing { action } => {
-            let mut balance = BalanceClient::new(channel(&cli.balance, "balance-svc").await?);
+            let mut balance = cluster.balance().await?;
             let s = balance
                 .set_paused(bpb::SetPausedRequest {
                     paused: action == "pause",
@@ -418,11 +484,26 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+fn certs(dir: &std::path::Path, renew: bool) -> anyhow::Result<()> {
+    let issued =
+        mtls::issue_cluster(dir, renew).with_context(|| format!("making certificates in {}", dir.display()))?;
+    if issued.new_ca {
+        println!("new cluster CA in {}", dir.join("ca.pem").display());
+    }
+    let roles: Vec<&str> = issued.roles.iter().map(|r| r.name()).collect();
+    if roles.is_empty() {
+        println!("every role already has a certificate in {}", dir.display());
+    } else {
+        println!("issued: {}", roles.join(", "));
+    }
+    Ok(())
+}
+
 /// A progress line until no running sandbox is left on the node.
-async fn wait_for_drain(ledger: &str, node_id: &str, total: u32, timeout: Duration) -> anyhow::Result<()> {
+async fn wait_for_drain(cluster: &Cluster, node_id: &str, total: u32, timeout: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let left = manifests(ledger)
+        let left = manifests(cluster)
             .await?
             .iter()
             .filter(|m| m.node_id == node_id && m.phase == common::docs::SandboxPhase::Running)
@@ -453,8 +534,8 @@ async fn wait_for_drain(ledger: &str, node_id: &str, total: u32, timeout: Durati
 }
 
 /// Created, placed, moved, phase now: from the manifest and the balance plans.
-async fn sandbox_story(ledger: &str, balance: &str, json: bool, sandbox_id: &str) -> anyhow::Result<()> {
-    let client = LedgerClient::connect_lazy(ledger)?;
+async fn sandbox_story(cluster: &Cluster, json: bool, sandbox_id: &str) -> anyhow::Result<()> {
+    let client = cluster.ledger()?;
     let manifest = client
         .get::<SandboxDoc>(SANDBOX_KIND, sandbox_id)
         .await
@@ -462,8 +543,8 @@ async fn sandbox_story(ledger: &str, balance: &str, json: bool, sandbox_id: &str
         .with_context(|| format!("no sandbox {sandbox_id}"))?;
     let m = &manifest.value;
     let changes = history::changes(&client, &manifest).await;
-    let moves: Vec<bpb::MoveView> = match channel(balance, "balance-svc").await {
-        Ok(ch) => BalanceClient::new(ch)
+    let moves: Vec<bpb::MoveView> = match cluster.balance().await {
+        Ok(mut balance) => balance
             .history(bpb::HistoryRequest { limit: 1000 })
             .await
             .map_err(failed("balance-svc"))?

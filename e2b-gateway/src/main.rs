@@ -12,6 +12,8 @@ use e2b_gateway::server::GatewayConfig;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    #[command(flatten)]
+    security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[e2b-gateway]`, keys = these flags' long names); environment
     /// variables and flags override it.
     #[arg(long, env = "SANDBOXSCHED_CONFIG")]
@@ -81,6 +83,10 @@ async fn main() -> anyhow::Result<()> {
         Some(path) => serde_json::from_slice(&std::fs::read(path)?)?,
         None => Vec::new(),
     };
+    let security = args
+        .security
+        .security(mtls::Role::Gateway)
+        .map_err(anyhow::Error::msg)?;
     let gateway = e2b_gateway::server::start(GatewayConfig {
         listen: args.listen,
         ledger: args.ledger,
@@ -98,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
         paused_retention: args.paused_retention,
         abandoned_create_after: args.abandoned_create_after,
         claim_ttl: args.claim_ttl,
+        security,
     })
     .await?;
     common::shutdown::signal().await;

@@ -52,6 +52,9 @@ pub struct GatewayConfig {
     /// How long a user operation's claim on a sandbox holds before another operation (or the
     /// reaper) may take it over.
     pub claim_ttl: Duration,
+    /// How the gateway proves itself to the ledger, placement and the nodes: mutual TLS with
+    /// the cluster's certificates (every binary), or plaintext for a test.
+    pub security: mtls::Security,
 }
 
 /// Paused sandboxes are kept this long unless configured otherwise: 30 days.
@@ -128,12 +131,13 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         Some(host) => format!("{host}:{}", addr.port()).into(),
         None => config.domain.as_str().into(),
     };
-    let ledger =
-        ledger_client::LedgerClient::connect_lazy(&config.ledger).map_err(|e| StartError::Config(e.to_string()))?;
+    let ledger = ledger_client::LedgerClient::connect_lazy(&config.ledger, &config.security)
+        .map_err(|e| StartError::Config(e.to_string()))?;
     let store = blobs::from_url(&config.blob_store).map_err(|e| StartError::Config(format!("blob store: {e}")))?;
     let sandboxes = Sandboxes::new(
         ledger.clone(),
         &config.placement,
+        &config.security,
         config.hibernate_dir.clone(),
         store.clone(),
         crate::sandboxes::Patience {

@@ -89,7 +89,7 @@ async fn placement_down_is_503_and_leaves_nothing() {
         .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID":"base"}"#))
         .await;
     assert_e2b_error(&answer, 503);
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let (docs, _) = ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await.unwrap();
     assert!(docs.is_empty(), "a failed create left its manifest");
     s.stop().await;
@@ -120,7 +120,7 @@ async fn a_node_that_cannot_start_a_sandbox_is_503_not_500() {
     assert_e2b_error(&answer, 503);
     let message = answer.1["message"].as_str().unwrap_or_default();
     assert!(message.contains("no free address"), "the cause is named: {message}");
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let (docs, _) = ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await.unwrap();
     assert_eq!(docs.len(), 1, "the failed create left its manifest");
 
@@ -159,7 +159,7 @@ async fn the_reaper_survives_a_gateway_restart() {
 async fn envd_requests_are_held_while_a_sandbox_moves() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     // A mover takes ownership and pauses it (what balance-svc does first).
     let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, &id).await.unwrap().unwrap();
     let mut moving = doc.value.clone();
@@ -235,8 +235,8 @@ async fn route_node_via(ledger: &LedgerClient, id: &str, address: &str) {
 async fn a_kill_the_node_does_not_confirm_is_not_reported_done() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
-    let node = stack::fault::NodeProxy::start(&s.node().endpoint()).await;
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
+    let node = stack::fault::NodeProxy::start(&s.node().endpoint(), &s.certs).await;
     route_node_via(&ledger, &id, &node.endpoint()).await;
     node.faults.set_down(true);
 
@@ -287,7 +287,7 @@ async fn abandon_claim(ledger: &LedgerClient, id: &str, op: &str) -> SandboxDoc 
 async fn a_stale_user_claim_is_taken_over() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     abandon_claim(&ledger, &id, "pause").await;
     let killed = s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     assert_eq!(killed.0, 204, "{killed:?}");
@@ -303,7 +303,7 @@ async fn a_stale_user_claim_is_taken_over() {
 async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
     use proto::node::v1 as node_pb;
     let s = stack(4096).await;
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let settled = |id: String| {
         let ledger = ledger.clone();
         async move {
@@ -321,9 +321,7 @@ async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
     // The dead gateway's pause reached the node, not the manifest.
     let paused = create(&s, r#"{"templateID":"base"}"#).await;
     let claimed = abandon_claim(&ledger, &paused, "pause").await;
-    let mut node = proto::node::v1::node_client::NodeClient::connect(s.node().endpoint())
-        .await
-        .unwrap();
+    let mut node = proto::node::v1::node_client::NodeClient::new(s.channel(&s.node().endpoint(), stack::Role::Node));
     node.pause(node_pb::LifecycleRequest {
         operation_id: "pause-by-the-dead-gateway".into(),
         epoch: claimed.epoch,
@@ -359,7 +357,7 @@ async fn a_claim_no_operation_comes_for_is_resolved_by_the_reaper() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reaper_resolves_a_create_abandoned_half_way_against_the_nodes() {
     let s = stack(4096).await;
-    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     // A manifest left `creating` ten minutes ago, as by a gateway killed mid-create.
     let abandon = |id: String| {
         let ledger = ledger.clone();

@@ -163,7 +163,8 @@ async fn teams_see_only_their_own_and_manifests_carry_memory() {
         (Some("running"), Some(512))
     );
     // The manifest describes itself: memory bytes > 0 and where the estimate came from.
-    let ledger = ledger_client::LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger =
+        ledger_client::LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let doc = ledger
         .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &id)
         .await
@@ -232,7 +233,8 @@ async fn no_capacity_is_503_and_leaves_nothing_behind() {
     );
     let (_, list) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
     assert_eq!(list.as_array().unwrap().len(), 1, "the failed create left a manifest");
-    let ledger = ledger_client::LedgerClient::connect_lazy(&s.ledger.endpoint()).unwrap();
+    let ledger =
+        ledger_client::LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let (docs, _) = ledger.list::<Value>(common::docs::SANDBOX_KIND, "").await.unwrap();
     assert_eq!(docs.len(), 1);
     let id = list[0]["sandboxID"].as_str().unwrap().to_string();

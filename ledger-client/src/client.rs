@@ -4,7 +4,7 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), ledger_client::LedgerError> {
 //! use ledger_client::{LedgerClient, Txn};
-//! let ledger = LedgerClient::connect_lazy("http://127.0.0.1:7001")?;
+//! let ledger = LedgerClient::connect_lazy("http://127.0.0.1:7001", &mtls::Security::Plaintext)?;
 //! // Create a document only if it does not exist yet.
 //! ledger.compare(Txn::new().create("plan", "p-1", &serde_json::json!({"moves": []}))?).await?;
 //! // Read it back with its version, then update exactly that version.
@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Code;
 
 use crate::document::{Conflict, DocKey, Document};
@@ -57,6 +57,10 @@ pub enum LedgerError {
     Encode { key: DocKey, reason: String },
     #[error("bad ledger endpoint {endpoint:?}: {reason}")]
     Endpoint { endpoint: String, reason: String },
+    /// The ledger does not take this call from this caller (no certificate of the cluster,
+    /// or a role the ledger's policy does not open the method to). Nothing was applied.
+    #[error("ledger refused the caller: {0}")]
+    Forbidden(String),
     /// Any other status.
     #[error("ledger error: {0}")]
     Other(tonic::Status),
@@ -91,6 +95,7 @@ impl From<tonic::Status> for LedgerError {
                 LedgerError::Compacted(status.message().to_string())
             }
             Code::InvalidArgument => LedgerError::Invalid(status.message().to_string()),
+            Code::PermissionDenied | Code::Unauthenticated => LedgerError::Forbidden(status.message().to_string()),
             _ => LedgerError::Other(status),
         }
     }
@@ -283,9 +288,11 @@ pub struct LedgerClient {
 
 impl LedgerClient {
     /// A client for `endpoint` (`http://HOST:PORT`) that connects on first use and reconnects
-    /// by itself, so a service can start before its ledger does.
-    pub fn connect_lazy(endpoint: &str) -> Result<Self, LedgerError> {
-        let channel = Endpoint::from_shared(endpoint.to_string())
+    /// by itself, so a service can start before its ledger does. Under mutual TLS it proves
+    /// `security`'s role and accepts only a server that proves it is the ledger.
+    pub fn connect_lazy(endpoint: &str, security: &mtls::Security) -> Result<Self, LedgerError> {
+        let channel = security
+            .endpoint(endpoint, mtls::Role::Ledger)
             .map_err(|err| LedgerError::Endpoint {
                 endpoint: endpoint.to_string(),
                 reason: err.to_string(),

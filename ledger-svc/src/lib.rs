@@ -25,4 +25,4 @@ pub mod server;
 pub mod store;
 
 pub use model::{Conflict, DocKey, Document};
-pub use server::{start, LedgerConfig, RunningLedger, StartError};
+pub use server::{start, LedgerConfig, RunningLedger, StartError, POLICY};

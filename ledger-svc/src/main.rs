@@ -10,6 +10,8 @@ use ledger_svc::LedgerConfig;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    #[command(flatten)]
+    security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[ledger-svc]`, keys = these flags' long names); environment
     /// variables and flags override it.
     #[arg(long, env = "SANDBOXSCHED_CONFIG")]
@@ -40,6 +42,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
     let mut config = LedgerConfig::new(args.listen, args.database_url);
     config.retain_revisions = args.retain_revisions;
+    config.security = args.security.security(mtls::Role::Ledger).map_err(anyhow::Error::msg)?;
     let ledger = ledger_svc::start(config).await?;
     common::shutdown::signal().await;
     ledger.stop().await;

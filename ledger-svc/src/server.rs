@@ -10,7 +10,9 @@ use crate::api::LedgerApi;
 use crate::committer::Committer;
 use crate::head::HeadTracker;
 use crate::store::{Store, StoreError};
+use mtls::Role;
 use proto::ledger::v1::ledger_server::LedgerServer;
+use tonic::server::NamedService;
 
 /// How a ledger runs.
 #[derive(Clone, Debug)]
@@ -28,7 +30,22 @@ pub struct LedgerConfig {
     /// Longest a write batch may take before its callers are answered "outcome unknown" (or
     /// "not applied", if COMMIT was never sent).
     pub commit_deadline: Duration,
+    /// Mutual TLS with the cluster's certificates (every binary), or plaintext for a test.
+    pub security: mtls::Security,
 }
+
+/// Who may call the ledger: the services that keep documents in it, and the operator to read
+/// them. Nodes and sandboxes never talk to the ledger.
+pub const POLICY: mtls::Policy = mtls::Policy {
+    service: <LedgerServer<LedgerApi> as NamedService>::NAME,
+    rules: &[
+        (
+            &["Get", "List", "Watch"],
+            &[Role::Gateway, Role::Placement, Role::Balance, Role::Operator],
+        ),
+        (&["Compare"], &[Role::Gateway, Role::Placement, Role::Balance]),
+    ],
+};
 
 impl LedgerConfig {
     pub fn new(listen: SocketAddr, database_url: impl Into<String>) -> Self {
@@ -39,6 +56,7 @@ impl LedgerConfig {
             poll_interval: Duration::from_millis(200),
             compact_interval: Duration::from_secs(60),
             commit_deadline: crate::committer::COMMIT_DEADLINE,
+            security: mtls::Security::Plaintext,
         }
     }
 }
@@ -50,6 +68,8 @@ pub enum StartError {
     Bind(#[from] BindError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Tls(#[from] mtls::TlsError),
 }
 
 /// A ledger that is serving.
@@ -112,7 +132,10 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
 
     // Watch streams end when the ledger is told to stop, so stopping does not wait on them.
     let api = LedgerApi::new(store.clone(), committer, tracker.clone(), serving.stopping());
-    let grpc = Grpc::new().service(LedgerServer::new(api)).await;
+    let grpc = Grpc::new()
+        .secure(&config.security, &[POLICY])?
+        .service(LedgerServer::new(api))
+        .await;
     let health_reporter = grpc.health();
     let mut health = tracker.health();
     serving.background(tokio::spawn(async move {
@@ -133,4 +156,13 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
         store,
         tracker,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_policy_names_every_rpc_of_the_ledger() {
+        let proto = include_str!("../../proto/proto/sandboxsched/ledger.proto");
+        super::POLICY.check_against_proto(proto).unwrap();
+    }
 }

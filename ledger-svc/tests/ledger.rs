@@ -557,8 +557,8 @@ async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend
     let db = TestDb::new(backend).await;
     let ledger = db.start_ledger().await;
     let direct = client(&ledger);
-    let proxy = stack::fault::LedgerProxy::start(&ledger.endpoint()).await;
-    let c = LedgerClient::connect_lazy(&proxy.endpoint()).unwrap();
+    let proxy = stack::fault::LedgerProxy::start(&ledger.endpoint(), &stack::Certs::plaintext()).await;
+    let c = LedgerClient::connect_lazy(&proxy.endpoint(), &mtls::Security::Plaintext).unwrap();
     direct
         .compare(Txn::new().create("plan", "p", &json!({"step": 0})).unwrap())
         .await

@@ -10,7 +10,6 @@ use std::time::Duration;
 use proto::placement::v1 as pb;
 use proto::placement::v1::placement_client::PlacementClient;
 use tokio::task::JoinHandle;
-use tonic::transport::Endpoint;
 
 use crate::host::{Host, Picture};
 use crate::sandbox::State;
@@ -24,6 +23,8 @@ pub struct HeartbeatConfig {
     /// This node's gRPC endpoint, as placement should hand it out.
     pub address: String,
     pub labels: HashMap<String, String>,
+    /// How the node proves it is a node to placement.
+    pub security: mtls::Security,
 }
 
 /// The heartbeat message for one picture.
@@ -69,8 +70,10 @@ pub fn message(host: &Host, config: &HeartbeatConfig, seq: u64, picture: &Pictur
 
 /// Sends a heartbeat every interval until the task is aborted. An unreachable placer is
 /// logged once when it goes and once when it comes back; the node keeps running either way.
-pub fn spawn(host: Arc<Host>, config: HeartbeatConfig) -> Result<JoinHandle<()>, tonic::transport::Error> {
-    let channel = Endpoint::from_shared(config.placement.clone())?
+pub fn spawn(host: Arc<Host>, config: HeartbeatConfig) -> Result<JoinHandle<()>, mtls::TlsError> {
+    let channel = config
+        .security
+        .endpoint(&config.placement, mtls::Role::Placement)?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(5))
         .connect_lazy();

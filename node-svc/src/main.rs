@@ -11,6 +11,8 @@ use node_svc::server::{NodeConfig, RuntimeKind};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    #[command(flatten)]
+    security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[node-svc]`, keys = these flags' long names); environment
     /// variables and flags override it.
     #[arg(long, env = "SANDBOXSCHED_CONFIG")]
@@ -153,6 +155,7 @@ async fn serve() -> anyhow::Result<()> {
     }
     config.placement = Some(args.placement);
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms);
+    config.security = args.security.security(mtls::Role::Node).map_err(anyhow::Error::msg)?;
     let node = node_svc::server::start(config).await?;
     common::shutdown::signal().await;
     node.stop().await;

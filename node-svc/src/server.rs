@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::serve::{BindError, Grpc, Listener, OnStop, Serving};
+use mtls::Role;
 use proto::node::v1::node_server::NodeServer;
 
 use crate::api::NodeApi;
@@ -51,7 +52,36 @@ pub struct NodeConfig {
     pub advertise: Option<String>,
     /// The envd endpoint others should use (default: `http://` + its bound address).
     pub advertise_envd: Option<String>,
+    /// Mutual TLS with the cluster's certificates (every binary), or plaintext for a test.
+    pub security: mtls::Security,
 }
+
+/// Who may call a node: what changes a sandbox (create, restore, kill, build, …) comes only
+/// from the gateway and the balancer; the operator may read. Another node may call nothing,
+/// so a compromised node cannot reach into the sandboxes of the others.
+pub const POLICY: mtls::Policy = mtls::Policy {
+    service: "sandboxsched.node.v1.Node",
+    rules: &[
+        (
+            &[
+                "Create",
+                "Kill",
+                "Pause",
+                "Resume",
+                "UpdateNetwork",
+                "Snapshot",
+                "Restore",
+                "Build",
+                "Capture",
+            ],
+            &[Role::Gateway, Role::Balance],
+        ),
+        (
+            &["List", "Info", "Metrics", "Logs"],
+            &[Role::Gateway, Role::Balance, Role::Operator],
+        ),
+    ],
+};
 
 impl NodeConfig {
     pub fn new(listen: SocketAddr, node_id: impl Into<String>, state_dir: impl Into<std::path::PathBuf>) -> Self {
@@ -77,6 +107,7 @@ impl NodeConfig {
             labels: Default::default(),
             advertise: None,
             advertise_envd: None,
+            security: mtls::Security::Plaintext,
         }
     }
 }
@@ -106,6 +137,8 @@ pub enum StartError {
     Bind(#[from] BindError),
     #[error(transparent)]
     Host(#[from] NodeError),
+    #[error(transparent)]
+    Tls(#[from] mtls::TlsError),
 }
 
 /// A node-svc that is serving.
@@ -203,6 +236,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                     interval: config.heartbeat_interval,
                     address: config.advertise.clone().unwrap_or_else(|| format!("http://{addr}")),
                     labels: config.labels.clone(),
+                    security: config.security.clone(),
                 },
             )
             .map_err(|e| StartError::Config(format!("placement endpoint {placement:?}: {e}")))?,
@@ -219,6 +253,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
     // stall the sender on every window update (about 55 MB/s here).
     let grpc = Grpc::new()
         .stream_window(STREAM_WINDOW)
+        .secure(&config.security, &[POLICY])?
         .service(NodeServer::new(api))
         .await;
     serving.grpc("node-svc", listener, grpc);
@@ -229,4 +264,13 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         host,
         serving,
     })
+}
+
+#[cfg(test)]
+mod policy_tests {
+    #[test]
+    fn the_policy_names_every_rpc_of_a_node() {
+        let proto = include_str!("../../proto/proto/sandboxsched/node.proto");
+        super::POLICY.check_against_proto(proto).unwrap();
+    }
 }

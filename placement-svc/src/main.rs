@@ -11,6 +11,8 @@ use placement_svc::server::{PlacementConfig, StoreConfig};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    #[command(flatten)]
+    security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[placement-svc]`, keys = these flags' long names); environment
     /// variables and flags override it.
     #[arg(long, env = "SANDBOXSCHED_CONFIG")]
@@ -97,6 +99,10 @@ async fn main() -> anyhow::Result<()> {
     };
     config.ledger_endpoint = Some(args.ledger);
     config.node_doc_interval = Duration::from_secs(args.node_doc_interval_secs);
+    config.security = args
+        .security
+        .security(mtls::Role::Placement)
+        .map_err(anyhow::Error::msg)?;
     let running = placement_svc::server::start(config).await?;
     common::shutdown::signal().await;
     running.stop().await;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::serve::{BindError, Grpc, Listener, Serving};
+use mtls::Role;
 use proto::placement::v1::placement_server::PlacementServer;
 
 use crate::api::PlacementApi;
@@ -37,7 +38,24 @@ pub struct PlacementConfig {
     pub ledger_endpoint: Option<String>,
     /// At most one node document write per node per this interval.
     pub node_doc_interval: Duration,
+    /// Mutual TLS with the cluster's certificates (every binary), or plaintext for a test.
+    pub security: mtls::Security,
 }
+
+/// Who may call placement: the gateway and the balancer reserve and release, nodes report,
+/// the operator reads and sets a node's state (the balancer does too, when it drains).
+pub const POLICY: mtls::Policy = mtls::Policy {
+    service: "sandboxsched.placement.v1.Placement",
+    rules: &[
+        (
+            &["Place", "Created", "Release", "Removed"],
+            &[Role::Gateway, Role::Balance],
+        ),
+        (&["Heartbeat"], &[Role::Node]),
+        (&["Nodes", "Explain"], &[Role::Gateway, Role::Balance, Role::Operator]),
+        (&["SetNodeState"], &[Role::Balance, Role::Operator]),
+    ],
+};
 
 impl PlacementConfig {
     pub fn new(listen: SocketAddr) -> Self {
@@ -49,6 +67,7 @@ impl PlacementConfig {
             max_unconfirmed_heartbeats: 3,
             ledger_endpoint: None,
             node_doc_interval: Duration::from_secs(5),
+            security: mtls::Security::Plaintext,
         }
     }
 
@@ -93,6 +112,8 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Ledger(#[from] ledger_client::LedgerError),
+    #[error(transparent)]
+    Tls(#[from] mtls::TlsError),
 }
 
 /// A placement-svc that is serving.
@@ -120,7 +141,7 @@ pub async fn start(config: PlacementConfig) -> Result<RunningPlacement, StartErr
     config.validate().map_err(StartError::Config)?;
     let docs = match &config.ledger_endpoint {
         Some(endpoint) => Some(NodeDocs::new(
-            ledger_client::LedgerClient::connect_lazy(endpoint)?,
+            ledger_client::LedgerClient::connect_lazy(endpoint, &config.security)?,
             config.node_doc_interval,
         )),
         None => None,
@@ -171,8 +192,20 @@ async fn serve<S: PlacementStore>(
     serving.grpc(
         "placement-svc",
         listener,
-        Grpc::new().service(PlacementServer::new(api)).await,
+        Grpc::new()
+            .secure(&config.security, &[POLICY])?
+            .service(PlacementServer::new(api))
+            .await,
     );
     tracing::info!(%addr, store = ?config.store, accounting = config.accounting.name(), "placement-svc serving");
     Ok(RunningPlacement { addr, serving })
+}
+
+#[cfg(test)]
+mod policy_tests {
+    #[test]
+    fn the_policy_names_every_rpc_of_placement() {
+        let proto = include_str!("../../proto/proto/sandboxsched/placement.proto");
+        super::POLICY.check_against_proto(proto).unwrap();
+    }
 }

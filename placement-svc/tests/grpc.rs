@@ -65,7 +65,8 @@ async fn place_confirm_and_publish_node_documents() {
     ))
     .await
     .unwrap();
-    let ledger_client = ledger_client::LedgerClient::connect_lazy(&ledger.endpoint()).unwrap();
+    let ledger_client =
+        ledger_client::LedgerClient::connect_lazy(&ledger.endpoint(), &mtls::Security::Plaintext).unwrap();
     let mut node_docs = ledger_client.watch(common::docs::NODE_KIND, "", 0);
 
     let mut config = PlacementConfig::new("127.0.0.1:0".parse().unwrap());

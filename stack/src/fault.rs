@@ -17,6 +17,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use common::serve::{Grpc, Listener, Serving};
+use mtls::Role;
+
+use crate::Certs;
 use futures::{Stream, StreamExt};
 use proto::ledger::v1 as lpb;
 use proto::ledger::v1::ledger_client::LedgerClient;
@@ -263,10 +266,20 @@ async fn serve(grpc: Grpc, faults: Faults) -> Proxy {
     Proxy { addr, serving, faults }
 }
 
-fn channel(endpoint: &str) -> Channel {
-    tonic::transport::Endpoint::from_shared(endpoint.to_string())
+/// The proxy's channel to the real service of role `peer`, proving `caller`'s role.
+fn channel(endpoint: &str, certs: &Certs, caller: Role, peer: Role) -> Channel {
+    certs
+        .security(caller)
+        .endpoint(endpoint, peer)
         .expect("the proxied service's endpoint is a URL")
         .connect_lazy()
+}
+
+/// The proxy's own server: it stands where `role` stood, so it proves that role and holds
+/// its callers to the same policy.
+fn secured(grpc: Grpc, certs: &Certs, role: Role, policy: mtls::Policy) -> Grpc {
+    grpc.secure(&certs.security(role), &[policy])
+        .expect("the stack's certificates load")
 }
 
 /// Forwards the Node service to one node-svc.
@@ -277,14 +290,18 @@ pub struct NodeProxy {
 }
 
 impl NodeProxy {
-    /// Starts a proxy in front of the node-svc at `endpoint`.
-    pub async fn start(endpoint: &str) -> Proxy {
+    /// Starts a proxy in front of the node-svc at `endpoint`, calling it as the balancer.
+    pub async fn start(endpoint: &str, certs: &Certs) -> Proxy {
         let faults = Faults::default();
         let proxy = Self {
-            upstream: NodeClient::new(channel(endpoint)).max_decoding_message_size(64 << 20),
+            upstream: NodeClient::new(channel(endpoint, certs, Role::Balance, Role::Node))
+                .max_decoding_message_size(64 << 20),
             faults: faults.clone(),
         };
-        let grpc = Grpc::new().service(NodeServer::new(proxy)).await.stream_window(8 << 20);
+        let grpc = secured(Grpc::new(), certs, Role::Node, node_svc::server::POLICY)
+            .service(NodeServer::new(proxy))
+            .await
+            .stream_window(8 << 20);
         serve(grpc, faults).await
     }
 }
@@ -416,15 +433,18 @@ pub struct LedgerProxy {
 }
 
 impl LedgerProxy {
-    /// Starts a proxy in front of the ledger-svc at `endpoint`.
-    pub async fn start(endpoint: &str) -> Proxy {
+    /// Starts a proxy in front of the ledger-svc at `endpoint`, calling it as the gateway
+    /// (a role that may read and write).
+    pub async fn start(endpoint: &str, certs: &Certs) -> Proxy {
         let faults = Faults::default();
         let proxy = Self {
-            upstream: LedgerClient::new(channel(endpoint))
+            upstream: LedgerClient::new(channel(endpoint, certs, Role::Gateway, Role::Ledger))
                 .max_decoding_message_size(ledger_client::wire::MAX_REPLY_BYTES),
             faults: faults.clone(),
         };
-        let grpc = Grpc::new().service(LedgerServer::new(proxy)).await;
+        let grpc = secured(Grpc::new(), certs, Role::Ledger, ledger_svc::POLICY)
+            .service(LedgerServer::new(proxy))
+            .await;
         serve(grpc, faults).await
     }
 }

@@ -12,8 +12,12 @@
 //! carry a random tag so stacks running side by side keep their cgroups apart.
 //! [`services`] finds the PostgreSQL and Redis the tests use, failing with what to start.
 
+pub mod certs;
 pub mod fault;
 pub mod services;
+
+pub use certs::Certs;
+pub use mtls::Role;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -48,6 +52,8 @@ pub enum StackError {
     LedgerClient(#[from] ledger_client::LedgerError),
     #[error("placement never heard from every node within {0:?}")]
     NodesNotReady(Duration),
+    #[error("the stack's certificates: {0}")]
+    Certs(#[from] mtls::TlsError),
 }
 
 type Adjust<T> = Box<dyn FnOnce(&mut T) + Send>;
@@ -64,6 +70,7 @@ pub struct StackBuilder {
     balance: Option<Adjust<BalanceConfig>>,
     gateway: Option<Adjust<GatewayConfig>>,
     wait_for_nodes: bool,
+    plaintext: bool,
 }
 
 /// One node of a stack.
@@ -85,8 +92,10 @@ pub struct Stack {
     pub gateway: Option<RunningGateway>,
     /// What the gateway was started with (to start another like it).
     pub gateway_config: Option<GatewayConfig>,
-    /// A client of the stack's ledger.
+    /// A client of the stack's ledger (as the gateway: it may read and write).
     pub ledger_client: LedgerClient,
+    /// The cluster certificates every service of the stack uses.
+    pub certs: Certs,
 }
 
 impl Stack {
@@ -104,7 +113,22 @@ impl Stack {
             balance: None,
             gateway: None,
             wait_for_nodes: true,
+            plaintext: false,
         }
+    }
+
+    /// How a client of `role` connects to this stack's services.
+    pub fn security(&self, role: Role) -> mtls::Security {
+        self.certs.security(role)
+    }
+
+    /// A lazily connected channel to the service of role `peer` at `endpoint`, as
+    /// [`Certs::endpoint`] chooses the caller. For tests and benchmarks.
+    pub fn channel(&self, endpoint: &str, peer: Role) -> tonic::transport::Channel {
+        self.certs
+            .endpoint(endpoint, peer)
+            .expect("a stack's endpoints are URLs")
+            .connect_lazy()
     }
 
     /// The stack's ledger endpoint (`http://ADDR`).
@@ -228,6 +252,13 @@ impl StackBuilder {
         self
     }
 
+    /// Every service serves and calls without TLS or authorisation (a stack is mutual TLS
+    /// otherwise, as a cluster is): for a benchmark that measures what TLS costs.
+    pub fn plaintext(mut self) -> Self {
+        self.plaintext = true;
+        self
+    }
+
     fn any_port(&self) -> SocketAddr {
         SocketAddr::new(self.ip, 0)
     }
@@ -252,8 +283,14 @@ impl StackBuilder {
                 (temp.path().to_path_buf(), Some(temp))
             }
         };
+        let certs = if self.plaintext {
+            Certs::plaintext()
+        } else {
+            Certs::issue(&dir.join("certs"))?
+        };
         let any_port = self.any_port();
         let mut ledger_config = LedgerConfig::new(any_port, sqlite_in(&dir));
+        ledger_config.security = certs.security(Role::Ledger);
         if let Some(adjust) = self.ledger {
             adjust(&mut ledger_config);
         }
@@ -261,6 +298,7 @@ impl StackBuilder {
 
         let mut placement_config = PlacementConfig::new(any_port);
         placement_config.ledger_endpoint = Some(ledger.endpoint());
+        placement_config.security = certs.security(Role::Placement);
         // Tests read node documents right after heartbeats; publishing at most every 5 s
         // (the production setting) would make them wait for it.
         placement_config.node_doc_interval = Duration::ZERO;
@@ -275,6 +313,7 @@ impl StackBuilder {
         for (id, adjust) in self.nodes {
             let mut config = NodeConfig::new(any_port, &id, dir.join(&id));
             config.placement = Some(placement.endpoint());
+            config.security = certs.security(Role::Node);
             // One blob store for the whole stack, as a cluster shares one.
             config.host.blob_store = Some(blob_store_in(&dir));
             config.heartbeat_interval = self.heartbeat;
@@ -292,15 +331,16 @@ impl StackBuilder {
                 .map_err(|source| StackError::Node { id: id.clone(), source })?;
             nodes.push(Node { id, running });
         }
-        let ledger_client = LedgerClient::connect_lazy(&ledger.endpoint())?;
+        let ledger_client = LedgerClient::connect_lazy(&ledger.endpoint(), &certs.security(Role::Gateway))?;
         if self.wait_for_nodes && reporting > 0 {
-            wait_for_nodes(&placement.endpoint(), reporting).await?;
+            wait_for_nodes(&placement.endpoint(), &certs.security(Role::Operator), reporting).await?;
         }
 
         let balance = match self.balance {
             Some(adjust) => {
                 let mut config = BalanceConfig::new(any_port, ledger.endpoint());
                 config.placement_endpoint = Some(placement.endpoint());
+                config.security = certs.security(Role::Balance);
                 adjust(&mut config);
                 Some(balance_svc::server::start(config).await?)
             }
@@ -321,6 +361,7 @@ impl StackBuilder {
                     paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
                     abandoned_create_after: e2b_gateway::sandboxes::DEFAULT_ABANDONED_CREATE_AFTER,
                     claim_ttl: e2b_gateway::sandboxes::DEFAULT_CLAIM_TTL,
+                    security: certs.security(Role::Gateway),
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;
@@ -338,6 +379,7 @@ impl StackBuilder {
             gateway,
             gateway_config,
             ledger_client,
+            certs,
         })
     }
 }
@@ -356,15 +398,18 @@ pub fn sqlite_in(dir: &Path) -> String {
 const NODES_READY: Duration = Duration::from_secs(20);
 
 /// Until placement has had a heartbeat from `count` nodes: before that, nothing can be placed.
-async fn wait_for_nodes(placement: &str, count: usize) -> Result<(), StackError> {
+async fn wait_for_nodes(placement: &str, security: &mtls::Security, count: usize) -> Result<(), StackError> {
     use proto::placement::v1 as pb;
     let deadline = tokio::time::Instant::now() + NODES_READY;
     let mut client = None;
+    let endpoint = security.endpoint(placement, Role::Placement)?;
     loop {
         if client.is_none() {
-            client = pb::placement_client::PlacementClient::connect(placement.to_string())
+            client = endpoint
+                .connect()
                 .await
-                .ok();
+                .ok()
+                .map(pb::placement_client::PlacementClient::new);
         }
         if let Some(c) = client.as_mut() {
             if let Ok(reply) = c.nodes(pb::NodesRequest {}).await {

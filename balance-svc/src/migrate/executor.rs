@@ -88,6 +88,12 @@ impl Mover {
         }
     }
 
+    /// Calls nodes proving `security`'s role (the balancer's, in a cluster).
+    pub fn with_security(mut self, security: mtls::Security) -> Self {
+        self.nodes = NodeClients::new(security);
+        self
+    }
+
     /// The node clients moves use (the orphan sweep shares them).
     pub fn node_clients(&self) -> &NodeClients {
         &self.nodes

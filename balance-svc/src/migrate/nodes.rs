@@ -8,7 +8,6 @@ use std::time::Duration;
 use common::trace::TracedChannel;
 use proto::node::v1::node_client::NodeClient;
 use tokio::sync::Mutex;
-use tonic::transport::Endpoint;
 
 use super::MoveError;
 
@@ -20,15 +19,28 @@ const STREAM_WINDOW: u32 = 8 << 20;
 #[derive(Clone, Default)]
 pub struct NodeClients {
     clients: Arc<Mutex<HashMap<String, NodeClient<TracedChannel>>>>,
+    security: Option<mtls::Security>,
 }
 
 impl NodeClients {
+    /// Clients that prove `security`'s role to every node (plaintext when made by `default`).
+    pub fn new(security: mtls::Security) -> Self {
+        Self {
+            clients: Default::default(),
+            security: Some(security),
+        }
+    }
+
     pub async fn get(&self, address: &str) -> Result<NodeClient<TracedChannel>, MoveError> {
         let mut clients = self.clients.lock().await;
         if let Some(client) = clients.get(address) {
             return Ok(client.clone());
         }
-        let channel = Endpoint::from_shared(address.to_string())
+        let channel = self
+            .security
+            .as_ref()
+            .unwrap_or(&mtls::Security::Plaintext)
+            .endpoint(address, mtls::Role::Node)
             .map_err(|e| MoveError::Failed(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .initial_stream_window_size(Some(STREAM_WINDOW))

@@ -60,7 +60,7 @@ impl Cluster {
 
     /// Creates a process sandbox of 64 MiB on node `i` (no manifest).
     pub async fn create_on(&self, i: usize, id: &str, start_command: &str) {
-        let mut grpc = NodeClient::connect(self.node(i).endpoint()).await.unwrap();
+        let mut grpc = NodeClient::new(self.stack.channel(&self.node(i).endpoint(), stack::Role::Node));
         grpc.create(npb::CreateRequest {
             operation_id: format!("create-{id}-{i}"),
             epoch: 1,
@@ -136,6 +136,7 @@ impl Cluster {
     pub fn balance_config(&self) -> BalanceConfig {
         let mut config = BalanceConfig::new("127.0.0.1:0".parse().unwrap(), self.stack.ledger_endpoint());
         config.placement_endpoint = Some(self.stack.placement_endpoint());
+        config.security = self.stack.security(stack::Role::Balance);
         config.tuning.interval = Duration::from_millis(100);
         config.lease_ttl = Duration::from_millis(600);
         config.tuning.stale_after = Duration::from_secs(5);
@@ -169,7 +170,7 @@ impl Cluster {
     }
 
     pub async fn pause(&self, i: usize, id: &str) {
-        let mut grpc = NodeClient::connect(self.node(i).endpoint()).await.unwrap();
+        let mut grpc = NodeClient::new(self.stack.channel(&self.node(i).endpoint(), stack::Role::Node));
         grpc.pause(npb::LifecycleRequest {
             operation_id: format!("pause-{id}-{i}"),
             epoch: 1,

@@ -70,6 +70,8 @@ pub struct Service {
     child: Option<Child>,
     /// Where it listens, to wait for it to come up.
     pub addr: SocketAddr,
+    /// The cluster's certificates (`--tls-dir` of every service).
+    tls_dir: PathBuf,
 }
 
 impl Service {
@@ -78,6 +80,7 @@ impl Service {
         let child = Command::new(&self.program)
             .args(&self.args)
             .env("RUST_LOG", "info")
+            .env("SANDBOXSCHED_TLS_DIR", &self.tls_dir)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
@@ -185,6 +188,9 @@ pub struct Cluster {
     pub ledger: String,
     pub placements: Vec<String>,
     pub balance: String,
+    /// The cluster's certificates: every service proves its role with them, and so does the
+    /// suite (as the operator, the gateway or the balancer) when it looks or acts.
+    pub certs: stack::Certs,
 }
 
 impl Cluster {
@@ -208,6 +214,7 @@ impl Cluster {
             ledger: String::new(),
             placements: Vec::new(),
             balance: String::new(),
+            certs: stack::Certs::issue(&work.join("certs"))?,
         };
         let redis = cluster.add("redis", Path::new("redis-server"), |port| {
             vec![
@@ -364,6 +371,7 @@ impl Cluster {
                 log: self.work.join(format!("{name}.log")),
                 child: None,
                 addr,
+                tls_dir: self.work.join("certs"),
             },
         );
         Ok(addr)

@@ -71,18 +71,22 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
 /// run's end must.
 pub(crate) async fn end_sandboxes(cluster: &Cluster) {
     for node in &cluster.nodes {
-        if let Ok(listed) = observe::listing(&node.endpoint).await {
+        if let Ok(listed) = observe::listing(&node.endpoint, &cluster.certs).await {
             for sandbox in &listed {
-                let _ = observe::kill_on_node(&node.endpoint, sandbox).await;
+                let _ = observe::kill_on_node(&node.endpoint, sandbox, &cluster.certs).await;
             }
         }
     }
 }
 
 pub(crate) async fn ready_nodes(cluster: &Cluster) -> usize {
-    let Ok(mut placement) = PlacementClient::connect(cluster.placements[0].clone()).await else {
+    let Ok(endpoint) = cluster.certs.endpoint(&cluster.placements[0], stack::Role::Placement) else {
         return 0;
     };
+    let Ok(channel) = endpoint.connect().await else {
+        return 0;
+    };
+    let mut placement = PlacementClient::new(channel);
     placement.nodes(pl::NodesRequest {}).await.map_or(0, |r| {
         r.into_inner()
             .nodes
@@ -113,6 +117,7 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
         args.seed,
         cluster.balance.clone(),
         node_ids.clone(),
+        cluster.certs.clone(),
         shared.clone(),
     ));
 
@@ -158,7 +163,7 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
     cluster.wait_listening(Duration::from_secs(60)).await?;
     let undo_by = Instant::now() + Duration::from_secs(30);
     for node in &node_ids {
-        while !workload::drain(&cluster.balance, node, true).await {
+        while !workload::drain(&cluster.balance, node, true, &cluster.certs).await {
             anyhow::ensure!(
                 Instant::now() < undo_by,
                 "balance-svc never answered to undo the drains"
@@ -271,11 +276,11 @@ async fn exercise(args: &Args, cluster: &mut Cluster) -> anyhow::Result<(Report,
             Some(m) => {
                 let node = cluster.nodes.iter().find(|n| n.id == m.node_id);
                 let endpoint = node.map(|n| n.endpoint.clone()).unwrap_or_default();
-                let listed = observe::listing(&endpoint).await?;
+                let listed = observe::listing(&endpoint, &cluster.certs).await?;
                 let copy = listed.iter().find(|s| s.sandbox_id == m.id);
                 anyhow::ensure!(copy.is_some(), "the planted victim {} is not on {}", m.id, m.node_id);
                 if let Some(copy) = copy {
-                    observe::kill_on_node(&endpoint, copy).await?;
+                    observe::kill_on_node(&endpoint, copy, &cluster.certs).await?;
                 }
                 say(
                     started,

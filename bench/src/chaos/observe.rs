@@ -12,13 +12,14 @@ use proto::node::v1 as node_pb;
 use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::check::{Belief, Copy, Manifest, NodeHolding, Observation};
 use super::cluster::{Cluster, API_KEY};
 
-async fn channel(endpoint: &str) -> anyhow::Result<Channel> {
-    Ok(Endpoint::from_shared(endpoint.to_string())?
+async fn channel(endpoint: &str, peer: stack::Role, certs: &stack::Certs) -> anyhow::Result<Channel> {
+    Ok(certs
+        .endpoint(endpoint, peer)?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10))
         .connect()
@@ -26,15 +27,15 @@ async fn channel(endpoint: &str) -> anyhow::Result<Channel> {
 }
 
 /// What `node` lists, every sandbox with its state and epoch.
-pub async fn listing(endpoint: &str) -> anyhow::Result<Vec<node_pb::SandboxInfo>> {
-    let mut node = NodeClient::new(channel(endpoint).await?);
+pub async fn listing(endpoint: &str, certs: &stack::Certs) -> anyhow::Result<Vec<node_pb::SandboxInfo>> {
+    let mut node = NodeClient::new(channel(endpoint, stack::Role::Node, certs).await?);
     Ok(node.list(node_pb::ListRequest {}).await?.into_inner().sandboxes)
 }
 
 /// Kills `sandbox` on the node at `endpoint` under the epoch the node holds for it: behind
 /// the control plane's back (the teardown, and the planted loss).
-pub async fn kill_on_node(endpoint: &str, sandbox: &node_pb::SandboxInfo) -> anyhow::Result<()> {
-    let mut node = NodeClient::new(channel(endpoint).await?);
+pub async fn kill_on_node(endpoint: &str, sandbox: &node_pb::SandboxInfo, certs: &stack::Certs) -> anyhow::Result<()> {
+    let mut node = NodeClient::new(channel(endpoint, stack::Role::Node, certs).await?);
     node.kill(node_pb::LifecycleRequest {
         operation_id: format!("chaos-kill-{}-{}", sandbox.sandbox_id, uuid::Uuid::new_v4().simple()),
         epoch: sandbox.epoch,
@@ -65,7 +66,8 @@ fn phase(p: SandboxPhase) -> &'static str {
 
 /// The cluster as it stands: fails when any part cannot be read (the caller tries again).
 pub async fn observe(cluster: &Cluster) -> anyhow::Result<Observation> {
-    let ledger = ledger_client::LedgerClient::connect_lazy(&cluster.ledger)?;
+    let ledger =
+        ledger_client::LedgerClient::connect_lazy(&cluster.ledger, &cluster.certs.security(stack::Role::Gateway))?;
     let (docs, _) = ledger
         .list::<SandboxDoc>(SANDBOX_KIND, "")
         .await
@@ -79,7 +81,8 @@ pub async fn observe(cluster: &Cluster) -> anyhow::Result<Observation> {
             owner: d.value.lifecycle_owner.unwrap_or_default(),
         })
         .collect();
-    let mut placement = PlacementClient::new(channel(&cluster.placements[0]).await?);
+    let mut placement =
+        PlacementClient::new(channel(&cluster.placements[0], stack::Role::Placement, &cluster.certs).await?);
     let views: BTreeMap<String, pl::NodeView> = placement
         .nodes(pl::NodesRequest {})
         .await
@@ -91,7 +94,7 @@ pub async fn observe(cluster: &Cluster) -> anyhow::Result<Observation> {
         .collect();
     let mut nodes = BTreeMap::new();
     for node in &cluster.nodes {
-        let listed = listing(&node.endpoint)
+        let listed = listing(&node.endpoint, &cluster.certs)
             .await
             .with_context(|| format!("list {}", node.id))?;
         let memory_parent = Path::new("/sys/fs/cgroup/memory").join(node_svc::runtime::cgroup::parent_name(&node.id));

@@ -265,12 +265,12 @@ async fn resume(shared: &Shared, gateway: &str, sandbox: &mut Owned) -> bool {
 
 /// The operator: drains a node every few seconds and undoes it a few seconds later, so
 /// sandboxes move while faults land.
-pub async fn operator(seed: u64, balance: String, nodes: Vec<String>, shared: Arc<Shared>) {
+pub async fn operator(seed: u64, balance: String, nodes: Vec<String>, certs: stack::Certs, shared: Arc<Shared>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x000d_5a17);
     while !shared.stop.load(Ordering::Relaxed) {
         tokio::time::sleep(Duration::from_millis(rng.random_range(3_000..6_000))).await;
         let node = nodes[rng.random_range(0..nodes.len())].clone();
-        if drain(&balance, &node, false).await {
+        if drain(&balance, &node, false, &certs).await {
             shared
                 .tally
                 .lock()
@@ -278,13 +278,13 @@ pub async fn operator(seed: u64, balance: String, nodes: Vec<String>, shared: Ar
                 .drains += 1;
         }
         tokio::time::sleep(Duration::from_millis(rng.random_range(2_000..4_000))).await;
-        drain(&balance, &node, true).await;
+        drain(&balance, &node, true, &certs).await;
     }
 }
 
 /// Asks balance-svc to drain `node` (or to stop draining it); true when it answered.
-pub async fn drain(balance: &str, node: &str, undo: bool) -> bool {
-    let Ok(channel) = tonic::transport::Endpoint::from_shared(balance.to_string()) else {
+pub async fn drain(balance: &str, node: &str, undo: bool, certs: &stack::Certs) -> bool {
+    let Ok(channel) = certs.endpoint(balance, stack::Role::Balance) else {
         return false;
     };
     let connecting = channel.connect_timeout(Duration::from_secs(2)).timeout(REQUEST_TIMEOUT);

@@ -29,7 +29,6 @@ use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
-use tonic::transport::Endpoint;
 use tonic::Code;
 
 /// How long a lifecycle call waits for a balancer move of its sandbox to finish.
@@ -113,11 +112,13 @@ impl Sandboxes {
     pub fn new(
         ledger: LedgerClient,
         placement_endpoint: &str,
+        security: &mtls::Security,
         hibernate_dir: std::path::PathBuf,
         store: Arc<dyn blobs::BlobStore>,
         patience: reaper::Patience,
     ) -> Result<Arc<Self>, Failure> {
-        let channel = Endpoint::from_shared(placement_endpoint.to_string())
+        let channel = security
+            .endpoint(placement_endpoint, mtls::Role::Placement)
             .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
@@ -128,7 +129,7 @@ impl Sandboxes {
             patience,
             routes: crate::proxy::Routes::default(),
             placement: PlacementClient::new(common::trace::traced(channel)),
-            nodes: nodes::Nodes::default(),
+            nodes: nodes::Nodes::new(security.clone()),
         }))
     }
 

@@ -8,7 +8,6 @@ use common::trace::TracedChannel;
 use proto::node::v1 as node_pb;
 use proto::node::v1::node_client::NodeClient;
 use tokio::sync::Mutex;
-use tonic::transport::Endpoint;
 
 use super::{from_status, Failure};
 
@@ -16,18 +15,28 @@ use super::{from_status, Failure};
 type NodeEntry = (NodeClient<TracedChannel>, Option<String>);
 
 /// Channels to nodes, and their envd addresses, by node gRPC address.
-#[derive(Default)]
 pub(super) struct Nodes {
     clients: Mutex<HashMap<String, NodeEntry>>,
+    /// How the gateway proves itself to nodes (and checks that a node is one).
+    security: mtls::Security,
 }
 
 impl Nodes {
+    pub(super) fn new(security: mtls::Security) -> Self {
+        Self {
+            clients: Mutex::default(),
+            security,
+        }
+    }
+
     pub(super) async fn client(&self, address: &str) -> Result<NodeClient<TracedChannel>, Failure> {
         let mut map = self.clients.lock().await;
         if let Some((c, _)) = map.get(address) {
             return Ok(c.clone());
         }
-        let channel = Endpoint::from_shared(address.to_string())
+        let channel = self
+            .security
+            .endpoint(address, mtls::Role::Node)
             .map_err(|e| Failure::Internal(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             // Hibernation streams whole snapshots: HTTP/2's default 64 KiB window stalls them.

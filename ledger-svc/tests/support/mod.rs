@@ -154,7 +154,7 @@ impl TestDb {
 }
 
 pub fn client(ledger: &RunningLedger) -> LedgerClient {
-    LedgerClient::connect_lazy(&ledger.endpoint()).expect("client")
+    LedgerClient::connect_lazy(&ledger.endpoint(), &mtls::Security::Plaintext).expect("client")
 }
 
 /// A TCP proxy in front of a server, which a test can cut (closing every connection and

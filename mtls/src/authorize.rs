@@ -1,0 +1,272 @@
+//! Who may call which RPC.
+//!
+//! Each server states, per gRPC service it serves, which roles may call each method
+//! ([`Policy`]). [`Authorize`] is a tower layer in front of every route of a server: it reads
+//! the caller's role from the client certificate the TLS handshake verified, looks the method
+//! up, and either passes the call on or answers `PERMISSION_DENIED` itself, so a refused call
+//! never reaches the service's code. What no policy names is refused: a new RPC is closed
+//! until its policy opens it. The standard health service is open to every authenticated
+//! caller (load balancers and probes hold a certificate too).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use rustls_pki_types::{CertificateDer, DnsName, ServerName};
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+
+use crate::Role;
+
+/// The gRPC service every caller may ask about health.
+const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+
+/// Who may call each method of one gRPC service.
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    /// The full service name, as in the request path (`sandboxsched.node.v1.Node`).
+    pub service: &'static str,
+    /// Methods (as named in the .proto) and the roles allowed to call them.
+    pub rules: &'static [(&'static [&'static str], &'static [Role])],
+}
+
+impl Policy {
+    /// Whether `caller` may call `method` of this service.
+    pub fn allows(&self, method: &str, caller: Role) -> bool {
+        self.rules
+            .iter()
+            .any(|(methods, roles)| methods.contains(&method) && roles.contains(&caller))
+    }
+
+    /// Every method this policy names.
+    pub fn methods(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.rules.iter().flat_map(|(methods, _)| methods.iter().copied())
+    }
+
+    /// Holds the policy to the service's `.proto` text: every RPC of the service is named
+    /// (so none is closed by oversight) and every name is an RPC (so none is a typo that
+    /// leaves the real method closed). For each service's unit tests.
+    pub fn check_against_proto(&self, proto: &str) -> Result<(), String> {
+        let short = self.service.rsplit('.').next().unwrap_or(self.service);
+        let mut rpcs = Vec::new();
+        let mut inside = false;
+        for line in proto.lines().map(str::trim) {
+            if let Some(rest) = line.strip_prefix("service ") {
+                inside = rest.trim_end_matches('{').trim() == short;
+            } else if inside && line.starts_with('}') {
+                inside = false;
+            } else if let Some(rest) = line.strip_prefix("rpc ").filter(|_| inside) {
+                rpcs.push(rest.split('(').next().unwrap_or(rest).trim().to_string());
+            }
+        }
+        if rpcs.is_empty() {
+            return Err(format!("no service {short} in the proto text"));
+        }
+        let named: Vec<&str> = self.methods().collect();
+        let unnamed: Vec<&String> = rpcs.iter().filter(|rpc| !named.contains(&rpc.as_str())).collect();
+        let unknown: Vec<&&str> = named
+            .iter()
+            .filter(|name| !rpcs.iter().any(|rpc| rpc == *name))
+            .collect();
+        if unnamed.is_empty() && unknown.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}: RPCs no rule names: {unnamed:?}; names that are no RPC: {unknown:?}",
+                self.service
+            ))
+        }
+    }
+}
+
+/// The decision for one request.
+#[derive(Debug)]
+pub enum Decision {
+    Allow,
+    /// Refused; the message says who asked for what.
+    Deny(tonic::Status),
+}
+
+/// The policies of one server, as a tower layer over its routes.
+#[derive(Clone, Debug)]
+pub struct Authorize {
+    policies: Arc<[Policy]>,
+}
+
+impl Authorize {
+    pub fn new(policies: impl Into<Arc<[Policy]>>) -> Self {
+        Self {
+            policies: policies.into(),
+        }
+    }
+
+    /// The decision for a call of `path` (`/package.Service/Method`) by a caller that
+    /// presented `certs` (leaf first), already verified against the cluster CA.
+    pub fn decide(&self, path: &str, certs: Option<&[CertificateDer<'static>]>) -> Decision {
+        let Some(caller) = certs.and_then(|certs| certs.first()).and_then(role_of) else {
+            return Decision::Deny(tonic::Status::unauthenticated(
+                "this server takes calls only from a certificate of the cluster naming a role",
+            ));
+        };
+        let (service, method) = path.trim_start_matches('/').split_once('/').unwrap_or((path, ""));
+        if service == HEALTH_SERVICE {
+            return Decision::Allow;
+        }
+        let allowed = self
+            .policies
+            .iter()
+            .find(|policy| policy.service == service)
+            .is_some_and(|policy| policy.allows(method, caller));
+        if allowed {
+            Decision::Allow
+        } else {
+            Decision::Deny(tonic::Status::permission_denied(format!(
+                "{caller} may not call {service}/{method}"
+            )))
+        }
+    }
+}
+
+/// The role a verified leaf certificate names, if any.
+pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
+    let cert = webpki::EndEntityCert::try_from(cert).ok()?;
+    Role::ALL.into_iter().find(|role| {
+        DnsName::try_from(role.dns_name()).ok().is_some_and(|name| {
+            cert.verify_is_valid_for_subject_name(&ServerName::DnsName(name))
+                .is_ok()
+        })
+    })
+}
+
+impl<S> tower::Layer<S> for Authorize {
+    type Service = Authorized<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Authorized {
+            inner,
+            authorize: self.clone(),
+        }
+    }
+}
+
+/// A server's routes behind [`Authorize`].
+#[derive(Clone, Debug)]
+pub struct Authorized<S> {
+    inner: S,
+    authorize: Authorize,
+}
+
+type Answer<E> = Pin<Box<dyn Future<Output = Result<http::Response<tonic::body::Body>, E>> + Send>>;
+
+impl<S, B> tower::Service<http::Request<B>> for Authorized<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Answer<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let tls = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+        let certs = tls.and_then(|tls| tls.peer_certs());
+        match self
+            .authorize
+            .decide(request.uri().path(), certs.as_deref().map(Vec::as_slice))
+        {
+            Decision::Allow => Box::pin(self.inner.call(request)),
+            Decision::Deny(status) => {
+                let peer = tls.and_then(|tls| tls.get_ref().remote_addr());
+                tracing::warn!(
+                    path = request.uri().path(),
+                    ?peer,
+                    reason = status.message(),
+                    "call refused"
+                );
+                Box::pin(std::future::ready(Ok(status.into_http())))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::issue::{issue_cluster, role_paths};
+
+    const NODE: Policy = Policy {
+        service: "sandboxsched.node.v1.Node",
+        rules: &[
+            (&["Create", "Kill"], &[Role::Gateway, Role::Balance]),
+            (&["List"], &[Role::Gateway, Role::Balance, Role::Operator]),
+        ],
+    };
+
+    fn cert_of(dir: &std::path::Path, role: Role) -> Vec<CertificateDer<'static>> {
+        use rustls_pki_types::pem::PemObject;
+        vec![CertificateDer::from_pem_file(role_paths(dir, role).0).unwrap()]
+    }
+
+    #[test]
+    fn each_role_may_call_only_what_its_policy_opens() {
+        let temp = tempfile::tempdir().unwrap();
+        issue_cluster(temp.path(), false).unwrap();
+        let authorize = Authorize::new(vec![NODE]);
+        let decide = |path: &str, role: Role| authorize.decide(path, Some(&cert_of(temp.path(), role)));
+
+        for role in Role::ALL {
+            assert_eq!(role_of(&cert_of(temp.path(), role)[0]), Some(role));
+        }
+        assert!(matches!(
+            decide("/sandboxsched.node.v1.Node/Create", Role::Gateway),
+            Decision::Allow
+        ));
+        assert!(matches!(
+            decide("/sandboxsched.node.v1.Node/Create", Role::Balance),
+            Decision::Allow
+        ));
+        assert!(matches!(
+            decide("/sandboxsched.node.v1.Node/List", Role::Operator),
+            Decision::Allow
+        ));
+        for (path, role) in [
+            ("/sandboxsched.node.v1.Node/Create", Role::Operator),
+            ("/sandboxsched.node.v1.Node/Create", Role::Node),
+            ("/sandboxsched.node.v1.Node/Kill", Role::Ledger),
+            // Unnamed methods and services are closed.
+            ("/sandboxsched.node.v1.Node/Restore", Role::Balance),
+            ("/sandboxsched.ledger.v1.Ledger/List", Role::Gateway),
+            ("garbage", Role::Gateway),
+        ] {
+            let Decision::Deny(status) = decide(path, role) else {
+                panic!("{role} was let through to {path}");
+            };
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{path}");
+            assert!(status.message().starts_with(role.name()), "{}", status.message());
+        }
+        // Health is for every member of the cluster.
+        assert!(matches!(
+            decide("/grpc.health.v1.Health/Check", Role::Node),
+            Decision::Allow
+        ));
+    }
+
+    #[test]
+    fn a_caller_without_a_role_is_unauthenticated() {
+        let authorize = Authorize::new(vec![NODE]);
+        let Decision::Deny(status) = authorize.decide("/grpc.health.v1.Health/Check", None) else {
+            panic!("no certificate was let through");
+        };
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        let junk = vec![CertificateDer::from(vec![1, 2, 3])];
+        assert!(matches!(
+            authorize.decide("/sandboxsched.node.v1.Node/List", Some(&junk)),
+            Decision::Deny(_)
+        ));
+    }
+}

@@ -1,0 +1,124 @@
+//! One role's certificate, loaded, and how a service uses it to serve and to call.
+//!
+//! A service is configured with a [`Security`]: [`Security::MutualTls`] in every binary and in
+//! the test stacks, [`Security::Plaintext`] only where a test of one service alone asks for it
+//! by name. Clients are built through [`Security::endpoint`], which is the one place that
+//! turns a service address into a connection: under mutual TLS it dials `https://` (tonic
+//! only speaks TLS to an `https` URL; an `http` one would silently go out in clear) and checks
+//! that the server is the role the caller meant to reach.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+
+use crate::issue::{ca_cert_path, read_secret, role_paths};
+use crate::{Role, TlsError};
+
+/// One role's certificate and key, and the cluster CA it trusts.
+pub struct Credentials {
+    role: Role,
+    ca: Certificate,
+    identity: Identity,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("role", &self.role)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Credentials {
+    /// Loads `role`'s pair and the CA from a certificate directory (see [`crate::issue`]).
+    pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
+        let read = |path: &Path| {
+            std::fs::read(path).map_err(|source| TlsError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let (cert_path, key_path) = role_paths(dir, role);
+        let ca = read(&ca_cert_path(dir))?;
+        let cert = read(&cert_path)?;
+        let key = read_secret(&key_path)?;
+        Ok(Self {
+            role,
+            ca: Certificate::from_pem(ca),
+            identity: Identity::from_pem(cert, key),
+        })
+    }
+
+    /// The role these credentials prove.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// A server's TLS: present this role's certificate, demand a client certificate signed by
+    /// the cluster CA (a client without one never completes the handshake).
+    pub fn server(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(self.identity.clone())
+            .client_ca_root(self.ca.clone())
+    }
+
+    /// A client's TLS towards a server of role `peer`: present this role's certificate, trust
+    /// only the cluster CA, and accept only a server certificate that names `peer`.
+    pub fn client(&self, peer: Role) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(self.ca.clone())
+            .identity(self.identity.clone())
+            .domain_name(peer.dns_name())
+    }
+}
+
+/// How a service's gRPC traffic is protected.
+#[derive(Clone, Debug)]
+pub enum Security {
+    /// Mutual TLS with the cluster's certificates, and every RPC held to its [`crate::Policy`].
+    MutualTls(Arc<Credentials>),
+    /// No TLS and no authorisation: for a test of one service alone, never for a cluster.
+    Plaintext,
+}
+
+impl Security {
+    /// Mutual TLS as `role`, from a certificate directory.
+    pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
+        Ok(Self::MutualTls(Arc::new(Credentials::load(dir, role)?)))
+    }
+
+    /// The role this service proves, if any.
+    pub fn role(&self) -> Option<Role> {
+        match self {
+            Security::MutualTls(credentials) => Some(credentials.role()),
+            Security::Plaintext => None,
+        }
+    }
+
+    /// The server side of this security, if it has one.
+    pub fn server(&self) -> Option<ServerTlsConfig> {
+        match self {
+            Security::MutualTls(credentials) => Some(credentials.server()),
+            Security::Plaintext => None,
+        }
+    }
+
+    /// An endpoint for a server of role `peer` at `address` (`http://HOST:PORT`, `https://…`
+    /// or bare `HOST:PORT`), with this side's TLS. Connection settings (timeouts, windows) are
+    /// the caller's to add.
+    pub fn endpoint(&self, address: &str, peer: Role) -> Result<Endpoint, TlsError> {
+        let bare = address
+            .strip_prefix("http://")
+            .or_else(|| address.strip_prefix("https://"))
+            .unwrap_or(address);
+        let refuse = |reason: String| TlsError::Endpoint(address.to_string(), reason);
+        match self {
+            Security::MutualTls(credentials) => Endpoint::from_shared(format!("https://{bare}"))
+                .map_err(|e| refuse(e.to_string()))?
+                .tls_config(credentials.client(peer))
+                .map_err(|e| TlsError::Config(e.to_string())),
+            Security::Plaintext => Endpoint::from_shared(format!("http://{bare}")).map_err(|e| refuse(e.to_string())),
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! A cluster's certificates: one CA, and one certificate per [`Role`] signed by it.
+//!
+//! Everything goes into one directory that only its owner may enter (0700), each file 0600:
+//!
+//! ```text
+//! ca.pem    ca.key          the cluster CA (the key only signs; keep it off service hosts)
+//! ledger.pem ledger.key     one pair per role: placement, node, balance, gateway, operator
+//! ```
+//!
+//! A host of a multi-host cluster needs `ca.pem` and its own role's pair only. Issuing is
+//! idempotent: an existing CA is kept and only missing roles are issued from it, so `up` can
+//! call it on every start. Renewal reissues every role's pair from the same CA (clients and
+//! servers trust the CA, not a pair, so services pick the new pairs up one restart at a time).
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+};
+use time::{Duration, OffsetDateTime};
+
+use crate::{Role, TlsError};
+
+/// How long the CA is valid.
+const CA_VALIDITY: Duration = Duration::days(10 * 365);
+/// How long a role's certificate is valid; `sandboxsched-ctl certs --renew` reissues them.
+const LEAF_VALIDITY: Duration = Duration::days(2 * 365);
+/// Clocks of hosts differ: a certificate is valid from a little before it was made.
+const CLOCK_SKEW: Duration = Duration::hours(1);
+
+const CA_NAME: &str = "sandboxsched cluster CA";
+
+/// The CA certificate's file in a certificate directory.
+pub fn ca_cert_path(dir: &Path) -> PathBuf {
+    dir.join("ca.pem")
+}
+
+/// A role's certificate and key files in a certificate directory.
+pub fn role_paths(dir: &Path, role: Role) -> (PathBuf, PathBuf) {
+    (dir.join(format!("{role}.pem")), dir.join(format!("{role}.key")))
+}
+
+/// What [`issue_cluster`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Issued {
+    /// A new CA was made (every client and server must be given the new `ca.pem`).
+    pub new_ca: bool,
+    /// The roles whose certificates were written.
+    pub roles: Vec<Role>,
+}
+
+/// Makes `dir` (0700) hold a cluster CA and a certificate for every role: keeps what exists,
+/// issues what is missing, and with `renew` reissues every role's certificate.
+pub fn issue_cluster(dir: &Path, renew: bool) -> Result<Issued, TlsError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TlsError::Io { path, source }
+    };
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io(dir))?;
+    // An existing directory keeps the mode it had: close it, whoever made it.
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(io(dir))?;
+
+    let ca_key_path = dir.join("ca.key");
+    let mut issued = Issued::default();
+    let ca_key = if ca_key_path.exists() {
+        KeyPair::from_pem(&read_secret(&ca_key_path)?)?
+    } else {
+        let key = KeyPair::generate()?;
+        let cert = ca_params()?.self_signed(&key)?;
+        write_secret(&ca_key_path, key.serialize_pem().as_bytes())?;
+        write_secret(&ca_cert_path(dir), cert.pem().as_bytes())?;
+        issued.new_ca = true;
+        key
+    };
+    // The issuer is rebuilt from the same name and key each time: the certificates it signs
+    // name the CA and its key identifier exactly as the saved CA certificate does.
+    let issuer = Issuer::new(ca_params()?, ca_key);
+    for role in Role::ALL {
+        let (cert_path, key_path) = role_paths(dir, role);
+        if !renew && !issued.new_ca && cert_path.exists() && key_path.exists() {
+            continue;
+        }
+        let key = KeyPair::generate()?;
+        let cert = leaf_params(role)?.signed_by(&key, &issuer)?;
+        write_secret(&key_path, key.serialize_pem().as_bytes())?;
+        write_secret(&cert_path, cert.pem().as_bytes())?;
+        issued.roles.push(role);
+    }
+    Ok(issued)
+}
+
+fn ca_params() -> Result<CertificateParams, TlsError> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.distinguished_name.push(DnType::CommonName, CA_NAME);
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - CLOCK_SKEW;
+    params.not_after = now + CA_VALIDITY;
+    Ok(params)
+}
+
+fn leaf_params(role: Role) -> Result<CertificateParams, TlsError> {
+    let mut params = CertificateParams::new(vec![role.dns_name()])?;
+    params.distinguished_name.push(DnType::CommonName, role.dns_name());
+    // Every service is both: it serves its own RPCs and calls others'.
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.use_authority_key_identifier_extension = true;
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - CLOCK_SKEW;
+    params.not_after = now + LEAF_VALIDITY;
+    Ok(params)
+}
+
+/// Writes `bytes` to `path` as a 0600 file, replacing it whole (a reader never sees half a key).
+fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
+    let io = |source| TlsError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let temp = path.with_extension("tmp");
+    let _ = fs::remove_file(&temp);
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&temp)
+        .map_err(io)?;
+    file.write_all(bytes).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    fs::rename(&temp, path).map_err(io)
+}
+
+/// Reads a private key, refusing one that other users could read too.
+pub(crate) fn read_secret(path: &Path) -> Result<String, TlsError> {
+    let io = |source| TlsError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mode = fs::metadata(path).map_err(io)?.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(TlsError::KeyExposed {
+            path: path.to_path_buf(),
+            mode,
+        });
+    }
+    fs::read_to_string(path).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_is_issued_closed_and_kept() {
+        let temp = tempfile::tempdir().unwrap();
+        let dir = temp.path().join("certs");
+        let first = issue_cluster(&dir, false).unwrap();
+        assert!(first.new_ca);
+        assert_eq!(first.roles, Role::ALL.to_vec());
+        assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        for entry in fs::read_dir(&dir).unwrap() {
+            let entry = entry.unwrap();
+            let mode = entry.metadata().unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", entry.path().display());
+        }
+
+        // Again: nothing to do.
+        assert_eq!(issue_cluster(&dir, false).unwrap(), Issued::default());
+
+        // A lost role is issued again from the same CA; the CA stays.
+        let ca = fs::read(ca_cert_path(&dir)).unwrap();
+        fs::remove_file(role_paths(&dir, Role::Node).0).unwrap();
+        let again = issue_cluster(&dir, false).unwrap();
+        assert_eq!(again.roles, vec![Role::Node]);
+        assert!(!again.new_ca);
+        assert_eq!(fs::read(ca_cert_path(&dir)).unwrap(), ca);
+
+        // Renewal reissues every role.
+        assert_eq!(issue_cluster(&dir, true).unwrap().roles, Role::ALL.to_vec());
+    }
+
+    #[test]
+    fn a_key_others_can_read_is_refused() {
+        let temp = tempfile::tempdir().unwrap();
+        issue_cluster(temp.path(), false).unwrap();
+        let (_, key) = role_paths(temp.path(), Role::Gateway);
+        fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
+        let err = read_secret(&key).unwrap_err();
+        assert!(matches!(err, TlsError::KeyExposed { mode: 0o644, .. }), "{err}");
+    }
+}

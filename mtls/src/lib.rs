@@ -1,0 +1,98 @@
+//! Who each service of the cluster is, and who may call it.
+//!
+//! Every gRPC connection inside a sandboxsched cluster is mutual TLS: the server proves which
+//! service it is to the client, and the client proves which service it is to the server, both
+//! with certificates issued by one cluster CA. The identity is a [`Role`] (ledger, placement,
+//! node, balance, gateway or the operator's `sandboxsched-ctl`), carried as the certificate's
+//! DNS name `<role>.sandboxsched.internal`. A client checks that name, not the address it
+//! dialled, so a node reached at any address must still prove it is a node.
+//!
+//! Authentication alone would let any node call the ledger, so every server also states who
+//! may call each of its RPCs ([`Policy`]); [`Authorize`] enforces it on every request before
+//! the service sees it, and answers `PERMISSION_DENIED` naming the caller and the method.
+//! A method missing from a policy is refused: new RPCs are closed until someone opens them.
+//!
+//! The pieces:
+//! - [`issue`]: a cluster CA and one certificate per role, written into a 0700 directory
+//!   (what `sandboxsched-ctl certs`, `up` and compose run once);
+//! - [`credentials`]: one role's certificate loaded from that directory, and the
+//!   [`Security`] a service is configured with (mutual TLS, or plaintext for a test that asks
+//!   for it by name);
+//! - [`authorize`]: the per-RPC allow lists and the tower layer that holds servers to them.
+
+pub mod authorize;
+pub mod credentials;
+pub mod issue;
+
+pub use authorize::{Authorize, Policy};
+pub use credentials::{Credentials, Security};
+pub use issue::{issue_cluster, Issued};
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// A service's identity in the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    Ledger,
+    Placement,
+    Node,
+    Balance,
+    Gateway,
+    /// The operator's command line (`sandboxsched-ctl`) and anything an operator scripts.
+    Operator,
+}
+
+impl Role {
+    /// Every role, in the order certificates are issued.
+    pub const ALL: [Role; 6] = [
+        Role::Ledger,
+        Role::Placement,
+        Role::Node,
+        Role::Balance,
+        Role::Gateway,
+        Role::Operator,
+    ];
+
+    /// The short name: file names in the certificate directory, log fields, error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Ledger => "ledger",
+            Role::Placement => "placement",
+            Role::Node => "node",
+            Role::Balance => "balance",
+            Role::Gateway => "gateway",
+            Role::Operator => "operator",
+        }
+    }
+
+    /// The DNS name a certificate of this role is valid for, and the name a client checks
+    /// when it connects to a server of this role.
+    pub fn dns_name(self) -> String {
+        format!("{}.{DOMAIN}", self.name())
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The DNS suffix of every identity. Never resolved: it only names roles inside certificates.
+pub const DOMAIN: &str = "sandboxsched.internal";
+
+/// Why certificates could not be made, read or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} is readable by other users (mode {mode:o}): a private key must be 0600 or 0400")]
+    KeyExposed { path: PathBuf, mode: u32 },
+    #[error("making certificates: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("{0} is not a URL: {1}")]
+    Endpoint(String, String),
+    #[error("TLS settings refused: {0}")]
+    Config(String),
+}

@@ -1,0 +1,62 @@
+//! A stack's cluster certificates: issued into `<dir>/certs` when the stack starts (kept, and
+//! reused, when the directory is kept, as `up`'s data directory is), one loaded
+//! [`Security`](mtls::Security) per role for the services, the tests and the benchmarks.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use mtls::{Role, Security, TlsError};
+
+/// The certificates of one stack, loaded.
+#[derive(Clone, Debug)]
+pub struct Certs {
+    dir: Option<PathBuf>,
+    loaded: HashMap<Role, Security>,
+}
+
+impl Certs {
+    /// Issues what is missing in `dir` (0700) and loads every role.
+    pub fn issue(dir: &Path) -> Result<Self, TlsError> {
+        mtls::issue_cluster(dir, false)?;
+        let mut loaded = HashMap::new();
+        for role in Role::ALL {
+            loaded.insert(role, Security::load(dir, role)?);
+        }
+        Ok(Self {
+            dir: Some(dir.to_path_buf()),
+            loaded,
+        })
+    }
+
+    /// No certificates: every service of the stack serves and calls in plaintext (for a
+    /// benchmark that measures what mutual TLS costs).
+    pub fn plaintext() -> Self {
+        Self {
+            dir: None,
+            loaded: HashMap::new(),
+        }
+    }
+
+    /// Where the certificates are (`sandboxsched-ctl --tls-dir`), if the stack has any.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// How a service or client of `role` connects in this stack.
+    pub fn security(&self, role: Role) -> Security {
+        self.loaded.get(&role).cloned().unwrap_or(Security::Plaintext)
+    }
+
+    /// An endpoint of the service of role `peer` at `address`, as the caller that may call
+    /// the most of it: the balancer towards nodes and placement (everything but heartbeats),
+    /// the gateway towards the ledger (reads and writes), the operator towards the balancer.
+    /// For tests and benchmarks that drive a service directly.
+    pub fn endpoint(&self, address: &str, peer: Role) -> Result<tonic::transport::Endpoint, TlsError> {
+        let caller = match peer {
+            Role::Node | Role::Placement => Role::Balance,
+            Role::Ledger => Role::Gateway,
+            Role::Balance | Role::Gateway | Role::Operator => Role::Operator,
+        };
+        self.security(caller).endpoint(address, peer)
+    }
+}
