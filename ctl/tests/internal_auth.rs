@@ -56,20 +56,20 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
 
     // No TLS at all: the server never completes a call.
     let plain = LedgerClient::connect_lazy(&ledger, &Security::Plaintext).unwrap();
-    let listed = plain.list::<serde_json::Value>("sandboxes", "").await;
+    let listed = plain.list::<serde_json::Value>("sandbox", "").await;
     assert!(listed.is_err(), "plaintext listed the manifests");
 
     // A certificate of another cluster (a CA the services do not trust).
     let other = tempfile::tempdir().unwrap();
     mtls::issue_cluster(other.path(), false).unwrap();
     let stranger = LedgerClient::connect_lazy(&ledger, &Security::load(other.path(), Role::Operator).unwrap()).unwrap();
-    let listed = stranger.list::<serde_json::Value>("sandboxes", "").await;
+    let listed = stranger.list::<serde_json::Value>("sandbox", "").await;
     assert!(listed.is_err(), "another cluster's certificate listed the manifests");
 
     // A node of this cluster, compromised: it reaches for what is not a node's.
     let as_node = |address: &str, peer: Role| s.security(Role::Node).endpoint(address, peer).unwrap().connect_lazy();
     let from_node = LedgerClient::connect_lazy(&ledger, &s.security(Role::Node)).unwrap();
-    let err = from_node.list::<serde_json::Value>("sandboxes", "").await.unwrap_err();
+    let err = from_node.list::<serde_json::Value>("sandbox", "").await.unwrap_err();
     assert!(
         matches!(&err, LedgerError::Forbidden(m) if m.contains("node may not call")),
         "a node read every manifest: {err}"

@@ -190,7 +190,7 @@ fn domain_json(domain: &str) -> Value {
     }
 }
 
-fn sandbox_json(d: &SandboxDoc, domain: &str) -> Value {
+fn sandbox_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> Value {
     let mut v = json!({
         "domain": domain_json(domain),
         "templateID": d.template,
@@ -198,10 +198,10 @@ fn sandbox_json(d: &SandboxDoc, domain: &str) -> Value {
         "clientID": d.node_id,
         "envdVersion": ENVD_VERSION,
     });
-    if let Some(token) = &d.envd_access_token {
+    if let Some(token) = tokens.envd(d) {
         v["envdAccessToken"] = json!(token);
     }
-    if let Some(token) = &d.traffic_access_token {
+    if let Some(token) = tokens.traffic(d) {
         v["trafficAccessToken"] = json!(token);
     }
     v
@@ -214,7 +214,7 @@ fn state_name(phase: SandboxPhase) -> &'static str {
     }
 }
 
-fn detail_json(d: &SandboxDoc, domain: &str) -> Value {
+fn detail_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> Value {
     let mut v = json!({
         "domain": domain_json(domain),
         "templateID": d.template,
@@ -241,10 +241,10 @@ fn detail_json(d: &SandboxDoc, domain: &str) -> Value {
             "allowPublicTraffic": d.traffic_access_token.is_none(),
         });
     }
-    if let Some(token) = &d.envd_access_token {
+    if let Some(token) = tokens.envd(d) {
         v["envdAccessToken"] = json!(token);
     }
-    if let Some(token) = &d.traffic_access_token {
+    if let Some(token) = tokens.traffic(d) {
         v["trafficAccessToken"] = json!(token);
     }
     v
@@ -307,7 +307,11 @@ pub async fn create(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -
         }
         None => g.sandboxes.create(&team, intent).await?,
     };
-    Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(sandbox_json(&doc, &g.domain, &g.sandboxes.tokens)),
+    )
+        .into_response())
 }
 
 /// The create's template as the registry resolves `name:tag` for `team`: its ID, the
@@ -385,7 +389,7 @@ pub async fn fork(
     let results: Vec<Value> = forks
         .into_iter()
         .map(|made| match made {
-            Ok(doc) => json!({"sandbox": sandbox_json(&doc, &g.domain)}),
+            Ok(doc) => json!({"sandbox": sandbox_json(&doc, &g.domain, &g.sandboxes.tokens)}),
             Err(err) => {
                 let e = ApiError::from(err);
                 json!({"error": {"code": e.status.as_u16(), "message": e.message}})
@@ -416,7 +420,7 @@ pub async fn get(
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
     let doc = g.sandboxes.get(&team, &id).await?;
-    Ok(Json(detail_json(&doc.value, &g.domain)))
+    Ok(Json(detail_json(&doc.value, &g.domain, &g.sandboxes.tokens)))
 }
 
 pub async fn kill(
@@ -475,7 +479,11 @@ pub async fn resume(
             format!("sandbox {id} is already running"),
         ));
     }
-    Ok((StatusCode::CREATED, Json(sandbox_json(&doc, &g.domain))).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(sandbox_json(&doc, &g.domain, &g.sandboxes.tokens)),
+    )
+        .into_response())
 }
 
 pub async fn connect(
@@ -490,7 +498,7 @@ pub async fn connect(
     let reboot = req.memory == Some(false);
     let (doc, resumed) = g.sandboxes.resume_as(&team, &id, secs, reboot).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sandbox_json(&doc, &g.domain))).into_response())
+    Ok((status, Json(sandbox_json(&doc, &g.domain, &g.sandboxes.tokens))).into_response())
 }
 
 pub async fn set_timeout(
@@ -638,7 +646,10 @@ pub async fn list(
         format!("{}_{}", last.started_at_unix_ms, last.sandbox_id)
     });
     docs.truncate(limit);
-    let body: Vec<Value> = docs.iter().map(|d| detail_json(d, &g.domain)).collect();
+    let body: Vec<Value> = docs
+        .iter()
+        .map(|d| detail_json(d, &g.domain, &g.sandboxes.tokens))
+        .collect();
     let mut response = Json(body).into_response();
     if let Some(next) = next {
         if let Ok(v) = HeaderValue::from_str(&next) {

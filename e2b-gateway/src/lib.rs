@@ -14,3 +14,4 @@ pub mod sandboxes;
 pub mod server;
 pub mod template_api;
 pub mod templates;
+pub mod tokens;

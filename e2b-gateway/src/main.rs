@@ -12,6 +12,11 @@ use e2b_gateway::server::GatewayConfig;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
+    /// The file of the cluster's token key (64 hex digits, 0600; every gateway of a cluster
+    /// the same), from which sandboxes' access tokens are derived. Default: `tokens.key` in
+    /// `--tls-dir`, where `sandboxsched-ctl certs` makes it.
+    #[arg(long, env = "GATEWAY_TOKEN_KEY")]
+    token_key: Option<std::path::PathBuf>,
     #[command(flatten)]
     security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[e2b-gateway]`, keys = these flags' long names); environment
@@ -87,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
         .security
         .security(mtls::Role::Gateway)
         .map_err(anyhow::Error::msg)?;
+    let token_key = token_key(args.token_key.as_deref(), args.security.tls_dir.as_deref())?;
     let gateway = e2b_gateway::server::start(GatewayConfig {
         listen: args.listen,
         ledger: args.ledger,
@@ -105,10 +111,35 @@ async fn main() -> anyhow::Result<()> {
         abandoned_create_after: args.abandoned_create_after,
         claim_ttl: args.claim_ttl,
         security,
+        token_key,
     })
     .await?;
     common::shutdown::signal().await;
     gateway.stop().await;
     telemetry.shutdown().await;
     Ok(())
+}
+
+/// The token key from `file`, or from the certificate directory.
+fn token_key(
+    file: Option<&std::path::Path>,
+    tls_dir: Option<&std::path::Path>,
+) -> anyhow::Result<envd_wire::sealed::TokenKey> {
+    let text = match (file, tls_dir) {
+        (Some(file), _) => {
+            let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(file)?.permissions());
+            anyhow::ensure!(
+                mode & 0o077 == 0,
+                "{} is readable by other users (mode {:o}): the token key must be 0600",
+                file.display(),
+                mode & 0o777
+            );
+            std::fs::read_to_string(file)?
+        }
+        (None, Some(dir)) => mtls::read_token_key(dir)?,
+        (None, None) => anyhow::bail!(
+            "no token key: give --token-key FILE or --tls-dir DIR (`sandboxsched-ctl certs DIR` makes tokens.key)"
+        ),
+    };
+    envd_wire::sealed::TokenKey::from_hex(&text).map_err(|e| anyhow::anyhow!("the token key: {e}"))
 }

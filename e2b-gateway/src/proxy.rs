@@ -29,11 +29,13 @@ use serde_json::json;
 use tokio::sync::RwLock;
 
 /// Sandbox → envd endpoint, for running sandboxes.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Routes {
     table: Arc<RwLock<HashMap<String, Route>>>,
     /// Woken on every change of the table, for requests held during a move.
     changed: Arc<tokio::sync::Notify>,
+    /// Opens the seals manifests keep into the tokens requests must carry.
+    tokens: crate::tokens::Tokens,
 }
 
 #[derive(Clone, Debug)]
@@ -49,13 +51,13 @@ struct Route {
     auto_resume: Option<(Arc<str>, u64)>,
 }
 
-fn route_of(doc: &SandboxDoc) -> Option<Route> {
+fn route_of(doc: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Option<Route> {
     (!doc.envd_address.is_empty() || doc.lifecycle_owner.is_some()).then(|| Route {
         envd: doc.envd_address.clone(),
         running: doc.phase == SandboxPhase::Running,
         moving: doc.lifecycle_owner.is_some(),
-        access_token: doc.envd_access_token.as_deref().map(Arc::from),
-        traffic_token: doc.traffic_access_token.as_deref().map(Arc::from),
+        access_token: tokens.envd(doc).map(Arc::from),
+        traffic_token: tokens.traffic(doc).map(Arc::from),
         auto_resume: doc
             .auto_resume
             .then(|| (Arc::from(doc.team_id.as_str()), doc.timeout_secs)),
@@ -108,6 +110,14 @@ pub fn target_of(headers: &HeaderMap, domain: &str) -> Option<Result<Target, Bad
 pub const HOLD_DURING_MOVE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Routes {
+    pub fn new(tokens: crate::tokens::Tokens) -> Self {
+        Self {
+            table: Arc::default(),
+            changed: Arc::default(),
+            tokens,
+        }
+    }
+
     /// Lists the manifests, then follows the ledger from that revision on.
     pub fn follow(&self, ledger: LedgerClient) -> tokio::task::JoinHandle<()> {
         let routes = self.clone();
@@ -120,7 +130,7 @@ impl Routes {
                         let mut table = routes.table.write().await;
                         table.clear();
                         for d in docs {
-                            if let Some(r) = route_of(&d.value) {
+                            if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
                         }
@@ -142,7 +152,7 @@ impl Routes {
                         match event {
                             WatchEvent::Put(doc) => {
                                 if let Ok(d) = serde_json::from_str::<SandboxDoc>(&doc.payload) {
-                                    match route_of(&d) {
+                                    match route_of(&d, &routes.tokens) {
                                         Some(r) => table.insert(d.sandbox_id.clone(), r),
                                         None => table.remove(&d.sandbox_id),
                                     };
@@ -200,7 +210,7 @@ impl Routes {
             return Some(r.clone());
         }
         let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.ok()??;
-        let route = route_of(&doc.value)?;
+        let route = route_of(&doc.value, &self.tokens)?;
         self.table.write().await.insert(id.to_string(), route.clone());
         Some(route)
     }

@@ -55,6 +55,9 @@ pub struct GatewayConfig {
     /// How the gateway proves itself to the ledger, placement and the nodes: mutual TLS with
     /// the cluster's certificates (every binary), or plaintext for a test.
     pub security: mtls::Security,
+    /// The cluster's token key: sandboxes' access tokens are derived from it and the seal
+    /// each manifest keeps. Every gateway of a cluster must have the same one.
+    pub token_key: envd_wire::sealed::TokenKey,
 }
 
 /// Paused sandboxes are kept this long unless configured otherwise: 30 days.
@@ -138,6 +141,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         ledger.clone(),
         &config.placement,
         &config.security,
+        crate::tokens::Tokens::new(config.token_key.clone()),
         config.hibernate_dir.clone(),
         store.clone(),
         crate::sandboxes::Patience {

@@ -209,3 +209,70 @@ async fn signed_file_urls_work_without_headers() {
     }
     s.stop().await;
 }
+
+/// Someone who reads the ledger (a dump, a backup, its database) learns no token: manifests
+/// keep only seals, and a seal presented as a token opens nothing. The team still gets its
+/// token from the gateway, the same every time, and it works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_dump_holds_no_usable_token() {
+    let s = stack(4096).await;
+    let a = create(
+        &s,
+        "key-a",
+        r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#,
+    )
+    .await;
+    let (_, detail) = s
+        .call("GET", &format!("/sandboxes/{}", a.id), Some("key-a"), None)
+        .await;
+    assert_eq!(
+        detail["envdAccessToken"],
+        a.token.as_str(),
+        "the token is derived the same again"
+    );
+    let traffic = detail["trafficAccessToken"]
+        .as_str()
+        .expect("a sandbox without public traffic has a traffic token")
+        .to_string();
+
+    // The attacker's dump: every document of every kind the gateway keeps, as raw JSON.
+    let mut dump = String::new();
+    for kind in [
+        "sandbox",
+        "idempotency",
+        "node",
+        "template",
+        "template-name",
+        "template-build",
+    ] {
+        let (docs, _) = s.ledger_client.list::<Value>(kind, "").await.unwrap();
+        for doc in docs {
+            dump.push_str(&doc.value.to_string());
+        }
+    }
+    assert!(dump.contains(&a.id), "the dump holds the manifest");
+    for (what, token) in [("envd", &a.token), ("traffic", &traffic)] {
+        assert!(
+            !dump.contains(token.as_str()),
+            "the {what} token is in the ledger in clear"
+        );
+    }
+    let (manifest, _) = s.ledger_client.list::<Value>("sandbox", "").await.unwrap();
+    let seal = manifest[0].value["envd_access_token"].as_str().unwrap().to_string();
+    assert!(seal.starts_with(envd_wire::sealed::SEAL_PREFIX), "{seal}");
+
+    // What the dump holds opens nothing; the team's token does.
+    for presented in [seal.as_str(), &seal[envd_wire::sealed::SEAL_PREFIX.len()..]] {
+        let answer = list_processes(&s, |r| {
+            r.header("E2b-Sandbox-Id", &a.id).header("X-Access-Token", presented)
+        })
+        .await;
+        support::assert_e2b_error(&answer, 401);
+    }
+    let (status, _) = list_processes(&s, |r| {
+        r.header("E2b-Sandbox-Id", &a.id).header("X-Access-Token", &a.token)
+    })
+    .await;
+    assert_eq!(status, 200);
+    s.0.shut_down().await;
+}

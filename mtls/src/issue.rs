@@ -5,6 +5,7 @@
 //! ```text
 //! ca.pem    ca.key          the cluster CA (the key only signs; keep it off service hosts)
 //! ledger.pem ledger.key     one pair per role: placement, node, balance, gateway, operator
+//! tokens.key                the gateways' key for sandboxes' access tokens (gateways only)
 //! ```
 //!
 //! A host of a multi-host cluster needs `ca.pem` and its own role's pair only. Issuing is
@@ -43,6 +44,17 @@ pub fn role_paths(dir: &Path, role: Role) -> (PathBuf, PathBuf) {
     (dir.join(format!("{role}.pem")), dir.join(format!("{role}.key")))
 }
 
+/// The gateways' token key in a certificate directory: 64 hex digits from which every
+/// sandbox's access tokens are derived (the ledger keeps only seals).
+pub fn token_key_path(dir: &Path) -> PathBuf {
+    dir.join("tokens.key")
+}
+
+/// Reads the token key's text, refusing a file other users could read.
+pub fn read_token_key(dir: &Path) -> Result<String, TlsError> {
+    read_secret(&token_key_path(dir))
+}
+
 /// What [`issue_cluster`] did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Issued {
@@ -79,6 +91,16 @@ pub fn issue_cluster(dir: &Path, renew: bool) -> Result<Issued, TlsError> {
         issued.new_ca = true;
         key
     };
+    let token_key = token_key_path(dir);
+    if !token_key.exists() {
+        // 64 hex digits from the operating system's random source: two v4 UUIDs, 244 random
+        // bits (each has six fixed ones).
+        let key: String = [uuid::Uuid::new_v4(), uuid::Uuid::new_v4()]
+            .iter()
+            .map(|u| u.simple().to_string())
+            .collect();
+        write_secret(&token_key, key.as_bytes())?;
+    }
     // The issuer is rebuilt from the same name and key each time: the certificates it signs
     // name the CA and its key identifier exactly as the saved CA certificate does.
     let issuer = Issuer::new(ca_params()?, ca_key);

@@ -26,7 +26,7 @@ pub mod issue;
 
 pub use authorize::{Authorize, Policy};
 pub use credentials::{Credentials, Security};
-pub use issue::{issue_cluster, Issued};
+pub use issue::{issue_cluster, read_token_key, Issued};
 
 use std::fmt;
 use std::path::PathBuf;

@@ -12,6 +12,7 @@ use mtls::{Role, Security, TlsError};
 pub struct Certs {
     dir: Option<PathBuf>,
     loaded: HashMap<Role, Security>,
+    token_key: envd_wire::sealed::TokenKey,
 }
 
 impl Certs {
@@ -22,9 +23,12 @@ impl Certs {
         for role in Role::ALL {
             loaded.insert(role, Security::load(dir, role)?);
         }
+        let token_key = envd_wire::sealed::TokenKey::from_hex(&mtls::read_token_key(dir)?)
+            .map_err(|e| TlsError::Config(format!("tokens.key: {e}")))?;
         Ok(Self {
             dir: Some(dir.to_path_buf()),
             loaded,
+            token_key,
         })
     }
 
@@ -34,12 +38,18 @@ impl Certs {
         Self {
             dir: None,
             loaded: HashMap::new(),
+            token_key: envd_wire::sealed::TokenKey::random(),
         }
     }
 
     /// Where the certificates are (`sandboxsched-ctl --tls-dir`), if the stack has any.
     pub fn dir(&self) -> Option<&Path> {
         self.dir.as_deref()
+    }
+
+    /// The gateways' token key.
+    pub fn token_key(&self) -> &envd_wire::sealed::TokenKey {
+        &self.token_key
     }
 
     /// How a service or client of `role` connects in this stack.

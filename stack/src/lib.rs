@@ -362,6 +362,7 @@ impl StackBuilder {
                     abandoned_create_after: e2b_gateway::sandboxes::DEFAULT_ABANDONED_CREATE_AFTER,
                     claim_ttl: e2b_gateway::sandboxes::DEFAULT_CLAIM_TTL,
                     security: certs.security(Role::Gateway),
+                    token_key: certs.token_key().clone(),
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;

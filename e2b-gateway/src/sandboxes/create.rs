@@ -55,10 +55,11 @@ impl Sandboxes {
             node_address: String::new(),
             envd_address: String::new(),
             epoch: 1,
-            // Always: envd answers only requests that carry it (or a URL signed with it).
-            envd_access_token: Some(envd_wire::access::new_token()),
+            // Always: envd answers only requests that carry it (or a URL signed with it). The
+            // manifest keeps a seal; the token is derived from it with the gateways' key.
+            envd_access_token: Some(self.tokens.seal()),
             network: Some(intent.network.clone()),
-            traffic_access_token: (!intent.public_traffic).then(envd_wire::access::new_token),
+            traffic_access_token: (!intent.public_traffic).then(|| self.tokens.seal()),
             started_at_unix_ms: now,
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,
@@ -215,13 +216,13 @@ impl Sandboxes {
             env_vars: doc.env_vars.clone().into_iter().collect(),
             metadata: doc.metadata.clone().into_iter().collect(),
             start_command: String::new(),
-            access_token: doc.envd_access_token.clone().unwrap_or_default(),
+            access_token: self.tokens.envd(doc).unwrap_or_default(),
             network: doc.network.as_ref().map(|n| node_pb::NetworkPolicy {
                 internet: n.internet,
                 allow_out: n.allow_out.iter().map(ToString::to_string).collect(),
                 deny_out: n.deny_out.iter().map(ToString::to_string).collect(),
             }),
-            traffic_access_token: doc.traffic_access_token.clone().unwrap_or_default(),
+            traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
             image: Some(image.clone()),
         })
         .await

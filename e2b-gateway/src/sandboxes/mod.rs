@@ -106,6 +106,8 @@ pub struct Sandboxes {
     pub routes: crate::proxy::Routes,
     placement: PlacementClient<TracedChannel>,
     nodes: nodes::Nodes,
+    /// Derives sandboxes' tokens from the seals their manifests keep.
+    pub tokens: crate::tokens::Tokens,
 }
 
 impl Sandboxes {
@@ -113,6 +115,7 @@ impl Sandboxes {
         ledger: LedgerClient,
         placement_endpoint: &str,
         security: &mtls::Security,
+        tokens: crate::tokens::Tokens,
         hibernate_dir: std::path::PathBuf,
         store: Arc<dyn blobs::BlobStore>,
         patience: reaper::Patience,
@@ -127,7 +130,8 @@ impl Sandboxes {
             hibernate_dir,
             store,
             patience,
-            routes: crate::proxy::Routes::default(),
+            routes: crate::proxy::Routes::new(tokens.clone()),
+            tokens,
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::new(security.clone()),
         }))
