@@ -166,7 +166,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen)
         .await
         .context("starting the metrics endpoint")?;
-    let api_key = api_key(&args.data_dir)?;
+    let api_key = secret_file(&args.data_dir.join("api_key"), || {
+        format!("e2b_{}", uuid::Uuid::new_v4().simple())
+    })?;
+    let admin_token = secret_file(&args.data_dir.join("admin_token"), || {
+        format!("admin_{}", uuid::Uuid::new_v4().simple())
+    })?;
     let mut keys: std::collections::HashMap<String, String> = [(api_key.clone(), "default".to_string())].into();
     for pair in &args.api_keys {
         let (key, team) = pair
@@ -259,6 +264,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .gateway(move |c| {
             c.listen = gateway_listen;
             c.keys = keys;
+            c.admin_token = Some(admin_token);
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
             c.domain = sandbox_domain(gateway_listen);
@@ -315,6 +321,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             certs.display()
         );
     }
+    println!(
+        "  admin routes   GET /nodes with X-Admin-Token from {}",
+        args.data_dir.join("admin_token").display()
+    );
     println!();
     println!("Point an unmodified E2B SDK at it:");
     println!("  export E2B_API_URL={}", gateway.url());
@@ -332,21 +342,21 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
 }
 
 /// The local stack's API key: made once, kept in the data directory so it survives restarts.
-fn api_key(data_dir: &std::path::Path) -> anyhow::Result<String> {
-    let path = data_dir.join("api_key");
-    if let Ok(key) = std::fs::read_to_string(&path) {
+/// The secret kept in `path`, made by `make` on first use.
+fn secret_file(path: &std::path::Path, make: impl FnOnce() -> String) -> anyhow::Result<String> {
+    if let Ok(key) = std::fs::read_to_string(path) {
         if !key.trim().is_empty() {
             return Ok(key.trim().to_string());
         }
     }
-    let key = format!("e2b_{}", uuid::Uuid::new_v4().simple());
-    // Readable by its owner only: it is the local stack's one credential.
+    let key = make();
+    // Readable by its owner only: a credential of the local stack.
     std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
-        .open(&path)
+        .open(path)
         .and_then(|mut file| file.write_all(key.as_bytes()))
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(key)

@@ -97,9 +97,31 @@ pub struct Gateway {
     /// The domain under which sandboxes' ports are reachable (`domain` in answers; empty:
     /// none, answered as null).
     pub domain: Arc<str>,
+    /// The operators' token for E2B's admin routes (`X-Admin-Token`); none: they are closed.
+    pub admin_token: Option<Arc<str>>,
 }
 
 impl Gateway {
+    /// Whether the caller is an operator (E2B's `AdminApiKeyAuth`: `X-Admin-Token`). A team's
+    /// API key is not enough: nodes and what they run are the cluster's, not a tenant's.
+    pub(crate) fn admin(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        use subtle::ConstantTimeEq;
+        let Some(expected) = &self.admin_token else {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "admin routes are closed: this gateway has no admin token configured",
+            ));
+        };
+        let given = headers
+            .get("x-admin-token")
+            .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing X-Admin-Token header"))?;
+        if bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
+            Ok(())
+        } else {
+            Err(ApiError::new(StatusCode::UNAUTHORIZED, "Invalid admin token"))
+        }
+    }
+
     pub(crate) fn team(&self, headers: &HeaderMap) -> Result<String, ApiError> {
         let key = headers
             .get("x-api-key")
@@ -883,7 +905,7 @@ fn node_json(n: &proto::placement::v1::NodeView) -> Value {
 }
 
 pub async fn nodes(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    g.team(&headers)?;
+    g.admin(&headers)?;
     let nodes = g.sandboxes.nodes().await?;
     Ok(Json(Value::Array(nodes.iter().map(node_json).collect())))
 }
@@ -893,7 +915,7 @@ pub async fn node(
     headers: HeaderMap,
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
-    g.team(&headers)?;
+    g.admin(&headers)?;
     let nodes = g.sandboxes.nodes().await?;
     let node = nodes
         .iter()

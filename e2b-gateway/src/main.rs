@@ -17,6 +17,10 @@ struct Args {
     /// `--tls-dir`, where `sandboxsched-ctl certs` makes it.
     #[arg(long, env = "GATEWAY_TOKEN_KEY")]
     token_key: Option<std::path::PathBuf>,
+    /// A file holding the operators' token for E2B's admin routes (`GET /nodes` with
+    /// `X-Admin-Token`); without it those routes answer 403 to everyone.
+    #[arg(long, env = "GATEWAY_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     security: common::config::SecurityArgs,
     /// A TOML file of settings (table `[e2b-gateway]`, keys = these flags' long names); environment
@@ -112,6 +116,15 @@ async fn main() -> anyhow::Result<()> {
         claim_ttl: args.claim_ttl,
         security,
         token_key,
+        admin_token: match &args.admin_token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| anyhow::anyhow!("reading the admin token {}: {e}", path.display()))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        },
     })
     .await?;
     common::shutdown::signal().await;

@@ -58,6 +58,9 @@ pub struct GatewayConfig {
     /// The cluster's token key: sandboxes' access tokens are derived from it and the seal
     /// each manifest keeps. Every gateway of a cluster must have the same one.
     pub token_key: envd_wire::sealed::TokenKey,
+    /// The operators' token for E2B's admin routes (`GET /nodes`, `X-Admin-Token`); none:
+    /// those routes answer 403 to everyone.
+    pub admin_token: Option<String>,
 }
 
 /// Paused sandboxes are kept this long unless configured otherwise: 30 days.
@@ -173,6 +176,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         }),
         templates,
         domain: domain.clone(),
+        admin_token: config.admin_token.as_deref().map(Arc::from),
     };
     let mut api_router = Router::new()
         .route("/health", get(api::health))

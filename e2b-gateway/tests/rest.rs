@@ -404,3 +404,32 @@ async fn lists_are_ordered_paged_and_filtered() {
     }
     s.stop().await;
 }
+
+/// Nodes are the cluster's, not a tenant's: E2B's admin routes take the operators' token
+/// (`X-Admin-Token`) and no team's API key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_are_for_operators_only() {
+    let s = stack(1024).await;
+    let node_id = s.nodes[0].id.clone();
+    for path in ["/nodes".to_string(), format!("/nodes/{node_id}")] {
+        let (status, body) = s.call("GET", &path, Some("key-a"), None).await;
+        assert_eq!(status, 401, "a team's API key read {path}: {body}");
+        assert!(body["message"].as_str().unwrap().contains("X-Admin-Token"), "{body}");
+        for token in ["wrong", "", &support::ADMIN_TOKEN[..support::ADMIN_TOKEN.len() - 1]] {
+            let r = reqwest::Client::new()
+                .get(format!("{}{path}", s.url()))
+                .header("X-Admin-Token", token)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 401, "token {token:?} read {path}");
+        }
+        let r = reqwest::Client::new()
+            .get(format!("{}{path}", s.url()))
+            .header("X-Admin-Token", support::ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "the operator was refused {path}");
+    }
+}

@@ -248,6 +248,21 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Out of reach of the sandbox's root: a process that is not dumpable may be traced, have
+    // its memory read or its descriptors taken (`ptrace`, `process_vm_readv`, `pidfd_getfd`,
+    // `/proc/PID/fd`, `/proc/PID/mem`, `/proc/PID/environ`) only by a holder of CAP_SYS_PTRACE,
+    // which no sandbox has. Without this, root in the sandbox (the same uid as envd) could
+    // take envd's listening socket and answer the node's requests itself. The fork into init
+    // and server keeps the flag; the commands envd starts are dumpable again from their exec,
+    // so users still debug their own programs.
+    // SAFETY: PR_SET_DUMPABLE takes a number.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) } != 0 {
+        eprintln!(
+            "envd: cannot make itself non-dumpable: {}",
+            std::io::Error::last_os_error()
+        );
+        return ExitCode::FAILURE;
+    }
     // The descriptors the node handed in (envd's listening socket, the boot pipe) arrive
     // without close-on-exec, as every inherited descriptor does: every command would inherit
     // them, and any user could accept the node's connections to envd, tokens and all.

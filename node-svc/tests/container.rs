@@ -753,6 +753,80 @@ async fn a_command_inherits_no_descriptor_of_envd() {
     }
 }
 
+/// Python that asks for descriptor 3 of PID 1 (envd's init) and of envd's server (the
+/// ancestor of this command whose parent is PID 1) through `pidfd_getfd`, printing "taken" or
+/// "refused" for each.
+const PIDFD_GETFD: &str = "import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def parent(pid):
+    return int(open(\"/proc/%d/stat\" % pid).read().rsplit(\")\", 1)[1].split()[1])
+server = os.getpid()
+while parent(server) != 1:
+    server = parent(server)
+said = []
+for pid in (1, server):
+    pidfd = libc.syscall(434, pid, 0)
+    taken = libc.syscall(438, pidfd, 3, 0) if pidfd >= 0 else -1
+    said.append(\"taken\" if taken >= 0 else \"refused\")
+print(\" \".join(said))";
+
+/// The io_uring system calls are refused: they run calls from kernel workers, outside the
+/// filter that screens the sandbox's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_uring_is_refused() {
+    const SETUP: &str = "import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+fd = libc.syscall(425, 8, params)
+print(\"refused %d\" % ctypes.get_errno() if fd < 0 else \"open\")";
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("uring", 128 << 20).await;
+        for user in ["root", "user"] {
+            let (out, code) = n.sh("uring", user, &format!("python3 -c '{SETUP}'")).await;
+            assert_eq!(
+                (out.trim(), code),
+                (format!("refused {}", libc::EPERM).as_str(), 0),
+                "{runtime:?} as {user}"
+            );
+        }
+        n.stop().await;
+    }
+}
+
+/// envd is out of reach of the sandbox's own root: neither the init (PID 1) nor the server
+/// that answers the node (the parent of a command) lets root inside read its environment,
+/// open its descriptors (the kernel's check for `pidfd_getfd`, which would take the socket
+/// the node's requests arrive on, is the same and stricter) or read its memory. (The numbers
+/// in `/proc/1/fd` stay listable by the owner of the directory; what they are does not.)
+/// Root still reaches its own processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_is_out_of_reach_of_the_sandboxs_root() {
+    const PROBE: &str = "for p in 1 $PPID; do \
+         for what in environ mem fd/0; do \
+           if ( exec 3</proc/$p/$what ) 2>/dev/null; then printf '%s ' \"$p/$what:open\"; fi; \
+         done; \
+       done; \
+       ( exec 3</proc/$$/environ ) && printf 'own'";
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("reach", 128 << 20).await;
+        for user in ["root", "user"] {
+            let (out, code) = n.sh("reach", user, PROBE).await;
+            assert_eq!((out.as_str(), code), ("own", 0), "{runtime:?} as {user} reached envd");
+        }
+        // The attack itself: take envd's descriptor 3 through a pidfd of PID 1 (and of the
+        // server), as root. pidfd_open is allowed; pidfd_getfd must be refused.
+        let (out, code) = n.sh("reach", "root", &format!("python3 -c '{PIDFD_GETFD}'")).await;
+        assert_eq!(
+            (out.trim(), code),
+            ("refused refused", 0),
+            "{runtime:?}: pidfd_getfd on envd"
+        );
+        n.stop().await;
+    }
+}
+
 /// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
 /// freeing its namespace: with one address in the pool, the next sandbox gets it at once. The
 /// node takes the link down itself, so it goes even while something else holds the sandbox's

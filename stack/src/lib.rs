@@ -363,6 +363,7 @@ impl StackBuilder {
                     claim_ttl: e2b_gateway::sandboxes::DEFAULT_CLAIM_TTL,
                     security: certs.security(Role::Gateway),
                     token_key: certs.token_key().clone(),
+                    admin_token: None,
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;

@@ -9,6 +9,9 @@ use serde_json::Value;
 /// The domain the test gateways serve sandbox hosts under (`{port}-{id}.sandbox.test`).
 pub const DOMAIN: &str = "sandbox.test";
 
+/// The operators' token of the test gateways (E2B's admin routes).
+pub const ADMIN_TOKEN: &str = "admin-of-the-test-cluster";
+
 /// A started stack with one node and a gateway.
 pub struct Stack(pub stack::Stack);
 
@@ -37,6 +40,7 @@ pub async fn stack(node_memory_mb: u64) -> Stack {
             .into();
             c.reap_interval = std::time::Duration::from_millis(100);
             c.domain = DOMAIN.to_string();
+            c.admin_token = Some(ADMIN_TOKEN.to_string());
         })
         .start()
         .await
