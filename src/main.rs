@@ -236,7 +236,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let envd_binary = args.envd_binary.clone();
         let blob_store = args.blob_store.clone();
         let private_registries = args.private_registries.clone();
+        // Nodes that share this host share its processes too.
+        let pids_max = node_svc::runtime::cgroup::default_pids_max() / share;
         builder = builder.named_node(format!("node-{i}"), move |c| {
+            c.pids_max = Some(pids_max);
             c.host.private_registries = private_registries;
             c.runtime = runtime;
             c.envd_binary = envd_binary;

@@ -498,6 +498,11 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
     }
     let ledger_client =
         LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Gateway)).unwrap();
+    let certs_dir = procs
+        .certs
+        .dir()
+        .expect("the test's cluster has certificates")
+        .to_path_buf();
     let balance = |halt: Option<String>| {
         let mut args = vec![
             "--listen".to_string(),
@@ -519,6 +524,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
         Command::new(binary("balance-svc"))
             .args(&args)
             .env("RUST_LOG", "info")
+            .env("SANDBOXSCHED_TLS_DIR", &certs_dir)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

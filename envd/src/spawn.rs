@@ -7,8 +7,9 @@
 //! `clone(CLONE_VM | CLONE_VFORK)` (the child borrows envd's memory, on a stack of its own,
 //! and the calling thread waits until the child has exec'd or failed), but it cannot change
 //! uids. So envd does what posix_spawn does, with the steps a sandbox's command needs:
-//! standard streams, its own process group or a session on a terminal, the user's groups,
-//! gid and uid, the working directory, default signal handling, then `execve`.
+//! standard streams, its own process group or a session on a terminal, the OOM killer's
+//! preference (above envd's own, see [`COMMAND_OOM_SCORE_ADJ`]), the user's groups, gid and
+//! uid, the working directory, default signal handling, then `execve`.
 //!
 //! The child runs in envd's memory, so it may only make raw system calls on data prepared
 //! before the clone: no allocation, no lock, and none of glibc's wrappers that act on the
@@ -446,6 +447,15 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     127
 }
 
+/// What every command's `oom_score_adj` is raised to. envd itself runs lower (the node starts
+/// it at 300), so when a sandbox runs out of memory the kernel ends the user's processes
+/// first and envd, which the node and the SDK reach the sandbox through, survives. Raising
+/// needs no privilege. (Lowering does down to the floor the runtime could set: where the
+/// node lacks CAP_SYS_RESOURCE that floor is 0, and a sandbox's root may put its own
+/// processes below envd, at the risk of its own sandbox only.)
+pub const COMMAND_OOM_SCORE_ADJ: &[u8] = b"900";
+const OOM_SCORE_ADJ_PATH: &std::ffi::CStr = c"/proc/self/oom_score_adj";
+
 /// `/bin/sh`, for files that are not programs.
 const SH: &std::ffi::CStr = c"/bin/sh";
 
@@ -539,6 +549,26 @@ unsafe fn prepare_and_exec(plan: &Plan<'_>) -> i32 {
                     }
                 }
             }
+            let adj = sys(
+                libc::SYS_openat,
+                [
+                    libc::AT_FDCWD.into(),
+                    OOM_SCORE_ADJ_PATH.as_ptr() as libc::c_long,
+                    (libc::O_WRONLY | libc::O_CLOEXEC).into(),
+                    0,
+                ],
+            )?;
+            let written = sys(
+                libc::SYS_write,
+                [
+                    adj,
+                    COMMAND_OOM_SCORE_ADJ.as_ptr() as libc::c_long,
+                    COMMAND_OOM_SCORE_ADJ.len() as libc::c_long,
+                    0,
+                ],
+            );
+            let _ = sys(libc::SYS_close, [adj, 0, 0, 0]);
+            written?;
             if let Some((uid, gid)) = plan.ids {
                 sys(libc::SYS_setgroups, [0; 4])?;
                 sys(libc::SYS_setgid, [gid.into(), 0, 0, 0])?;

@@ -79,6 +79,11 @@ struct Args {
     /// runs in any template's root filesystem; default: this binary (needs glibc there).
     #[arg(long, env = "NODE_ENVD_BINARY")]
     envd_binary: Option<PathBuf>,
+    /// Processes all this node's sandboxes may have together (each sandbox has its own limit
+    /// of 8192 too); default: three quarters of the host's `kernel.pid_max` (or threads-max).
+    /// Nodes sharing a host should split it.
+    #[arg(long, env = "NODE_PIDS_MAX", value_parser = clap::value_parser!(u64).range(16..))]
+    pids_max: Option<u64>,
     /// The cluster's blob store, shared with the gateways: where template layers and the files
     /// of build steps are. A directory (`file:///abs/dir` or a path) or S3
     /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
@@ -149,6 +154,7 @@ async fn serve() -> anyhow::Result<()> {
     };
     config.network.pool = args.sandbox_network;
     config.envd_binary = args.envd_binary;
+    config.pids_max = args.pids_max;
     config.network.resolvers = args.sandbox_dns;
     if let Some(floor) = args.egress_deny {
         config.network.floor = floor;

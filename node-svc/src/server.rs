@@ -54,6 +54,9 @@ pub struct NodeConfig {
     pub advertise_envd: Option<String>,
     /// Mutual TLS with the cluster's certificates (every binary), or plaintext for a test.
     pub security: mtls::Security,
+    /// Processes all of this node's sandboxes may have together; `None`: three quarters of
+    /// what the host can have (`runtime::cgroup::default_pids_max`).
+    pub pids_max: Option<u64>,
 }
 
 /// Who may call a node: what changes a sandbox (create, restore, kill, build, …) comes only
@@ -108,6 +111,7 @@ impl NodeConfig {
             advertise: None,
             advertise_envd: None,
             security: mtls::Security::Plaintext,
+            pids_max: None,
         }
     }
 }
@@ -200,6 +204,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                 oci_runtime,
                 envd_binary: config.envd_binary.clone(),
                 network: config.network.clone(),
+                pids_max: config.pids_max,
             },
         )),
         RuntimeKind::Unisolated { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),

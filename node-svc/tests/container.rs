@@ -827,6 +827,35 @@ async fn envd_is_out_of_reach_of_the_sandboxs_root() {
     }
 }
 
+/// All of a node's sandboxes together cannot take the host's processes: the node's parent
+/// group caps them (here at 64), so a sandbox that forks without end gets EAGAIN while the
+/// host goes on forking, and another sandbox's envd still answers once the first is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_stops_at_the_nodes_process_limit() {
+    let n = node_configured(None, |c| c.pids_max = Some(64)).await;
+    let parent = format!("/sys/fs/cgroup/pids/{}", node_svc::runtime::cgroup::parent_name(&n.id));
+    let read = |file: &str| std::fs::read_to_string(format!("{parent}/{file}")).unwrap();
+    assert_eq!(read("pids.max").trim(), "64");
+    n.create("bomb", 256 << 20).await;
+    // Forks until the kernel refuses (the shell then gives up); the sleepers stay.
+    let (out, code) = n
+        .sh("bomb", "root", "while :; do sleep 60 </dev/null >/dev/null 2>&1 & done")
+        .await;
+    assert_ne!(code, 0, "the bomb never ran out of forks: {out}");
+    let held: u32 = read("pids.current").trim().parse().unwrap();
+    assert!(
+        (10..=64).contains(&held),
+        "the node's sandboxes hold {held} processes (cap 64)"
+    );
+    // The host forks on.
+    assert!(std::process::Command::new("true").status().unwrap().success());
+    n.lifecycle("bomb", "kill").await;
+    n.create("after", 128 << 20).await;
+    let (out, code) = n.sh("after", "user", "echo fine").await;
+    assert_eq!((out.as_str(), code), ("fine\n", 0));
+    n.stop().await;
+}
+
 /// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
 /// freeing its namespace: with one address in the pool, the next sandbox gets it at once. The
 /// node takes the link down itself, so it goes even while something else holds the sandbox's
@@ -892,6 +921,20 @@ async fn a_memory_hog_is_killed_alone_and_nobody_leaves_their_cgroup() {
         // The sandbox (and its envd) lived through it.
         let (out, code) = n.sh("hog", "user", "echo still here").await;
         assert_eq!((out.as_str(), code), ("still here\n", 0), "{runtime:?}");
+        // And so it would under any pressure: envd (init and server) is the last the OOM
+        // killer picks, below every command, and a command cannot go below envd.
+        for user in ["user", "root"] {
+            let (out, code) = n
+                .sh(
+                    "hog",
+                    user,
+                    "read init < /proc/1/oom_score_adj; read server < /proc/$PPID/oom_score_adj; \
+                     read mine < /proc/$$/oom_score_adj; echo $init $server $mine; \
+                     echo -600 > /proc/$$/oom_score_adj 2>/dev/null && echo lowered; true",
+                )
+                .await;
+            assert_eq!((out.as_str(), code), ("300 300 900\n", 0), "{runtime:?} as {user}");
+        }
         // No cgroup file system to move itself with, and /sys is read-only.
         let (out, code) = n
             .sh(

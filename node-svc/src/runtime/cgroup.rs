@@ -28,13 +28,28 @@ pub fn parent_name(node_id: &str) -> String {
     format!("sandboxsched-{node_id}")
 }
 
+/// The default cap on the processes of all of a node's sandboxes together: three quarters of
+/// what the host can have (the smaller of `kernel.pid_max` and `kernel.threads-max`), so
+/// sandboxes that fork all they may still leave the host and the node room to work.
+pub fn default_pids_max() -> u64 {
+    let read = |path: &str| fs::read_to_string(path).ok()?.trim().parse::<u64>().ok();
+    let host = match (read("/proc/sys/kernel/pid_max"), read("/proc/sys/kernel/threads-max")) {
+        (Some(a), Some(b)) => a.min(b),
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => 32_768,
+    };
+    host / 4 * 3
+}
+
 /// The v1 controllers a sandbox's processes join.
 const CONTROLLERS: [&str; 3] = ["memory", "freezer", "cpuacct"];
 
 impl Cgroups {
-    /// Probes the host: creates `sandboxsched-<node>` under each v1 controller it can write.
-    /// Returns what worked and, for what did not, why.
-    pub fn probe(node_id: &str) -> (Self, Vec<String>) {
+    /// Probes the host: creates `sandboxsched-<node>` under each v1 controller it can write,
+    /// and caps the processes of all the node's sandboxes together at `pids_max` (the pids
+    /// controller's parent group, which every sandbox's group sits under). Returns what worked
+    /// and, for what did not, why.
+    pub fn probe(node_id: &str, pids_max: u64) -> (Self, Vec<String>) {
         let mut degraded = Vec::new();
         let mut make = |controller: &str| -> Option<PathBuf> {
             let base = Path::new(ROOT).join(controller);
@@ -54,6 +69,11 @@ impl Cgroups {
         let memory = make("memory");
         let freezer = make("freezer");
         let cpuacct = make("cpuacct");
+        if let Some(pids) = make("pids") {
+            if let Err(err) = fs::write(pids.join("pids.max"), pids_max.to_string()) {
+                degraded.push(format!("no node-wide process limit: {}: {err}", pids.display()));
+            }
+        }
         (
             Self {
                 memory,

@@ -113,7 +113,7 @@ impl ProcessRuntime {
     /// A runtime for node `node_id`, using cgroups where the host allows.
     pub fn new(node_id: &str, use_cgroups: bool) -> Self {
         let (cgroups, mut found) = if use_cgroups {
-            Cgroups::probe(node_id)
+            Cgroups::probe(node_id, crate::runtime::cgroup::default_pids_max())
         } else {
             (Cgroups::none(), vec!["cgroups disabled by configuration".to_string()])
         };

@@ -94,6 +94,9 @@ pub struct ContainerConfig {
     pub envd_binary: Option<PathBuf>,
     /// Sandboxes' links out and the host's floor.
     pub network: network::NetworkConfig,
+    /// Processes all this node's sandboxes may have together (each has its own limit too);
+    /// `None`: [`crate::runtime::cgroup::default_pids_max`].
+    pub pids_max: Option<u64>,
 }
 
 /// The base template's generated layer (under the host's userland), in a node's state
@@ -305,7 +308,8 @@ fn searchable(dir: &Path) -> io::Result<()> {
 
 impl ContainerRuntime {
     pub fn new(node_id: &str, config: ContainerConfig) -> Self {
-        let (cgroups, mut degraded) = Cgroups::probe(node_id);
+        let pids_max = config.pids_max.unwrap_or_else(crate::runtime::cgroup::default_pids_max);
+        let (cgroups, mut degraded) = Cgroups::probe(node_id, pids_max);
         let mut missing = probe_host();
         // A runtime's `run` exits once the container runs, orphaning its init: as a subreaper
         // the node inherits it and can reap it the moment it is killed (see `kill`). Left to

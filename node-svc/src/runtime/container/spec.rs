@@ -32,6 +32,12 @@ pub const ID_RANGE: u32 = 65_536;
 pub const SANDBOX_USER_ID: u32 = 1000;
 /// Where envd's binary appears inside a sandbox.
 pub const ENVD_PATH: &str = "/.sandboxsched/envd";
+/// envd's `oom_score_adj`, set by the runtime: below the 900 envd gives every command it
+/// starts, so under memory pressure the user's processes go first and the sandbox keeps the
+/// envd it is reached through; above the node's own (0), so under the host's pressure a
+/// sandbox goes before the node. Positive because lowering below 0 needs CAP_SYS_RESOURCE,
+/// which many hosts (containers among them) do not grant even to root.
+pub const ENVD_OOM_SCORE_ADJ: i64 = 300;
 /// Processes a sandbox may have at once.
 pub const PIDS_LIMIT: i64 = 8192;
 /// CFS period for the CPU quota.
@@ -181,7 +187,7 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
                 "permitted": caps,
             },
             "noNewPrivileges": true,
-            "oomScoreAdj": 500
+            "oomScoreAdj": ENVD_OOM_SCORE_ADJ
         },
         "root": {"path": inputs.rootfs, "readonly": false},
         "hostname": record.id,
