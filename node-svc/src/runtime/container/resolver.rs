@@ -41,11 +41,18 @@ const PUBLIC: [Ipv4Addr; 2] = [Ipv4Addr::new(8, 8, 8, 8), Ipv4Addr::new(1, 1, 1,
 const ASK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a sandbox's TCP query connection may last.
 const TCP_LIFETIME: Duration = Duration::from_secs(30);
-/// Queries in flight at once, over all sandboxes: past it a query is dropped and the sandbox's
-/// resolver library asks again.
-const MAX_QUERIES: usize = 512;
-/// TCP query connections open at once.
-const MAX_CONNECTIONS: usize = 64;
+/// UDP queries one sandbox may have in flight: past it its query is dropped (its resolver
+/// library asks again). Each sandbox has its own budget, so one that floods the forwarder
+/// sheds only its own queries, never another tenant's.
+const QUERIES_PER_SANDBOX: usize = 32;
+/// TCP query connections one sandbox may hold open at once (a resolver library opens one for
+/// a truncated answer; holding hundreds idle is an attack on the others).
+const CONNECTIONS_PER_SANDBOX: usize = 8;
+/// Queries in flight over all sandboxes: the budgets of 128 sandboxes. A node with more that
+/// all flood at once sheds; each query costs a task and a socket.
+const MAX_QUERIES: usize = 128 * QUERIES_PER_SANDBOX;
+/// TCP query connections over all sandboxes.
+const MAX_CONNECTIONS: usize = 128 * CONNECTIONS_PER_SANDBOX;
 
 /// Why sandboxes of this node cannot resolve names.
 #[derive(Debug, thiserror::Error)]
@@ -217,12 +224,18 @@ impl Forwarder {
     async fn serve(self, mut stopped: tokio::sync::oneshot::Receiver<()>) {
         let queries = Arc::new(Semaphore::new(MAX_QUERIES));
         let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let sandbox_queries = Budgets::new(QUERIES_PER_SANDBOX);
+        let sandbox_connections = Budgets::new(CONNECTIONS_PER_SANDBOX);
         let mut buf = vec![0u8; 65_535];
         loop {
             tokio::select! {
                 _ = &mut stopped => return,
                 received = self.udp.recv_from(&mut buf) => {
                     let Ok((len, peer)) = received else { continue };
+                    let Some(own) = sandbox_queries.take(peer.ip()) else {
+                        counted("udp", "shed");
+                        continue;
+                    };
                     let Ok(permit) = queries.clone().try_acquire_owned() else {
                         counted("udp", "shed");
                         continue;
@@ -236,11 +249,15 @@ impl Forwarder {
                             }
                             None => counted("udp", "unanswered"),
                         }
-                        drop(permit);
+                        drop((permit, own));
                     });
                 }
                 accepted = self.tcp.accept() => {
-                    let Ok((stream, _)) = accepted else { continue };
+                    let Ok((stream, peer)) = accepted else { continue };
+                    let Some(own) = sandbox_connections.take(peer.ip()) else {
+                        counted("tcp", "shed");
+                        continue;
+                    };
                     let Ok(permit) = connections.clone().try_acquire_owned() else {
                         counted("tcp", "shed");
                         continue;
@@ -249,9 +266,62 @@ impl Forwarder {
                     tokio::spawn(async move {
                         let relayed = tokio::time::timeout(TCP_LIFETIME, relay(stream, &upstreams)).await;
                         counted("tcp", if matches!(relayed, Ok(true)) { "answered" } else { "unanswered" });
-                        drop(permit);
+                        drop((permit, own));
                     });
                 }
+            }
+        }
+    }
+}
+
+/// What each sandbox (by its address: the redirect keeps the sender's) has in use, against
+/// one budget per sandbox.
+#[derive(Clone)]
+struct Budgets {
+    per_sandbox: usize,
+    in_use: Arc<std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>>,
+}
+
+/// One unit of a sandbox's budget, given back when dropped.
+struct Taken {
+    budgets: Budgets,
+    sandbox: IpAddr,
+}
+
+impl Budgets {
+    fn new(per_sandbox: usize) -> Self {
+        Self {
+            per_sandbox,
+            in_use: Arc::default(),
+        }
+    }
+
+    fn in_use(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<IpAddr, usize>> {
+        self.in_use.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A unit of `sandbox`'s budget, if it has one left.
+    fn take(&self, sandbox: IpAddr) -> Option<Taken> {
+        let mut in_use = self.in_use();
+        let used = in_use.entry(sandbox).or_insert(0);
+        if *used >= self.per_sandbox {
+            return None;
+        }
+        *used += 1;
+        Some(Taken {
+            budgets: self.clone(),
+            sandbox,
+        })
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let mut in_use = self.budgets.in_use();
+        if let Some(used) = in_use.get_mut(&self.sandbox) {
+            *used -= 1;
+            if *used == 0 {
+                in_use.remove(&self.sandbox);
             }
         }
     }
@@ -333,6 +403,76 @@ mod tests {
             "iifname \"sbx*\" ip saddr 10.200.0.0/16 ip daddr 169.254.0.53 meta l4proto { tcp, udp } th dport 53 redirect to :23456"
         ));
         assert!(rules.contains("th dport 23456 ct status & dnat == 0 drop"));
+    }
+
+    #[test]
+    fn each_sandbox_has_its_own_budget() {
+        let budgets = Budgets::new(2);
+        let (a, b): (IpAddr, IpAddr) = ("10.200.0.2".parse().unwrap(), "10.200.0.3".parse().unwrap());
+        let first = budgets.take(a).unwrap();
+        let _second = budgets.take(a).unwrap();
+        assert!(budgets.take(a).is_none(), "a sandbox went past its budget");
+        assert!(budgets.take(b).is_some(), "one sandbox's use shed another's");
+        drop(first);
+        assert!(budgets.take(a).is_some(), "a finished query gave nothing back");
+    }
+
+    /// The attack on shared limits: one sandbox opens TCP query connections and holds them
+    /// idle. Past its own budget its connections are closed at once, and another sandbox's
+    /// query is still answered.
+    #[tokio::test]
+    async fn a_sandbox_holding_connections_sheds_only_its_own() {
+        use tokio::io::AsyncReadExt;
+        // A resolver that answers every TCP query with a fixed message.
+        let resolver = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = resolver.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = resolver.accept().await {
+                tokio::spawn(async move {
+                    let mut query = [0u8; 64];
+                    if s.read(&mut query).await.unwrap_or(0) > 0 {
+                        let _ = s.write_all(b"\x00\x02ok").await;
+                    }
+                });
+            }
+        });
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        tcp.set_nonblocking(true).unwrap();
+        udp.set_nonblocking(true).unwrap();
+        let at = tcp.local_addr().unwrap();
+        let forwarder = Forwarder::new(vec![upstream], udp, tcp).unwrap();
+        let (_stop, stopped) = tokio::sync::oneshot::channel();
+        tokio::spawn(forwarder.serve(stopped));
+
+        // Loopback's other addresses stand for two sandboxes.
+        let from = |ip: &str| {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+            socket.connect(at)
+        };
+        let mut held = Vec::new();
+        for _ in 0..CONNECTIONS_PER_SANDBOX {
+            held.push(from("127.0.0.2").await.unwrap());
+        }
+        // The forwarder takes connections in the order they arrived: by the time it reaches
+        // this one, the eight before it hold the sandbox's whole budget.
+        let mut over = from("127.0.0.2").await.unwrap();
+        let mut buf = [0u8; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(2), over.read(&mut buf)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "the ninth connection was kept: {closed:?}"
+        );
+
+        let mut other = from("127.0.0.3").await.unwrap();
+        other.write_all(b"\x00\x05query").await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(2), other.read(&mut buf))
+            .await
+            .expect("another sandbox's query was shed")
+            .unwrap();
+        assert_eq!(&buf[..n], b"\x00\x02ok");
+        drop(held);
     }
 
     #[tokio::test]
