@@ -1,7 +1,8 @@
 //! The control plane's gRPC, tried from the attacker's side: a local user or network peer
 //! without the cluster's certificates, one holding another cluster's, and a member of the
 //! cluster calling what its role may not (a compromised node reaching for every tenant's
-//! manifests, creating sandboxes on another node, draining nodes).
+//! manifests, creating sandboxes on another node, draining nodes); and a real local user
+//! (`nobody`) reaching for the certificates, the ledger's file and the blob store.
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
@@ -159,5 +160,20 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
         !ok && stderr.contains("listing sandboxes"),
         "nobody listed every manifest in plaintext, or failed before asking: {stderr}"
     );
+    // Nor does it read the ledger's file (every manifest) or the blob store behind the
+    // services' backs.
+    for (what, tool, path) in [
+        ("the ledger's database", "cat", "ledger.db"),
+        ("the blob store", "ls", "blobs"),
+    ] {
+        let path = data.join(path);
+        assert!(path.exists(), "{}", path.display());
+        let out = Command::new("setpriv")
+            .args(["--reuid", NOBODY, "--regid", NOBODY, "--clear-groups", "--", tool])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "nobody reached {what} with {tool}");
+    }
     s.shut_down().await;
 }

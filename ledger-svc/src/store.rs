@@ -263,11 +263,26 @@ impl Store {
                 .journal_mode(SqliteJournalMode::Wal)
                 .synchronous(SqliteSynchronous::Full)
                 .busy_timeout(Duration::from_secs(5));
-            if let Some(parent) = Path::new(options.get_filename()).parent() {
+            let file = Path::new(options.get_filename());
+            if let Some(parent) = file.parent() {
                 if !parent.as_os_str().is_empty() {
                     std::fs::create_dir_all(parent)
                         .map_err(|e| bad(format!("cannot create {}: {e}", parent.display())))?;
                 }
+            }
+            // Every document (manifests, templates, plans) is the ledger's alone: the file is
+            // made 0600 before SQLite opens it (its -wal and -shm files take the same mode),
+            // and an older file is closed too.
+            if file.as_os_str() != ":memory:" && !file.as_os_str().is_empty() {
+                use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .mode(0o600)
+                    .open(file)
+                    .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o600)))
+                    .map_err(|e| bad(format!("cannot create {}: {e}", file.display())))?;
             }
             DbPool::Sqlite(
                 SqlitePoolOptions::new()

@@ -856,6 +856,63 @@ async fn a_fork_bomb_stops_at_the_nodes_process_limit() {
     n.stop().await;
 }
 
+/// Another user of the node's host reaches nothing of a sandbox's: not its files through the
+/// mount point of its root, not its spec (which holds its environment variables), not envd's
+/// socket. Tried as `nobody`, the way any local account would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_host_user_reaches_nothing_of_a_sandbox() {
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("private", 128 << 20).await;
+        let (_, code) = n.sh("private", "user", "echo secret > /home/user/secret.txt").await;
+        assert_eq!(code, 0);
+        let sandboxes = node_svc::runtime::container::run_dir(&n.dir).join("sandboxes");
+        let bundle = std::fs::read_dir(&sandboxes)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.join("config.json").exists())
+            .expect("the sandbox's bundle");
+        assert!(
+            bundle.join("rootfs/home/user/secret.txt").exists(),
+            "root sees the file"
+        );
+        for (what, command) in [
+            ("the spec", format!("cat {}/config.json", bundle.display())),
+            (
+                "a tenant's file",
+                format!("cat {}/rootfs/home/user/secret.txt", bundle.display()),
+            ),
+            ("the root's listing", format!("ls {}/rootfs/etc", bundle.display())),
+            ("envd's socket", format!("test -w {}/envd.sock", bundle.display())),
+        ] {
+            let out = std::process::Command::new("setpriv")
+                .args([
+                    "--reuid",
+                    "65534",
+                    "--regid",
+                    "65534",
+                    "--clear-groups",
+                    "--",
+                    "sh",
+                    "-c",
+                ])
+                .arg(&command)
+                .output()
+                .unwrap();
+            assert!(
+                !out.status.success(),
+                "{runtime:?}: nobody reached {what}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        // The sandbox itself still reaches its root.
+        let (out, code) = n.sh("private", "user", "cat /home/user/secret.txt").await;
+        assert_eq!((out.as_str(), code), ("secret\n", 0), "{runtime:?}");
+        n.stop().await;
+    }
+}
+
 /// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
 /// freeing its namespace: with one address in the pool, the next sandbox gets it at once. The
 /// node takes the link down itself, so it goes even while something else holds the sandbox's

@@ -32,6 +32,11 @@ impl LocalDir {
         let root = root.into();
         std::fs::create_dir_all(&root)
             .map_err(|e| BlobError::io(format!("creating blob directory {}", root.display()), e))?;
+        // Layers, build files and hibernated sandboxes' files are tenants' data: only the
+        // services (root) may enter, whatever mode each file below has.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| BlobError::io(format!("closing blob directory {}", root.display()), e))?;
         Ok(LocalDir { root })
     }
 

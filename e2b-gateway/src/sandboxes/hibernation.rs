@@ -39,10 +39,18 @@ impl Sandboxes {
         }
     }
 
+    /// The spool directory, made if missing and closed to every other user: a sandbox's
+    /// files pass through it.
+    async fn open_spool(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        tokio::fs::create_dir_all(&self.hibernate_dir).await?;
+        tokio::fs::set_permissions(&self.hibernate_dir, std::fs::Permissions::from_mode(0o700)).await
+    }
+
     /// Copies a paused sandbox's snapshot (header, archive, checksum) off its node.
     pub(super) async fn hibernate(&self, doc: &SandboxDoc) -> Result<(), Failure> {
         let io = |e: std::io::Error| Failure::Internal(format!("hibernation spool: {e}"));
-        tokio::fs::create_dir_all(&self.hibernate_dir).await.map_err(io)?;
+        self.open_spool().await.map_err(io)?;
         let (meta_key, tar_key) = Self::snapshot_keys(&doc.sandbox_id)?;
         let tar_path = self.spool(&doc.sandbox_id);
         let stored = self.snapshot_to(doc, &tar_path, &meta_key, &tar_key).await;
@@ -107,7 +115,7 @@ impl Sandboxes {
         let meta: serde_json::Value = serde_json::from_slice(&self.store.get_bytes(&meta_key).await.map_err(store)?)
             .map_err(|e| Failure::Internal(e.to_string()))?;
         let io = |e: std::io::Error| Failure::Internal(format!("hibernation spool: {e}"));
-        tokio::fs::create_dir_all(&self.hibernate_dir).await.map_err(io)?;
+        self.open_spool().await.map_err(io)?;
         let tar_path = self.spool(&id);
         if let Err(err) = self.store.get_to_file(&tar_key, &tar_path).await {
             let _ = tokio::fs::remove_file(&tar_path).await;

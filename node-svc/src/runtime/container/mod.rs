@@ -31,6 +31,7 @@ pub use run_dir::run_dir;
 
 use std::io;
 use std::os::fd::AsFd as _;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
 use super::cgroup::Cgroups;
@@ -306,6 +307,31 @@ fn searchable(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Closes a sandbox's bundle (its spec, envd's socket, the mount point of its root) to every
+/// host user but root and the sandbox's own mapped root, which must pass through it to its
+/// root before `pivot_root`: owner root, group the sandbox's host gid, mode 0710. Without
+/// this any local user could read the sandbox's files through `rootfs/`, its environment in
+/// `config.json`, or connect to envd's socket.
+fn close_bundle(bundle: &Path, host_gid: u32) -> io::Result<()> {
+    std::os::unix::fs::chown(bundle, Some(0), Some(host_gid))?;
+    std::fs::set_permissions(bundle, std::fs::Permissions::from_mode(0o710))
+}
+
+/// Writes `bytes` to `path` as a file only its owner (root) may read.
+fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    // An existing file keeps its mode through the open: close it too.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(bytes)
+}
+
 impl ContainerRuntime {
     pub fn new(node_id: &str, config: ContainerConfig) -> Self {
         let pids_max = config.pids_max.unwrap_or_else(crate::runtime::cgroup::default_pids_max);
@@ -435,7 +461,8 @@ impl ContainerRuntime {
         };
         let spec = spec::spec(record, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
-        std::fs::write(parts.bundle.join("config.json"), json).map_err(|e| format!("writing config.json: {e}"))
+        // The spec holds the user's environment variables: the node's alone to read.
+        write_private(&parts.bundle.join("config.json"), &json).map_err(|e| format!("writing config.json: {e}"))
     }
 
     fn bind_socket(parts: &Parts) -> io::Result<std::os::unix::net::UnixListener> {
@@ -499,6 +526,7 @@ impl Runtime for ContainerRuntime {
             rootfs::prepare_upper(home, &parts.work).map_err(|e| format!("writable layer: {e}"))?;
             let lower = self.lower_dirs(record)?;
             std::fs::create_dir_all(&parts.bundle).map_err(|e| format!("bundle: {e}"))?;
+            close_bundle(&parts.bundle, ids.host_base).map_err(|e| format!("bundle: {e}"))?;
             rootfs::mount_overlay(
                 &lower,
                 home,
