@@ -24,6 +24,9 @@ pub struct Args {
     /// Seconds the throughput phase runs.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// The services talk without TLS (a stack is mutual TLS otherwise), to see what TLS costs.
+    #[arg(long)]
+    plaintext: bool,
 }
 
 /// E2B's default create: the sandbox may reach the internet, so it gets a link out.
@@ -62,7 +65,11 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let vcpus = u32::try_from(args.clients.saturating_mul(4))
         .unwrap_or(u32::MAX)
         .max(256);
-    let stack = stack::Stack::builder()
+    let mut stack = stack::Stack::builder();
+    if args.plaintext {
+        stack = stack.plaintext();
+    }
+    let stack = stack
         // Placement publishes no node documents here: the figure is the create path's alone.
         .placement(|c| c.ledger_endpoint = None)
         .heartbeat(Duration::from_millis(200))
@@ -148,8 +155,10 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
 fn report(args: &Args, figures: Figures) -> Report {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(
-        "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients)",
-        args.creates, args.clients
+        "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients, {})",
+        args.creates,
+        args.clients,
+        if args.plaintext { "plaintext gRPC" } else { "mutual TLS" }
     ));
     report
         .figure("create_p50_ms", round(figures.p50_ms), "ms")

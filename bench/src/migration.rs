@@ -20,6 +20,10 @@ pub struct Args {
     /// Moves measured (back and forth); the median is reported.
     #[arg(long, default_value_t = 5)]
     moves: usize,
+    /// The services talk without TLS (a stack is mutual TLS otherwise), to see what TLS costs
+    /// a snapshot's stream.
+    #[arg(long)]
+    plaintext: bool,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -29,7 +33,11 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
     // Two nodes that report to nobody: the mover is driven directly, with no planner.
-    let stack = stack::Stack::builder()
+    let mut stack = stack::Stack::builder();
+    if args.plaintext {
+        stack = stack.plaintext();
+    }
+    let stack = stack
         .node(|c| c.placement = None)
         .node(|c| c.placement = None)
         .start()
@@ -93,8 +101,10 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     stack.shut_down().await;
 
     let mut report = Report::new(format!(
-        "migration: one container with {} MB of files, {} moves between two node-svcs (medians)",
-        args.mb, args.moves
+        "migration: one container with {} MB of files, {} moves between two node-svcs (medians, {})",
+        args.mb,
+        args.moves,
+        if args.plaintext { "plaintext gRPC" } else { "mutual TLS" }
     ));
     report
         .figure("downtime_ms", median(downtime), "ms paused -> resumed (goal < 1000)")

@@ -109,7 +109,9 @@ def balanced_stack():
     os.environ.update(exports)
     balance = re.search(r"balance-svc\s+grpc (\S+)", log.read_text()).group(1)
     ledger = re.search(r"ledger-svc\s+grpc (\S+)", log.read_text()).group(1)
-    yield {"exports": exports, "log": log, "ctl": _binary("sandboxsched-ctl"), "balance": balance, "ledger": ledger}
+    # sandboxsched-ctl proves the operator's role with the stack's certificates.
+    yield {"exports": exports, "log": log, "ctl": _binary("sandboxsched-ctl"), "balance": balance, "ledger": ledger,
+           "certs": str(data / "certs")}
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

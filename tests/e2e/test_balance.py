@@ -67,7 +67,7 @@ def test_a_skewed_node_is_balanced_within_60_seconds(balanced_stack):
             assert again.commands.run("echo still here").stdout == "still here\n"
         # The operator's view of the same, through sandboxsched-ctl (JSON for scripts).
         ctl = [str(balanced_stack["ctl"]), "--json", "--balance", balanced_stack["balance"],
-               "--ledger", balanced_stack["ledger"]]
+               "--ledger", balanced_stack["ledger"], "--tls-dir", balanced_stack["certs"]]
         status = json.loads(subprocess.run(ctl + ["status"], capture_output=True, text=True, check=True).stdout)
         assert status["counts"].get("PendingBalance/PlanningRequired", 0) >= 1, status
         rows = json.loads(subprocess.run(ctl + ["history"], capture_output=True, text=True, check=True).stdout)
