@@ -180,6 +180,35 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
     Ok(())
 }
 
+/// The directory `relative` names under `into`, made where missing, one component at a time
+/// and never through a symlink: an archive may hold `home/evil -> /anywhere` and then an
+/// entry under `home/evil/`, which must not reach outside `into`. (Nothing else writes to the
+/// scratch folder while it is unpacked, so what is checked here is what is acted on.)
+fn directory_beneath(into: &Path, relative: &Path) -> std::io::Result<PathBuf> {
+    let mut dir = into.to_path_buf();
+    for component in relative.components() {
+        let std::path::Component::Normal(name) = component else {
+            return Err(std::io::Error::other(format!(
+                "{} leaves the archive",
+                relative.display()
+            )));
+        };
+        dir.push(name);
+        match std::fs::symlink_metadata(&dir) {
+            Ok(meta) if meta.file_type().is_dir() => {}
+            Ok(_) => {
+                return Err(std::io::Error::other(format!(
+                    "{} is not a directory (a symlink is never followed)",
+                    dir.display()
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(&dir)?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(dir)
+}
+
 /// Turns an OCI whiteout entry at `relative` (under `into`) back into overlayfs's mark;
 /// `false` when the entry is an ordinary one.
 fn restore_mark(into: &Path, relative: &Path) -> std::io::Result<bool> {
@@ -189,8 +218,7 @@ fn restore_mark(into: &Path, relative: &Path) -> std::io::Result<bool> {
     let Some(deleted) = name.strip_prefix(WHITEOUT_PREFIX) else {
         return Ok(false);
     };
-    let parent = into.join(relative.parent().unwrap_or(Path::new("")));
-    std::fs::create_dir_all(&parent)?;
+    let parent = directory_beneath(into, relative.parent().unwrap_or(Path::new("")))?;
     if name == OPAQUE_MARK {
         let (path, key) = (
             cpath(&parent)?,
@@ -223,10 +251,18 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
     archive.set_preserve_ownerships(true);
     archive.set_preserve_permissions(true);
     archive.set_preserve_mtime(true);
-    // Files' metadata (envd's `user.*` attributes) arrives with them; the archive carries no
-    // other kind.
-    archive.set_unpack_xattrs(true);
-    let corrupt = |e: std::io::Error| NodeError::Corrupt(format!("unpacking: {e}"));
+    // Files' metadata (envd's `user.*` attributes) arrives with them, and nothing else: an
+    // archive is the sender's word, and `security.capability` (a file that grants
+    // capabilities when run), `trusted.*` or `security.*` from it would be the host
+    // trusting a tenant. So attributes are applied here, `user.*` only, not by the tar reader.
+    archive.set_unpack_xattrs(false);
+    let corrupt = |e: std::io::Error| {
+        // The tar reader wraps the cause ("failed to unpack `PATH`": why?).
+        let cause = std::error::Error::source(&e)
+            .map(|c| format!(": {c}"))
+            .unwrap_or_default();
+        NodeError::Corrupt(format!("unpacking: {e}{cause}"))
+    };
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         let relative = entry.path().map_err(corrupt)?.into_owned();
@@ -239,14 +275,52 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
                 relative.display()
             )));
         }
-        if !restore_mark(into, &relative).map_err(corrupt)? {
-            entry.unpack_in(into).map_err(corrupt)?;
+        if restore_mark(into, &relative).map_err(corrupt)? {
+            continue;
+        }
+        // Its folder exists and is a real one (checked as whiteouts are), so the tar reader's
+        // own containment check and the attributes below act on a path inside `into`.
+        if let Some(parent) = relative.parent() {
+            directory_beneath(into, parent).map_err(corrupt)?;
+        }
+        let xattrs = user_xattrs_of(&mut entry).map_err(corrupt)?;
+        if !entry.unpack_in(into).map_err(corrupt)? {
+            return Err(NodeError::Corrupt(format!(
+                "unpacking: entry {} leaves the archive",
+                relative.display()
+            )));
+        }
+        let path = cpath(&into.join(&relative)).map_err(corrupt)?;
+        for (name, value) in xattrs {
+            let name = std::ffi::CString::new(name).map_err(|e| corrupt(std::io::Error::other(e)))?;
+            // SAFETY: valid C strings and a value of the stated length; never follows a link.
+            if unsafe { libc::lsetxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) } != 0 {
+                return Err(corrupt(std::io::Error::last_os_error()));
+            }
         }
     }
     // Drain what follows the archive's end (tar padding) up to the trailer.
     std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
     let got = reader.checksum();
     verify(&got, reader.trailer.as_ref())
+}
+
+/// The `user.*` attributes an entry's PAX records carry (`SCHILY.xattr.user.*`); every other
+/// attribute is dropped.
+fn user_xattrs_of<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<Vec<(String, Vec<u8>)>> {
+    let mut found = Vec::new();
+    if let Some(extensions) = entry.pax_extensions()? {
+        for extension in extensions {
+            let extension = extension?;
+            let Some(name) = extension.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) else {
+                continue;
+            };
+            if name.starts_with("user.") {
+                found.push((name.to_string(), extension.value_bytes().to_vec()));
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// Whether the data that arrived (`got`) is what the sender stated it sent (`want`).
@@ -472,6 +546,104 @@ mod tests {
         let into = dir.join("truncated");
         std::fs::create_dir_all(&into).expect("into");
         assert!(matches!(restore(truncated, &into), Err(NodeError::Corrupt(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A crafted archive, as a restore stream with a trailer that matches it.
+    fn crafted(build: impl FnOnce(&mut tar::Builder<Vec<u8>>)) -> Vec<RestoreItem> {
+        let mut archive = tar::Builder::new(Vec::new());
+        build(&mut archive);
+        let data = archive.into_inner().expect("archive");
+        let sha256 = hex(&Sha256::digest(&data));
+        let bytes = data.len() as u64;
+        vec![RestoreItem::Data(data), RestoreItem::Trailer { sha256, bytes }]
+    }
+
+    fn file(archive: &mut tar::Builder<Vec<u8>>, path: &str, content: &[u8]) {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_size(content.len() as u64);
+        header.set_mode(0o644);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        archive.append_data(&mut header, path, content).expect("entry");
+    }
+
+    fn symlink(archive: &mut tar::Builder<Vec<u8>>, path: &str, target: &Path) {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        archive.append_link(&mut header, path, target).expect("link");
+    }
+
+    /// The attack on restore: a symlink in the archive to a directory of the host, then an
+    /// entry under it (a whiteout, an opaque mark, a file). Nothing lands outside the scratch
+    /// folder; the restore fails.
+    #[test]
+    fn an_archive_cannot_write_through_its_own_symlinks() {
+        let dir = scratch("symlink-attack");
+        let victim = dir.join("root-only");
+        std::fs::create_dir_all(&victim).expect("victim");
+        for (what, last) in [
+            ("a whiteout", "home/evil/.wh.x"),
+            ("an opaque mark", "home/evil/.wh..wh..opq"),
+            ("a file", "home/evil/planted"),
+            ("a file deeper", "home/evil/sub/planted"),
+        ] {
+            let items = crafted(|a| {
+                symlink(a, "home/evil", &victim);
+                file(a, last, b"");
+            });
+            let into = dir.join(format!("into-{}", what.replace(' ', "-")));
+            std::fs::create_dir_all(&into).expect("into");
+            let result = restore(items, &into);
+            assert!(
+                matches!(&result, Err(NodeError::Corrupt(m)) if m.contains("not a directory")),
+                "{what}: {result:?}"
+            );
+            let planted: Vec<_> = std::fs::read_dir(&victim).expect("victim").collect();
+            assert!(planted.is_empty(), "{what} landed in the host's directory: {planted:?}");
+            assert!(!opaque(&victim), "{what} marked the host's directory opaque");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Only `user.*` attributes arrive from an archive: a file capability (or any `trusted.*`
+    /// or `security.*` attribute) in it is dropped, so no restored file grants privileges.
+    #[test]
+    fn only_user_attributes_are_restored() {
+        // VFS_CAP_REVISION_2 granting every capability, permitted and effective.
+        let mut capability = vec![0x01, 0x00, 0x00, 0x02];
+        capability.extend_from_slice(&[0xff; 16]);
+        let items = crafted(|a| {
+            a.append_pax_extensions([
+                ("SCHILY.xattr.security.capability", capability.as_slice()),
+                ("SCHILY.xattr.trusted.evil", b"y".as_slice()),
+                ("SCHILY.xattr.user.note", b"kept".as_slice()),
+            ])
+            .expect("pax");
+            file(a, "home/tool", b"#!/bin/sh\n");
+        });
+        let dir = scratch("xattrs");
+        restore(items, &dir).expect("restore");
+        let restored = dir.join("home/tool");
+        assert_eq!(
+            user_xattrs(&restored),
+            vec![("user.note".to_string(), b"kept".to_vec())]
+        );
+        let c = cpath(&restored).expect("path");
+        for name in ["security.capability", "trusted.evil"] {
+            let name = std::ffi::CString::new(name).expect("name");
+            let mut value = [0u8; 64];
+            // SAFETY: valid C strings and a buffer of the stated length.
+            let n = unsafe { libc::lgetxattr(c.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+            assert!(n < 0, "{name:?} was restored");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
