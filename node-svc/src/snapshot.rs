@@ -130,15 +130,27 @@ fn user_xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
     found
 }
 
+/// The PAX record that marks an entry named like a whiteout (`.wh.…`) as the user's own file:
+/// a tenant may name a file anything, and `/etc/.wh.nsswitch.conf` must come back as a file,
+/// not delete `/etc/nsswitch.conf`. Archives from before it carry no user file of that name
+/// unmarked on purpose, so an unmarked `.wh.` entry stays a whiteout.
+const LITERAL_RECORD: &str = "SANDBOXSCHED.literal";
+
 /// Appends `path` as `name`, its `user.*` attributes first as PAX records (`SCHILY.xattr.*`,
-/// which unpacking applies).
+/// which unpacking applies), and the literal mark if its name looks like a whiteout.
 fn append_entry<W: Write>(archive: &mut tar::Builder<W>, path: &Path, name: &Path) -> std::io::Result<()> {
     let xattrs = user_xattrs(path);
-    if !xattrs.is_empty() {
-        let records: Vec<(String, &[u8])> = xattrs
-            .iter()
-            .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
-            .collect();
+    let mut records: Vec<(String, &[u8])> = xattrs
+        .iter()
+        .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
+        .collect();
+    let looks_like_whiteout = name
+        .file_name()
+        .is_some_and(|n| n.as_encoded_bytes().starts_with(WHITEOUT_PREFIX.as_bytes()));
+    if looks_like_whiteout {
+        records.push((LITERAL_RECORD.to_string(), b"1"));
+    }
+    if !records.is_empty() {
         archive.append_pax_extensions(records.iter().map(|(k, v)| (k.as_str(), *v)))?;
     }
     archive.append_path_with_name(path, name)
@@ -173,6 +185,10 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
             append_mark(archive, &name.join(whiteout))?;
         } else if file_type.is_dir() {
             append_tree(archive, &path, &name.join(&file_name))?;
+        } else if file_type.is_socket() {
+            // A socket is a live process's, meaningless once that process is gone (and tar
+            // has no entry for one): left out, as Docker's commits and exports do.
+            continue;
         } else {
             append_entry(archive, &path, &name.join(&file_name))?;
         }
@@ -275,7 +291,8 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
                 relative.display()
             )));
         }
-        if restore_mark(into, &relative).map_err(corrupt)? {
+        let literal = is_literal(&mut entry).map_err(corrupt)?;
+        if !literal && restore_mark(into, &relative).map_err(corrupt)? {
             continue;
         }
         // Its folder exists and is a real one (checked as whiteouts are), so the tar reader's
@@ -303,6 +320,19 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
     std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
     let got = reader.checksum();
     verify(&got, reader.trailer.as_ref())
+}
+
+/// Whether the entry carries the literal mark (a user's file named like a whiteout).
+fn is_literal<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<bool> {
+    let Some(extensions) = entry.pax_extensions()? else {
+        return Ok(false);
+    };
+    for extension in extensions {
+        if extension?.key().ok() == Some(LITERAL_RECORD) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The `user.*` attributes an entry's PAX records carry (`SCHILY.xattr.user.*`); every other
@@ -546,6 +576,30 @@ mod tests {
         let into = dir.join("truncated");
         std::fs::create_dir_all(&into).expect("into");
         assert!(matches!(restore(truncated, &into), Err(NodeError::Corrupt(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A tenant's own files of any name come back as files: `.wh.NAME` and `.wh..wh..opq` are
+    /// not whiteouts when the user made them; a socket (a live process's) is left out and
+    /// the rest of the home still moves.
+    #[test]
+    fn files_named_like_whiteouts_and_sockets_move_as_what_they_are() {
+        let dir = scratch("names");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(home.join("etc")).expect("home");
+        std::fs::write(home.join("etc/nsswitch.conf"), "passwd: files").expect("conf");
+        std::fs::write(home.join("etc/.wh.nsswitch.conf"), "mine").expect("user whiteout-like");
+        std::fs::write(home.join(".wh..wh..opq"), "also mine").expect("user opaque-like");
+        let _socket = std::os::unix::net::UnixListener::bind(home.join("app.sock")).expect("socket");
+        let into = dir.join("restored");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(as_restore(take(&home)), &into).expect("restore");
+        let read = |p: &str| std::fs::read_to_string(into.join("home").join(p)).expect(p);
+        assert_eq!(read("etc/nsswitch.conf"), "passwd: files");
+        assert_eq!(read("etc/.wh.nsswitch.conf"), "mine");
+        assert_eq!(read(".wh..wh..opq"), "also mine");
+        assert!(!opaque(&into.join("home")), "a user's file made the home opaque");
+        assert!(!into.join("home/app.sock").exists(), "a socket was restored");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
