@@ -62,7 +62,9 @@ fn start(name: &str) -> Envd {
         .spawn()
         .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
+    // Until a connection is taken: the socket's file appears at bind, a moment before envd
+    // listens, and a request in that moment is refused (seen once in CI under load).
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         assert!(std::time::Instant::now() < deadline, "envd did not listen");
         std::thread::sleep(Duration::from_millis(10));
     }
