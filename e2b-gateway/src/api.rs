@@ -212,14 +212,9 @@ fn domain_json(domain: &str) -> Value {
     }
 }
 
-fn sandbox_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> Value {
-    let mut v = json!({
-        "domain": domain_json(domain),
-        "templateID": d.template,
-        "sandboxID": d.sandbox_id,
-        "clientID": d.node_id,
-        "envdVersion": ENVD_VERSION,
-    });
+/// `v` with the sandbox's tokens (`envdAccessToken`, and `trafficAccessToken` when its ports
+/// are private), derived from its manifest's seals.
+fn with_tokens(mut v: Value, d: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Value {
     if let Some(token) = tokens.envd(d) {
         v["envdAccessToken"] = json!(token);
     }
@@ -227,6 +222,17 @@ fn sandbox_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) ->
         v["trafficAccessToken"] = json!(token);
     }
     v
+}
+
+fn sandbox_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> Value {
+    let v = json!({
+        "domain": domain_json(domain),
+        "templateID": d.template,
+        "sandboxID": d.sandbox_id,
+        "clientID": d.node_id,
+        "envdVersion": ENVD_VERSION,
+    });
+    with_tokens(v, d, tokens)
 }
 
 fn state_name(phase: SandboxPhase) -> &'static str {
@@ -263,13 +269,7 @@ fn detail_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> 
             "allowPublicTraffic": d.traffic_access_token.is_none(),
         });
     }
-    if let Some(token) = tokens.envd(d) {
-        v["envdAccessToken"] = json!(token);
-    }
-    if let Some(token) = tokens.traffic(d) {
-        v["trafficAccessToken"] = json!(token);
-    }
-    v
+    with_tokens(v, d, tokens)
 }
 
 /// Rewrites the framework's own refusals (body too large, unreadable body, bad path) into

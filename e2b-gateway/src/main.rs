@@ -139,16 +139,7 @@ fn token_key(
     tls_dir: Option<&std::path::Path>,
 ) -> anyhow::Result<envd_wire::sealed::TokenKey> {
     let text = match (file, tls_dir) {
-        (Some(file), _) => {
-            let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(file)?.permissions());
-            anyhow::ensure!(
-                mode & 0o077 == 0,
-                "{} is readable by other users (mode {:o}): the token key must be 0600",
-                file.display(),
-                mode & 0o777
-            );
-            std::fs::read_to_string(file)?
-        }
+        (Some(file), _) => mtls::read_secret(file)?,
         (None, Some(dir)) => mtls::read_token_key(dir)?,
         (None, None) => anyhow::bail!(
             "no token key: give --token-key FILE or --tls-dir DIR (`sandboxsched-ctl certs DIR` makes tokens.key)"

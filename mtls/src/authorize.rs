@@ -31,11 +31,12 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// Whether `caller` may call `method` of this service.
-    pub fn allows(&self, method: &str, caller: Role) -> bool {
+    /// The roles that may call `method` of this service.
+    pub fn callers<'a>(&'a self, method: &'a str) -> impl Iterator<Item = Role> + 'a {
         self.rules
             .iter()
-            .any(|(methods, roles)| methods.contains(&method) && roles.contains(&caller))
+            .filter(move |(methods, _)| methods.contains(&method))
+            .flat_map(|(_, roles)| roles.iter().copied())
     }
 
     /// Every method this policy names.
@@ -102,27 +103,33 @@ impl Authorize {
 
     /// The decision for a call of `path` (`/package.Service/Method`) by a caller that
     /// presented `certs` (leaf first), already verified against the cluster CA.
+    ///
+    /// Every call runs this, so the certificate is parsed once and checked only against the
+    /// roles the method is open to; which role it names is worked out only to word a refusal.
     pub fn decide(&self, path: &str, certs: Option<&[CertificateDer<'static>]>) -> Decision {
-        let Some(caller) = certs.and_then(|certs| certs.first()).and_then(role_of) else {
-            return Decision::Deny(tonic::Status::unauthenticated(
-                "this server takes calls only from a certificate of the cluster naming a role",
-            ));
-        };
+        let cert = certs
+            .and_then(|certs| certs.first())
+            .and_then(|cert| webpki::EndEntityCert::try_from(cert).ok());
         let (service, method) = path.trim_start_matches('/').split_once('/').unwrap_or((path, ""));
-        if service == HEALTH_SERVICE {
+        let permitted = cert.as_ref().is_some_and(|cert| {
+            if service == HEALTH_SERVICE {
+                return Role::ALL.into_iter().any(|role| names(cert, role));
+            }
+            self.policies
+                .iter()
+                .find(|policy| policy.service == service)
+                .is_some_and(|policy| policy.callers(method).any(|role| names(cert, role)))
+        });
+        if permitted {
             return Decision::Allow;
         }
-        let allowed = self
-            .policies
-            .iter()
-            .find(|policy| policy.service == service)
-            .is_some_and(|policy| policy.allows(method, caller));
-        if allowed {
-            Decision::Allow
-        } else {
-            Decision::Deny(tonic::Status::permission_denied(format!(
+        match cert.and_then(|cert| Role::ALL.into_iter().find(|role| names(&cert, *role))) {
+            None => Decision::Deny(tonic::Status::unauthenticated(
+                "this server takes calls only from a certificate of the cluster naming a role",
+            )),
+            Some(caller) => Decision::Deny(tonic::Status::permission_denied(format!(
                 "{caller} may not call {service}/{method}"
-            )))
+            ))),
         }
     }
 }
@@ -130,11 +137,14 @@ impl Authorize {
 /// The role a verified leaf certificate names, if any.
 pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
     let cert = webpki::EndEntityCert::try_from(cert).ok()?;
-    Role::ALL.into_iter().find(|role| {
-        DnsName::try_from(role.dns_name()).ok().is_some_and(|name| {
-            cert.verify_is_valid_for_subject_name(&ServerName::DnsName(name))
-                .is_ok()
-        })
+    Role::ALL.into_iter().find(|role| names(&cert, *role))
+}
+
+/// Whether `cert` is valid for `role`'s name.
+fn names(cert: &webpki::EndEntityCert<'_>, role: Role) -> bool {
+    DnsName::try_from(role.dns_name()).is_ok_and(|name| {
+        cert.verify_is_valid_for_subject_name(&ServerName::DnsName(name))
+            .is_ok()
     })
 }
 

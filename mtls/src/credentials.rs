@@ -50,11 +50,6 @@ impl Credentials {
         })
     }
 
-    /// The role these credentials prove.
-    pub fn role(&self) -> Role {
-        self.role
-    }
-
     /// A server's TLS: present this role's certificate, demand a client certificate signed by
     /// the cluster CA (a client without one never completes the handshake).
     pub fn server(&self) -> ServerTlsConfig {
@@ -86,14 +81,6 @@ impl Security {
     /// Mutual TLS as `role`, from a certificate directory.
     pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
         Ok(Self::MutualTls(Arc::new(Credentials::load(dir, role)?)))
-    }
-
-    /// The role this service proves, if any.
-    pub fn role(&self) -> Option<Role> {
-        match self {
-            Security::MutualTls(credentials) => Some(credentials.role()),
-            Security::Plaintext => None,
-        }
     }
 
     /// The server side of this security, if it has one.

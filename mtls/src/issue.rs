@@ -130,7 +130,7 @@ fn ca_params() -> Result<CertificateParams, TlsError> {
 }
 
 fn leaf_params(role: Role) -> Result<CertificateParams, TlsError> {
-    let mut params = CertificateParams::new(vec![role.dns_name()])?;
+    let mut params = CertificateParams::new(vec![role.dns_name().to_string()])?;
     params.distinguished_name.push(DnType::CommonName, role.dns_name());
     // Every service is both: it serves its own RPCs and calls others'.
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
@@ -161,8 +161,8 @@ fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
     fs::rename(&temp, path).map_err(io)
 }
 
-/// Reads a private key, refusing one that other users could read too.
-pub(crate) fn read_secret(path: &Path) -> Result<String, TlsError> {
+/// Reads a secret (a private key, the token key), refusing a file other users could read too.
+pub fn read_secret(path: &Path) -> Result<String, TlsError> {
     let io = |source| TlsError::Io {
         path: path.to_path_buf(),
         source,

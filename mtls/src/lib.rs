@@ -26,7 +26,7 @@ pub mod issue;
 
 pub use authorize::{Authorize, Policy};
 pub use credentials::{Credentials, Security};
-pub use issue::{issue_cluster, read_token_key, Issued};
+pub use issue::{issue_cluster, read_secret, read_token_key, Issued};
 
 use std::fmt;
 use std::path::PathBuf;
@@ -67,9 +67,17 @@ impl Role {
     }
 
     /// The DNS name a certificate of this role is valid for, and the name a client checks
-    /// when it connects to a server of this role.
-    pub fn dns_name(self) -> String {
-        format!("{}.{DOMAIN}", self.name())
+    /// when it connects to a server of this role: `<name>.`[`DOMAIN`]. Static, because every
+    /// call a server takes checks the caller's certificate against it.
+    pub fn dns_name(self) -> &'static str {
+        match self {
+            Role::Ledger => "ledger.sandboxsched.internal",
+            Role::Placement => "placement.sandboxsched.internal",
+            Role::Node => "node.sandboxsched.internal",
+            Role::Balance => "balance.sandboxsched.internal",
+            Role::Gateway => "gateway.sandboxsched.internal",
+            Role::Operator => "operator.sandboxsched.internal",
+        }
     }
 }
 
@@ -95,4 +103,16 @@ pub enum TlsError {
     Endpoint(String, String),
     #[error("TLS settings refused: {0}")]
     Config(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_roles_dns_name_is_its_name_in_the_domain() {
+        for role in Role::ALL {
+            assert_eq!(role.dns_name(), format!("{}.{DOMAIN}", role.name()));
+        }
+    }
 }

@@ -279,6 +279,9 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
             .unwrap_or_default();
         NodeError::Corrupt(format!("unpacking: {e}{cause}"))
     };
+    // The folder of the last entry, checked: archives list a folder's files together, so it
+    // is walked once for all of them, and forgotten when an entry could have replaced it.
+    let mut checked: Option<PathBuf> = None;
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         let relative = entry.path().map_err(corrupt)?.into_owned();
@@ -291,16 +294,21 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
                 relative.display()
             )));
         }
-        let literal = is_literal(&mut entry).map_err(corrupt)?;
+        let (literal, xattrs) = pax_records(&mut entry).map_err(corrupt)?;
+        if checked.as_deref().is_some_and(|dir| dir.starts_with(&relative)) {
+            checked = None;
+        }
         if !literal && restore_mark(into, &relative).map_err(corrupt)? {
             continue;
         }
         // Its folder exists and is a real one (checked as whiteouts are), so the tar reader's
         // own containment check and the attributes below act on a path inside `into`.
         if let Some(parent) = relative.parent() {
-            directory_beneath(into, parent).map_err(corrupt)?;
+            if checked.as_deref() != Some(parent) {
+                directory_beneath(into, parent).map_err(corrupt)?;
+                checked = Some(parent.to_path_buf());
+            }
         }
-        let xattrs = user_xattrs_of(&mut entry).map_err(corrupt)?;
         if !entry.unpack_in(into).map_err(corrupt)? {
             return Err(NodeError::Corrupt(format!(
                 "unpacking: entry {} leaves the archive",
@@ -322,35 +330,25 @@ pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), Node
     verify(&got, reader.trailer.as_ref())
 }
 
-/// Whether the entry carries the literal mark (a user's file named like a whiteout).
-fn is_literal<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<bool> {
-    let Some(extensions) = entry.pax_extensions()? else {
-        return Ok(false);
-    };
-    for extension in extensions {
-        if extension?.key().ok() == Some(LITERAL_RECORD) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
+/// What an entry's PAX records say: whether it carries the literal mark (a user's file named
+/// like a whiteout), and the `user.*` attributes it carries (`SCHILY.xattr.user.*`); every
+/// other attribute is dropped.
+type PaxRecords = (bool, Vec<(String, Vec<u8>)>);
 
-/// The `user.*` attributes an entry's PAX records carry (`SCHILY.xattr.user.*`); every other
-/// attribute is dropped.
-fn user_xattrs_of<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<Vec<(String, Vec<u8>)>> {
-    let mut found = Vec::new();
+fn pax_records<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<PaxRecords> {
+    let (mut literal, mut xattrs) = (false, Vec::new());
     if let Some(extensions) = entry.pax_extensions()? {
         for extension in extensions {
             let extension = extension?;
-            let Some(name) = extension.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) else {
-                continue;
-            };
-            if name.starts_with("user.") {
-                found.push((name.to_string(), extension.value_bytes().to_vec()));
+            let Ok(key) = extension.key() else { continue };
+            if key == LITERAL_RECORD {
+                literal = true;
+            } else if let Some(name) = key.strip_prefix("SCHILY.xattr.").filter(|n| n.starts_with("user.")) {
+                xattrs.push((name.to_string(), extension.value_bytes().to_vec()));
             }
         }
     }
-    Ok(found)
+    Ok((literal, xattrs))
 }
 
 /// Whether the data that arrived (`got`) is what the sender stated it sent (`want`).
