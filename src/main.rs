@@ -225,6 +225,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let capacity = node_svc::sandbox::Resources {
             vcpus: (host.vcpus / u32::from(args.nodes)).max(1),
             memory_bytes: args.node_memory_mb.map_or(host.memory_bytes / share, |mb| mb << 20),
+            disk_bytes: 0,
         };
         let templates_dir = templates_dir.is_dir().then(|| templates_dir.clone());
         let runtime = match args.runtime.as_str() {

@@ -132,7 +132,11 @@ fn create_request(id: &str, memory_bytes: u64, start_command: &str) -> node_pb::
         epoch: 1,
         sandbox_id: id.to_string(),
         template: "base".into(),
-        resources: Some(node_pb::Resources { vcpus: 1, memory_bytes }),
+        resources: Some(node_pb::Resources {
+            vcpus: 1,
+            memory_bytes,
+            disk_bytes: 0,
+        }),
         start_command: start_command.into(),
         ..Default::default()
     }
@@ -547,7 +551,13 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             .await
             .unwrap();
         let node_ids: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
-        let home = |node: usize| work.join(&node_ids[node]).join("sandboxes").join(&id).join("home");
+        let home = |node: usize| {
+            work.join(&node_ids[node])
+                .join("sandboxes")
+                .join(&id)
+                .join("disk")
+                .join("home")
+        };
         std::fs::write(home(from).join("notes.txt"), &id).unwrap();
         let manifest = SandboxDoc {
             sandbox_id: id.clone(),

@@ -23,7 +23,11 @@ pub async fn running_sandbox(
         epoch: 1,
         sandbox_id: id.into(),
         template: "base".into(),
-        resources: Some(pb::Resources { vcpus: 1, memory_bytes }),
+        resources: Some(pb::Resources {
+            vcpus: 1,
+            memory_bytes,
+            disk_bytes: 0,
+        }),
         start_command: "sleep 3600".into(),
         ..Default::default()
     })

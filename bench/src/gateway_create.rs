@@ -77,6 +77,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             c.host.capacity = node_svc::sandbox::Resources {
                 vcpus,
                 memory_bytes: u64::from(vcpus) << 31,
+                disk_bytes: 0,
             }
         })
         .gateway(|c| {

@@ -61,6 +61,7 @@ fn create_request(i: usize, id: &str) -> pb::CreateRequest {
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 128 << 20,
+            disk_bytes: 0,
         }),
         access_token: format!("token-{id}"),
         ..Default::default()
@@ -255,6 +256,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 << 20,
+            disk_bytes: 0,
         }),
         ..Default::default()
     })

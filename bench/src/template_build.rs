@@ -183,6 +183,7 @@ async fn build(node: &RunningNode, image: &str, steps: &[pb::BuildStep]) -> anyh
             resources: Some(pb::Resources {
                 vcpus: 1,
                 memory_bytes: 512 << 20,
+                disk_bytes: 0,
             }),
             from_image: image.to_string(),
             steps: steps.to_vec(),
@@ -213,6 +214,7 @@ async fn create(node: &RunningNode, image: &pb::TemplateImage, i: usize) -> anyh
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 128 << 20,
+            disk_bytes: 0,
         }),
         image: Some(image.clone()),
         ..Default::default()

@@ -174,4 +174,8 @@ pub struct SandboxDoc {
     /// W3C `traceparent` of the request that created it: a move's trace links back to it.
     #[serde(default)]
     pub trace_context: Option<String>,
+    /// The size of its disk (E2B's `diskSizeMB`); 0 (a manifest from before disks): its
+    /// node's default.
+    #[serde(default)]
+    pub disk_bytes: u64,
 }

@@ -7,5 +7,8 @@
 /// Memory assumed for a sandbox whose template and request say nothing: 512 MiB.
 pub const DEFAULT_MEMORY_BYTES: u64 = 512 * 1024 * 1024;
 
+/// A sandbox's disk unless the cluster says otherwise: 2 GiB.
+pub const DEFAULT_DISK_BYTES: u64 = 2 << 30;
+
 /// vCPUs assumed for a sandbox whose template and request say nothing.
 pub const DEFAULT_VCPUS: u32 = 1;

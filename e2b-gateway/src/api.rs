@@ -242,6 +242,15 @@ fn state_name(phase: SandboxPhase) -> &'static str {
     }
 }
 
+/// E2B's `diskSizeMB` of a disk of `bytes` (0, a manifest from before disks: the default).
+pub(crate) fn disk_mb(bytes: u64) -> u64 {
+    if bytes == 0 {
+        common::resources::DEFAULT_DISK_BYTES >> 20
+    } else {
+        bytes >> 20
+    }
+}
+
 fn detail_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> Value {
     let mut v = json!({
         "domain": domain_json(domain),
@@ -252,7 +261,7 @@ fn detail_json(d: &SandboxDoc, domain: &str, tokens: &crate::tokens::Tokens) -> 
         "endAt": rfc3339(d.end_at_unix_ms),
         "cpuCount": d.vcpus,
         "memoryMB": d.memory_bytes / (1024 * 1024),
-        "diskSizeMB": 0,
+        "diskSizeMB": disk_mb(d.disk_bytes),
         "metadata": d.metadata,
         "state": state_name(d.phase),
         "envdVersion": ENVD_VERSION,

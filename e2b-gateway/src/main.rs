@@ -49,6 +49,10 @@ struct Args {
     /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
     #[arg(long, env = "GATEWAY_DOMAIN", default_value = "")]
     domain: String,
+    /// Megabytes of disk each sandbox gets (E2B's `diskSizeMB`): a filesystem of its own on
+    /// its node, where writes past it fail with ENOSPC.
+    #[arg(long, env = "GATEWAY_SANDBOX_DISK_MB", default_value_t = common::resources::DEFAULT_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
+    sandbox_disk_mb: u64,
     /// How long a paused sandbox is kept before it is killed (it does not time out while
     /// paused), e.g. `30days`, `12h`.
     #[arg(long, env = "GATEWAY_PAUSED_RETENTION", default_value = "30days", value_parser = humantime::parse_duration)]
@@ -112,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
         hibernate_dir: args.hibernate_dir,
         domain: args.domain,
         paused_retention: args.paused_retention,
+        sandbox_disk_bytes: args.sandbox_disk_mb << 20,
         abandoned_create_after: args.abandoned_create_after,
         claim_ttl: args.claim_ttl,
         security,

@@ -46,6 +46,8 @@ pub struct GatewayConfig {
     /// How long a paused sandbox is kept (it does not time out while paused) before the
     /// reaper kills it.
     pub paused_retention: Duration,
+    /// Each sandbox's disk (E2B's `diskSizeMB`).
+    pub sandbox_disk_bytes: u64,
     /// How long a create may stay unfinished (its manifest `creating`) before the reaper
     /// resolves it against the nodes: its gateway is taken to have stopped mid-way.
     pub abandoned_create_after: Duration,
@@ -153,6 +155,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             claim_ttl: config.claim_ttl,
         },
     )
+    .map(|s| Arc::new(s.with_disk(config.sandbox_disk_bytes)))
     .map_err(|e| StartError::Config(e.to_string()))?;
     let templates = Templates::new(
         ledger.clone(),

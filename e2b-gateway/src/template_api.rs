@@ -311,7 +311,7 @@ pub async fn build_logs(
     Ok(Json(json!({"logs": logs})))
 }
 
-fn build_json(b: &BuildDoc) -> Value {
+fn build_json(b: &BuildDoc, disk_mb: u64) -> Value {
     let (status, _) = effective_status(b, now_ms());
     json!({
         "buildID": b.build_id,
@@ -321,13 +321,13 @@ fn build_json(b: &BuildDoc) -> Value {
         "finishedAt": b.finished_at_unix_ms.map(rfc3339),
         "cpuCount": b.vcpus.max(1),
         "memoryMB": b.memory_mb.max(128),
-        "diskSizeMB": 0,
+        "diskSizeMB": disk_mb,
         "envdVersion": ENVD_VERSION,
     })
 }
 
 /// `Template`: the newest ready build is the one its `buildID` names.
-fn template_json(t: &TemplateDoc, builds: &[BuildDoc]) -> Value {
+fn template_json(t: &TemplateDoc, builds: &[BuildDoc], disk_mb: u64) -> Value {
     let latest = builds.iter().rev().find(|b| b.status == BuildStatus::Ready);
     let last = builds.last();
     json!({
@@ -335,7 +335,7 @@ fn template_json(t: &TemplateDoc, builds: &[BuildDoc]) -> Value {
         "buildID": latest.map_or("", |b| b.build_id.as_str()),
         "cpuCount": t.vcpus.max(1),
         "memoryMB": if t.memory_mb == 0 { common::resources::DEFAULT_MEMORY_BYTES >> 20 } else { t.memory_mb },
-        "diskSizeMB": 0,
+        "diskSizeMB": disk_mb,
         "public": t.public,
         "aliases": t.names,
         "names": t.names,
@@ -355,7 +355,10 @@ pub async fn list(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<V
     let team = g.team(&headers)?;
     let listed = g.templates.list_with_builds(&team).await.map_err(failure)?;
     Ok(Json(Value::Array(
-        listed.iter().map(|(t, builds)| template_json(t, builds)).collect(),
+        listed
+            .iter()
+            .map(|(t, builds)| template_json(t, builds, g.sandboxes.disk_bytes >> 20))
+            .collect(),
     )))
 }
 
@@ -387,7 +390,7 @@ pub async fn get(
         "updatedAt": rfc3339(t.updated_at_unix_ms),
         "lastSpawnedAt": null,
         "spawnCount": 0,
-        "builds": builds.iter().map(build_json).collect::<Vec<_>>(),
+        "builds": builds.iter().map(|b| build_json(b, g.sandboxes.disk_bytes >> 20)).collect::<Vec<_>>(),
     })))
 }
 

@@ -58,6 +58,7 @@ pub fn info_to_pb(record: &SandboxRecord, memory_used_bytes: u64) -> pb::Sandbox
         resources: Some(pb::Resources {
             vcpus: record.resources.vcpus,
             memory_bytes: record.resources.memory_bytes,
+            disk_bytes: record.resources.disk_bytes,
         }),
         epoch: record.epoch,
         memory_used_bytes,
@@ -115,6 +116,7 @@ impl pb::node_server::Node for NodeApi {
             resources: Resources {
                 vcpus: resources.vcpus,
                 memory_bytes: resources.memory_bytes,
+                disk_bytes: resources.disk_bytes,
             },
             env: req.env_vars.into_iter().collect::<BTreeMap<_, _>>(),
             metadata: req.metadata.into_iter().collect::<BTreeMap<_, _>>(),
@@ -335,6 +337,7 @@ impl pb::node_server::Node for NodeApi {
             capacity: Some(pb::Resources {
                 vcpus: capacity.vcpus,
                 memory_bytes: capacity.memory_bytes,
+                disk_bytes: 0,
             }),
             memory_used_bytes: picture.memory_used_bytes,
             memory_available_bytes: picture.memory_available_bytes,

@@ -122,10 +122,20 @@ pub struct HostConfig {
     /// The egress floor (set by the server from the network's): a registry resolving into it
     /// is refused, or a build could make the node fetch from the control plane's own network.
     pub registry_floor: Vec<common::egress::Cidr>,
+    /// The disk of a sandbox that asks for no size (see `crate::disk`).
+    pub disk_bytes: u64,
+    /// The disk of a template build's builder containers.
+    pub build_disk_bytes: u64,
 }
 
 /// Template layers a node keeps cached unless told otherwise: 20 GiB.
 pub const DEFAULT_LAYER_CACHE_BYTES: u64 = 20 << 30;
+
+/// A sandbox's disk unless it asks for another size: 2 GiB.
+pub const DEFAULT_DISK_BYTES: u64 = 2 << 30;
+
+/// A builder container's disk unless told otherwise: 8 GiB (package installs need room).
+pub const DEFAULT_BUILD_DISK_BYTES: u64 = 8 << 30;
 
 /// What a create asks for.
 #[derive(Clone, Debug, Default)]
@@ -278,6 +288,8 @@ struct Shared {
     answers: Mutex<Answers<Answer>>,
     /// Template layers, fetched from the blob store.
     layers: Option<Arc<crate::layer_cache::LayerCache>>,
+    /// Each sandbox's disk.
+    disks: crate::disk::Disks,
 }
 
 /// Access to a running sandbox's files for one envd request; a pause waits until it is
@@ -304,10 +316,11 @@ impl Host {
     /// `runtime` runs the sandboxes: any [`Runtime`], so tests may wrap a real one.
     pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
         let dir = StateDir::new(&config.state_dir);
+        let disks = crate::disk::Disks::probe(runtime.own_disks(), config.disk_bytes);
         let adopted = {
-            let (dir, runtime) = (dir.clone(), runtime.clone());
+            let (dir, runtime, disks) = (dir.clone(), runtime.clone(), disks.clone());
             blocking(move || {
-                let adopted = readopt(&dir, runtime.as_ref())?;
+                let adopted = readopt(&dir, runtime.as_ref(), &disks)?;
                 sweep(&dir, runtime.as_ref(), &adopted);
                 Ok(adopted)
             })
@@ -342,6 +355,7 @@ impl Host {
                 slots: Mutex::new(slots),
                 answers: Mutex::new(Answers::new(ANSWERS_KEPT, ANSWERS_MAX_AGE_MS)),
                 layers,
+                disks,
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
@@ -380,7 +394,16 @@ impl Host {
     }
 
     pub fn features(&self) -> Features {
-        self.shared.runtime.features()
+        let mut features = self.shared.runtime.features();
+        if self.shared.runtime.own_disks() {
+            features.degraded.extend(self.shared.disks.degraded());
+        }
+        features
+    }
+
+    /// Each sandbox's disk.
+    pub fn disks(&self) -> &crate::disk::Disks {
+        &self.shared.disks
     }
 
     /// Where a sandbox's files live.
@@ -450,10 +473,19 @@ impl Host {
         let runtime = self.shared.runtime.clone();
         let dir = self.shared.dir.clone();
         let readings = tokio::task::spawn_blocking(move || {
-            let disk_total = disk_total(dir.root());
+            let host_disk = disk_total(dir.root());
             records
                 .into_iter()
                 .map(|record| {
+                    // Its own disk where it has one (exact, and one call); else its files
+                    // walked, out of the host's disk.
+                    let (disk_used_bytes, disk_total_bytes) = crate::disk::usage(&dir.sandbox_dir(&record.id))
+                        .unwrap_or_else(|| {
+                            (
+                                crate::metrics::disk_usage(&dir.home(&record.id), DISK_WALK_BUDGET),
+                                host_disk,
+                            )
+                        });
                     if let Some(log) = runtime.log_file(&dir.home(&record.id)) {
                         crate::logs::cap(&log);
                     }
@@ -463,8 +495,8 @@ impl Host {
                         vcpus: record.resources.vcpus,
                         memory_used_bytes: runtime.memory_used(&record),
                         memory_total_bytes: record.resources.memory_bytes,
-                        disk_used_bytes: crate::metrics::disk_usage(&dir.home(&record.id), DISK_WALK_BUDGET),
-                        disk_total_bytes: disk_total,
+                        disk_used_bytes,
+                        disk_total_bytes,
                     };
                     (record.id, reading)
                 })
@@ -685,7 +717,7 @@ impl Shared {
         }
         self.ensure_layers(spec.image.as_ref()).await?;
         let templates = self.config.templates_dir.clone();
-        let (runtime, dir) = (self.runtime.clone(), self.dir.clone());
+        let (runtime, dir, disks) = (self.runtime.clone(), self.dir.clone(), self.disks.clone());
         // One trip to a blocking thread for all of it: every hop is a thread wake-up, and on
         // a busy host each costs more than the work it carries.
         let record = blocking(move || {
@@ -697,8 +729,14 @@ impl Shared {
             };
             let files = template.files.clone();
             let mut record = new_record(spec, template, now_ms());
+            // The size it runs with, wherever it moves.
+            record.resources.disk_bytes = disks.size(record.resources.disk_bytes);
             let home = dir.home(&record.id);
             let made = (|| -> Result<(), NodeError> {
+                std::fs::create_dir_all(dir.sandbox_dir(&record.id)).map_err(io)?;
+                disks
+                    .attach(&dir.sandbox_dir(&record.id), record.resources.disk_bytes)
+                    .map_err(|e| NodeError::Runtime(format!("the sandbox's disk: {e}")))?;
                 std::fs::create_dir_all(&home).map_err(io)?;
                 if let Some(files) = files {
                     runtime.seed(&home, &files).map_err(io)?;
@@ -712,7 +750,7 @@ impl Shared {
             })();
             if let Err(err) = made {
                 // A failed create leaves nothing behind.
-                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&record.id));
+                let _ = crate::disk::remove_folder(&dir.sandbox_dir(&record.id));
                 return Err(err);
             }
             Ok(record)
@@ -722,7 +760,7 @@ impl Shared {
             let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
             let _ = blocking(move || {
                 let _ = runtime.kill(&r);
-                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&r.id));
+                let _ = crate::disk::remove_folder(&dir.sandbox_dir(&r.id));
                 Ok(())
             })
             .await;
@@ -1023,18 +1061,34 @@ impl Shared {
         self.ensure_layers(record.image.as_ref()).await?;
         // The stream is unpacked without the sandbox's turn (it may take long); only the
         // install, which is quick, takes it.
+        // Its disk as it had it (a record from before disks: this node's default), made first
+        // so the unpacking is held to it: a snapshot larger than its disk fails here.
+        record.resources.disk_bytes = self.disks.size(record.resources.disk_bytes);
         let scratch = {
-            let (dir, id) = (self.dir.clone(), record.id.clone());
-            blocking(move || dir.restore_scratch(&id).map_err(io)).await?
+            let (dir, id, disks, bytes) = (
+                self.dir.clone(),
+                record.id.clone(),
+                self.disks.clone(),
+                record.resources.disk_bytes,
+            );
+            blocking(move || {
+                let scratch = dir.restore_scratch(&id).map_err(io)?;
+                if let Err(e) = disks.attach(&scratch, bytes) {
+                    let _ = crate::disk::remove_folder(&scratch);
+                    return Err(NodeError::Runtime(format!("the sandbox's disk: {e}")));
+                }
+                Ok(scratch)
+            })
+            .await?
         };
-        let unpack_into = scratch.clone();
+        let unpack_into = scratch.join(crate::disk::MOUNT);
         let unpacked = tokio::task::spawn_blocking(move || snapshot::unpack(data, &unpack_into))
             .await
             .map_err(|e| NodeError::Runtime(format!("restore task failed: {e}")))
             .and_then(|unpacked| unpacked);
         let drop_scratch = |scratch: PathBuf| {
             blocking(move || {
-                let _ = std::fs::remove_dir_all(scratch);
+                let _ = crate::disk::remove_folder(&scratch);
                 Ok(())
             })
         };
@@ -1081,8 +1135,8 @@ impl Shared {
                 .and_then(|()| dir.persist(&r).map_err(io));
             if installed.is_err() {
                 // A failed restore leaves nothing behind.
-                let _ = std::fs::remove_dir_all(&scratch);
-                let _ = std::fs::remove_dir_all(dir.sandbox_dir(&r.id));
+                let _ = crate::disk::remove_folder(&scratch);
+                let _ = crate::disk::remove_folder(&dir.sandbox_dir(&r.id));
             }
             installed
         })
@@ -1104,7 +1158,7 @@ impl Shared {
 /// does not keep the node down, which would strand every other sandbox with it: it is kept,
 /// listed with no process (so it stays accounted, and a kill removes it), and counted in
 /// `node_readoption_failures_total`.
-fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, NodeError> {
+fn readopt(dir: &StateDir, runtime: &dyn Runtime, disks: &crate::disk::Disks) -> Result<Vec<SandboxRecord>, NodeError> {
     dir.create().map_err(io)?;
     let mut adopted = Vec::new();
     for mut record in dir.load().map_err(io)? {
@@ -1112,7 +1166,7 @@ fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, 
             let _ = dir.remove(&record.id);
             continue;
         }
-        if let Err(err) = readopt_one(dir, runtime, &mut record) {
+        if let Err(err) = readopt_one(dir, runtime, disks, &mut record) {
             tracing::error!(sandbox_id = %record.id, %err, "could not take the sandbox back; it is kept with no process");
             metrics::counter!("node_readoption_failures_total").increment(1);
             record.pgid = 0;
@@ -1123,7 +1177,17 @@ fn readopt(dir: &StateDir, runtime: &dyn Runtime) -> Result<Vec<SandboxRecord>, 
     Ok(adopted)
 }
 
-fn readopt_one(dir: &StateDir, runtime: &dyn Runtime, record: &mut SandboxRecord) -> Result<(), NodeError> {
+fn readopt_one(
+    dir: &StateDir,
+    runtime: &dyn Runtime,
+    disks: &crate::disk::Disks,
+    record: &mut SandboxRecord,
+) -> Result<(), NodeError> {
+    // Its files where they are now, on its disk (mounted again after a reboot).
+    dir.upgrade_layout(&record.id).map_err(io)?;
+    disks
+        .attach(&dir.sandbox_dir(&record.id), record.resources.disk_bytes)
+        .map_err(|e| NodeError::Runtime(format!("the sandbox's disk: {e}")))?;
     runtime.adopt(record)?;
     let alive = runtime.alive(record);
     match readoption(record.state, alive, has_process(runtime, record)) {
@@ -1149,7 +1213,7 @@ fn readopt_one(dir: &StateDir, runtime: &dyn Runtime, record: &mut SandboxRecord
 fn sweep(dir: &StateDir, runtime: &dyn Runtime, adopted: &[SandboxRecord]) {
     for id in dir.orphans().unwrap_or_default() {
         runtime.discard(&id, &dir.home(&id));
-        match std::fs::remove_dir_all(dir.sandbox_dir(&id)) {
+        match crate::disk::remove_folder(&dir.sandbox_dir(&id)) {
             Ok(()) => {
                 tracing::warn!(sandbox_id = %id, "removed the folder of a create cut short (no record)");
                 metrics::counter!("node_janitor_removed_total", "what" => "folder").increment(1);
@@ -1324,7 +1388,11 @@ mod tests {
         SandboxRecord {
             id: id.into(),
             template: "base".into(),
-            resources: Resources { vcpus: 1, memory_bytes },
+            resources: Resources {
+                vcpus: 1,
+                memory_bytes,
+                disk_bytes: 0,
+            },
             env: BTreeMap::new(),
             metadata: BTreeMap::new(),
             start_command: None,
@@ -1403,13 +1471,15 @@ mod tests {
         let capacity = Resources {
             vcpus: 4,
             memory_bytes: 1024 * MIB,
+            disk_bytes: 0,
         };
         let p = picture_of(listed, capacity, 5 * MIB, 0.5);
         assert_eq!(
             p.allocated,
             Resources {
                 vcpus: 2,
-                memory_bytes: 300 * MIB
+                memory_bytes: 300 * MIB,
+                disk_bytes: 0,
             }
         );
         assert_eq!(p.memory_used_bytes, 35 * MIB);
@@ -1419,6 +1489,7 @@ mod tests {
         let tiny = Resources {
             vcpus: 1,
             memory_bytes: MIB,
+            disk_bytes: 0,
         };
         assert_eq!(picture_of(Vec::new(), tiny, 2 * MIB, 0.0).memory_available_bytes, 0);
     }
@@ -1431,11 +1502,14 @@ mod tests {
             capacity: Resources {
                 vcpus: 8,
                 memory_bytes: 8192 * MIB,
+                disk_bytes: 0,
             },
             blob_store: None,
             layer_cache_bytes: DEFAULT_LAYER_CACHE_BYTES,
             private_registries: Vec::new(),
             registry_floor: Vec::new(),
+            disk_bytes: crate::host::DEFAULT_DISK_BYTES,
+            build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
         }
     }
 
@@ -1448,6 +1522,7 @@ mod tests {
             resources: Resources {
                 vcpus: 1,
                 memory_bytes: 64 * MIB,
+                disk_bytes: 0,
             },
             ..Default::default()
         }

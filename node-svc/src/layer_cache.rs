@@ -371,9 +371,16 @@ impl LayerCache {
             for name in NOT_IN_LAYERS {
                 let _ = tokio::fs::remove_dir_all(upper.join(name)).await;
             }
-            tokio::fs::rename(upper, &path)
-                .await
-                .map_err(|e| publish(e.to_string()))?;
+            match tokio::fs::rename(upper, &path).await {
+                Ok(()) => {}
+                // A builder's layer on a disk of its own cannot move into the cache: the layer
+                // is unpacked from the store (through the same checks as any other) when a
+                // sandbox needs it.
+                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                    let _ = tokio::fs::remove_dir_all(upper).await;
+                }
+                Err(e) => return Err(publish(e.to_string())),
+            }
         }
         Ok(Some(layer))
     }

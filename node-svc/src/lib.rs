@@ -3,7 +3,8 @@
 //!
 //! Layout: [`sandbox`] is the pure core (records, legal moves, fencing, operation answers);
 //! [`runtime`] runs sandboxes (real processes or simulated); [`host`] owns the registry and
-//! every lifecycle operation, keeping each sandbox in the [`state_dir`], seeding new ones from
+//! every lifecycle operation, keeping each sandbox in the [`state_dir`] on a [`disk`] of its
+//! own, seeding new ones from
 //! a [`template`] and moving them between nodes as [`snapshot`] streams; [`heartbeat`]
 //! reports to placement; [`api`] is the gRPC service; [`envd`] the in-sandbox API; [`server`]
 //! wires them. Templates with layers: [`layer_cache`] keeps their layers (fetched from the blob
@@ -15,6 +16,7 @@
 
 pub mod api;
 pub mod build;
+pub mod disk;
 pub mod envd;
 pub mod envd_client;
 pub mod heartbeat;

@@ -84,6 +84,14 @@ struct Args {
     /// Nodes sharing a host should split it.
     #[arg(long, env = "NODE_PIDS_MAX", value_parser = clap::value_parser!(u64).range(16..))]
     pids_max: Option<u64>,
+    /// Megabytes of disk a sandbox gets when its create names no size (the gateway names
+    /// one: its --sandbox-disk-mb). Each sandbox's disk is a filesystem of its own, sparse on
+    /// the host: writes past it fail with ENOSPC inside that sandbox alone.
+    #[arg(long, env = "NODE_SANDBOX_DISK_MB", default_value_t = node_svc::host::DEFAULT_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
+    sandbox_disk_mb: u64,
+    /// Megabytes of disk each builder container of a template build gets.
+    #[arg(long, env = "NODE_BUILD_DISK_MB", default_value_t = node_svc::host::DEFAULT_BUILD_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
+    build_disk_mb: u64,
     /// The cluster's blob store, shared with the gateways: where template layers and the files
     /// of build steps are. A directory (`file:///abs/dir` or a path) or S3
     /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
@@ -131,6 +139,8 @@ async fn serve() -> anyhow::Result<()> {
     config.advertise_envd = args.advertise_envd;
     config.host.templates_dir = args.templates_dir;
     config.host.layer_cache_bytes = args.layer_cache_mb << 20;
+    config.host.disk_bytes = args.sandbox_disk_mb << 20;
+    config.host.build_disk_bytes = args.build_disk_mb << 20;
     config.host.private_registries = args.private_registries;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store

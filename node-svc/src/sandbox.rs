@@ -5,11 +5,15 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-/// vCPUs and memory a sandbox is allocated.
+/// vCPUs, memory and disk a sandbox is allocated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resources {
     pub vcpus: u32,
     pub memory_bytes: u64,
+    /// The size of its disk (see `crate::disk`); 0 (and every record from before disks): the
+    /// node's default. Part of the record, so it travels with every move.
+    #[serde(default)]
+    pub disk_bytes: u64,
 }
 
 /// Where a sandbox is in its life.

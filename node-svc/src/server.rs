@@ -100,6 +100,8 @@ impl NodeConfig {
                 layer_cache_bytes: crate::host::DEFAULT_LAYER_CACHE_BYTES,
                 private_registries: Vec::new(),
                 registry_floor: Vec::new(),
+                disk_bytes: crate::host::DEFAULT_DISK_BYTES,
+                build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),
@@ -130,7 +132,11 @@ pub fn host_capacity() -> Resources {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map_or(1 << 30, |kb| kb * 1024);
-    Resources { vcpus, memory_bytes }
+    Resources {
+        vcpus,
+        memory_bytes,
+        disk_bytes: 0,
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -6,10 +6,16 @@
 //! ```text
 //! sandboxes/
 //!   ID/sandbox.json        the sandbox's SandboxRecord, replaced atomically on every change
-//!   ID/home/               its files, which survive pause, restart and migration
+//!   ID/disk.img            its disk (see `crate::disk`), mounted at:
+//!   ID/disk/home/          its files, which survive pause, restart and migration
+//!   ID/disk/work/          overlayfs's work folder (on the same filesystem, as it must be)
+//!   ID/container.log       its log (the node's, outside its disk)
 //!   .restore-ID-UUID/      a snapshot being unpacked (renamed to ID/ once verified)
 //!   .trash-ID-UUID/        a killed sandbox being deleted
 //! ```
+//!
+//! The record and the log stay off the sandbox's disk: a sandbox that fills its disk must not
+//! stop the node from writing down what it does with it.
 //!
 //! Sandbox IDs never start with '.', so dot-folders are always the node's own scratch space;
 //! any found at start-up were left by a node-svc that stopped mid-way, and are removed.
@@ -45,8 +51,13 @@ impl StateDir {
         }
     }
 
+    /// Makes the folder, the node's alone (0700): no other host user reaches a sandbox's
+    /// files, record or log through it. Sandboxes reach their own files through their
+    /// overlays, which act with the node's credentials, never through this path.
     pub fn create(&self) -> std::io::Result<()> {
-        std::fs::create_dir_all(&self.root)
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::create_dir_all(&self.root)?;
+        std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
     }
 
     /// The `sandboxes/` folder itself.
@@ -59,9 +70,9 @@ impl StateDir {
         self.root.join(id)
     }
 
-    /// Where sandbox `id`'s files live.
+    /// Where sandbox `id`'s files live (its writable layer, on its disk).
     pub fn home(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("home")
+        home_in(&self.sandbox_dir(id))
     }
 
     /// Writes `record` as its sandbox's `sandbox.json`, atomically.
@@ -85,7 +96,7 @@ impl StateDir {
             let path = entry.path();
             if entry.file_name().to_string_lossy().starts_with('.') {
                 tracing::info!(path = %path.display(), "removing scratch left by a previous run");
-                let _ = std::fs::remove_dir_all(&path);
+                let _ = crate::disk::remove_folder(&path);
                 continue;
             }
             let Ok(bytes) = std::fs::read(path.join(RECORD)) else {
@@ -124,7 +135,7 @@ impl StateDir {
     pub fn remove(&self, id: &str) -> std::io::Result<()> {
         let trash = self.scratch_path(TRASH_PREFIX, id);
         std::fs::rename(self.sandbox_dir(id), &trash)?;
-        std::fs::remove_dir_all(&trash)
+        crate::disk::remove_folder(&trash)
     }
 
     /// A new empty folder to unpack a snapshot of sandbox `id` into.
@@ -137,14 +148,38 @@ impl StateDir {
     /// Makes a verified restore folder sandbox `id`'s folder, replacing any left-over one.
     pub fn install(&self, scratch: &Path, id: &str) -> std::io::Result<()> {
         let dir = self.sandbox_dir(id);
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = crate::disk::remove_folder(&dir);
         std::fs::rename(scratch, dir)
+    }
+
+    /// Moves the files of a sandbox from before disks (`ID/home`, `ID/work`) to where they
+    /// are now (`ID/disk/`), where it has any: a node upgraded under running sandboxes keeps
+    /// them. Their overlays hold the folders, not the paths, so a running one goes on.
+    pub fn upgrade_layout(&self, id: &str) -> std::io::Result<()> {
+        let dir = self.sandbox_dir(id);
+        let old = dir.join("home");
+        if !old.is_dir() || dir.join(crate::disk::MOUNT).exists() {
+            return Ok(());
+        }
+        let disk = dir.join(crate::disk::MOUNT);
+        std::fs::create_dir(&disk)?;
+        std::fs::rename(&old, disk.join("home"))?;
+        if dir.join("work").is_dir() {
+            std::fs::rename(dir.join("work"), disk.join("work"))?;
+        }
+        tracing::info!(sandbox_id = %id, "moved the sandbox's files into its disk folder (no size limit: it predates disks)");
+        Ok(())
     }
 
     fn scratch_path(&self, prefix: &str, id: &str) -> PathBuf {
         self.root
             .join(format!("{prefix}{id}-{}", uuid::Uuid::new_v4().simple()))
     }
+}
+
+/// The writable layer in sandbox folder `dir` (or a restore's scratch folder).
+pub fn home_in(dir: &Path) -> PathBuf {
+    dir.join(crate::disk::MOUNT).join("home")
 }
 
 #[cfg(test)]
@@ -159,6 +194,7 @@ mod tests {
             resources: Resources {
                 vcpus: 1,
                 memory_bytes: 1 << 20,
+                disk_bytes: 0,
             },
             env: Default::default(),
             metadata: Default::default(),
@@ -203,10 +239,23 @@ mod tests {
     }
 
     #[test]
+    fn a_sandbox_from_before_disks_keeps_its_files() {
+        let (base, dir) = scratch();
+        std::fs::create_dir_all(dir.sandbox_dir("old").join("home/sub")).expect("home");
+        std::fs::create_dir_all(dir.sandbox_dir("old").join("work")).expect("work");
+        dir.upgrade_layout("old").expect("upgrade");
+        assert!(dir.home("old").join("sub").is_dir());
+        assert!(dir.sandbox_dir("old").join("disk/work").is_dir());
+        dir.upgrade_layout("old").expect("twice changes nothing");
+        assert!(dir.home("old").join("sub").is_dir());
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
     fn scratch_is_installed_or_swept_at_start() {
         let (base, dir) = scratch();
         let scratch = dir.restore_scratch("r").expect("scratch");
-        std::fs::create_dir_all(scratch.join("home")).expect("home");
+        std::fs::create_dir_all(home_in(&scratch)).expect("home");
         dir.install(&scratch, "r").expect("install");
         assert!(dir.home("r").is_dir() && !scratch.exists());
 

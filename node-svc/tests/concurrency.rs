@@ -163,11 +163,14 @@ impl Node {
             capacity: Resources {
                 vcpus: 8,
                 memory_bytes: 16 * 1024 * MIB,
+                disk_bytes: 0,
             },
             blob_store: None,
             layer_cache_bytes: node_svc::host::DEFAULT_LAYER_CACHE_BYTES,
             private_registries: Vec::new(),
             registry_floor: Vec::new(),
+            disk_bytes: node_svc::host::DEFAULT_DISK_BYTES,
+            build_disk_bytes: node_svc::host::DEFAULT_BUILD_DISK_BYTES,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 
@@ -212,6 +215,7 @@ impl Node {
                 resources: Some(pb::Resources {
                     vcpus: 1,
                     memory_bytes: 128 * MIB,
+                    disk_bytes: 0,
                 }),
                 start_command: start_command.into(),
                 env_vars: [("GREETING".to_string(), format!("hello from {id}"))].into(),
@@ -429,6 +433,7 @@ async fn operations_on_the_held_sandbox_wait_for_its_kill() {
             resources: Resources {
                 vcpus: 1,
                 memory_bytes: 128 * MIB,
+                disk_bytes: 0,
             },
             access_token: Some(token_of("x")),
             ..Default::default()
@@ -485,6 +490,7 @@ async fn a_kill_whose_caller_went_away_still_finishes_first() {
             resources: Resources {
                 vcpus: 1,
                 memory_bytes: 128 * MIB,
+                disk_bytes: 0,
             },
             access_token: Some(token_of("x")),
             ..Default::default()

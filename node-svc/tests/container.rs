@@ -120,7 +120,11 @@ impl Node {
             epoch: 1,
             sandbox_id: sandbox.into(),
             template: "base".into(),
-            resources: Some(pb::Resources { vcpus: 1, memory_bytes }),
+            resources: Some(pb::Resources {
+                vcpus: 1,
+                memory_bytes,
+                disk_bytes: 0,
+            }),
             access_token: token_of(sandbox),
             network,
             ..Default::default()
@@ -178,7 +182,7 @@ impl Node {
             .unwrap();
         let status = response.status().as_u16();
         if status != 200 {
-            let log = std::fs::read_to_string(self.running().host().home(sandbox).with_file_name("container.log"));
+            let log = std::fs::read_to_string(self.running().host().sandbox_dir(sandbox).join("container.log"));
             panic!(
                 "{status}: {} (container log: {log:?})",
                 response.text().await.unwrap_or_default()
@@ -324,12 +328,13 @@ async fn an_escaped_sandbox_is_a_stranger_to_every_other_sandbox() {
             let (out, ok) = on_host_as(me, &format!("cat {path}"));
             assert!(!ok && !out.contains("their-secret"), "{runtime:?}: read {path}: {out}");
         }
-        // What stops it is the ids: "theirs"'s own root may signal its init, and the storage
-        // range's owner (whom no sandbox runs as) may read the file on disk.
+        // What stops the signal is the ids: "theirs"'s own root may signal its init. On disk
+        // the file is the storage range's (whom no sandbox runs as), and the sandboxes' folder
+        // is the node's alone: not even that owner reaches it.
         let (out, ok) = on_host_as(them, &format!("kill -0 {their_pid}"));
         assert!(ok, "{runtime:?}: {out}");
         let (out, ok) = on_host_as(100_000, &format!("cat {}", on_disk.display()));
-        assert!(ok && out.contains("their-secret"), "{runtime:?}: {out}");
+        assert!(!ok && !out.contains("their-secret"), "{runtime:?}: {out}");
         assert_eq!(
             std::fs::metadata(&on_disk).unwrap().uid(),
             100_000,
@@ -1220,6 +1225,7 @@ async fn private_ports_take_the_sandboxs_traffic_token_and_envd_is_not_one_of_th
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 << 20,
+            disk_bytes: 0,
         }),
         access_token: token_of("private"),
         traffic_access_token: "traffic-secret".into(),
@@ -1280,6 +1286,7 @@ async fn the_start_commands_output_is_the_sandboxs_log() {
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 << 20,
+            disk_bytes: 0,
         }),
         access_token: token_of("logged"),
         start_command: "echo out-line; echo err-line >&2; cat /sys/class/net/eth0/operstate".into(),
@@ -1360,6 +1367,7 @@ async fn build(node: &Node, steps: &[(&str, &[&str])]) -> Result<pb::TemplateIma
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 << 20,
+            disk_bytes: 0,
         }),
         from_template: Some((&common::template::Image::base()).into()),
         steps: steps
@@ -1419,6 +1427,7 @@ async fn a_built_template_runs_and_moves_to_a_node_that_never_had_its_layers() {
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 << 20,
+            disk_bytes: 0,
         }),
         access_token: token_of("built"),
         image: Some(image),
@@ -1486,4 +1495,140 @@ async fn a_node_at_start_removes_a_create_cut_short_and_keeps_the_rest() {
         "the sandbox with a record was adopted"
     );
     a.stop().await;
+}
+
+/// Free bytes of the filesystem holding `path`, for an unprivileged writer.
+fn free_bytes(path: &std::path::Path) -> u64 {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statvfs writes only into `stat`.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) }, 0);
+    stat.f_bavail * stat.f_frsize
+}
+
+/// A sandbox fills its own disk and nothing else: `df` inside shows its size, not the host's;
+/// writing past it fails with ENOSPC inside, as does making files past its inodes; the host's
+/// free space loses at most the disk's size, and the sandbox beside it writes on. The size is
+/// the sandbox's wherever it goes: restored on a node whose default is four times larger, it
+/// has the same disk and its files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_fills_its_own_disk_and_nothing_else() {
+    const DISK_MB: u64 = 64;
+    let a = node_configured(None, |c| c.host.disk_bytes = DISK_MB << 20).await;
+    let b = node_configured(None, |c| c.host.disk_bytes = (4 * DISK_MB) << 20).await;
+    a.create("filler", 128 << 20).await;
+    a.create("neighbour", 128 << 20).await;
+    let df = "df -k / | tail -1 | awk '{print $2}'";
+    let size_kb = |out: &str| out.trim().parse::<u64>().unwrap_or_else(|_| panic!("df said {out:?}"));
+    let (out, _) = a.sh("filler", "user", df).await;
+    assert!(
+        (DISK_MB * 1024 * 3 / 4..=DISK_MB * 1024).contains(&size_kb(&out)),
+        "df inside shows {out} KiB, not the sandbox's {DISK_MB} MiB"
+    );
+
+    let host_free = free_bytes(&a.dir);
+    let (out, _) = a
+        .sh(
+            "filler",
+            "user",
+            "dd if=/dev/zero of=/home/user/big bs=1M count=512 2>&1; echo rc=$?",
+        )
+        .await;
+    assert!(
+        out.contains("No space left on device") && out.contains("rc=1"),
+        "writing 512 MiB into a {DISK_MB} MiB disk: {out}"
+    );
+    let taken = host_free.saturating_sub(free_bytes(&a.dir));
+    assert!(taken < (DISK_MB + 32) << 20, "the host lost {} MiB", taken >> 20);
+    let (out, code) = a
+        .sh("neighbour", "user", "echo fine > /home/user/x && cat /home/user/x")
+        .await;
+    assert_eq!((out.as_str(), code), ("fine\n", 0), "the neighbour writes on");
+
+    // Inodes: one per 16 KiB of disk, then ENOSPC however little is written.
+    let files = "rm -f /home/user/big; python3 -c '\nimport os\nn = 0\ntry:\n    while True:\n        open(\"/tmp/f%d\" % n, \"w\").close(); n += 1\nexcept OSError as e:\n    print(n, e.errno)\n'";
+    let (out, code) = a.sh("filler", "root", files).await;
+    let (made, errno) = out.trim().split_once(' ').unwrap_or_else(|| panic!("{out} ({code})"));
+    assert_eq!(errno, "28", "ENOSPC: {out}");
+    let made: u64 = made.parse().unwrap();
+    assert!(
+        made <= (DISK_MB << 20) / (16 << 10),
+        "{made} files in a {DISK_MB} MiB disk"
+    );
+
+    let (_, code) = a
+        .sh("filler", "root", "rm -f /tmp/f*; echo kept > /home/user/kept")
+        .await;
+    assert_eq!(code, 0);
+    move_sandbox(&a, &b, "filler").await;
+    let (out, code) = b.sh("filler", "user", &format!("cat /home/user/kept; {df}")).await;
+    assert_eq!(code, 0, "{out}");
+    let (kept, size) = out.split_once('\n').unwrap();
+    assert_eq!(kept, "kept");
+    assert!(size_kb(size) <= DISK_MB * 1024, "moved, its disk became {size} KiB");
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A set-uid binary a sandbox's root leaves in its files gives a host user nothing: the
+/// sandboxes' folders are the node's alone, and the disks they sit on are mounted nosuid.
+/// Before, a local user ran such a copy as the sandbox's host uid and read what that uid owns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_uid_binary_from_a_sandbox_is_no_way_up_on_the_host() {
+    let n = node(None).await;
+    n.create("planter", 128 << 20).await;
+    let (out, code) = n
+        .sh(
+            "planter",
+            "root",
+            "cp /usr/bin/id /home/user/sid && chmod 4755 /home/user/sid && ls -l /home/user/sid",
+        )
+        .await;
+    assert_eq!(code, 0, "{out}");
+    let planted = n.running().host().home("planter").join("home/user/sid");
+    assert!(planted.exists());
+    // Through a shell, as any local account would (setpriv's own exec of a path is not a
+    // fair trial of the path's permissions).
+    let as_nobody = |program: &std::path::Path| {
+        std::process::Command::new("setpriv")
+            .args([
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                "--",
+                "sh",
+                "-c",
+            ])
+            .arg(format!("{} -u", program.display()))
+            .output()
+            .unwrap()
+    };
+    let run = as_nobody(&planted);
+    assert!(
+        !run.status.success(),
+        "nobody ran the planted binary: {}",
+        String::from_utf8_lossy(&run.stdout)
+    );
+    // Even reached (a copy an operator made readable), it runs as its caller.
+    let reachable = std::env::temp_dir().join(format!("sid-{}", n.id));
+    std::fs::create_dir_all(&reachable).unwrap();
+    let mount = n.running().host().sandbox_dir("planter").join("disk");
+    let status = std::process::Command::new("mount")
+        .args(["--bind"])
+        .arg(&mount)
+        .arg(&reachable)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let run = as_nobody(&reachable.join("home/home/user/sid"));
+    let _ = std::process::Command::new("umount").arg(&reachable).status();
+    let _ = std::fs::remove_dir_all(&reachable);
+    assert_eq!(
+        String::from_utf8_lossy(&run.stdout).trim(),
+        "65534",
+        "the set-uid bit took effect on the host: {run:?}"
+    );
+    n.stop().await;
 }

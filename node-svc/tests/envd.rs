@@ -52,6 +52,7 @@ impl Env {
             resources: Some(pb::Resources {
                 vcpus: 1,
                 memory_bytes: 256 << 20,
+                disk_bytes: 0,
             }),
             env_vars: [("GREETING".to_string(), "hello".to_string())].into(),
             access_token: token.into(),

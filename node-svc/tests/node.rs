@@ -82,6 +82,7 @@ fn create(id: &str, start_command: &str) -> pb::CreateRequest {
         resources: Some(pb::Resources {
             vcpus: 1,
             memory_bytes: 256 * MIB,
+            disk_bytes: 0,
         }),
         start_command: start_command.into(),
         env_vars: [("GREETING".to_string(), "hello".to_string())].into(),
@@ -389,6 +390,7 @@ async fn bad_requests_are_refused_in_grpc_terms() {
     no_memory.resources = Some(pb::Resources {
         vcpus: 1,
         memory_bytes: 0,
+        disk_bytes: 0,
     });
     assert_eq!(c.create(no_memory).await.unwrap_err().code(), Code::InvalidArgument);
     let mut unknown = create("t", "");

@@ -37,6 +37,7 @@ async fn fifty_simulated_nodes_host_ten_thousand_sandboxes() {
         config.host.capacity = node_svc::sandbox::Resources {
             vcpus: 64,
             memory_bytes: 256 * 1024 * MIB,
+            disk_bytes: 0,
         };
         nodes.push(node_svc::server::start(config).await.unwrap());
     }
@@ -59,6 +60,7 @@ async fn fifty_simulated_nodes_host_ten_thousand_sandboxes() {
                     resources: Some(pb::Resources {
                         vcpus: 1,
                         memory_bytes: 512 * MIB,
+                        disk_bytes: 0,
                     }),
                     ..Default::default()
                 })

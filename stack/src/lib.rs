@@ -359,6 +359,7 @@ impl StackBuilder {
                     hibernate_dir: dir.join("hibernated"),
                     domain: String::new(),
                     paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
+                    sandbox_disk_bytes: common::resources::DEFAULT_DISK_BYTES,
                     abandoned_create_after: e2b_gateway::sandboxes::DEFAULT_ABANDONED_CREATE_AFTER,
                     claim_ttl: e2b_gateway::sandboxes::DEFAULT_CLAIM_TTL,
                     security: certs.security(Role::Gateway),

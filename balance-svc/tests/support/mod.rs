@@ -70,6 +70,7 @@ impl Cluster {
             resources: Some(npb::Resources {
                 vcpus: 1,
                 memory_bytes: 256 << 20,
+                disk_bytes: 0,
             }),
             start_command: start_command.to_string(),
             ..Default::default()

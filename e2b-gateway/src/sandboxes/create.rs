@@ -71,6 +71,7 @@ impl Sandboxes {
             lifecycle_claimed_at_unix_ms: None,
             last_moved_unix_ms: None,
             trace_context: common::trace::traceparent(),
+            disk_bytes: self.disk_bytes,
         };
         // A lost reply is resolved by reading back; only a ledger that stays unreadable
         // leaves this create's outcome unknown (a 503; nothing was started).
@@ -212,6 +213,7 @@ impl Sandboxes {
             resources: Some(node_pb::Resources {
                 vcpus: doc.vcpus,
                 memory_bytes: doc.memory_bytes,
+                disk_bytes: doc.disk_bytes,
             }),
             env_vars: doc.env_vars.clone().into_iter().collect(),
             metadata: doc.metadata.clone().into_iter().collect(),

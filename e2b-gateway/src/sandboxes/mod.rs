@@ -108,6 +108,8 @@ pub struct Sandboxes {
     nodes: nodes::Nodes,
     /// Derives sandboxes' tokens from the seals their manifests keep.
     pub tokens: crate::tokens::Tokens,
+    /// Each new sandbox's disk.
+    pub disk_bytes: u64,
 }
 
 impl Sandboxes {
@@ -119,13 +121,13 @@ impl Sandboxes {
         hibernate_dir: std::path::PathBuf,
         store: Arc<dyn blobs::BlobStore>,
         patience: reaper::Patience,
-    ) -> Result<Arc<Self>, Failure> {
+    ) -> Result<Self, Failure> {
         let channel = security
             .endpoint(placement_endpoint, mtls::Role::Placement)
             .map_err(|e| Failure::Internal(format!("bad placement address: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
-        Ok(Arc::new(Self {
+        Ok(Self {
             ledger,
             hibernate_dir,
             store,
@@ -134,7 +136,16 @@ impl Sandboxes {
             tokens,
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::new(security.clone()),
-        }))
+            disk_bytes: common::resources::DEFAULT_DISK_BYTES,
+        })
+    }
+
+    /// Gives every new sandbox a disk of `bytes`.
+    pub fn with_disk(self, bytes: u64) -> Self {
+        Self {
+            disk_bytes: bytes,
+            ..self
+        }
     }
 
     /// A sandbox's manifest, if `team` owns it (another team's sandbox does not exist for it).

@@ -147,6 +147,7 @@ impl Builder {
             resources: Some(node_pb::Resources {
                 vcpus: build.value.vcpus.max(1),
                 memory_bytes: build.value.memory_mb.max(128) << 20,
+                disk_bytes: 0,
             }),
             force: spec.force.unwrap_or(false),
             start_cmd: spec.start_cmd.clone().unwrap_or_default(),

@@ -98,6 +98,7 @@ pub async fn run(
         return;
     }
     let resources = request.resources.unwrap_or_default();
+    let build_disk_bytes = host.config().build_disk_bytes;
     let build = Build {
         host,
         cache,
@@ -106,6 +107,7 @@ pub async fn run(
         resources: Resources {
             vcpus: resources.vcpus.max(1),
             memory_bytes: resources.memory_bytes.max(128 << 20),
+            disk_bytes: build_disk_bytes,
         },
         runs: Default::default(),
     };
@@ -533,15 +535,20 @@ impl Build {
     async fn start(&self, record: &SandboxRecord, label: &str) -> Result<(PathBuf, SandboxRecord), Failed> {
         let home = self.host.home(&record.id);
         let (runtime, mut r, h) = (self.host.runtime().clone(), record.clone(), home.clone());
+        let (dir, disks) = (self.host.sandbox_dir(&record.id), self.host.disks().clone());
         let started = tokio::task::spawn_blocking(move || -> Result<SandboxRecord, String> {
-            let _ = std::fs::remove_dir_all(h.parent().unwrap_or(&h));
-            std::fs::create_dir_all(&h).map_err(|e| e.to_string())?;
-            match runtime.start(&r, &h) {
+            let _ = crate::disk::remove_folder(&dir);
+            let made = std::fs::create_dir_all(&dir)
+                .and_then(|()| disks.attach(&dir, r.resources.disk_bytes))
+                .and_then(|()| std::fs::create_dir_all(&h))
+                .map_err(|e| e.to_string())
+                .and_then(|()| runtime.start(&r, &h).map_err(|e| e.to_string()));
+            match made {
                 Ok(pgid) => r.pgid = pgid,
                 Err(err) => {
                     // Nothing of a builder that did not start stays behind.
-                    let _ = std::fs::remove_dir_all(h.parent().unwrap_or(&h));
-                    return Err(err.to_string());
+                    let _ = crate::disk::remove_folder(&dir);
+                    return Err(err);
                 }
             }
             Ok(r)
@@ -559,19 +566,12 @@ impl Build {
             record.clone(),
             self.host.sandbox_dir(&record.id),
         );
-        let home = self.host.home(&record.id);
         let _ = tokio::task::spawn_blocking(move || {
             if let Err(err) = runtime.kill(&r) {
                 tracing::warn!(sandbox_id = %r.id, %err, "builder container not killed");
             }
-            if keep_home {
-                for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                    if entry.path() != home {
-                        let _ = std::fs::remove_dir_all(entry.path()).or_else(|_| std::fs::remove_file(entry.path()));
-                    }
-                }
-            } else {
-                let _ = std::fs::remove_dir_all(&dir);
+            if !keep_home {
+                let _ = crate::disk::remove_folder(&dir);
             }
         })
         .await;
@@ -620,7 +620,7 @@ impl Build {
         }
         let dir = self.host.sandbox_dir(&record.id);
         let published = self.cache.publish(&home).await.map_err(|e| failed(label, e));
-        let _ = tokio::fs::remove_dir_all(&dir).await;
+        let _ = tokio::task::spawn_blocking(move || crate::disk::remove_folder(&dir)).await;
         published
     }
 

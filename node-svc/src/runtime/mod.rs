@@ -117,6 +117,12 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Whether each sandbox should get a disk of its own (see `crate::disk`): the runtimes
+    /// that isolate sandboxes; the others run their files in plain folders.
+    fn own_disks(&self) -> bool {
+        false
+    }
+
     /// Why this runtime cannot run a template with its own root filesystem (an OCI image's),
     /// if it cannot.
     fn images_refused(&self) -> Option<String> {

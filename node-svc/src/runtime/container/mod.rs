@@ -14,10 +14,11 @@
 //! operator who needs VM-grade isolation points `--oci-runtime` at gVisor's `runsc` or Kata's
 //! runtime; nothing else changes.
 //!
-//! The sandbox's folder in the node's state directory holds `home/` (the writable layer: what
-//! snapshots carry), `work/` (overlayfs's) and `container.log` (envd's output and the
-//! runtime's errors); its bundle, in the node's [`run_dir`] (in memory), holds `config.json`
-//! (the spec), `container.pid`, `envd.sock` and `rootfs/` (the mounted root).
+//! The sandbox's folder in the node's state directory holds its disk (`crate::disk`) with
+//! `home/` (the writable layer: what snapshots carry) and `work/` (overlayfs's) on it, and
+//! `container.log` (envd's output and the runtime's errors) beside it; its bundle, in the
+//! node's [`run_dir`] (in memory), holds `config.json` (the spec), `container.pid`,
+//! `envd.sock` and `rootfs/` (the mounted root).
 
 pub mod ids;
 pub mod network;
@@ -49,14 +50,16 @@ struct Parts {
     log: PathBuf,
 }
 
-/// The parts of the sandbox whose writable layer is `home` (`STATE/sandboxes/ID/home`): the
-/// bundle in the node's run directory `run` ([`run_dir`]), the rest beside `home`.
+/// The parts of the sandbox whose writable layer is `home` (`STATE/sandboxes/ID/disk/home`):
+/// the bundle in the node's run directory `run` ([`run_dir`]), overlayfs's work folder beside
+/// `home` on its disk, the log in the sandbox's folder.
 fn parts(run: &Path, home: &Path) -> Parts {
-    let dir = home.parent().unwrap_or(home).to_path_buf();
+    let disk = home.parent().unwrap_or(home);
+    let dir = disk.parent().unwrap_or(disk).to_path_buf();
     let bundle = run.join("sandboxes").join(dir.file_name().unwrap_or_default());
     Parts {
         rootfs: bundle.join("rootfs"),
-        work: dir.join("work"),
+        work: disk.join("work"),
         socket: bundle.join("envd.sock"),
         pid_file: bundle.join("container.pid"),
         log: dir.join("container.log"),
@@ -208,7 +211,7 @@ fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) 
 }
 
 /// Kills every container a node with state directory `state_dir` left running and unmounts
-/// their roots: for cleaning up after a node that will not come back (a test that failed
+/// their roots and disks: for cleaning up after a node that will not come back (a test that failed
 /// half-way, a host being retired). `oci_runtime` is the runtime that node used.
 pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
     let run = run_dir(state_dir);
@@ -225,6 +228,10 @@ pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
         let _ = dismantle(&parts(&run, &dirs.home(&id)));
     }
     let _ = std::fs::remove_dir_all(&run);
+    // Then every sandbox's disk, so the folder can be deleted.
+    for entry in std::fs::read_dir(dirs.root()).into_iter().flatten().flatten() {
+        let _ = crate::disk::detach(&entry.path());
+    }
 }
 
 /// Reaps the sandbox's init (this node's child, as subreaper) as soon as it dies, on a thread
@@ -677,6 +684,10 @@ impl Runtime for ContainerRuntime {
     }
 
     fn runs_envd(&self) -> bool {
+        true
+    }
+
+    fn own_disks(&self) -> bool {
         true
     }
 

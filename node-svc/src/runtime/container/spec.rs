@@ -239,6 +239,7 @@ mod tests {
             resources: Resources {
                 vcpus: 2,
                 memory_bytes: 512 << 20,
+                disk_bytes: 0,
             },
             env: [("A".to_string(), "1".to_string())].into(),
             metadata: Default::default(),

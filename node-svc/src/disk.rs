@@ -1,0 +1,403 @@
+//! A disk per sandbox: its writable layer on a filesystem of its own, so the kernel holds it
+//! to its size and its inodes.
+//!
+//! Each sandbox's folder holds `disk.img`, a sparse file of the sandbox's disk size formatted
+//! as ext4, mounted (through a loop device) at `disk/`; the writable layer (`disk/home`) and
+//! overlayfs's work folder (`disk/work`) live on it. What that buys:
+//!
+//! - **Writes past the size fail with ENOSPC** inside the sandbox, and only there: the host's
+//!   filesystem and the other sandboxes never see them. Inodes are bounded the same way (one
+//!   per 16 KiB of disk), so a sandbox creating millions of empty files stops at its own
+//!   table.
+//! - **`df` inside shows the sandbox's own disk**: overlayfs answers `statfs` from its upper
+//!   layer's filesystem.
+//! - **Only what is written costs the host**: the image is sparse, formatted without a
+//!   journal and with lazily initialised inode tables (never zeroed behind the sandbox's
+//!   back), so a new 2 GiB disk takes about a hundred kilobytes.
+//! - **Nothing on it runs set-id on the host**: the disk is mounted `nosuid,nodev`. A set-uid
+//!   binary a sandbox's root leaves in its layer gives a host user who reaches it nothing.
+//!   (Inside, the overlay's own flags decide, as before.)
+//!
+//! Why not project quotas, the usual way to cap a folder: they need the kernel's quota
+//! support, and the kernels of these hosts are built without it (ext4 and XFS both refuse
+//! `prjquota` mounts there). A filesystem per sandbox needs only loop devices, which every
+//! kernel has, and says ENOSPC rather than EDQUOT, as a disk does.
+//!
+//! A host without loop devices or `mkfs.ext4` keeps each `disk/` a plain folder: sandboxes
+//! run, unbounded, and the node says so in its health. So do sandboxes from before disks
+//! existed (a `disk/` with files and no image is never mounted over).
+//!
+//! A mount outlives the node process (as the overlays do): a restarted node finds its
+//! sandboxes' disks mounted, and after a reboot mounts them again, checking each with
+//! `e2fsck` first. Every folder that may hold a mounted disk is deleted through
+//! [`remove_folder`], which unmounts it first.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The mount point of a sandbox's disk, in its folder.
+pub const MOUNT: &str = "disk";
+/// The image file of a sandbox's disk, in its folder.
+const IMAGE: &str = "disk.img";
+/// Bytes of disk per inode: ext4's own default ratio.
+const BYTES_PER_INODE: u64 = 16 * 1024;
+/// The smallest disk the node makes: below this ext4 has no room for its own tables.
+pub const MIN_BYTES: u64 = 16 << 20;
+
+/// How a node gives its sandboxes disks.
+#[derive(Clone, Debug)]
+pub struct Disks {
+    kind: Kind,
+    /// The size of a sandbox that asks for none.
+    default_bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    /// A loop-mounted ext4 image per sandbox.
+    Loop { mkfs: PathBuf, fsck: PathBuf },
+    /// A plain folder: no limit. Why, for the node's health.
+    Folder { why: String },
+}
+
+impl Disks {
+    /// Disks as this host can give them: loop-mounted images when `wanted` and the host has
+    /// loop devices and e2fsprogs, else plain folders (see [`Disks::degraded`]).
+    pub fn probe(wanted: bool, default_bytes: u64) -> Self {
+        let default_bytes = default_bytes.max(MIN_BYTES);
+        let kind = if !wanted {
+            Kind::Folder {
+                why: "this runtime gives sandboxes no disk of their own".into(),
+            }
+        } else {
+            match (find_program("mkfs.ext4"), find_program("e2fsck")) {
+                _ if !Path::new(LOOP_CONTROL).exists() => Kind::Folder {
+                    why: format!("{LOOP_CONTROL} is missing (no loop devices)"),
+                },
+                (Some(mkfs), Some(fsck)) => Kind::Loop { mkfs, fsck },
+                _ => Kind::Folder {
+                    why: "mkfs.ext4 or e2fsck is missing (install e2fsprogs)".into(),
+                },
+            }
+        };
+        Self { kind, default_bytes }
+    }
+
+    /// Plain folders, with no limit (the simulated and unisolated runtimes, unit tests).
+    pub fn folders() -> Self {
+        Self::probe(false, MIN_BYTES)
+    }
+
+    /// Why sandboxes' disks are not limited here, when they are not.
+    pub fn degraded(&self) -> Option<String> {
+        match &self.kind {
+            Kind::Loop { .. } => None,
+            Kind::Folder { why } => Some(format!("sandboxes' disks are not limited: {why}")),
+        }
+    }
+
+    /// Whether each sandbox has a disk of its own.
+    pub fn limited(&self) -> bool {
+        matches!(self.kind, Kind::Loop { .. })
+    }
+
+    /// The disk size of a sandbox that asked for `asked` bytes (0: the node's default).
+    pub fn size(&self, asked: u64) -> u64 {
+        if asked == 0 {
+            self.default_bytes
+        } else {
+            asked.max(MIN_BYTES)
+        }
+    }
+
+    /// Makes the disk of the sandbox whose folder is `dir` ready at `dir/disk`: mounted when
+    /// it is there already, made of `bytes` (0: the default) when it is not. Idempotent: call
+    /// it before anything reads or writes the sandbox's files.
+    pub fn attach(&self, dir: &Path, bytes: u64) -> io::Result<()> {
+        let mount = dir.join(MOUNT);
+        if mounted(&mount) {
+            return Ok(());
+        }
+        let Kind::Loop { mkfs, fsck } = &self.kind else {
+            return std::fs::create_dir_all(&mount);
+        };
+        let image = dir.join(IMAGE);
+        if image.exists() {
+            check(fsck, &image)?;
+        } else {
+            if std::fs::read_dir(&mount).is_ok_and(|mut entries| entries.next().is_some()) {
+                // Files from before this node gave disks: kept where they are, unbounded.
+                tracing::warn!(path = %mount.display(), "a sandbox's files with no disk image; it keeps a plain folder");
+                return Ok(());
+            }
+            format(mkfs, &image, self.size(bytes))?;
+        }
+        std::fs::create_dir_all(&mount)?;
+        mount_image(&image, &mount)
+    }
+}
+
+/// Unmounts the disk in sandbox folder `dir`, if one is mounted there. Lazily: whatever
+/// still holds it (an overlay a failed kill left) keeps it until it lets go, and the loop
+/// device frees itself then.
+pub fn detach(dir: &Path) -> io::Result<()> {
+    let mount = dir.join(MOUNT);
+    if !mounted(&mount) {
+        return Ok(());
+    }
+    let c = cpath(&mount)?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Deletes a sandbox folder (or a scratch one) that may hold a mounted disk: unmounted first,
+/// so the deletion neither walks the disk's files one by one nor stops at its mount point.
+pub fn remove_folder(dir: &Path) -> io::Result<()> {
+    detach(dir)?;
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes used and the size of the disk in sandbox folder `dir`, when it has one mounted: what
+/// `df` inside says.
+pub fn usage(dir: &Path) -> Option<(u64, u64)> {
+    let mount = dir.join(MOUNT);
+    if !mounted(&mount) {
+        return None;
+    }
+    let c = cpath(&mount).ok()?;
+    // SAFETY: statvfs writes only into `stat`, which outlives the call.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
+        return None;
+    }
+    let total = stat.f_blocks.saturating_mul(stat.f_frsize);
+    let free = stat.f_bfree.saturating_mul(stat.f_frsize);
+    Some((total.saturating_sub(free), total))
+}
+
+fn cpath(path: &Path) -> io::Result<std::ffi::CString> {
+    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
+}
+
+/// Whether `path` is a mount point (its device differs from its parent's).
+fn mounted(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(here), Some(Ok(parent))) = (std::fs::symlink_metadata(path), path.parent().map(std::fs::metadata)) else {
+        return false;
+    };
+    here.is_dir() && here.dev() != parent.dev()
+}
+
+fn find_program(name: &str) -> Option<PathBuf> {
+    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|p| p.is_file())
+}
+
+/// Makes `image`: a sparse file of `bytes`, formatted, readable by root alone. Built under a
+/// temporary name and renamed into place, so an image that exists is whole.
+fn format(mkfs: &Path, image: &Path, bytes: u64) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let scratch = image.with_extension("new");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&scratch)?;
+    file.set_len(bytes)?;
+    drop(file);
+    let inodes = (bytes / BYTES_PER_INODE).max(1024);
+    let out = Command::new(mkfs)
+        .args(["-q", "-F", "-b", "4096", "-m", "0", "-N"])
+        .arg(inodes.to_string())
+        // No journal and no reserved growth: each costs megabytes of real blocks per
+        // sandbox; a sandbox's disk is rebuilt from its snapshot, not replayed.
+        .args(["-O", "^has_journal,^resize_inode", "-E", "nodiscard,lazy_itable_init=1"])
+        .arg(&scratch)
+        .output()?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&scratch);
+        return Err(io::Error::other(format!(
+            "mkfs.ext4: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    std::fs::rename(&scratch, image)
+}
+
+/// Checks an existing image before mounting it (after a reboot, or a node killed mid-write),
+/// repairing what `e2fsck -p` may repair without asking.
+fn check(fsck: &Path, image: &Path) -> io::Result<()> {
+    let out = Command::new(fsck).arg("-p").arg(image).output()?;
+    // 0: clean; 1: errors corrected. Anything else needs a person.
+    match out.status.code() {
+        Some(0 | 1) => Ok(()),
+        _ => Err(io::Error::other(format!(
+            "e2fsck on {}: {}{}",
+            image.display(),
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))),
+    }
+}
+
+const LOOP_CONTROL: &str = "/dev/loop-control";
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+
+/// `struct loop_info64` of `<linux/loop.h>`.
+#[repr(C)]
+struct LoopInfo64 {
+    device: u64,
+    inode: u64,
+    rdevice: u64,
+    offset: u64,
+    size_limit: u64,
+    number: u32,
+    encrypt_type: u32,
+    encrypt_key_size: u32,
+    flags: u32,
+    file_name: [u8; 64],
+    crypt_name: [u8; 64],
+    encrypt_key: [u8; 32],
+    init: [u64; 2],
+}
+
+/// `struct loop_config` of `<linux/loop.h>`.
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+/// Binds `image` to a free loop device that frees itself once unmounted, and mounts it at
+/// `mount`. Another process may take the device the kernel named free before we bind it: then
+/// the bind says EBUSY and the next free one is asked for.
+fn mount_image(image: &Path, mount: &Path) -> io::Result<()> {
+    let backing = std::fs::OpenOptions::new().read(true).write(true).open(image)?;
+    let device = bind_loop(&backing)?;
+    let (source, target) = (cpath(&device.1)?, cpath(mount)?);
+    let (fstype, data) = (c"ext4", c"noinit_itable");
+    // SAFETY: valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        // The device frees itself when `device.0` closes (autoclear) only once mounted:
+        // unbind it by hand.
+        let err = io::Error::last_os_error();
+        // SAFETY: LOOP_CLR_FD takes no argument.
+        unsafe { libc::ioctl(device.0.as_raw_fd(), 0x4C01) };
+        return Err(io::Error::other(format!("mounting {}: {err}", image.display())));
+    }
+    Ok(())
+}
+
+fn bind_loop(backing: &File) -> io::Result<(File, PathBuf)> {
+    let control = std::fs::OpenOptions::new().read(true).write(true).open(LOOP_CONTROL)?;
+    let fd = u32::try_from(backing.as_raw_fd()).map_err(io::Error::other)?;
+    let mut last = io::Error::other("no loop device");
+    for _ in 0..16 {
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let n = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let path = PathBuf::from(format!("/dev/loop{n}"));
+        let device = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        // SAFETY: all-zero is a valid `loop_config` (no offset, no limit, no name).
+        let mut config: LoopConfig = unsafe { std::mem::zeroed() };
+        config.fd = fd;
+        config.info.flags = LO_FLAGS_AUTOCLEAR;
+        // SAFETY: LOOP_CONFIGURE reads a `loop_config` that outlives the call.
+        if unsafe { libc::ioctl(device.as_raw_fd(), LOOP_CONFIGURE, &config) } == 0 {
+            return Ok((device, path));
+        }
+        last = io::Error::last_os_error();
+        if last.raw_os_error() != Some(libc::EBUSY) {
+            break;
+        }
+    }
+    Err(io::Error::other(format!("binding a loop device: {last}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_structs_have_their_sizes() {
+        assert_eq!(std::mem::size_of::<LoopInfo64>(), 232);
+        assert_eq!(std::mem::size_of::<LoopConfig>(), 304);
+    }
+
+    #[test]
+    fn a_size_of_zero_is_the_default_and_none_is_below_the_minimum() {
+        let disks = Disks::probe(false, 1 << 30);
+        assert_eq!(disks.size(0), 1 << 30);
+        assert_eq!(disks.size(1), MIN_BYTES);
+        assert_eq!(disks.size(5 << 30), 5 << 30);
+        assert!(!disks.limited() && disks.degraded().is_some());
+    }
+
+    /// A real disk: made sparse, mounted, full at its size with ENOSPC, counted by `usage`,
+    /// kept across a second attach, unmounted and deleted by `remove_folder`.
+    #[test]
+    fn a_disk_fills_up_at_its_size_and_goes_with_its_folder() {
+        let disks = Disks::probe(true, 32 << 20);
+        assert!(disks.limited(), "{:?}", disks.degraded());
+        let dir = std::env::temp_dir().join(format!("disk-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        disks.attach(&dir, 0).unwrap();
+        let mount = dir.join(MOUNT);
+        assert!(mounted(&mount));
+        use std::os::unix::fs::MetadataExt as _;
+        let image = std::fs::metadata(dir.join(IMAGE)).unwrap();
+        assert_eq!(image.len(), 32 << 20);
+        assert!(
+            image.blocks() * 512 < 4 << 20,
+            "the image is sparse: {} blocks",
+            image.blocks()
+        );
+        assert_eq!(image.mode() & 0o777, 0o600);
+        let (_, total) = usage(&dir).unwrap();
+        assert!((24 << 20..=32 << 20).contains(&total), "size {total}");
+
+        let mut file = File::create(mount.join("fill")).unwrap();
+        let chunk = vec![7u8; 1 << 20];
+        let full = (0..64).find_map(|_| io::Write::write_all(&mut file, &chunk).err());
+        assert_eq!(full.and_then(|e| e.raw_os_error()), Some(libc::ENOSPC));
+        drop(file);
+        let (used, _) = usage(&dir).unwrap();
+        assert!(used > 20 << 20, "used {used}");
+
+        disks.attach(&dir, 0).unwrap();
+        assert!(mount.join("fill").exists(), "a second attach keeps the disk");
+        detach(&dir).unwrap();
+        assert!(!mounted(&mount));
+        disks.attach(&dir, 0).unwrap();
+        assert!(mount.join("fill").exists(), "mounted again after a check");
+        remove_folder(&dir).unwrap();
+        assert!(!dir.exists());
+    }
+}
