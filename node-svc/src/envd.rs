@@ -13,6 +13,10 @@
 //! - hosts one envd per sandbox of the unisolated process runtime, whose commands it puts into
 //!   the sandbox's cgroups and namespaces ([`crate::runtime::Runtime::enclose`]).
 //!
+//! The tokens that let a request in (`X-Access-Token`, `E2b-Traffic-Access-Token`) are checked
+//! here and never passed inside ([`CREDENTIALS`]): nothing in a sandbox needs them, and a
+//! sandbox's root that stood in for envd, or a server on one of its ports, would collect them.
+//!
 //! A request with an `E2b-Sandbox-Port` other than envd's goes to that port of the sandbox
 //! instead ([`to_port`]): over a connection the node opens inside the sandbox's network
 //! namespace, so a server listening on the sandbox's loopback is reached and no route into
@@ -233,6 +237,8 @@ async fn forward(State(envd): State<Envd>, request: Request) -> Response {
         None
     };
     if let Some(socket) = envd.host.runtime().envd_socket(&envd.host.home(&record.id)) {
+        let mut request = request;
+        strip_credentials(request.headers_mut());
         return match through_socket(&socket, request).await {
             Ok(response) => response,
             Err(reason) => {
@@ -283,10 +289,25 @@ async fn to_port(envd: &Envd, port: u16, request: Request) -> Response {
         envd_wire::headers::SANDBOX_ID,
         envd_wire::headers::SANDBOX_PORT,
         envd_wire::headers::TRAFFIC_ACCESS_TOKEN,
+        envd_wire::headers::ACCESS_TOKEN,
     ];
     match common::relay::relay(stream, request, &routing).await {
         Ok(response) => response,
         Err(err) => port_error(&record.id, port, &err.to_string()),
+    }
+}
+
+/// The headers that prove a caller may reach a sandbox: checked by the node, never passed
+/// into the sandbox.
+pub const CREDENTIALS: [&str; 2] = [
+    envd_wire::headers::ACCESS_TOKEN,
+    envd_wire::headers::TRAFFIC_ACCESS_TOKEN,
+];
+
+/// Removes [`CREDENTIALS`] from a request bound for the inside of a sandbox.
+fn strip_credentials(headers: &mut HeaderMap) {
+    for name in CREDENTIALS {
+        headers.remove(name);
     }
 }
 
@@ -318,4 +339,24 @@ async fn through_socket(socket: &std::path::Path, request: Request) -> Result<Re
         .await
         .map_err(|e| format!("request: {e}"))?;
     Ok(response.map(axum::body::Body::new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_token_goes_inside() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("x-access-token", "envd-token"),
+            ("e2b-traffic-access-token", "traffic-token"),
+            ("authorization", "Basic dXNlcjo="),
+        ] {
+            headers.insert(name, value.parse().expect("header"));
+        }
+        strip_credentials(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        assert!(headers.contains_key("authorization"), "envd picks the user from it");
+    }
 }

@@ -1632,3 +1632,53 @@ async fn a_set_uid_binary_from_a_sandbox_is_no_way_up_on_the_host() {
     );
     n.stop().await;
 }
+
+/// What a server on a sandbox's port receives carries none of the tokens that let the request
+/// in: the node checks them and keeps them (they would let whatever runs inside act as the
+/// sandbox's owner wherever the token is accepted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_token_reaches_a_server_inside_the_sandbox() {
+    const ECHO_HEADERS: &str = r#"
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = str(self.headers).lower().encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8082), H).serve_forever()
+"#;
+    let n = node(None).await;
+    n.create("listener", 256 << 20).await;
+    let start = format!("cat > /tmp/h.py <<'PY'\n{ECHO_HEADERS}\nPY\nnohup python3 /tmp/h.py >/dev/null 2>&1 &");
+    let (_, code) = n.sh("listener", "user", &start).await;
+    assert_eq!(code, 0);
+    let mut seen = None;
+    for _ in 0..100 {
+        let response = n
+            .port("listener", 8082, "/")
+            .header("X-Access-Token", token_of("listener"))
+            .header("E2b-Traffic-Access-Token", "traffic-secret")
+            .header("X-Plain", "kept")
+            .send()
+            .await
+            .unwrap();
+        if response.status() == 200 {
+            seen = Some(response.text().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = seen.expect("the header echo never answered");
+    assert!(seen.contains("x-plain: kept"), "{seen}");
+    assert!(
+        !seen.contains("x-access-token") && !seen.contains(&token_of("listener")),
+        "the envd token went inside: {seen}"
+    );
+    assert!(
+        !seen.contains("traffic-secret"),
+        "the traffic token went inside: {seen}"
+    );
+    n.stop().await;
+}
