@@ -8,9 +8,12 @@
 //! * `dir/.wh..wh..opq` sets `trusted.overlay.opaque=y` on `dir`, which hides all of its lower
 //!   content.
 //!
-//! Regular files, directories, symlinks, hard links and fifos are created with their modes
-//! (setuid/setgid/sticky kept; sandboxes mount nosuid), mtimes, ids shifted into the sandbox
-//! range and the PAX xattrs `user.*` and `security.capability`. Other devices cannot be useful in
+//! Regular files, directories, symlinks, hard links and fifos are created with their modes,
+//! mtimes, ids shifted into the sandbox range and the PAX xattrs `user.*`. What would raise
+//! privileges is dropped: set-uid and set-gid bits (the sticky bit stays) and file capabilities
+//! (`security.capability`). Inside a sandbox they would do nothing (its root is mounted nosuid
+//! and its processes run with no_new_privs); on the host, a layer cache holding a set-uid or
+//! capable binary is one path check away from a local root. Other devices cannot be useful in
 //! an unprivileged sandbox and are skipped. Path safety (no escapes, never writing through a
 //! symlink, hard links only to earlier files) comes from the `safefs` module.
 //!
@@ -171,7 +174,12 @@ fn map_id(id: u64, shift: u32, comps: &[OsString]) -> Result<u32, UnpackError> {
         })
 }
 
-/// The PAX xattrs worth keeping: `user.*` and file capabilities.
+/// Mode bits that would make a file run as its owner or group.
+const SET_UID: u32 = 0o4000;
+const SET_GID: u32 = 0o2000;
+
+/// The PAX xattrs worth keeping: `user.*` (file capabilities, `trusted.*` and `security.*` are
+/// the host's business, never an image's).
 fn xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Xattrs> {
     let mut out = Vec::new();
     if let Some(exts) = entry.pax_extensions()? {
@@ -180,7 +188,7 @@ fn xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Xattrs> {
             let Some(name) = ext.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) else {
                 continue;
             };
-            if name.starts_with("user.") || name == "security.capability" {
+            if name.starts_with("user.") {
                 out.push((name.to_string(), ext.value_bytes().to_vec()));
             }
         }
@@ -224,14 +232,11 @@ fn apply_entry<R: Read>(
         }
     }
 
-    let mut xattrs = xattrs(entry)?;
-    if !matches!(kind, EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse) {
-        xattrs.retain(|(name, _)| name.starts_with("user.")); // capabilities are for files only
-    }
+    let xattrs = xattrs(entry)?;
     let attrs = Attrs {
         uid,
         gid,
-        mode: header.mode()?,
+        mode: header.mode()? & !(SET_UID | SET_GID),
         mtime,
         xattrs,
     };
@@ -398,12 +403,17 @@ mod tests {
             }
         );
 
-        assert_eq!(meta(&d.join("etc/passwd")), (0o104755, SHIFT + 1000, SHIFT + 1001));
+        assert_eq!(
+            meta(&d.join("etc/passwd")),
+            (0o100755, SHIFT + 1000, SHIFT + 1001),
+            "no set-uid bit"
+        );
         assert_eq!(std::fs::read(d.join("etc/passwd")).unwrap(), b"root:x:0:0");
         assert_eq!(xattr(&d.join("etc/passwd"), "user.note").as_deref(), Some(&b"hi"[..]));
         assert_eq!(
-            xattr(&d.join("etc/passwd"), "security.capability").as_deref(),
-            Some(CAP)
+            xattr(&d.join("etc/passwd"), "security.capability"),
+            None,
+            "no file capabilities"
         );
         assert_eq!(xattr(&d.join("etc/passwd"), "trusted.evil"), None);
         assert_eq!(std::fs::read_link(d.join("etc/link")).unwrap(), Path::new("passwd"));

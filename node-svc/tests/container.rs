@@ -890,6 +890,17 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
             ),
             ("the root's listing", format!("ls {}/rootfs/etc", bundle.display())),
             ("envd's socket", format!("test -w {}/envd.sock", bundle.display())),
+            (
+                "the state directory",
+                format!("ls {}/container {}/sandboxes", n.dir.display(), n.dir.display()),
+            ),
+            (
+                "a tenant's file on its disk",
+                format!(
+                    "cat {}/sandboxes/private/disk/home/home/user/secret.txt",
+                    n.dir.display()
+                ),
+            ),
         ] {
             let out = std::process::Command::new("setpriv")
                 .args([

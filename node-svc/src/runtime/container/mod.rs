@@ -298,6 +298,15 @@ fn probe_host() -> Vec<String> {
     missing
 }
 
+/// Makes `dir` the node's alone (0700): its sandboxes' files, records and logs, its layer
+/// cache and the base layer are reached by the kernel on the node's behalf (overlays act with
+/// the credentials of who mounted them), never by a sandbox's uid walking a path, so no other
+/// host user needs to pass through it.
+fn private(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 /// Makes `dir` and its ancestors searchable (`o+x`, not readable) where they are not: the
 /// runtime mounts a sandbox's root filesystem from inside its user namespace, as an
 /// unprivileged host uid that must be able to walk the path to it.
@@ -361,8 +370,8 @@ impl ContainerRuntime {
         if let Err(e) = rootfs::ensure_shim(&shim) {
             missing.push(format!("the layer above images at {}: {e}", shim.display()));
         }
-        if let Err(e) = std::fs::create_dir_all(&config.state_dir).and_then(|()| searchable(&config.state_dir)) {
-            missing.push(format!("a state directory the sandboxes' root can reach: {e}"));
+        if let Err(e) = std::fs::create_dir_all(&config.state_dir).and_then(|()| private(&config.state_dir)) {
+            missing.push(format!("a state directory of the node's own: {e}"));
         }
         let host_dirs = match std::fs::create_dir_all(&root).and_then(|()| rootfs::ensure_base(&base)) {
             Ok(dirs) => dirs,
