@@ -86,6 +86,17 @@ impl BalanceApi {
             active_plan_id: known.active_plan.unwrap_or_default(),
             draining_nodes: known.control.draining,
             leader: known.leader,
+            stuck: known
+                .stuck
+                .iter()
+                .map(|(id, s)| pb::StuckSandbox {
+                    sandbox_id: id.clone(),
+                    node_id: s.node_id.clone(),
+                    failures: s.failed.count,
+                    error: s.error.clone(),
+                    retry_at_unix_ms: s.failed.retry_at_ms(),
+                })
+                .collect(),
         }
     }
 }

@@ -75,6 +75,8 @@ pub struct Known {
     pub observation: ObservationDoc,
     pub active_plan: Option<String>,
     pub control: ControlDoc,
+    /// Sandboxes whose last move failed, by ID: what an operator asks a stalled drain about.
+    pub stuck: BTreeMap<String, crate::stuck::Stuck>,
 }
 
 /// A finished plan's moves waiting for a heartbeat to show them.
@@ -150,13 +152,14 @@ impl Balancer {
         let (manifests, _) = self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?;
         let manifests: Vec<SandboxDoc> = manifests.into_iter().map(|m| m.value).collect();
         let now = now_ms();
-        let snapshot = view::snapshot(
+        let mut snapshot = view::snapshot(
             &nodes,
             &manifests,
             &control,
             now,
             self.tuning.stale_after.as_millis() as u64,
         );
+        self.mark_stuck(&mut snapshot).await;
         let awaiting = self.still_awaiting(&nodes, now).await;
         let (mut status, spread) = plan::observe(&snapshot, &self.tuning.plan, awaiting);
         if control.paused && status == Status::PlanningRequired {
@@ -270,10 +273,23 @@ impl Balancer {
             acc
         });
         tracing::info!(%plan_id, ?outcomes, finished = done.is_finished(), "plan executed");
+        self.note_failures(&done.moves).await;
         let mut awaiting = self.awaiting.lock().await;
         awaiting.moves = done.moves.into_iter().filter(|m| m.step.is_final()).collect();
         awaiting.since_ms = now_ms();
         Ok(())
+    }
+
+    /// Remembers which sandboxes' moves failed (and forgets those that moved).
+    async fn note_failures(&self, moves: &[MoveRecord]) {
+        let mut known = self.known.write().await;
+        crate::stuck::record(&mut known.stuck, moves, now_ms());
+        metrics::gauge!("balance_stuck_sandboxes").set(known.stuck.len() as f64);
+    }
+
+    /// Marks the snapshot's sandboxes whose moves failed lately, and forgets those gone.
+    async fn mark_stuck(&self, snapshot: &mut plan::Snapshot) {
+        crate::stuck::mark(&mut self.known.write().await.stuck, snapshot);
     }
 
     /// Plans a crash (or a lost lease) left unfinished are resumed before anything new.

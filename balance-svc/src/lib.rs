@@ -20,4 +20,5 @@ pub mod orphan;
 pub mod plan;
 pub mod record;
 pub mod server;
+pub mod stuck;
 pub mod view;

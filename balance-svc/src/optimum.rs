@@ -57,7 +57,7 @@ pub fn search(snapshot: &Snapshot, tuning: &Tuning, budget: u64) -> Optimum {
     let mut pieces: Vec<(i64, usize, &str, Capacity)> = snapshot
         .sandboxes
         .iter()
-        .filter(|c| skip_reason(c, Some((snapshot.now_ms, tuning.cooldown_ms))).is_none())
+        .filter(|c| skip_reason(c, snapshot.now_ms, Some(tuning.cooldown_ms)).is_none())
         .filter_map(|c| {
             let home = *index.get(c.node_id.as_str())?;
             Some((c.memory_bytes as i64, home, c.sandbox_id.as_str(), c.requested))

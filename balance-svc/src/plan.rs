@@ -109,6 +109,32 @@ pub struct Candidate {
     /// What it asked for (vCPUs, memory): a target must have that much allocation left under
     /// placement's rule ([`common::fit`]), whatever the sandbox measures.
     pub requested: Capacity,
+    /// Its moves that failed in a row, if the last did: it waits out a backoff
+    /// ([`FailedMoves::retry_at_ms`]) before it is planned again, so one sandbox that cannot
+    /// move (its node refuses the snapshot, its files do not fit elsewhere) never holds a
+    /// drain or a balance back from the others.
+    pub failed: Option<FailedMoves>,
+}
+
+/// A sandbox's moves that failed in a row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedMoves {
+    pub count: u32,
+    pub last_at_ms: u64,
+}
+
+/// The first wait after a failed move; each further failure doubles it, up to [`RETRY_MAX_MS`].
+pub const RETRY_FIRST_MS: u64 = 30_000;
+/// The longest wait between tries of a sandbox whose moves keep failing.
+pub const RETRY_MAX_MS: u64 = 30 * 60_000;
+
+impl FailedMoves {
+    /// When it may be planned again.
+    pub fn retry_at_ms(&self) -> u64 {
+        let doublings = self.count.saturating_sub(1).min(16);
+        let wait = RETRY_FIRST_MS.saturating_mul(1 << doublings).min(RETRY_MAX_MS);
+        self.last_at_ms.saturating_add(wait)
+    }
 }
 
 /// What the balancer sees at one moment.
@@ -208,11 +234,17 @@ pub enum Skip {
     Cooldown,
     NotMovable,
     NoFit,
+    /// Its last move failed, and it waits out its backoff.
+    RecentlyFailed,
 }
 
-/// Why `c` may not move now, if it may not; `cooldown` is (now, cooldown) in ms when it applies.
-pub(crate) fn skip_reason(c: &Candidate, cooldown: Option<(u64, u64)>) -> Option<Skip> {
-    if c.memory_bytes == 0 {
+/// Why `c` may not move at `now_ms`, if it may not; `cooldown_ms` when the cooldown after a
+/// move applies (a drain ignores it: a node that must empty cannot wait).
+pub(crate) fn skip_reason(c: &Candidate, now_ms: u64, cooldown_ms: Option<u64>) -> Option<Skip> {
+    let cooldown = cooldown_ms.map(|span| (now_ms, span));
+    if c.failed.as_ref().is_some_and(|f| now_ms < f.retry_at_ms()) {
+        Some(Skip::RecentlyFailed)
+    } else if c.memory_bytes == 0 {
         Some(Skip::UnknownMemoryEstimate)
     } else if c.lifecycle_owned {
         Some(Skip::LifecycleOwned)
@@ -265,6 +297,7 @@ impl Skip {
             Skip::Cooldown => "Cooldown",
             Skip::NotMovable => "NotMovable",
             Skip::NoFit => "NoFit",
+            Skip::RecentlyFailed => "RecentlyFailed",
         }
     }
 }
@@ -404,7 +437,7 @@ impl<'a> Field<'a> {
         let mut skips = BTreeMap::new();
         let mut largest = 0;
         for c in &snapshot.sandboxes {
-            let reason = skip_reason(c, cooldown);
+            let reason = skip_reason(c, snapshot.now_ms, cooldown.map(|(_, span)| span));
             if reason.is_none() {
                 largest = largest.max(c.memory_bytes);
             }
@@ -963,7 +996,7 @@ pub fn plan_drain(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
         .filter(|c| draining.contains(&c.node_id.as_str()))
     {
         // Cooldown does not hold a sandbox on a node that must empty.
-        match skip_reason(c, None) {
+        match skip_reason(c, snapshot.now_ms, None) {
             Some(reason) => *plan.skips.entry(reason).or_default() += 1,
             None => leaving.push(c),
         }
@@ -1059,6 +1092,7 @@ mod tests {
                 vcpus: 1,
                 memory_bytes: 0,
             },
+            failed: None,
         }
     }
 
@@ -1147,7 +1181,7 @@ mod tests {
             assert_eq!(c.node_id, m.from, "{} is not on {}", m.sandbox_id, m.from);
             assert_eq!(c.memory_bytes, m.memory_bytes);
             assert_eq!(
-                skip_reason(c, Some((snap.now_ms, tuning.cooldown_ms))),
+                skip_reason(c, snap.now_ms, Some(tuning.cooldown_ms)),
                 None,
                 "{} may not move",
                 m.sandbox_id
@@ -1231,6 +1265,7 @@ mod tests {
                     last_moved_ms: None,
                     movable: !rng.chance(0.04),
                     requested: Capacity::default(),
+                    failed: None,
                 };
                 if rng.chance(0.05) {
                     c.last_moved_ms = Some(now - 1_000);
@@ -1884,6 +1919,7 @@ mod tests {
                         vcpus: 1,
                         memory_bytes: *m,
                     },
+                    failed: None,
                 })
                 .collect(),
             now_ms,
@@ -2014,6 +2050,43 @@ mod tests {
         assert_eq!(plan.skips.get(&Skip::NoFit), Some(&1));
         assert_eq!(plan.skips.get(&Skip::NotMovable), Some(&1));
         assert_eq!(plan.result, ScanResult::PlanFound);
+    }
+
+    /// A sandbox whose move keeps failing waits out a growing backoff while the drain moves
+    /// the others; with one move per plan, it used to be planned first every time (largest
+    /// first) and the node never emptied.
+    #[test]
+    fn a_sandbox_that_cannot_move_does_not_hold_a_drain_back() {
+        let mut gone = node("gone", 16, 4);
+        gone.ready = false;
+        gone.draining = true;
+        let mut stuck = sandbox("stuck", "gone", 4);
+        stuck.failed = Some(FailedMoves {
+            count: 1,
+            last_at_ms: 9_000,
+        });
+        let snap = |now_ms| Snapshot {
+            nodes: vec![gone.clone(), node("a", 16, 12)],
+            sandboxes: vec![stuck.clone(), sandbox("other", "gone", 2)],
+            now_ms,
+        };
+        let one = Tuning {
+            max_moves: 1,
+            ..Tuning::default()
+        };
+        let p = plan_drain(&snap(10_000), &one);
+        assert_eq!(p.moves.len(), 1);
+        assert_eq!(p.moves[0].sandbox_id, "other", "the others move meanwhile");
+        assert_eq!(p.skips.get(&Skip::RecentlyFailed), Some(&1));
+        // Once its backoff is over it is tried again, first again.
+        let p = plan_drain(&snap(9_000 + RETRY_FIRST_MS), &one);
+        assert_eq!(p.moves[0].sandbox_id, "stuck");
+        // The backoff doubles per failure in a row, up to its cap.
+        let after = |count| FailedMoves { count, last_at_ms: 0 }.retry_at_ms();
+        assert_eq!((after(1), after(2), after(3)), (30_000, 60_000, 120_000));
+        assert_eq!(after(40), RETRY_MAX_MS);
+        // Balancing honours it too.
+        assert_eq!(skip_reason(&stuck, 10_000, Some(0)), Some(Skip::RecentlyFailed));
     }
 
     #[test]

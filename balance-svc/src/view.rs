@@ -71,6 +71,7 @@ pub fn snapshot(
                     vcpus: m.vcpus.max(1),
                     memory_bytes: m.memory_bytes,
                 },
+                failed: None,
             }
         })
         .collect();

@@ -137,6 +137,7 @@ fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
                 last_moved_ms: *moved,
                 movable: true,
                 requested: ask(*memory),
+                failed: None,
             })
             .collect(),
         now_ms,
@@ -665,6 +666,7 @@ fn small_clusters(count: usize, seed: u64) -> Small {
                 last_moved_ms: None,
                 movable: j < movable,
                 requested: ask(bytes),
+                failed: None,
             });
         }
         let snap = Snapshot {

@@ -380,6 +380,10 @@ async fn main() -> anyhow::Result<()> {
                 "observed_at_unix_ms": o.observed_at_unix_ms, "counts": o.counts,
                 "paused": s.paused, "active_plan": s.active_plan_id, "draining": s.draining_nodes,
                 "executor_here": s.leader,
+                "stuck": s.stuck.iter().map(|t| json!({
+                    "sandbox": t.sandbox_id, "node": t.node_id, "failures": t.failures,
+                    "error": t.error, "retry_at_unix_ms": t.retry_at_unix_ms,
+                })).collect::<Vec<_>>(),
             });
             if cli.json {
                 println!("{value}");
@@ -405,6 +409,12 @@ async fn main() -> anyhow::Result<()> {
                         s.draining_nodes.join(", ")
                     }
                 );
+                for t in &s.stuck {
+                    println!(
+                        "cannot move {} on {} ({} failed tries; next at {} ms): {}",
+                        t.sandbox_id, t.node_id, t.failures, t.retry_at_unix_ms, t.error
+                    );
+                }
                 let mut counts: Vec<_> = o.counts.into_iter().collect();
                 counts.sort();
                 for (status, n) in counts {
