@@ -16,7 +16,7 @@ RUN cargo build --release --locked --workspace --bins \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates procps nftables \
+ && apt-get install -y --no-install-recommends ca-certificates procps nftables e2fsprogs \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/ /usr/local/bin/
 ENV SANDBOXSCHED_LOG_FORMAT=json

@@ -313,6 +313,27 @@ fn mount_image(image: &Path, mount: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Opens loop device `n` at `path`, making its node first where the kernel's new device has
+/// none (a container's `/dev` is a copy made at its start, not the host's devtmpfs).
+fn open_device(path: &Path, n: libc::c_int) -> io::Result<File> {
+    let open = || std::fs::OpenOptions::new().read(true).write(true).open(path);
+    match open() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let minor = libc::c_uint::try_from(n).map_err(io::Error::other)?;
+            let c = cpath(path)?;
+            // SAFETY: a valid NUL-terminated path; 7 is the loop devices' major number.
+            if unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, libc::makedev(7, minor)) } != 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::AlreadyExists {
+                    return Err(io::Error::other(format!("making {}: {err}", path.display())));
+                }
+            }
+            open()
+        }
+        other => other,
+    }
+}
+
 fn bind_loop(backing: &File) -> io::Result<(File, PathBuf)> {
     let control = std::fs::OpenOptions::new().read(true).write(true).open(LOOP_CONTROL)?;
     let fd = u32::try_from(backing.as_raw_fd()).map_err(io::Error::other)?;
@@ -324,7 +345,7 @@ fn bind_loop(backing: &File) -> io::Result<(File, PathBuf)> {
             return Err(io::Error::last_os_error());
         }
         let path = PathBuf::from(format!("/dev/loop{n}"));
-        let device = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        let device = open_device(&path, n)?;
         // SAFETY: all-zero is a valid `loop_config` (no offset, no limit, no name).
         let mut config: LoopConfig = unsafe { std::mem::zeroed() };
         config.fd = fd;

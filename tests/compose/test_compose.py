@@ -108,6 +108,9 @@ def test_the_sdk_through_compose(stack):
     try:
         assert sbx.commands.run("echo hi from $(hostname)").stdout.strip() == f"hi from {sbx.sandbox_id}"
         assert sbx.commands.run("id -u", user="root").stdout.strip() == "0"
+        # A disk of its own (the gateway's default, 2 GiB), not the node container's.
+        size_kb = int(sbx.commands.run("df -k / | tail -1 | awk '{print $2}'").stdout)
+        assert 1024 * 1024 < size_kb <= 2 * 1024 * 1024, size_kb
         sbx.files.write("/tmp/notes.txt", "kept across moves")
         assert sbx.files.read("/tmp/notes.txt") == "kept across moves"
 
