@@ -861,6 +861,25 @@ async fn a_fork_bomb_stops_at_the_nodes_process_limit() {
     n.stop().await;
 }
 
+/// Runs `script` with `sh -c` as `nobody`, the way any local account would (through a shell:
+/// setpriv's own exec of a path is not a fair trial of the path's permissions).
+fn as_nobody(script: &str) -> std::process::Output {
+    std::process::Command::new("setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(script)
+        .output()
+        .unwrap()
+}
+
 /// Another user of the node's host reaches nothing of a sandbox's: not its files through the
 /// mount point of its root, not its spec (which holds its environment variables), not envd's
 /// socket. Tried as `nobody`, the way any local account would.
@@ -902,20 +921,7 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
                 ),
             ),
         ] {
-            let out = std::process::Command::new("setpriv")
-                .args([
-                    "--reuid",
-                    "65534",
-                    "--regid",
-                    "65534",
-                    "--clear-groups",
-                    "--",
-                    "sh",
-                    "-c",
-                ])
-                .arg(&command)
-                .output()
-                .unwrap();
+            let out = as_nobody(&command);
             assert!(
                 !out.status.success(),
                 "{runtime:?}: nobody reached {what}: {}",
@@ -1598,25 +1604,7 @@ async fn a_set_uid_binary_from_a_sandbox_is_no_way_up_on_the_host() {
     assert_eq!(code, 0, "{out}");
     let planted = n.running().host().home("planter").join("home/user/sid");
     assert!(planted.exists());
-    // Through a shell, as any local account would (setpriv's own exec of a path is not a
-    // fair trial of the path's permissions).
-    let as_nobody = |program: &std::path::Path| {
-        std::process::Command::new("setpriv")
-            .args([
-                "--reuid",
-                "65534",
-                "--regid",
-                "65534",
-                "--clear-groups",
-                "--",
-                "sh",
-                "-c",
-            ])
-            .arg(format!("{} -u", program.display()))
-            .output()
-            .unwrap()
-    };
-    let run = as_nobody(&planted);
+    let run = as_nobody(&format!("{} -u", planted.display()));
     assert!(
         !run.status.success(),
         "nobody ran the planted binary: {}",
@@ -1633,7 +1621,7 @@ async fn a_set_uid_binary_from_a_sandbox_is_no_way_up_on_the_host() {
         .status()
         .unwrap();
     assert!(status.success());
-    let run = as_nobody(&reachable.join("home/home/user/sid"));
+    let run = as_nobody(&format!("{} -u", reachable.join("home/home/user/sid").display()));
     let _ = std::process::Command::new("umount").arg(&reachable).status();
     let _ = std::fs::remove_dir_all(&reachable);
     assert_eq!(
