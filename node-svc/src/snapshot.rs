@@ -577,6 +577,45 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A sparse file moves as what it holds, not its length: a sandbox's `truncate -s 64G`
+    /// costs the stream (and the sandbox's pause) a few blocks, and comes back sparse, so it
+    /// fits the same disk on the other side.
+    #[test]
+    fn a_sparse_file_moves_as_its_data_and_stays_sparse() {
+        use std::io::{Seek, SeekFrom};
+        use std::os::unix::fs::MetadataExt;
+        let dir = scratch("sparse");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(&home).expect("home");
+        let mut file = std::fs::File::create(home.join("holes.img")).expect("file");
+        file.write_all(b"head").expect("head");
+        file.seek(SeekFrom::Start(8 << 30)).expect("seek");
+        file.write_all(b"tail").expect("tail");
+        drop(file);
+        let items = as_restore(take(&home));
+        let streamed: usize = items
+            .iter()
+            .map(|i| match i {
+                RestoreItem::Data(d) => d.len(),
+                RestoreItem::Trailer { .. } => 0,
+            })
+            .sum();
+        assert!(streamed < 1 << 20, "8 GiB of holes took {streamed} bytes");
+        let into = dir.join("restored");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(items, &into).expect("restore");
+        let back = into.join("home/holes.img");
+        let meta = std::fs::metadata(&back).expect("restored");
+        assert_eq!(meta.len(), (8 << 30) + 4);
+        assert!(meta.blocks() * 512 < 1 << 20, "restored with {} blocks", meta.blocks());
+        let mut tail = [0u8; 4];
+        let mut file = std::fs::File::open(&back).expect("open");
+        file.seek(SeekFrom::Start(8 << 30)).expect("seek");
+        std::io::Read::read_exact(&mut file, &mut tail).expect("tail");
+        assert_eq!(&tail, b"tail");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A tenant's own files of any name come back as files: `.wh.NAME` and `.wh..wh..opq` are
     /// not whiteouts when the user made them; a socket (a live process's) is left out and
     /// the rest of the home still moves.
