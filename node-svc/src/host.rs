@@ -466,6 +466,41 @@ impl Host {
         to_completion(async move { shared.update_network(&operation_id, epoch, &sandbox_id, policy).await }).await
     }
 
+    /// Starts again every running sandbox whose envd died under it (the OOM killer took it, a
+    /// bug ended it): with envd gone the container ends, every process in it with it, and a
+    /// sandbox left so would be listed running while nothing answers. It comes back as after
+    /// a node restart: files kept, processes started afresh (its start command too), the
+    /// event in its log. Returns the IDs started again.
+    pub async fn revive(&self) -> Vec<String> {
+        if !self.shared.runtime.runs_envd() {
+            return Vec::new();
+        }
+        let records = self.shared.records();
+        let runtime = self.shared.runtime.clone();
+        let dead = tokio::task::spawn_blocking(move || {
+            records
+                .into_iter()
+                .filter(|r| r.state == State::Running && runtime.died(r))
+                .map(|r| r.id)
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        let mut revived = Vec::new();
+        for id in dead {
+            let shared = self.shared.clone();
+            let sandbox = id.clone();
+            match to_completion(async move { shared.revive(&sandbox).await }).await {
+                Ok(true) => revived.push(id),
+                Ok(false) => {}
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, %err, "a sandbox whose envd died could not be started again")
+                }
+            }
+        }
+        revived
+    }
+
     /// Takes one metrics sample of every sandbox (on a blocking thread: it reads cgroup
     /// counters and walks writable layers).
     pub async fn sample(&self) {
@@ -980,6 +1015,38 @@ impl Shared {
             );
         }
         Ok(next)
+    }
+
+    /// Starts sandbox `id` again if it is running by its record and dead by its runtime (see
+    /// [`Host::revive`]), within its turn; false when an operation got there first.
+    async fn revive(&self, id: &str) -> Result<bool, NodeError> {
+        let turn = self.enter(id).await;
+        let Some(record) = turn.record().filter(|r| r.state == State::Running) else {
+            return Ok(false);
+        };
+        let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
+        let started = blocking(move || {
+            if runtime.alive(&r) {
+                return Ok(None);
+            }
+            // What is left of it (the stopped container, its link, its root's mount), then
+            // a fresh start over the same files.
+            let _ = runtime.kill(&r);
+            let mut next = r.clone();
+            next.pgid = runtime.start(&r, &dir.home(&r.id))?;
+            dir.persist(&next).map_err(io)?;
+            Ok(Some(next))
+        })
+        .await?;
+        let Some(next) = started else { return Ok(false) };
+        turn.commit(Some(next.clone()));
+        metrics::counter!("node_sandbox_revived_total").increment(1);
+        tracing::warn!(sandbox_id = %id, pgid = next.pgid, "the sandbox's envd had died; started it again (files kept, processes afresh)");
+        self.note(
+            id,
+            "envd died; the sandbox was started again: its files are kept, its processes are not",
+        );
+        Ok(true)
     }
 
     /// Appends a lifecycle event to the sandbox's log (where its runtime keeps one).

@@ -236,6 +236,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
         loop {
             tick.tick().await;
             sampled.sample().await;
+            sampled.revive().await;
         }
     }));
     if let Some(placement) = &config.placement {

@@ -1681,3 +1681,32 @@ http.server.HTTPServer(("127.0.0.1", 8082), H).serve_forever()
     );
     n.stop().await;
 }
+
+/// A sandbox whose envd dies (here killed from the host, as the OOM killer would) is not left
+/// listed as running with nothing answering: the node starts it again within a sampling
+/// interval, its files kept, and says so in its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_whose_envd_died_is_started_again() {
+    let n = node_configured(None, |c| c.sample_interval = Duration::from_millis(200)).await;
+    n.create("fragile", 256 << 20).await;
+    let (_, code) = n.sh("fragile", "user", "echo kept > /home/user/kept").await;
+    assert_eq!(code, 0);
+    let host = n.running().host();
+    let before = host.get("fragile").await.expect("the sandbox").pgid;
+    // SAFETY: SIGKILL to the sandbox's envd (its init), a process of this test's host.
+    assert_eq!(unsafe { libc::kill(before as i32, libc::SIGKILL) }, 0);
+    let mut after = before;
+    for _ in 0..200 {
+        after = host.get("fragile").await.expect("still listed").pgid;
+        if after != before && after != 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(after, before, "the node never noticed its envd had died");
+    let (out, code) = n.sh("fragile", "user", "cat /home/user/kept").await;
+    assert_eq!((out.as_str(), code), ("kept\n", 0));
+    let log = std::fs::read_to_string(host.sandbox_dir("fragile").join("container.log")).unwrap();
+    assert!(log.contains("envd died"), "{log}");
+    n.stop().await;
+}

@@ -112,6 +112,12 @@ pub trait Runtime: Send + Sync + 'static {
         crate::template::copy_tree(files, home)
     }
 
+    /// Whether a running sandbox's processes are all gone (checked every few seconds for
+    /// every sandbox: runtimes make it cheap where they can).
+    fn died(&self, record: &SandboxRecord) -> bool {
+        !self.alive(record)
+    }
+
     /// Whether every sandbox has envd running inside it (so always a process to start).
     fn runs_envd(&self) -> bool {
         false

@@ -252,6 +252,20 @@ fn reap_when_dead(pid: u32) {
     });
 }
 
+/// Whether process `pid` exists and is not a zombie (`/proc/PID/stat`'s state, after the
+/// command name's closing parenthesis).
+fn init_runs(pid: u32) -> bool {
+    if pid <= 1 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
+        .is_some_and(|state| state != 'Z' && state != 'X')
+}
+
 /// Whether an ELF executable names a program interpreter (`PT_INTERP`: the dynamic linker),
 /// so it runs only where that linker and its libraries are.
 fn needs_interpreter(binary: &Path) -> io::Result<bool> {
@@ -622,6 +636,14 @@ impl Runtime for ContainerRuntime {
         )
     }
 
+    /// Its init (envd) still runs under its PID: alive, without asking the runtime (a `runc
+    /// state` per sandbox every few seconds adds up). Gone or a zombie (the node, as the
+    /// subreaper, inherits inits and reaps one only when it kills it): the runtime confirms,
+    /// since a PID proves nothing either way once it may have been reused.
+    fn died(&self, record: &SandboxRecord) -> bool {
+        !init_runs(record.pgid) && !self.alive(record)
+    }
+
     fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
         self.ids.adopt(&record.id, record.pgid);
         // Its link, so its kill takes it down. Only while its container runs: a PID number
@@ -743,6 +765,22 @@ impl Runtime for ContainerRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_running_process_runs_and_a_zombie_does_not() {
+        assert!(init_runs(std::process::id()));
+        assert!(!init_runs(0) && !init_runs(1));
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let pid = child.id();
+        // Exited but not waited for: a zombie until `wait`, which must not count as running.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while init_runs(pid) && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert!(!init_runs(pid), "a zombie counted as running");
+        child.wait().expect("wait");
+        assert!(!init_runs(pid));
+    }
 
     #[test]
     fn a_dynamically_linked_binary_needs_its_interpreter() {
