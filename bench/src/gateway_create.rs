@@ -27,6 +27,9 @@ pub struct Args {
     /// The services talk without TLS (a stack is mutual TLS otherwise), to see what TLS costs.
     #[arg(long)]
     plaintext: bool,
+    /// The node gives sandboxes no disk of their own, to see what making one costs a create.
+    #[arg(long)]
+    no_disks: bool,
 }
 
 /// E2B's default create: the sandbox may reach the internet, so it gets a link out.
@@ -69,6 +72,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     if args.plaintext {
         stack = stack.plaintext();
     }
+    let own_disks = !args.no_disks;
     let stack = stack
         // Placement publishes no node documents here: the figure is the create path's alone.
         .placement(|c| c.ledger_endpoint = None)
@@ -78,7 +82,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
                 vcpus,
                 memory_bytes: u64::from(vcpus) << 31,
                 disk_bytes: 0,
-            }
+            };
+            c.host.own_disks = own_disks;
         })
         .gateway(|c| {
             c.keys = [("bench".to_string(), "bench".to_string())].into();

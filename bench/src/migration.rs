@@ -24,6 +24,10 @@ pub struct Args {
     /// a snapshot's stream.
     #[arg(long)]
     plaintext: bool,
+    /// The nodes give the sandbox no disk of its own (its files in a plain folder), to see
+    /// what the disk costs a move.
+    #[arg(long)]
+    no_disks: bool,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -37,9 +41,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     if args.plaintext {
         stack = stack.plaintext();
     }
+    let own_disks = !args.no_disks;
     let stack = stack
-        .node(|c| c.placement = None)
-        .node(|c| c.placement = None)
+        .node(move |c| {
+            c.placement = None;
+            c.host.own_disks = own_disks;
+        })
+        .node(move |c| {
+            c.placement = None;
+            c.host.own_disks = own_disks;
+        })
         .start()
         .await?;
     let client = stack.ledger_client.clone();

@@ -13,7 +13,9 @@
 //!   layer's filesystem.
 //! - **Only what is written costs the host**: the image is sparse, formatted without a
 //!   journal and with lazily initialised inode tables (never zeroed behind the sandbox's
-//!   back), so a new 2 GiB disk takes about a hundred kilobytes.
+//!   back), so a new 2 GiB disk takes about a hundred kilobytes. Formatting runs once per
+//!   size: each new disk is a sparse copy of that blank (its few hundred kilobytes of
+//!   metadata), which spares every create a `mkfs` process.
 //! - **Nothing on it runs set-id on the host**: the disk is mounted `nosuid,nodev`. A set-uid
 //!   binary a sandbox's root leaves in its layer gives a host user who reaches it nothing.
 //!   (Inside, the overlay's own flags decide, as before.)
@@ -53,6 +55,8 @@ pub struct Disks {
     kind: Kind,
     /// The size of a sandbox that asks for none.
     default_bytes: u64,
+    /// Where formatted blank disks are kept, one per size (`None`: each disk formatted anew).
+    blanks: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug)]
@@ -70,7 +74,7 @@ impl Disks {
         let default_bytes = default_bytes.max(MIN_BYTES);
         let kind = if !wanted {
             Kind::Folder {
-                why: "this runtime gives sandboxes no disk of their own".into(),
+                why: "turned off (--no-sandbox-disks), or a runtime that gives sandboxes no disk of their own".into(),
             }
         } else {
             match (find_program("mkfs.ext4"), find_program("e2fsck")) {
@@ -83,7 +87,19 @@ impl Disks {
                 },
             }
         };
-        Self { kind, default_bytes }
+        Self {
+            kind,
+            default_bytes,
+            blanks: None,
+        }
+    }
+
+    /// Keeps a formatted blank of each size in `dir` and makes new disks as copies of it.
+    pub fn with_blanks(self, dir: PathBuf) -> Self {
+        Self {
+            blanks: Some(dir),
+            ..self
+        }
     }
 
     /// Plain folders, with no limit (the simulated and unisolated runtimes, unit tests).
@@ -133,11 +149,85 @@ impl Disks {
                 tracing::warn!(path = %mount.display(), "a sandbox's files with no disk image; it keeps a plain folder");
                 return Ok(());
             }
-            format(mkfs, &image, self.size(bytes))?;
+            self.make(mkfs, &image, self.size(bytes))?;
         }
         std::fs::create_dir_all(&mount)?;
         mount_image(&image, &mount)
     }
+}
+
+impl Disks {
+    /// Makes a new disk of `bytes` at `image`: a sparse copy of the blank of that size
+    /// (formatted first if there is none yet), or formatted in place without a blanks folder.
+    fn make(&self, mkfs: &Path, image: &Path, bytes: u64) -> io::Result<()> {
+        let Some(blanks) = &self.blanks else {
+            return format(mkfs, image, bytes);
+        };
+        let blank = blanks.join(format!("blank-{bytes}.img"));
+        if !blank.exists() {
+            std::fs::create_dir_all(blanks)?;
+            format(mkfs, &blank, bytes)?;
+        }
+        let scratch = scratch_beside(image);
+        copy_sparse(&blank, &scratch)
+            .and_then(|()| std::fs::rename(&scratch, image))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&scratch);
+            })
+    }
+}
+
+/// A name beside `path` no other maker uses.
+fn scratch_beside(path: &Path) -> PathBuf {
+    path.with_extension(format!("new-{}", uuid::Uuid::new_v4().simple()))
+}
+
+/// Copies `from` to a new file `to` (0600) with its holes: only the ranges that hold data are
+/// read and written.
+fn copy_sparse(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+    let source = File::open(from)?;
+    let length = source.metadata()?.len();
+    let target = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(to)?;
+    target.set_len(length)?;
+    let fd = source.as_raw_fd();
+    let seek = |at: u64, whence| -> io::Result<Option<u64>> {
+        let at = libc::off_t::try_from(at).map_err(io::Error::other)?;
+        // SAFETY: lseek on a descriptor we own; it moves only that descriptor's offset.
+        let found = unsafe { libc::lseek(fd, at, whence) };
+        if found < 0 {
+            let err = io::Error::last_os_error();
+            // ENXIO: no data past `at`.
+            return if err.raw_os_error() == Some(libc::ENXIO) {
+                Ok(None)
+            } else {
+                Err(err)
+            };
+        }
+        Ok(Some(u64::try_from(found).map_err(io::Error::other)?))
+    };
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < length {
+        let Some(data) = seek(at, libc::SEEK_DATA)? else { break };
+        let end = seek(data, libc::SEEK_HOLE)?.unwrap_or(length).min(length);
+        let mut offset = data;
+        while offset < end {
+            let want = usize::try_from((end - offset).min(buffer.len() as u64)).map_err(io::Error::other)?;
+            let read = source.read_at(&mut buffer[..want], offset)?;
+            if read == 0 {
+                break;
+            }
+            target.write_all_at(&buffer[..read], offset)?;
+            offset += read as u64;
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 /// Unmounts the disk in sandbox folder `dir`, if one is mounted there. Lazily: whatever
@@ -208,7 +298,7 @@ fn find_program(name: &str) -> Option<PathBuf> {
 /// temporary name and renamed into place, so an image that exists is whole.
 fn format(mkfs: &Path, image: &Path, bytes: u64) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt as _;
-    let scratch = image.with_extension("new");
+    let scratch = scratch_beside(image);
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -256,6 +346,7 @@ const LOOP_CONTROL: &str = "/dev/loop-control";
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
+const LO_FLAGS_DIRECT_IO: u32 = 16;
 
 /// `struct loop_info64` of `<linux/loop.h>`.
 #[repr(C)]
@@ -334,11 +425,17 @@ fn open_device(path: &Path, n: libc::c_int) -> io::Result<File> {
     }
 }
 
+/// Held while a free loop device is asked for and bound: the kernel names the same free device
+/// to every asker until one binds it, so concurrent creates in this process would all but one
+/// lose the race. (Another process on the host may still take one first: that costs a retry.)
+static BINDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn bind_loop(backing: &File) -> io::Result<(File, PathBuf)> {
     let control = std::fs::OpenOptions::new().read(true).write(true).open(LOOP_CONTROL)?;
     let fd = u32::try_from(backing.as_raw_fd()).map_err(io::Error::other)?;
     let mut last = io::Error::other("no loop device");
-    for _ in 0..16 {
+    let _one_at_a_time = BINDING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for _ in 0..64 {
         // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
         let n = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE) };
         if n < 0 {
@@ -349,7 +446,7 @@ fn bind_loop(backing: &File) -> io::Result<(File, PathBuf)> {
         // SAFETY: all-zero is a valid `loop_config` (no offset, no limit, no name).
         let mut config: LoopConfig = unsafe { std::mem::zeroed() };
         config.fd = fd;
-        config.info.flags = LO_FLAGS_AUTOCLEAR;
+        config.info.flags = LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO;
         // SAFETY: LOOP_CONFIGURE reads a `loop_config` that outlives the call.
         if unsafe { libc::ioctl(device.as_raw_fd(), LOOP_CONFIGURE, &config) } == 0 {
             return Ok((device, path));
@@ -385,11 +482,16 @@ mod tests {
     /// kept across a second attach, unmounted and deleted by `remove_folder`.
     #[test]
     fn a_disk_fills_up_at_its_size_and_goes_with_its_folder() {
-        let disks = Disks::probe(true, 32 << 20);
+        let root = std::env::temp_dir().join(format!("disk-test-{}", uuid::Uuid::new_v4().simple()));
+        let disks = Disks::probe(true, 32 << 20).with_blanks(root.join("blanks"));
         assert!(disks.limited(), "{:?}", disks.degraded());
-        let dir = std::env::temp_dir().join(format!("disk-test-{}", uuid::Uuid::new_v4().simple()));
+        let dir = root.join("sandbox");
         std::fs::create_dir_all(&dir).unwrap();
         disks.attach(&dir, 0).unwrap();
+        assert!(
+            root.join(format!("blanks/blank-{}.img", 32 << 20)).is_file(),
+            "formatted once"
+        );
         let mount = dir.join(MOUNT);
         assert!(mounted(&mount));
         use std::os::unix::fs::MetadataExt as _;
@@ -420,5 +522,42 @@ mod tests {
         assert!(mount.join("fill").exists(), "mounted again after a check");
         remove_folder(&dir).unwrap();
         assert!(!dir.exists());
+
+        // A second disk of the size is a copy of the blank: empty, sparse, its own.
+        let other = root.join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        disks.attach(&other, 0).unwrap();
+        assert!(!other.join(MOUNT).join("fill").exists());
+        let image = std::fs::metadata(other.join(IMAGE)).unwrap();
+        assert!(
+            image.blocks() * 512 < 4 << 20,
+            "the copy is sparse: {} blocks",
+            image.blocks()
+        );
+        std::fs::write(other.join(MOUNT).join("mine"), "x").unwrap();
+        remove_folder(&other).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_sparse_copy_keeps_data_and_holes() {
+        use std::io::{Seek, SeekFrom, Write};
+        let dir = std::env::temp_dir().join(format!("sparse-copy-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut file = File::create(dir.join("from")).unwrap();
+        file.write_all(b"head").unwrap();
+        file.seek(SeekFrom::Start(64 << 20)).unwrap();
+        file.write_all(b"tail").unwrap();
+        file.set_len(128 << 20).unwrap();
+        drop(file);
+        copy_sparse(&dir.join("from"), &dir.join("to")).unwrap();
+        let (from, to) = (
+            std::fs::read(dir.join("from")).unwrap(),
+            std::fs::read(dir.join("to")).unwrap(),
+        );
+        assert!(from == to, "the copy differs");
+        use std::os::unix::fs::MetadataExt as _;
+        assert!(std::fs::metadata(dir.join("to")).unwrap().blocks() * 512 < 1 << 20);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

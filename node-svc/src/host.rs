@@ -126,6 +126,10 @@ pub struct HostConfig {
     pub disk_bytes: u64,
     /// The disk of a template build's builder containers.
     pub build_disk_bytes: u64,
+    /// Whether sandboxes get disks of their own where the runtime isolates them (off: their
+    /// files in plain folders of the state directory, unbounded; for measuring what disks
+    /// cost, or a host whose state filesystem is bounded per tenant some other way).
+    pub own_disks: bool,
 }
 
 /// Template layers a node keeps cached unless told otherwise: 20 GiB.
@@ -316,7 +320,8 @@ impl Host {
     /// `runtime` runs the sandboxes: any [`Runtime`], so tests may wrap a real one.
     pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
         let dir = StateDir::new(&config.state_dir);
-        let disks = crate::disk::Disks::probe(runtime.own_disks(), config.disk_bytes);
+        let disks = crate::disk::Disks::probe(runtime.own_disks() && config.own_disks, config.disk_bytes)
+            .with_blanks(config.state_dir.join("container").join("disks"));
         let adopted = {
             let (dir, runtime, disks) = (dir.clone(), runtime.clone(), disks.clone());
             blocking(move || {
@@ -1577,6 +1582,7 @@ mod tests {
             registry_floor: Vec::new(),
             disk_bytes: crate::host::DEFAULT_DISK_BYTES,
             build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
+            own_disks: true,
         }
     }
 

@@ -89,6 +89,10 @@ struct Args {
     /// the host: writes past it fail with ENOSPC inside that sandbox alone.
     #[arg(long, env = "NODE_SANDBOX_DISK_MB", default_value_t = node_svc::host::DEFAULT_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
     sandbox_disk_mb: u64,
+    /// Sandboxes' files in plain folders of the state directory, with no disk of their own
+    /// (no size limit): for measuring what the disks cost.
+    #[arg(long, env = "NODE_NO_SANDBOX_DISKS")]
+    no_sandbox_disks: bool,
     /// Megabytes of disk each builder container of a template build gets.
     #[arg(long, env = "NODE_BUILD_DISK_MB", default_value_t = node_svc::host::DEFAULT_BUILD_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
     build_disk_mb: u64,
@@ -141,6 +145,7 @@ async fn serve() -> anyhow::Result<()> {
     config.host.layer_cache_bytes = args.layer_cache_mb << 20;
     config.host.disk_bytes = args.sandbox_disk_mb << 20;
     config.host.build_disk_bytes = args.build_disk_mb << 20;
+    config.host.own_disks = !args.no_sandbox_disks;
     config.host.private_registries = args.private_registries;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store

@@ -102,6 +102,7 @@ impl NodeConfig {
                 registry_floor: Vec::new(),
                 disk_bytes: crate::host::DEFAULT_DISK_BYTES,
                 build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
+                own_disks: true,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),

@@ -171,6 +171,7 @@ impl Node {
             registry_floor: Vec::new(),
             disk_bytes: node_svc::host::DEFAULT_DISK_BYTES,
             build_disk_bytes: node_svc::host::DEFAULT_BUILD_DISK_BYTES,
+            own_disks: true,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 
