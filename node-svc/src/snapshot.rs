@@ -83,6 +83,9 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
     let _ = tx.blocking_send(last);
 }
 
+/// PAX's record of a link's target.
+const PAX_LINKPATH: &str = "linkpath";
+
 /// OCI's name for a whiteout of `name`, and for an opaque directory's mark.
 const WHITEOUT_PREFIX: &str = ".wh.";
 const OPAQUE_MARK: &str = ".wh..wh..opq";
@@ -144,6 +147,12 @@ fn append_entry<W: Write>(archive: &mut tar::Builder<W>, path: &Path, name: &Pat
         .iter()
         .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
         .collect();
+    // A symlink's target byte for byte: the tar header's own field holds it normalised as a
+    // path (`/` became `//`, `a//b/` became `a/b`), and readers take PAX's `linkpath` first.
+    let target = std::fs::read_link(path).ok();
+    if let Some(target) = &target {
+        records.push((PAX_LINKPATH.to_string(), target.as_os_str().as_encoded_bytes()));
+    }
     let looks_like_whiteout = name
         .file_name()
         .is_some_and(|n| n.as_encoded_bytes().starts_with(WHITEOUT_PREFIX.as_bytes()));
@@ -574,6 +583,26 @@ mod tests {
         let into = dir.join("truncated");
         std::fs::create_dir_all(&into).expect("into");
         assert!(matches!(restore(truncated, &into), Err(NodeError::Corrupt(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Symlinks come back byte for byte, `/` and relative or dangling targets included.
+    #[test]
+    fn symlinks_come_back_as_they_were() {
+        let dir = scratch("links");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(&home).expect("home");
+        let targets = ["/", "/etc/passwd", "../up", "rel/path", "dangling", "/a//b/"];
+        for (i, target) in targets.iter().enumerate() {
+            std::os::unix::fs::symlink(target, home.join(format!("l{i}"))).expect("link");
+        }
+        let into = dir.join("restored");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(as_restore(take(&home)), &into).expect("restore");
+        for (i, target) in targets.iter().enumerate() {
+            let back = std::fs::read_link(into.join(format!("home/l{i}"))).expect("link back");
+            assert_eq!(back.as_os_str(), std::ffi::OsStr::new(target), "link {i}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
