@@ -53,7 +53,16 @@ pub enum PackError {
     TooDeep(String),
     #[error("{0}: changed while being packed")]
     Changed(String),
+    #[error(
+        "{path}: {holes} bytes of holes would make the layer {holes} bytes longer than what its files hold (a layer carries files whole; at most {MAX_HOLES} bytes of holes in a layer): remove the sparse file or make it dense"
+    )]
+    Sparse { path: String, holes: u64 },
 }
+
+/// Bytes of holes (a sparse file's unwritten ranges) a layer may carry as zeros. OCI layers
+/// hold files whole, so a sandbox's `truncate -s 100G` would make a capture read, compress
+/// and store 100 GiB of zeros while the sandbox is frozen: past this, a pack is refused.
+pub const MAX_HOLES: u64 = 1 << 30;
 
 /// A packed layer: what an image manifest and config need to reference it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +91,7 @@ pub fn pack_layer<W: Write>(src: &Path, shift: u32, exclude: &[&str], out: W) ->
         tar: tar::Builder::new(DigestWriter::new(gz)),
         shift,
         links: HashMap::new(),
+        holes: 0,
     };
     packer.walk(&root, b"", exclude, 0)?;
     let (diff_id, _, gz) = packer.tar.into_inner().map_err(PackError::Write)?.finish();
@@ -96,6 +106,8 @@ struct Packer<W: Write> {
     shift: u32,
     /// (dev, ino) of multiply-linked regular files already written, with their tar path.
     links: HashMap<(u64, u64), Vec<u8>>,
+    /// Bytes of holes written as zeros so far (see [`MAX_HOLES`]).
+    holes: u64,
 }
 
 fn lossy(path: &[u8]) -> String {
@@ -292,6 +304,15 @@ impl<W: Write> Packer<W> {
                     }
                     self.links.insert((dev, ino), path.clone());
                 }
+                // Counted once per file, not per link to it.
+                let allocated = u64::try_from(fst.st_blocks).unwrap_or(0).saturating_mul(512);
+                self.holes += size.saturating_sub(allocated);
+                if self.holes > MAX_HOLES {
+                    return Err(PackError::Sparse {
+                        path: lossy(&path),
+                        holes: self.holes,
+                    });
+                }
                 h.set_entry_type(EntryType::Regular);
                 h.set_size(size);
                 self.append(
@@ -434,6 +455,30 @@ mod tests {
         let mut again = Vec::new();
         assert_eq!(pack_layer(&src, S, &[".sandboxsched"], &mut again).unwrap(), packed);
         assert_eq!(again, blob);
+    }
+
+    /// A sandbox's `truncate -s 100G` is refused by name (checked before its zeros are read);
+    /// a little sparseness (below the bound, counted once per hard-linked file) packs.
+    #[test]
+    fn a_layer_of_mostly_holes_is_refused_by_name() {
+        let s = Scratch::new("pack-holes");
+        let src = s.sub("src");
+        lchown(&src, Some(S), Some(S)).unwrap();
+        let small = std::fs::File::create(src.join("small")).unwrap();
+        small.set_len(MAX_HOLES / 8).unwrap();
+        drop(small);
+        lchown(src.join("small"), Some(S), Some(S)).unwrap();
+        std::fs::hard_link(src.join("small"), src.join("small-again")).unwrap();
+        pack_layer(&src, S, &[], io::sink()).expect("an eighth of the bound, linked twice, packs");
+        let huge = std::fs::File::create(src.join("huge")).unwrap();
+        huge.set_len(100 << 30).unwrap();
+        drop(huge);
+        lchown(src.join("huge"), Some(S), Some(S)).unwrap();
+        let err = pack_layer(&src, S, &[], io::sink()).unwrap_err();
+        assert!(
+            matches!(&err, PackError::Sparse { path, .. } if path == "huge"),
+            "{err}"
+        );
     }
 
     #[test]
