@@ -241,7 +241,6 @@ pub enum Skip {
 /// Why `c` may not move at `now_ms`, if it may not; `cooldown_ms` when the cooldown after a
 /// move applies (a drain ignores it: a node that must empty cannot wait).
 pub(crate) fn skip_reason(c: &Candidate, now_ms: u64, cooldown_ms: Option<u64>) -> Option<Skip> {
-    let cooldown = cooldown_ms.map(|span| (now_ms, span));
     if c.failed.as_ref().is_some_and(|f| now_ms < f.retry_at_ms()) {
         Some(Skip::RecentlyFailed)
     } else if c.memory_bytes == 0 {
@@ -250,7 +249,7 @@ pub(crate) fn skip_reason(c: &Candidate, now_ms: u64, cooldown_ms: Option<u64>) 
         Some(Skip::LifecycleOwned)
     } else if !c.movable {
         Some(Skip::NotMovable)
-    } else if cooldown.is_some_and(|(now, span)| c.last_moved_ms.is_some_and(|at| now.saturating_sub(at) < span)) {
+    } else if cooldown_ms.is_some_and(|span| c.last_moved_ms.is_some_and(|at| now_ms.saturating_sub(at) < span)) {
         Some(Skip::Cooldown)
     } else {
         None
@@ -351,11 +350,7 @@ pub fn plan(snapshot: &Snapshot, tuning: &Tuning) -> Plan {
     if ready < 2 || plan.spread_before <= tuning.threshold {
         return plan;
     }
-    let field = Field::new(
-        snapshot,
-        Some((snapshot.now_ms, tuning.cooldown_ms)),
-        tuning.cpu_overcommit,
-    );
+    let field = Field::new(snapshot, Some(tuning.cooldown_ms), tuning.cpu_overcommit);
     plan.skips = field.skips.clone();
     let width = band_width(tuning);
     let (_, low) = field.fewest_moves_band(width, Count::Plan);
@@ -428,8 +423,8 @@ struct Field<'a> {
 }
 
 impl<'a> Field<'a> {
-    /// `cooldown` is (now, cooldown) in ms, or `None` to treat cooling sandboxes as movable.
-    fn new(snapshot: &'a Snapshot, cooldown: Option<(u64, u64)>, cpu_overcommit: f64) -> Self {
+    /// `cooldown_ms` after a move, or `None` to treat cooling sandboxes as movable.
+    fn new(snapshot: &'a Snapshot, cooldown_ms: Option<u64>, cpu_overcommit: f64) -> Self {
         let ready: Vec<&NodeMemory> = snapshot.nodes.iter().filter(|n| n.ready).collect();
         let index: HashMap<&str, usize> = ready.iter().enumerate().map(|(i, n)| (n.node_id.as_str(), i)).collect();
         let mut pieces: Vec<Vec<Piece>> = vec![Vec::new(); ready.len()];
@@ -437,7 +432,7 @@ impl<'a> Field<'a> {
         let mut skips = BTreeMap::new();
         let mut largest = 0;
         for c in &snapshot.sandboxes {
-            let reason = skip_reason(c, snapshot.now_ms, cooldown.map(|(_, span)| span));
+            let reason = skip_reason(c, snapshot.now_ms, cooldown_ms);
             if reason.is_none() {
                 largest = largest.max(c.memory_bytes);
             }

@@ -102,22 +102,12 @@ impl Disks {
         }
     }
 
-    /// Plain folders, with no limit (the simulated and unisolated runtimes, unit tests).
-    pub fn folders() -> Self {
-        Self::probe(false, MIN_BYTES)
-    }
-
     /// Why sandboxes' disks are not limited here, when they are not.
     pub fn degraded(&self) -> Option<String> {
         match &self.kind {
             Kind::Loop { .. } => None,
             Kind::Folder { why } => Some(format!("sandboxes' disks are not limited: {why}")),
         }
-    }
-
-    /// Whether each sandbox has a disk of its own.
-    pub fn limited(&self) -> bool {
-        matches!(self.kind, Kind::Loop { .. })
     }
 
     /// The disk size of a sandbox that asked for `asked` bytes (0: the node's default).
@@ -129,14 +119,15 @@ impl Disks {
         }
     }
 
-    /// Makes the disk of the sandbox whose folder is `dir` ready at `dir/disk`: mounted when
-    /// it is there already, made of `bytes` (0: the default) when it is not. Idempotent: call
-    /// it before anything reads or writes the sandbox's files.
+    /// Makes the disk of the sandbox whose folder is `dir` (made if missing) ready at
+    /// `dir/disk`: mounted when it is there already, made of `bytes` (0: the default) when it
+    /// is not. Idempotent: call it before anything reads or writes the sandbox's files.
     pub fn attach(&self, dir: &Path, bytes: u64) -> io::Result<()> {
         let mount = dir.join(MOUNT);
         if mounted(&mount) {
             return Ok(());
         }
+        std::fs::create_dir_all(dir)?;
         let Kind::Loop { mkfs, fsck } = &self.kind else {
             return std::fs::create_dir_all(&mount);
         };
@@ -154,9 +145,7 @@ impl Disks {
         std::fs::create_dir_all(&mount)?;
         mount_image(&image, &mount)
     }
-}
 
-impl Disks {
     /// Makes a new disk of `bytes` at `image`: a sparse copy of the blank of that size
     /// (formatted first if there is none yet), or formatted in place without a blanks folder.
     fn make(&self, mkfs: &Path, image: &Path, bytes: u64) -> io::Result<()> {
@@ -278,8 +267,9 @@ fn cpath(path: &Path) -> io::Result<std::ffi::CString> {
     std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
 }
 
-/// Whether `path` is a mount point (its device differs from its parent's).
-fn mounted(path: &Path) -> bool {
+/// Whether `path` is a folder something is mounted on (its device differs from its
+/// parent's).
+pub(crate) fn mounted(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let (Ok(here), Some(Ok(parent))) = (std::fs::symlink_metadata(path), path.parent().map(std::fs::metadata)) else {
         return false;
@@ -347,6 +337,7 @@ const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
+const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 
 /// `struct loop_info64` of `<linux/loop.h>`.
 #[repr(C)]
@@ -398,7 +389,7 @@ fn mount_image(image: &Path, mount: &Path) -> io::Result<()> {
         // unbind it by hand.
         let err = io::Error::last_os_error();
         // SAFETY: LOOP_CLR_FD takes no argument.
-        unsafe { libc::ioctl(device.0.as_raw_fd(), 0x4C01) };
+        unsafe { libc::ioctl(device.0.as_raw_fd(), LOOP_CLR_FD) };
         return Err(io::Error::other(format!("mounting {}: {err}", image.display())));
     }
     Ok(())
@@ -475,7 +466,7 @@ mod tests {
         assert_eq!(disks.size(0), 1 << 30);
         assert_eq!(disks.size(1), MIN_BYTES);
         assert_eq!(disks.size(5 << 30), 5 << 30);
-        assert!(!disks.limited() && disks.degraded().is_some());
+        assert!(disks.degraded().is_some(), "plain folders say so");
     }
 
     /// A real disk: made sparse, mounted, full at its size with ENOSPC, counted by `usage`,
@@ -484,7 +475,7 @@ mod tests {
     fn a_disk_fills_up_at_its_size_and_goes_with_its_folder() {
         let root = std::env::temp_dir().join(format!("disk-test-{}", uuid::Uuid::new_v4().simple()));
         let disks = Disks::probe(true, 32 << 20).with_blanks(root.join("blanks"));
-        assert!(disks.limited(), "{:?}", disks.degraded());
+        assert_eq!(disks.degraded(), None, "a disk of its own");
         let dir = root.join("sandbox");
         std::fs::create_dir_all(&dir).unwrap();
         disks.attach(&dir, 0).unwrap();

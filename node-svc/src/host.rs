@@ -103,6 +103,11 @@ fn io(err: impl std::fmt::Display) -> NodeError {
     NodeError::Io(err.to_string())
 }
 
+/// A sandbox's disk could not be made or mounted.
+fn disk(err: std::io::Error) -> NodeError {
+    NodeError::Runtime(format!("the sandbox's disk: {err}"))
+}
+
 /// How a host runs.
 #[derive(Clone, Debug)]
 pub struct HostConfig {
@@ -475,10 +480,10 @@ impl Host {
     /// bug ended it): with envd gone the container ends, every process in it with it, and a
     /// sandbox left so would be listed running while nothing answers. It comes back as after
     /// a node restart: files kept, processes started afresh (its start command too), the
-    /// event in its log. Returns the IDs started again.
-    pub async fn revive(&self) -> Vec<String> {
+    /// event in its log.
+    pub async fn revive(&self) {
         if !self.shared.runtime.runs_envd() {
-            return Vec::new();
+            return;
         }
         let records = self.shared.records();
         let runtime = self.shared.runtime.clone();
@@ -491,19 +496,13 @@ impl Host {
         })
         .await
         .unwrap_or_default();
-        let mut revived = Vec::new();
         for id in dead {
             let shared = self.shared.clone();
             let sandbox = id.clone();
-            match to_completion(async move { shared.revive(&sandbox).await }).await {
-                Ok(true) => revived.push(id),
-                Ok(false) => {}
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, %err, "a sandbox whose envd died could not be started again")
-                }
+            if let Err(err) = to_completion(async move { shared.revive(&sandbox).await }).await {
+                tracing::error!(sandbox_id = %id, %err, "a sandbox whose envd died could not be started again");
             }
         }
-        revived
     }
 
     /// Takes one metrics sample of every sandbox (on a blocking thread: it reads cgroup
@@ -773,10 +772,9 @@ impl Shared {
             record.resources.disk_bytes = disks.size(record.resources.disk_bytes);
             let home = dir.home(&record.id);
             let made = (|| -> Result<(), NodeError> {
-                std::fs::create_dir_all(dir.sandbox_dir(&record.id)).map_err(io)?;
                 disks
                     .attach(&dir.sandbox_dir(&record.id), record.resources.disk_bytes)
-                    .map_err(|e| NodeError::Runtime(format!("the sandbox's disk: {e}")))?;
+                    .map_err(disk)?;
                 std::fs::create_dir_all(&home).map_err(io)?;
                 if let Some(files) = files {
                     runtime.seed(&home, &files).map_err(io)?;
@@ -1023,11 +1021,11 @@ impl Shared {
     }
 
     /// Starts sandbox `id` again if it is running by its record and dead by its runtime (see
-    /// [`Host::revive`]), within its turn; false when an operation got there first.
-    async fn revive(&self, id: &str) -> Result<bool, NodeError> {
+    /// [`Host::revive`]), within its turn; nothing when an operation got there first.
+    async fn revive(&self, id: &str) -> Result<(), NodeError> {
         let turn = self.enter(id).await;
         let Some(record) = turn.record().filter(|r| r.state == State::Running) else {
-            return Ok(false);
+            return Ok(());
         };
         let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
         let started = blocking(move || {
@@ -1043,7 +1041,7 @@ impl Shared {
             Ok(Some(next))
         })
         .await?;
-        let Some(next) = started else { return Ok(false) };
+        let Some(next) = started else { return Ok(()) };
         turn.commit(Some(next.clone()));
         metrics::counter!("node_sandbox_revived_total").increment(1);
         tracing::warn!(sandbox_id = %id, pgid = next.pgid, "the sandbox's envd had died; started it again (files kept, processes afresh)");
@@ -1051,7 +1049,7 @@ impl Shared {
             id,
             "envd died; the sandbox was started again: its files are kept, its processes are not",
         );
-        Ok(true)
+        Ok(())
     }
 
     /// Appends a lifecycle event to the sandbox's log (where its runtime keeps one).
@@ -1147,7 +1145,7 @@ impl Shared {
                 let scratch = dir.restore_scratch(&id).map_err(io)?;
                 if let Err(e) = disks.attach(&scratch, bytes) {
                     let _ = crate::disk::remove_folder(&scratch);
-                    return Err(NodeError::Runtime(format!("the sandbox's disk: {e}")));
+                    return Err(disk(e));
                 }
                 Ok(scratch)
             })
@@ -1259,7 +1257,7 @@ fn readopt_one(
     dir.upgrade_layout(&record.id).map_err(io)?;
     disks
         .attach(&dir.sandbox_dir(&record.id), record.resources.disk_bytes)
-        .map_err(|e| NodeError::Runtime(format!("the sandbox's disk: {e}")))?;
+        .map_err(disk)?;
     runtime.adopt(record)?;
     let alive = runtime.alive(record);
     match readoption(record.state, alive, has_process(runtime, record)) {

@@ -141,7 +141,13 @@ const LITERAL_RECORD: &str = "SANDBOXSCHED.literal";
 
 /// Appends `path` as `name`, its `user.*` attributes first as PAX records (`SCHILY.xattr.*`,
 /// which unpacking applies), and the literal mark if its name looks like a whiteout.
-fn append_entry<W: Write>(archive: &mut tar::Builder<W>, path: &Path, name: &Path) -> std::io::Result<()> {
+/// `symlink`: whether `path` is one (its caller has looked already).
+fn append_entry<W: Write>(
+    archive: &mut tar::Builder<W>,
+    path: &Path,
+    name: &Path,
+    symlink: bool,
+) -> std::io::Result<()> {
     let xattrs = user_xattrs(path);
     let mut records: Vec<(String, &[u8])> = xattrs
         .iter()
@@ -149,7 +155,7 @@ fn append_entry<W: Write>(archive: &mut tar::Builder<W>, path: &Path, name: &Pat
         .collect();
     // A symlink's target byte for byte: the tar header's own field holds it normalised as a
     // path (`/` became `//`, `a//b/` became `a/b`), and readers take PAX's `linkpath` first.
-    let target = std::fs::read_link(path).ok();
+    let target = if symlink { Some(std::fs::read_link(path)?) } else { None };
     if let Some(target) = &target {
         records.push((PAX_LINKPATH.to_string(), target.as_os_str().as_encoded_bytes()));
     }
@@ -178,7 +184,7 @@ fn append_mark<W: Write>(archive: &mut tar::Builder<W>, name: &Path) -> std::io:
 /// overlayfs's marks as OCI whiteouts.
 fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    append_entry(archive, dir, name)?;
+    append_entry(archive, dir, name, false)?;
     if opaque(dir) {
         append_mark(archive, &name.join(OPAQUE_MARK))?;
     }
@@ -199,7 +205,7 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
             // has no entry for one): left out, as Docker's commits and exports do.
             continue;
         } else {
-            append_entry(archive, &path, &name.join(&file_name))?;
+            append_entry(archive, &path, &name.join(&file_name), file_type.is_symlink())?;
         }
     }
     Ok(())

@@ -538,8 +538,8 @@ impl Build {
         let (dir, disks) = (self.host.sandbox_dir(&record.id), self.host.disks().clone());
         let started = tokio::task::spawn_blocking(move || -> Result<SandboxRecord, String> {
             let _ = crate::disk::remove_folder(&dir);
-            let made = std::fs::create_dir_all(&dir)
-                .and_then(|()| disks.attach(&dir, r.resources.disk_bytes))
+            let made = disks
+                .attach(&dir, r.resources.disk_bytes)
                 .and_then(|()| std::fs::create_dir_all(&h))
                 .map_err(|e| e.to_string())
                 .and_then(|()| runtime.start(&r, &h).map_err(|e| e.to_string()));

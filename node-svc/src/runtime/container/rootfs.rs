@@ -286,15 +286,6 @@ pub(super) fn mount_new(fstype: &str, target: &Path, flags: libc::c_ulong, data:
     }
 }
 
-/// Whether `path` is a mount point (its device differs from its parent's).
-fn mounted(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let (Ok(here), Some(Ok(parent))) = (std::fs::metadata(path), path.parent().map(std::fs::metadata)) else {
-        return false;
-    };
-    here.dev() != parent.dev()
-}
-
 /// Mounts the overlay of `lower` layers (topmost first) under `upper` at `target`, unless
 /// something is mounted there already (a restarted node finds its sandboxes' roots mounted).
 ///
@@ -310,7 +301,7 @@ pub fn mount_overlay(
     idmap: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<()> {
     std::fs::create_dir_all(target)?;
-    if mounted(target) {
+    if crate::disk::mounted(target) {
         return Ok(());
     }
     let mut held = Vec::new();
@@ -356,7 +347,7 @@ pub fn mount_overlay(
 
 /// Unmounts the overlay at `target` if one is mounted there.
 pub fn unmount(target: &Path) -> io::Result<()> {
-    if !mounted(target) {
+    if !crate::disk::mounted(target) {
         return Ok(());
     }
     let c = cstring(target)?;
