@@ -264,6 +264,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
     for (i, (vcpus, memory_mb)) in [(2u32, 2048u64), (4, 4096), (8, 8192)].into_iter().enumerate() {
         let addr = format!("127.0.0.1:{}", free_port());
         let id = format!("mp-{tag}-n{i}");
+        procs.certs.node(&id).expect("the node's certificate");
         procs.spawn(
             &id,
             "node-svc",
@@ -408,7 +409,7 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
 
     // The placers published the node documents to the ledger on PostgreSQL.
     let ledger_client =
-        ledger_client::LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Gateway))
+        ledger_client::LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Operator))
             .unwrap();
     let docs = eventually("three node documents", || {
         let (l, tag) = (ledger_client.clone(), tag.clone());
@@ -481,6 +482,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
     for i in 0..2 {
         let (grpc, envd) = (free_port(), free_port());
         let id = format!("mpb{tag}-{i}");
+        procs.certs.node(&id).expect("the node's certificate");
         procs.spawn(
             &id,
             "node-svc",
@@ -501,7 +503,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
         nodes.push((id, endpoint, format!("http://127.0.0.1:{envd}"), client));
     }
     let ledger_client =
-        LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Gateway)).unwrap();
+        LedgerClient::connect_lazy(&ledger_endpoint, &procs.certs.security(stack::Role::Operator)).unwrap();
     let certs_dir = procs
         .certs
         .dir()

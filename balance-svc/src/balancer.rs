@@ -379,7 +379,7 @@ impl Balancer {
             .collect();
         let mut copies = Vec::new();
         for (node_id, address) in &addresses {
-            let listed = match self.mover.node_clients().get(address).await {
+            let listed = match self.mover.node_clients().get(node_id, address).await {
                 Ok(mut client) => client.list(npb::ListRequest {}).await,
                 Err(err) => Err(tonic::Status::unavailable(err.to_string())),
             };
@@ -428,7 +428,7 @@ impl Balancer {
             epoch: copy.epoch,
             sandbox_id: sandbox_id.to_string(),
         };
-        let killed = match self.mover.node_clients().get(address).await {
+        let killed = match self.mover.node_clients().get(node_id, address).await {
             Ok(mut client) => client.kill(request).await.map(|_| ()),
             Err(err) => Err(tonic::Status::unavailable(err.to_string())),
         };

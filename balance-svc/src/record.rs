@@ -149,6 +149,16 @@ pub struct MoveRecord {
 }
 
 impl MoveRecord {
+    /// The source node: its ID and address.
+    pub fn source(&self) -> (&str, &str) {
+        (&self.from_node, &self.from_address)
+    }
+
+    /// The target node: its ID and address.
+    pub fn target(&self) -> (&str, &str) {
+        (&self.to_node, &self.to_address)
+    }
+
     /// A move as committed with its plan: nothing done yet.
     pub fn planned(move_id: String, sandbox_id: &str, from: (&str, &str), to: (&str, &str), memory_bytes: u64) -> Self {
         Self {

@@ -46,7 +46,12 @@ async fn a_switch_whose_reply_is_lost_is_recognised_not_rolled_back() {
 async fn a_target_that_may_run_is_stopped_before_the_source_resumes() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "twice", "sleep 600").await;
-    let target = NodeProxy::start(&cluster.node(1).endpoint(), &cluster.stack.certs).await;
+    let target = NodeProxy::start(
+        &cluster.stack.nodes[1].id,
+        &cluster.node(1).endpoint(),
+        &cluster.stack.certs,
+    )
+    .await;
     target.faults.drop_reply_then_down("Resume", 1);
     let plan_id = "0000000000000-lost-resume";
     cluster.plan_one_via(plan_id, "twice", 0, 1, &target.endpoint()).await;
@@ -143,7 +148,12 @@ async fn an_ownership_write_whose_reply_is_lost_is_released_by_the_rollback() {
 async fn a_pause_arriving_after_the_rollback_is_refused() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "late", "sleep 600").await;
-    let source = NodeProxy::start(&cluster.node(0).endpoint(), &cluster.stack.certs).await;
+    let source = NodeProxy::start(
+        &cluster.stack.nodes[0].id,
+        &cluster.node(0).endpoint(),
+        &cluster.stack.certs,
+    )
+    .await;
     source.faults.hold_next("Pause");
     let plan_id = "0000000000000-late-pause";
     cluster
@@ -186,7 +196,12 @@ async fn an_operator_releases_a_dead_target_and_the_rollback_finishes() {
     use proto::balance::v1::balance_client::BalanceClient;
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "stuck", "sleep 600").await;
-    let target = NodeProxy::start(&cluster.node(1).endpoint(), &cluster.stack.certs).await;
+    let target = NodeProxy::start(
+        &cluster.stack.nodes[1].id,
+        &cluster.node(1).endpoint(),
+        &cluster.stack.certs,
+    )
+    .await;
     target.faults.drop_reply_then_down("Resume", 1);
     let plan_id = "0000000000000-dead-target";
     cluster.plan_one_via(plan_id, "stuck", 0, 1, &target.endpoint()).await;

@@ -117,15 +117,15 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let nodes: Vec<(String, Proxy)> = vec![
         (
             stack.nodes[0].id.clone(),
-            NodeProxy::start(&stack.nodes[0].running.endpoint(), &stack.certs).await,
+            NodeProxy::start(&stack.nodes[0].id, &stack.nodes[0].running.endpoint(), &stack.certs).await,
         ),
         (
             stack.nodes[1].id.clone(),
-            NodeProxy::start(&stack.nodes[1].running.endpoint(), &stack.certs).await,
+            NodeProxy::start(&stack.nodes[1].id, &stack.nodes[1].running.endpoint(), &stack.certs).await,
         ),
     ];
     let ledger_proxy = LedgerProxy::start(&stack.ledger_endpoint(), &stack.certs).await;
-    let ledger = LedgerClient::connect_lazy(&ledger_proxy.endpoint(), &stack.security(stack::Role::Gateway))?;
+    let ledger = LedgerClient::connect_lazy(&ledger_proxy.endpoint(), &stack.security(stack::Role::Operator))?;
     let direct = stack.ledger_client.clone();
 
     let ids: Vec<String> = (0..args.sandboxes).map(|i| format!("faulty{i}")).collect();

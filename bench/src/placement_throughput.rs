@@ -118,17 +118,27 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
                 .await?,
         ));
     }
+    // The simulated nodes report through one connection, as one certificate that speaks for
+    // every one of them (placement takes a heartbeat only in a name its sender holds).
+    let node_ids: Vec<String> = (0..args.nodes).map(node_id).collect();
+    let fleet = match certs.dir() {
+        Some(dir) => {
+            let ids: Vec<&str> = node_ids.iter().map(String::as_str).collect();
+            mtls::issue_node(dir, "fleet", &ids, false)?;
+            mtls::Security::load_node(dir, "fleet")?
+        }
+        None => mtls::Security::Plaintext,
+    };
     let mut nodes = PlacementClient::new(
-        certs
-            .security(mtls::Role::Node)
+        fleet
             .endpoint(&placement.endpoint(), mtls::Role::Placement)?
             .connect()
             .await?,
     );
-    for n in 0..args.nodes {
+    for (n, id) in node_ids.into_iter().enumerate() {
         nodes
             .heartbeat(pb::HeartbeatRequest {
-                node_id: format!("node-{n:04}"),
+                node_id: id,
                 boot_id: "bench".into(),
                 seq: 1,
                 address: format!("http://10.0.{}.{}:7003", n / 250, n % 250),
@@ -358,4 +368,9 @@ async fn cleanup(url: &str, prefix: &str) {
     for chunk in keys.chunks(1000) {
         let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query_async(&mut conn).await;
     }
+}
+
+/// The ID of simulated node `n`.
+fn node_id(n: usize) -> String {
+    format!("node-{n:04}")
 }

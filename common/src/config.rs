@@ -229,9 +229,25 @@ pub struct SecurityArgs {
 impl SecurityArgs {
     /// The security these flags ask for, as `role`.
     pub fn security(&self, role: mtls::Role) -> Result<mtls::Security, String> {
+        self.load(role.name(), |dir| mtls::Security::load(dir, role))
+    }
+
+    /// The security these flags ask for, as node `node_id` (its own pair, `node-ID.pem`).
+    pub fn node_security(&self, node_id: &str) -> Result<mtls::Security, String> {
+        self.load(&format!("node {node_id}"), |dir| {
+            mtls::Security::load_node(dir, node_id)
+        })
+    }
+
+    fn load(
+        &self,
+        role: &str,
+        load: impl FnOnce(&std::path::Path) -> Result<mtls::Security, mtls::TlsError>,
+    ) -> Result<mtls::Security, String> {
         match (&self.tls_dir, self.insecure_plaintext) {
-            (Some(dir), _) => mtls::Security::load(dir, role)
-                .map_err(|e| format!("loading the {role} certificate from {}: {e}", dir.display())),
+            (Some(dir), _) => {
+                load(dir).map_err(|e| format!("loading the {role} certificate from {}: {e}", dir.display()))
+            }
             (None, true) => {
                 tracing::warn!("gRPC in plaintext: every local user and network peer that reaches the port is trusted");
                 Ok(mtls::Security::Plaintext)

@@ -113,8 +113,14 @@ pub struct SandboxDoc {
     pub vcpus: u32,
     pub memory_bytes: u64,
     pub memory_source: EstimateSource,
-    #[serde(default)]
+    /// Environment variables kept in clear: only by gateways from before sealing (today's
+    /// keep none here; see `sealed_env`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub env_vars: std::collections::BTreeMap<String, String>,
+    /// The create's environment variables, sealed with a key only gateways hold (tenants put
+    /// their API keys there): a dump of the ledger reads none of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed_env: Option<String>,
     #[serde(default)]
     pub metadata: std::collections::BTreeMap<String, String>,
     pub phase: SandboxPhase,
@@ -178,4 +184,8 @@ pub struct SandboxDoc {
     /// node's default.
     #[serde(default)]
     pub disk_bytes: u64,
+    /// While hibernated: its node's description of it and its archive's checksum, sealed by
+    /// the gateway (the archive waits in the blob store; this says which archive is its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hibernation: Option<String>,
 }

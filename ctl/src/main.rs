@@ -116,13 +116,17 @@ impl Cluster {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Make a cluster's certificates in DIR (0700): a CA and one certificate per service
-    /// role and for the operator. Keeps what exists; `--renew` reissues every role's pair
-    /// from the same CA. Give each host `ca.pem` and its own role's pair only.
+    /// Make a cluster's certificates in DIR (0700): a CA, one certificate per service role
+    /// and for the operator, and one per node named with `--node` (`node-ID.pem`: each node
+    /// speaks for itself alone). Keeps what exists; `--renew` reissues every role's pair and
+    /// the named nodes' from the same CA. Give each host `ca.pem` and its own pair only.
     Certs {
         dir: std::path::PathBuf,
         #[arg(long)]
         renew: bool,
+        /// A node's ID to issue a certificate for (repeat for each node).
+        #[arg(long = "node", value_name = "NODE_ID")]
+        nodes: Vec<String>,
     },
     /// Nodes as placement sees them: capacity, reported, reserved, state, heartbeat age.
     Nodes,
@@ -257,8 +261,8 @@ fn plan_rows(plans: &[bpb::PlanView]) -> Table {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Command::Certs { dir, renew } = &cli.command {
-        return certs(dir, *renew);
+    if let Command::Certs { dir, renew, nodes } = &cli.command {
+        return certs(dir, *renew, nodes);
     }
     let cluster = Cluster::new(&cli)?;
     match cli.command {
@@ -494,13 +498,24 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn certs(dir: &std::path::Path, renew: bool) -> anyhow::Result<()> {
+fn certs(dir: &std::path::Path, renew: bool, nodes: &[String]) -> anyhow::Result<()> {
+    for id in nodes {
+        mtls::check_node_id(id).map_err(anyhow::Error::msg)?;
+    }
     let issued =
         mtls::issue_cluster(dir, renew).with_context(|| format!("making certificates in {}", dir.display()))?;
     if issued.new_ca {
         println!("new cluster CA in {}", dir.join("ca.pem").display());
     }
-    let roles: Vec<&str> = issued.roles.iter().map(|r| r.name()).collect();
+    let mut roles: Vec<String> = issued.roles.iter().map(|r| r.name().to_string()).collect();
+    for id in nodes {
+        // A new CA invalidates every node's pair: issue them again too.
+        if mtls::issue_node(dir, id, &[id.as_str()], renew || issued.new_ca)
+            .with_context(|| format!("making node {id}'s certificate in {}", dir.display()))?
+        {
+            roles.push(format!("node {id}"));
+        }
+    }
     if roles.is_empty() {
         println!("every role already has a certificate in {}", dir.display());
     } else {

@@ -68,8 +68,9 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
     assert!(listed.is_err(), "another cluster's certificate listed the manifests");
 
     // A node of this cluster, compromised: it reaches for what is not a node's.
-    let as_node = |address: &str, peer: Role| s.security(Role::Node).endpoint(address, peer).unwrap().connect_lazy();
-    let from_node = LedgerClient::connect_lazy(&ledger, &s.security(Role::Node)).unwrap();
+    let compromised = s.certs.node("compromised").expect("a node's certificate");
+    let as_node = |address: &str, peer: Role| compromised.endpoint(address, peer).unwrap().connect_lazy();
+    let from_node = LedgerClient::connect_lazy(&ledger, &compromised).unwrap();
     let err = from_node.list::<serde_json::Value>("sandbox", "").await.unwrap_err();
     assert!(
         matches!(&err, LedgerError::Forbidden(m) if m.contains("node may not call")),
@@ -99,6 +100,82 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
         code(to_placement.place(ppb::PlaceRequest::default()).await),
         tonic::Code::PermissionDenied
     );
+    // Nor may it report in another node's name: a heartbeat sets the address the gateway
+    // sends that node's sandboxes' traffic (and tokens) to.
+    let victim = s.nodes[0].id.clone();
+    let forged = to_placement
+        .heartbeat(ppb::HeartbeatRequest {
+            node_id: victim.clone(),
+            boot_id: "forged".into(),
+            seq: u64::MAX / 2,
+            address: "http://127.0.0.1:9".into(),
+            capacity: Some(ppb::Resources {
+                vcpus: 1024,
+                memory_bytes: 1 << 40,
+            }),
+            ..Default::default()
+        })
+        .await;
+    let refused = forged.expect_err("a node reported in another's name");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains(&victim), "{}", refused.message());
+    let mut operator_to_placement = ppb::placement_client::PlacementClient::new(
+        s.security(Role::Operator)
+            .endpoint(&placement, Role::Placement)
+            .unwrap()
+            .connect_lazy(),
+    );
+    let listed = operator_to_placement
+        .nodes(ppb::NodesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .nodes;
+    let seen = listed
+        .iter()
+        .find(|n| n.node_id == victim)
+        .expect("the victim is listed");
+    assert_eq!(seen.address, node, "the forged heartbeat moved the victim's address");
+    // And a node's key answers for that node alone: a gateway that dials a node expecting
+    // another refuses it (an address that leads to the wrong node, or to a thief of one
+    // node's key, is not the node it meant), and takes it under its own name.
+    let as_gateway = s.security(Role::Gateway);
+    let mut impostor =
+        npb::node_client::NodeClient::new(as_gateway.node_endpoint(&node, "node-other").unwrap().connect_lazy());
+    assert_eq!(code(impostor.info(npb::InfoRequest {}).await), tonic::Code::Unavailable);
+    let mut genuine =
+        npb::node_client::NodeClient::new(as_gateway.node_endpoint(&node, &victim).unwrap().connect_lazy());
+    genuine
+        .info(npb::InfoRequest {})
+        .await
+        .expect("the node answers in its own name");
+
+    // A service writes only the kinds of documents it owns: a compromised gateway forges no
+    // balance plan, a compromised placement points no manifest at a node of its choosing.
+    for (role, kind) in [
+        (Role::Gateway, "balance-plan"),
+        (Role::Placement, "sandbox"),
+        (Role::Balance, "node"),
+    ] {
+        let writer = LedgerClient::connect_lazy(&ledger, &s.security(role)).unwrap();
+        let forged = writer
+            .compare(
+                ledger_client::Txn::new()
+                    .create(kind, "forged", &serde_json::json!({}))
+                    .unwrap(),
+            )
+            .await;
+        assert!(
+            matches!(&forged, Err(LedgerError::Forbidden(m)) if m.contains(&format!("{role} may not write {kind}"))),
+            "{role} wrote a {kind} document: {forged:?}"
+        );
+        assert!(operator
+            .get::<serde_json::Value>(kind, "forged")
+            .await
+            .unwrap()
+            .is_none());
+    }
+
     // The gateway may create on a node, but may not drain.
     let mut gateway_to_balance = bpb::balance_client::BalanceClient::new(
         s.security(Role::Gateway)

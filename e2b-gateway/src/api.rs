@@ -406,7 +406,7 @@ pub async fn fork(
         auto_pause: source.auto_pause,
         auto_pause_memory: source.auto_pause_memory,
         auto_resume: source.auto_resume,
-        env_vars: source.env_vars.clone(),
+        env_vars: g.sandboxes.sealed_env(&source)?,
         metadata: source.metadata.clone(),
         // A manifest from before egress existed had loopback only; so does its fork.
         network: source.network.clone().unwrap_or(common::egress::NetworkPolicy {

@@ -16,6 +16,124 @@ async fn create(s: &support::Stack, body: &str) -> String {
     created["sandboxID"].as_str().unwrap().to_string()
 }
 
+/// The attacker holds a dump of the ledger and of the blob store (a backup, a replica, a
+/// bucket left readable) and may write to the store: neither dump reads a tenant's
+/// environment variables or tokens, and an archive put in a hibernated sandbox's place, with
+/// a description of the attacker's beside it, is refused at wake (the sandbox's description
+/// and checksum are sealed in its manifest), while the genuine archive wakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dumps_of_the_ledger_and_the_blob_store_hold_no_tenant_secret() {
+    const SECRET: &str = "sk-tenant-secret-8d1f02c9";
+    let s = stack(4096).await;
+    let id = create(
+        &s,
+        &format!(r#"{{"templateID":"base","envVars":{{"OPENAI_API_KEY":"{SECRET}"}}}}"#),
+    )
+    .await;
+    let record = s.node().host().get(&id).await.expect("the node runs it");
+    assert_eq!(record.env["OPENAI_API_KEY"], SECRET, "the sandbox gets its environment");
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    let token = detail["envdAccessToken"].as_str().unwrap().to_string();
+    std::fs::write(s.node().host().home(&id).join("keep.txt"), "genuine").unwrap();
+
+    let ledger_dump = |s: &support::Stack| {
+        let ledger = s.ledger_client.clone();
+        async move {
+            let (docs, _) = ledger.list::<serde_json::Value>(SANDBOX_KIND, "").await.unwrap();
+            docs.iter().map(|d| d.value.to_string()).collect::<String>()
+        }
+    };
+    let dump = ledger_dump(&s).await;
+    assert!(dump.contains(&id));
+    assert!(
+        !dump.contains(SECRET),
+        "the ledger holds the tenant's environment in clear"
+    );
+
+    // Hibernated: the store holds its archive, the manifest the seal of the rest.
+    let (status, _) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some("key-a"),
+            Some(r#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(status, 204);
+    let store = blobs::from_url(&s.config().blob_store).unwrap();
+    let meta_key = blobs::Key::new(format!("snapshots/{id}.json")).unwrap();
+    let tar_key = blobs::Key::new(format!("snapshots/{id}.tar")).unwrap();
+    let genuine = store.get_bytes(&tar_key).await.unwrap();
+    let archive = String::from_utf8_lossy(&genuine).to_string();
+    let manifests = ledger_dump(&s).await;
+    assert!(manifests.contains("\"hibernation\":\"aead-v1:"), "{manifests}");
+    for (what, secret) in [("environment", SECRET), ("envd token", token.as_str())] {
+        assert!(!archive.contains(secret), "the blob store holds the {what} in clear");
+        assert!(!manifests.contains(secret), "the ledger holds the {what} in clear");
+    }
+    assert!(
+        store.exists(&meta_key).await.unwrap().is_none(),
+        "a description in the store"
+    );
+
+    // A writer of the store swaps the archive and writes a description of its own beside it,
+    // as gateways from before sealing kept them: the checksum of its archive, and the token
+    // it wants the sandbox to take.
+    let crafted = {
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(7);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, "keep.txt", &b"crafted"[..]).unwrap();
+        tar.into_inner().unwrap()
+    };
+    let digest = <sha2::Sha256 as sha2::Digest>::digest(&crafted);
+    let forged = serde_json::json!({
+        "description_json": serde_json::to_string(&record).unwrap().replace(&token, "attackers-token"),
+        "sha256": digest.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        "bytes": crafted.len(),
+    });
+    store
+        .put_bytes(&meta_key, forged.to_string().into_bytes().into())
+        .await
+        .unwrap();
+    store.put_bytes(&tar_key, crafted.into()).await.unwrap();
+    let (status, answer) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some("key-a"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_ne!(status, 201, "a swapped archive was restored: {answer}");
+    assert!(answer["message"].is_string(), "{answer}");
+    let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(detail["state"], "paused", "{detail}");
+
+    // The genuine archive wakes, with the tenant's files, environment and token.
+    store.put_bytes(&tar_key, genuine).await.unwrap();
+    let (status, answer) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some("key-a"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(
+        std::fs::read_to_string(s.node().host().home(&id).join("keep.txt")).unwrap(),
+        "genuine"
+    );
+    let record = s.node().host().get(&id).await.expect("the node runs it again");
+    assert_eq!(record.env["OPENAI_API_KEY"], SECRET);
+    assert_eq!(record.access_token.as_deref(), Some(token.as_str()));
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
     let s = stack(4096).await;
@@ -236,7 +354,7 @@ async fn a_kill_the_node_does_not_confirm_is_not_reported_done() {
     let s = stack(4096).await;
     let id = create(&s, r#"{"templateID":"base"}"#).await;
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
-    let node = stack::fault::NodeProxy::start(&s.node().endpoint(), &s.certs).await;
+    let node = stack::fault::NodeProxy::start(&s.nodes[0].id, &s.node().endpoint(), &s.certs).await;
     route_node_via(&ledger, &id, &node.endpoint()).await;
     node.faults.set_down(true);
 

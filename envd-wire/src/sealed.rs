@@ -82,6 +82,19 @@ impl TokenKey {
         hex(&self.0)
     }
 
+    /// A key for another use, derived from this one (`HMAC(key, "derive\0" label)`): the
+    /// gateways' key for what they keep sealed at rest is never the key tokens come from.
+    pub fn derive(&self, label: &str) -> [u8; 32] {
+        let mut derived = [0u8; 32];
+        if let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(&self.0) {
+            for part in [b"derive".as_slice(), b"\0", label.as_bytes()] {
+                mac.update(part);
+            }
+            derived.copy_from_slice(&mac.finalize().into_bytes());
+        }
+        derived
+    }
+
     /// The token `seal` stands for, for sandbox `sandbox_id`; a value that is no seal is a
     /// token kept in clear and comes back as it is.
     pub fn open(&self, purpose: Purpose, sandbox_id: &str, seal: &str) -> String {
@@ -129,6 +142,15 @@ mod tests {
         assert_ne!(key.open(Purpose::Envd, "sbx-b", &seal), token);
         assert_ne!(key.open(Purpose::Traffic, "sbx-a", &seal), token);
         assert_ne!(key.open(Purpose::Envd, "sbx-a", &new_seal()), token);
+    }
+
+    #[test]
+    fn a_derived_key_is_one_per_label_and_not_the_key() {
+        let key = TokenKey::random();
+        assert_eq!(key.derive("a"), TokenKey::from_hex(&key.to_hex()).unwrap().derive("a"));
+        assert_ne!(key.derive("a"), key.derive("b"));
+        assert_ne!(key.derive("a"), key.0);
+        assert_ne!(key.derive("a"), TokenKey::random().derive("a"));
     }
 
     #[test]

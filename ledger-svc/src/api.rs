@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::Stream;
+use mtls::CertificateDer;
 use proto::ledger::v1 as pb;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -38,6 +39,9 @@ pub enum ApiError {
     NotFound(DocKey),
     #[error("revision {requested} was compacted; the oldest revision a watch can start at is {oldest}")]
     Compacted { requested: u64, oldest: u64 },
+    /// The caller's role does not own the kind it tried to write (see [`crate::writers`]).
+    #[error("{role} may not write {kind} documents ({kind}/{id})")]
+    NotOwner { role: String, kind: String, id: String },
 }
 
 impl From<ApiError> for Status {
@@ -61,6 +65,7 @@ impl From<ApiError> for Status {
             }
             ApiError::Store(StoreError::Internal(_) | StoreError::BadUrl { .. }) => Status::internal(message),
             ApiError::NotFound(_) => Status::not_found(message),
+            ApiError::NotOwner { .. } => Status::permission_denied(message),
             ApiError::Compacted { oldest, .. } => {
                 marked(Status::out_of_range(message), COMPACTED_HEADER, &oldest.to_string())
             }
@@ -75,6 +80,8 @@ pub struct LedgerApi {
     committer: Committer,
     head: HeadTracker,
     shutdown: watch::Receiver<bool>,
+    /// Hold every write to who owns its kind (under mutual TLS, where callers have roles).
+    owners: bool,
 }
 
 impl LedgerApi {
@@ -86,7 +93,38 @@ impl LedgerApi {
             committer,
             head,
             shutdown,
+            owners: false,
         }
+    }
+
+    /// Every write must come from a role that owns its document's kind.
+    pub fn with_owners(mut self, enforced: bool) -> Self {
+        self.owners = enforced;
+        self
+    }
+}
+
+/// Refuses a batch that writes a kind the caller's role does not own.
+fn check_owners(certs: Option<&[CertificateDer<'_>]>, entries: &[Entry]) -> Result<(), ApiError> {
+    let role = certs.and_then(|certs| certs.first().and_then(|cert| mtls::authorize::role_of(cert)));
+    let Some(role) = role else {
+        // The transport let through no role: refuse every write, name none.
+        return match entries.iter().find(|e| !matches!(e.action, Action::Check)) {
+            Some(entry) => Err(ApiError::NotOwner {
+                role: "a caller without a role".into(),
+                kind: entry.key.kind.clone(),
+                id: entry.key.id.clone(),
+            }),
+            None => Ok(()),
+        };
+    };
+    match crate::writers::refused(role, entries) {
+        Some(entry) => Err(ApiError::NotOwner {
+            role: role.to_string(),
+            kind: entry.key.kind.clone(),
+            id: entry.key.id.clone(),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -239,6 +277,7 @@ impl pb::ledger_server::Ledger for LedgerApi {
     }
 
     async fn compare(&self, request: Request<pb::CompareRequest>) -> Result<Response<pb::CompareResponse>, Status> {
+        let caller = request.peer_certs();
         let entries = request
             .into_inner()
             .entries
@@ -247,6 +286,9 @@ impl pb::ledger_server::Ledger for LedgerApi {
             .collect::<Result<Vec<_>, _>>()
             .map_err(ApiError::from)?;
         model::validate_entries(&entries).map_err(ApiError::from)?;
+        if self.owners {
+            check_owners(caller.as_deref().map(Vec::as_slice), &entries)?;
+        }
         let started = std::time::Instant::now();
         let outcome = self.committer.submit(entries).await;
         metrics::histogram!("ledger_compare_duration_seconds").record(started.elapsed().as_secs_f64());

@@ -13,7 +13,8 @@
 //!
 //! Layout: [`model`] is the pure core (validation, batch planning); [`store`] the sqlx
 //! adapter (SQLite or PostgreSQL); `committer` batches writes into group commits; `head`
-//! tracks the head revision and database health; [`api`] is the gRPC service; [`server`]
+//! tracks the head revision and database health; [`writers`] says which service owns each
+//! kind of document; [`api`] is the gRPC service; [`server`]
 //! wires them. Services talk to it through the `ledger-client` crate, which links none of
 //! this.
 
@@ -23,6 +24,7 @@ mod head;
 pub mod model;
 pub mod server;
 pub mod store;
+pub mod writers;
 
 pub use model::{Conflict, DocKey, Document};
 pub use server::{start, LedgerConfig, RunningLedger, StartError, POLICY};

@@ -43,7 +43,11 @@ pub const POLICY: mtls::Policy = mtls::Policy {
             &["Get", "List", "Watch"],
             &[Role::Gateway, Role::Placement, Role::Balance, Role::Operator],
         ),
-        (&["Compare"], &[Role::Gateway, Role::Placement, Role::Balance]),
+        // Each of them writes only the kinds it owns, and the operator any (`writers`).
+        (
+            &["Compare"],
+            &[Role::Gateway, Role::Placement, Role::Balance, Role::Operator],
+        ),
     ],
 };
 
@@ -131,7 +135,8 @@ pub async fn start(config: LedgerConfig) -> Result<RunningLedger, StartError> {
     serving.background(tracker.spawn_compactor(store.clone(), config.retain_revisions, config.compact_interval));
 
     // Watch streams end when the ledger is told to stop, so stopping does not wait on them.
-    let api = LedgerApi::new(store.clone(), committer, tracker.clone(), serving.stopping());
+    let api = LedgerApi::new(store.clone(), committer, tracker.clone(), serving.stopping())
+        .with_owners(matches!(config.security, mtls::Security::MutualTls(_)));
     let grpc = Grpc::new()
         .secure(&config.security, &[POLICY])?
         .service(LedgerServer::new(api))

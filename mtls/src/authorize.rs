@@ -140,6 +140,23 @@ pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
     Role::ALL.into_iter().find(|role| names(&cert, *role))
 }
 
+/// Whether a verified leaf certificate (`certs`, leaf first) speaks for node `node_id`: it
+/// names `<node_id>.node.sandboxsched.internal`. Placement asks this of every heartbeat, so a
+/// node reports in its own name only.
+pub fn speaks_for_node(certs: &[CertificateDer<'_>], node_id: &str) -> bool {
+    let Some(cert) = certs
+        .first()
+        .and_then(|cert| webpki::EndEntityCert::try_from(cert).ok())
+    else {
+        return false;
+    };
+    crate::check_node_id(node_id).is_ok()
+        && DnsName::try_from(crate::node_dns_name(node_id)).is_ok_and(|name| {
+            cert.verify_is_valid_for_subject_name(&ServerName::DnsName(name))
+                .is_ok()
+        })
+}
+
 /// Whether `cert` is valid for `role`'s name.
 fn names(cert: &webpki::EndEntityCert<'_>, role: Role) -> bool {
     DnsName::try_from(role.dns_name()).is_ok_and(|name| {
@@ -218,8 +235,36 @@ mod tests {
     };
 
     fn cert_of(dir: &std::path::Path, role: Role) -> Vec<CertificateDer<'static>> {
+        if role == Role::Node {
+            return node_cert(dir, "node-1");
+        }
         use rustls_pki_types::pem::PemObject;
         vec![CertificateDer::from_pem_file(role_paths(dir, role).0).unwrap()]
+    }
+
+    fn node_cert(dir: &std::path::Path, name: &str) -> Vec<CertificateDer<'static>> {
+        use rustls_pki_types::pem::PemObject;
+        crate::issue::issue_node(dir, name, &[name], false).unwrap();
+        vec![CertificateDer::from_pem_file(crate::issue::node_paths(dir, name).0).unwrap()]
+    }
+
+    #[test]
+    fn a_node_speaks_only_for_itself() {
+        let temp = tempfile::tempdir().unwrap();
+        issue_cluster(temp.path(), false).unwrap();
+        let one = node_cert(temp.path(), "node-1");
+        assert!(speaks_for_node(&one, "node-1"));
+        for other in ["node-2", "node-1.node", "", "NODE-1", "*"] {
+            assert!(!speaks_for_node(&one, other), "{other:?}");
+        }
+        // A role's certificate speaks for no node; a pair for several speaks for each.
+        assert!(!speaks_for_node(&cert_of(temp.path(), Role::Gateway), "node-1"));
+        crate::issue::issue_node(temp.path(), "fleet", &["a", "b"], false).unwrap();
+        use rustls_pki_types::pem::PemObject;
+        let fleet = vec![CertificateDer::from_pem_file(crate::issue::node_paths(temp.path(), "fleet").0).unwrap()];
+        assert!(speaks_for_node(&fleet, "a") && speaks_for_node(&fleet, "b"));
+        assert!(!speaks_for_node(&fleet, "c") && !speaks_for_node(&fleet, "fleet"));
+        assert_eq!(role_of(&fleet[0]), Some(Role::Node));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
-use crate::issue::{ca_cert_path, read_secret, role_paths};
+use crate::issue::{ca_cert_path, node_paths, read_secret, role_paths};
 use crate::{Role, TlsError};
 
 /// One role's certificate and key, and the cluster CA it trusts.
@@ -33,16 +33,27 @@ impl std::fmt::Debug for Credentials {
 impl Credentials {
     /// Loads `role`'s pair and the CA from a certificate directory (see [`crate::issue`]).
     pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
+        let (cert_path, key_path) = role_paths(dir, role);
+        Self::load_pair(dir, role, &cert_path, &key_path)
+    }
+
+    /// Loads the pair of node `name` (its node ID; see [`crate::issue::issue_node`]).
+    pub fn load_node(dir: &Path, name: &str) -> Result<Self, TlsError> {
+        crate::check_node_id(name).map_err(TlsError::NodeId)?;
+        let (cert_path, key_path) = node_paths(dir, name);
+        Self::load_pair(dir, Role::Node, &cert_path, &key_path)
+    }
+
+    fn load_pair(dir: &Path, role: Role, cert_path: &Path, key_path: &Path) -> Result<Self, TlsError> {
         let read = |path: &Path| {
             std::fs::read(path).map_err(|source| TlsError::Io {
                 path: path.to_path_buf(),
                 source,
             })
         };
-        let (cert_path, key_path) = role_paths(dir, role);
         let ca = read(&ca_cert_path(dir))?;
-        let cert = read(&cert_path)?;
-        let key = read_secret(&key_path)?;
+        let cert = read(cert_path)?;
+        let key = read_secret(key_path)?;
         Ok(Self {
             role,
             ca: Certificate::from_pem(ca),
@@ -61,10 +72,15 @@ impl Credentials {
     /// A client's TLS towards a server of role `peer`: present this role's certificate, trust
     /// only the cluster CA, and accept only a server certificate that names `peer`.
     pub fn client(&self, peer: Role) -> ClientTlsConfig {
+        self.client_for(peer.dns_name().to_string())
+    }
+
+    /// A client's TLS that accepts only a server certificate valid for `name`.
+    fn client_for(&self, name: String) -> ClientTlsConfig {
         ClientTlsConfig::new()
             .ca_certificate(self.ca.clone())
             .identity(self.identity.clone())
-            .domain_name(peer.dns_name())
+            .domain_name(name)
     }
 }
 
@@ -83,6 +99,11 @@ impl Security {
         Ok(Self::MutualTls(Arc::new(Credentials::load(dir, role)?)))
     }
 
+    /// Mutual TLS as node `node_id`, from a certificate directory.
+    pub fn load_node(dir: &Path, node_id: &str) -> Result<Self, TlsError> {
+        Ok(Self::MutualTls(Arc::new(Credentials::load_node(dir, node_id)?)))
+    }
+
     /// The server side of this security, if it has one.
     pub fn server(&self) -> Option<ServerTlsConfig> {
         match self {
@@ -95,6 +116,17 @@ impl Security {
     /// or bare `HOST:PORT`), with this side's TLS. Connection settings (timeouts, windows) are
     /// the caller's to add.
     pub fn endpoint(&self, address: &str, peer: Role) -> Result<Endpoint, TlsError> {
+        self.endpoint_for(address, peer.dns_name().to_string())
+    }
+
+    /// An endpoint for node `node_id` at `address`: as [`Security::endpoint`] towards a node,
+    /// and the server must also prove it is that node (its certificate names the ID), so an
+    /// address that leads to another node, or to a thief of another node's key, is refused.
+    pub fn node_endpoint(&self, address: &str, node_id: &str) -> Result<Endpoint, TlsError> {
+        self.endpoint_for(address, crate::node_dns_name(node_id))
+    }
+
+    fn endpoint_for(&self, address: &str, server_name: String) -> Result<Endpoint, TlsError> {
         let bare = address
             .strip_prefix("http://")
             .or_else(|| address.strip_prefix("https://"))
@@ -103,7 +135,7 @@ impl Security {
         match self {
             Security::MutualTls(credentials) => Endpoint::from_shared(format!("https://{bare}"))
                 .map_err(|e| refuse(e.to_string()))?
-                .tls_config(credentials.client(peer))
+                .tls_config(credentials.client_for(server_name))
                 .map_err(|e| TlsError::Config(e.to_string())),
             Security::Plaintext => Endpoint::from_shared(format!("http://{bare}")).map_err(|e| refuse(e.to_string())),
         }

@@ -4,9 +4,13 @@
 //!
 //! ```text
 //! ca.pem    ca.key          the cluster CA (the key only signs; keep it off service hosts)
-//! ledger.pem ledger.key     one pair per role: placement, node, balance, gateway, operator
+//! ledger.pem ledger.key     one pair per role: placement, balance, gateway, operator
+//! node-ID.pem node-ID.key   one pair per node ([`issue_node`]): the node role and its ID
 //! tokens.key                the gateways' key for sandboxes' access tokens (gateways only)
 //! ```
+//!
+//! Nodes hold no shared pair: each node's certificate names its own ID beside the node role
+//! ([`crate::node_dns_name`]), so a node's stolen key speaks for that node alone.
 //!
 //! A host of a multi-host cluster needs `ca.pem` and its own role's pair only. Issuing is
 //! idempotent: an existing CA is kept and only missing roles are issued from it, so `up` can
@@ -42,6 +46,15 @@ pub fn ca_cert_path(dir: &Path) -> PathBuf {
 /// A role's certificate and key files in a certificate directory.
 pub fn role_paths(dir: &Path, role: Role) -> (PathBuf, PathBuf) {
     (dir.join(format!("{role}.pem")), dir.join(format!("{role}.key")))
+}
+
+/// A node's certificate and key files in a certificate directory (`name` is its node ID, or
+/// the name of a pair that speaks for several simulated nodes).
+pub fn node_paths(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    (
+        dir.join(format!("node-{name}.pem")),
+        dir.join(format!("node-{name}.key")),
+    )
 }
 
 /// The gateways' token key in a certificate directory: 64 hex digits from which every
@@ -104,18 +117,54 @@ pub fn issue_cluster(dir: &Path, renew: bool) -> Result<Issued, TlsError> {
     // The issuer is rebuilt from the same name and key each time: the certificates it signs
     // name the CA and its key identifier exactly as the saved CA certificate does.
     let issuer = Issuer::new(ca_params()?, ca_key);
-    for role in Role::ALL {
+    for role in Role::SHARED {
         let (cert_path, key_path) = role_paths(dir, role);
         if !renew && !issued.new_ca && cert_path.exists() && key_path.exists() {
             continue;
         }
-        let key = KeyPair::generate()?;
-        let cert = leaf_params(role)?.signed_by(&key, &issuer)?;
-        write_secret(&key_path, key.serialize_pem().as_bytes())?;
-        write_secret(&cert_path, cert.pem().as_bytes())?;
+        write_pair(
+            &issuer,
+            leaf_params(&[role.dns_name().to_string()])?,
+            &cert_path,
+            &key_path,
+        )?;
         issued.roles.push(role);
     }
     Ok(issued)
+}
+
+/// Issues the pair `node-NAME` from the CA in `dir` (made by [`issue_cluster`] first): a
+/// node's certificate, naming the node role and each of `node_ids`. A node's own pair names
+/// its one ID (`name` is that ID); a simulator that heartbeats for many nodes gets one pair
+/// naming them all. Keeps an existing pair unless `renew`; says whether it wrote one.
+pub fn issue_node(dir: &Path, name: &str, node_ids: &[&str], renew: bool) -> Result<bool, TlsError> {
+    for id in std::iter::once(&name).chain(node_ids) {
+        crate::check_node_id(id).map_err(TlsError::NodeId)?;
+    }
+    let (cert_path, key_path) = node_paths(dir, name);
+    if !renew && cert_path.exists() && key_path.exists() {
+        return Ok(false);
+    }
+    let ca_key = KeyPair::from_pem(&read_secret(&dir.join("ca.key"))?)?;
+    let issuer = Issuer::new(ca_params()?, ca_key);
+    let names = std::iter::once(Role::Node.dns_name().to_string())
+        .chain(node_ids.iter().map(|id| crate::node_dns_name(id)))
+        .collect::<Vec<_>>();
+    write_pair(&issuer, leaf_params(&names)?, &cert_path, &key_path)?;
+    Ok(true)
+}
+
+/// A fresh key, a certificate for it signed by `issuer`, both written 0600.
+fn write_pair(
+    issuer: &Issuer<'_, KeyPair>,
+    params: CertificateParams,
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<(), TlsError> {
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, issuer)?;
+    write_secret(key_path, key.serialize_pem().as_bytes())?;
+    write_secret(cert_path, cert.pem().as_bytes())
 }
 
 fn ca_params() -> Result<CertificateParams, TlsError> {
@@ -129,9 +178,12 @@ fn ca_params() -> Result<CertificateParams, TlsError> {
     Ok(params)
 }
 
-fn leaf_params(role: Role) -> Result<CertificateParams, TlsError> {
-    let mut params = CertificateParams::new(vec![role.dns_name().to_string()])?;
-    params.distinguished_name.push(DnType::CommonName, role.dns_name());
+/// A service's certificate, valid for `names` (the first is also its common name).
+fn leaf_params(names: &[String]) -> Result<CertificateParams, TlsError> {
+    let mut params = CertificateParams::new(names.to_vec())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, names.first().map_or("", String::as_str));
     // Every service is both: it serves its own RPCs and calls others'.
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -187,7 +239,9 @@ mod tests {
         let dir = temp.path().join("certs");
         let first = issue_cluster(&dir, false).unwrap();
         assert!(first.new_ca);
-        assert_eq!(first.roles, Role::ALL.to_vec());
+        assert_eq!(first.roles, Role::SHARED.to_vec());
+        assert!(!role_paths(&dir, Role::Node).0.exists(), "nodes share no pair");
+        assert!(issue_node(&dir, "node-1", &["node-1"], false).unwrap());
         assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
         for entry in fs::read_dir(&dir).unwrap() {
             let entry = entry.unwrap();
@@ -200,14 +254,29 @@ mod tests {
 
         // A lost role is issued again from the same CA; the CA stays.
         let ca = fs::read(ca_cert_path(&dir)).unwrap();
-        fs::remove_file(role_paths(&dir, Role::Node).0).unwrap();
+        assert!(!issue_node(&dir, "node-1", &["node-1"], false).unwrap());
+        fs::remove_file(role_paths(&dir, Role::Balance).0).unwrap();
         let again = issue_cluster(&dir, false).unwrap();
-        assert_eq!(again.roles, vec![Role::Node]);
+        assert_eq!(again.roles, vec![Role::Balance]);
         assert!(!again.new_ca);
         assert_eq!(fs::read(ca_cert_path(&dir)).unwrap(), ca);
 
         // Renewal reissues every role.
-        assert_eq!(issue_cluster(&dir, true).unwrap().roles, Role::ALL.to_vec());
+        assert_eq!(issue_cluster(&dir, true).unwrap().roles, Role::SHARED.to_vec());
+        assert!(issue_node(&dir, "node-1", &["node-1"], true).unwrap());
+    }
+
+    #[test]
+    fn a_node_is_issued_only_from_an_existing_ca_and_only_for_node_ids() {
+        let temp = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            issue_node(temp.path(), "node-1", &["node-1"], false),
+            Err(TlsError::Io { .. })
+        ));
+        issue_cluster(temp.path(), false).unwrap();
+        let err = issue_node(temp.path(), "evil", &["x.gateway"], false).unwrap_err();
+        assert!(matches!(err, TlsError::NodeId(_)), "{err}");
+        assert!(!node_paths(temp.path(), "evil").0.exists());
     }
 
     #[test]

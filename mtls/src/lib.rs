@@ -24,9 +24,12 @@ pub mod authorize;
 pub mod credentials;
 pub mod issue;
 
+pub use authorize::speaks_for_node;
 pub use authorize::{Authorize, Policy};
 pub use credentials::{Credentials, Security};
-pub use issue::{issue_cluster, read_secret, read_token_key, Issued};
+pub use issue::{issue_cluster, issue_node, read_secret, read_token_key, Issued};
+/// A peer's certificate as the TLS handshake hands it over (tonic's `peer_certs`).
+pub use rustls_pki_types::CertificateDer;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -49,6 +52,16 @@ impl Role {
         Role::Ledger,
         Role::Placement,
         Role::Node,
+        Role::Balance,
+        Role::Gateway,
+        Role::Operator,
+    ];
+
+    /// The roles whose one pair every instance of the role shares ([`issue_cluster`]); each
+    /// node has a pair of its own instead ([`issue_node`]).
+    pub const SHARED: [Role; 5] = [
+        Role::Ledger,
+        Role::Placement,
         Role::Balance,
         Role::Gateway,
         Role::Operator,
@@ -90,6 +103,37 @@ impl fmt::Display for Role {
 /// The DNS suffix of every identity. Never resolved: it only names roles inside certificates.
 pub const DOMAIN: &str = "sandboxsched.internal";
 
+/// The name that binds a node's certificate to one node ID: `<node_id>.node.`[`DOMAIN`].
+///
+/// Every node's certificate names the node role (so the per-RPC policies treat all nodes
+/// alike) and, beside it, the node IDs it speaks for. Placement takes a heartbeat only from a
+/// certificate that names the heartbeat's node ID, and the gateway and the balancer accept a
+/// node's server only when it names the node they meant to reach: one node's stolen key lets
+/// nobody report, or answer, in another node's name.
+pub fn node_dns_name(node_id: &str) -> String {
+    format!("{node_id}.node.{DOMAIN}")
+}
+
+/// Checks that `node_id` can stand in a certificate's name: one DNS label (1 to 63 of `a-z`,
+/// `0-9` and `-`, neither first nor last a `-`).
+pub fn check_node_id(node_id: &str) -> Result<(), String> {
+    let label = node_id.len() <= 63
+        && !node_id.is_empty()
+        && !node_id.starts_with('-')
+        && !node_id.ends_with('-')
+        && node_id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if label {
+        Ok(())
+    } else {
+        Err(format!(
+            "node id {node_id:?} must be 1 to 63 of a-z, 0-9 and '-', not starting or ending with '-' \
+             (it is named in the node's certificate)"
+        ))
+    }
+}
+
 /// Why certificates could not be made, read or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -103,6 +147,8 @@ pub enum TlsError {
     Endpoint(String, String),
     #[error("TLS settings refused: {0}")]
     Config(String),
+    #[error("{0}")]
+    NodeId(String),
 }
 
 #[cfg(test)]
@@ -114,5 +160,16 @@ mod tests {
         for role in Role::ALL {
             assert_eq!(role.dns_name(), format!("{}.{DOMAIN}", role.name()));
         }
+    }
+
+    #[test]
+    fn a_node_id_is_one_dns_label() {
+        for good in ["node-1", "n1", "a", "0", &"x".repeat(63)] {
+            assert!(check_node_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", "-a", "a-", "Node-1", "a.b", "a_b", "a b", "*", &"x".repeat(64)] {
+            assert!(check_node_id(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(node_dns_name("node-1"), "node-1.node.sandboxsched.internal");
     }
 }

@@ -176,7 +176,10 @@ async fn serve() -> anyhow::Result<()> {
     }
     config.placement = Some(args.placement);
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms);
-    config.security = args.security.security(mtls::Role::Node).map_err(anyhow::Error::msg)?;
+    config.security = args
+        .security
+        .node_security(&config.host.node_id)
+        .map_err(anyhow::Error::msg)?;
     let node = node_svc::server::start(config).await?;
     common::shutdown::signal().await;
     node.stop().await;

@@ -23,6 +23,9 @@ pub enum ApiError {
     /// Larger than any node, even empty: not "try again later".
     #[error("{0}")]
     NeverFits(String),
+    /// The caller's certificate does not speak for the node it reports as.
+    #[error("{0}")]
+    NotThatNode(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -35,6 +38,7 @@ impl From<ApiError> for Status {
             // E2B answers "no capacity" with RESOURCE_EXHAUSTED too.
             ApiError::NoFit(_) => Status::resource_exhausted(message),
             ApiError::NeverFits(_) => Status::out_of_range(message),
+            ApiError::NotThatNode(_) => Status::permission_denied(message),
             ApiError::Store(StoreError::UnknownNode(_)) => Status::not_found(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
             ApiError::Store(StoreError::Internal(_)) => Status::internal(message),
@@ -194,6 +198,10 @@ pub struct PlacementApi<S> {
     store: Arc<S>,
     unhealthy_after_ms: u64,
     node_docs: Option<NodeDocs>,
+    /// Take a heartbeat only from a certificate that speaks for its node ID (under mutual
+    /// TLS: a node's heartbeat sets the address the gateway sends that node's sandboxes'
+    /// tokens to, so one node reporting in another's name would draw them to itself).
+    node_identity: bool,
 }
 
 impl<S: PlacementStore> PlacementApi<S> {
@@ -202,8 +210,26 @@ impl<S: PlacementStore> PlacementApi<S> {
             store,
             unhealthy_after_ms,
             node_docs,
+            node_identity: false,
         }
     }
+
+    /// Every heartbeat must come from its own node's certificate.
+    pub fn with_node_identity(mut self, required: bool) -> Self {
+        self.node_identity = required;
+        self
+    }
+}
+
+/// Refuses a heartbeat whose caller's certificate does not name its node ID.
+fn check_reporter<T>(request: &Request<T>, node_id: &str) -> Result<(), ApiError> {
+    let certs = request.peer_certs();
+    if certs.is_some_and(|certs| mtls::speaks_for_node(&certs, node_id)) {
+        return Ok(());
+    }
+    Err(ApiError::NotThatNode(format!(
+        "this certificate does not speak for node {node_id:?}: a node reports only in its own name"
+    )))
 }
 
 fn sandbox_ref(r: &pb::SandboxRef) -> Result<(), ApiError> {
@@ -309,6 +335,9 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        if self.node_identity {
+            check_reporter(&request, &request.get_ref().node_id)?;
+        }
         let raw = request.into_inner();
         let memory_available = raw.memory_available_bytes;
         let hb = heartbeat_from_pb(raw)?;

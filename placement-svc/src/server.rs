@@ -188,7 +188,8 @@ async fn serve<S: PlacementStore>(
             }
         }
     }));
-    let api = PlacementApi::new(store, config.rank.unhealthy_after_ms, docs);
+    let api = PlacementApi::new(store, config.rank.unhealthy_after_ms, docs)
+        .with_node_identity(matches!(config.security, mtls::Security::MutualTls(_)));
     serving.grpc(
         "placement-svc",
         listener,

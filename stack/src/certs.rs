@@ -20,7 +20,7 @@ impl Certs {
     pub fn issue(dir: &Path) -> Result<Self, TlsError> {
         mtls::issue_cluster(dir, false)?;
         let mut loaded = HashMap::new();
-        for role in Role::ALL {
+        for role in Role::SHARED {
             loaded.insert(role, Security::load(dir, role)?);
         }
         let token_key = envd_wire::sealed::TokenKey::from_hex(&mtls::read_token_key(dir)?)
@@ -52,19 +52,36 @@ impl Certs {
         &self.token_key
     }
 
-    /// How a service or client of `role` connects in this stack.
+    /// How a service or client of `role` connects in this stack. Nodes have no shared
+    /// identity: ask [`Certs::node`] for one node's.
     pub fn security(&self, role: Role) -> Security {
+        assert!(
+            role != Role::Node,
+            "every node has its own certificate: Certs::node(ID)"
+        );
         self.loaded.get(&role).cloned().unwrap_or(Security::Plaintext)
+    }
+
+    /// How node `node_id` serves and calls in this stack: its own pair, issued on first ask
+    /// (plaintext when the stack is).
+    pub fn node(&self, node_id: &str) -> Result<Security, TlsError> {
+        match &self.dir {
+            None => Ok(Security::Plaintext),
+            Some(dir) => {
+                mtls::issue_node(dir, node_id, &[node_id], false)?;
+                Security::load_node(dir, node_id)
+            }
+        }
     }
 
     /// An endpoint of the service of role `peer` at `address`, as the caller that may call
     /// the most of it: the balancer towards nodes and placement (everything but heartbeats),
-    /// the gateway towards the ledger (reads and writes), the operator towards the balancer.
+    /// the operator towards the ledger (reads, and writes of every kind) and the balancer.
     /// For tests and benchmarks that drive a service directly.
     pub fn endpoint(&self, address: &str, peer: Role) -> Result<tonic::transport::Endpoint, TlsError> {
         let caller = match peer {
             Role::Node | Role::Placement => Role::Balance,
-            Role::Ledger => Role::Gateway,
+            Role::Ledger => Role::Operator,
             Role::Balance | Role::Gateway | Role::Operator => Role::Operator,
         };
         self.security(caller).endpoint(address, peer)

@@ -290,15 +290,24 @@ pub struct NodeProxy {
 }
 
 impl NodeProxy {
-    /// Starts a proxy in front of the node-svc at `endpoint`, calling it as the balancer.
-    pub async fn start(endpoint: &str, certs: &Certs) -> Proxy {
+    /// Starts a proxy in front of node `node_id`, whose node-svc is at `endpoint`, calling it
+    /// as the balancer. The proxy stands where that node stood, so it proves that node's
+    /// identity (the gateway and the balancer accept a node only in its own name).
+    pub async fn start(node_id: &str, endpoint: &str, certs: &Certs) -> Proxy {
         let faults = Faults::default();
+        let upstream = certs
+            .security(Role::Balance)
+            .node_endpoint(endpoint, node_id)
+            .expect("the proxied node's endpoint is a URL")
+            .connect_lazy();
         let proxy = Self {
-            upstream: NodeClient::new(channel(endpoint, certs, Role::Balance, Role::Node))
-                .max_decoding_message_size(64 << 20),
+            upstream: NodeClient::new(upstream).max_decoding_message_size(64 << 20),
             faults: faults.clone(),
         };
-        let grpc = secured(Grpc::new(), certs, Role::Node, node_svc::server::POLICY)
+        let identity = certs.node(node_id).expect("the node's certificate");
+        let grpc = Grpc::new()
+            .secure(&identity, &[node_svc::server::POLICY])
+            .expect("the stack's certificates load")
             .service(NodeServer::new(proxy))
             .await
             .stream_window(8 << 20);
@@ -433,12 +442,12 @@ pub struct LedgerProxy {
 }
 
 impl LedgerProxy {
-    /// Starts a proxy in front of the ledger-svc at `endpoint`, calling it as the gateway
-    /// (a role that may read and write).
+    /// Starts a proxy in front of the ledger-svc at `endpoint`, calling it as the operator:
+    /// it forwards every caller's writes, and only the operator may write every kind.
     pub async fn start(endpoint: &str, certs: &Certs) -> Proxy {
         let faults = Faults::default();
         let proxy = Self {
-            upstream: LedgerClient::new(channel(endpoint, certs, Role::Gateway, Role::Ledger))
+            upstream: LedgerClient::new(channel(endpoint, certs, Role::Operator, Role::Ledger))
                 .max_decoding_message_size(ledger_client::wire::MAX_REPLY_BYTES),
             faults: faults.clone(),
         };

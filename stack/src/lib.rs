@@ -313,7 +313,7 @@ impl StackBuilder {
         for (id, adjust) in self.nodes {
             let mut config = NodeConfig::new(any_port, &id, dir.join(&id));
             config.placement = Some(placement.endpoint());
-            config.security = certs.security(Role::Node);
+            config.security = certs.node(&id)?;
             // One blob store for the whole stack, as a cluster shares one.
             config.host.blob_store = Some(blob_store_in(&dir));
             config.heartbeat_interval = self.heartbeat;
@@ -331,7 +331,8 @@ impl StackBuilder {
                 .map_err(|source| StackError::Node { id: id.clone(), source })?;
             nodes.push(Node { id, running });
         }
-        let ledger_client = LedgerClient::connect_lazy(&ledger.endpoint(), &certs.security(Role::Gateway))?;
+        // The tests' own client: it writes documents of every kind, as only an operator may.
+        let ledger_client = LedgerClient::connect_lazy(&ledger.endpoint(), &certs.security(Role::Operator))?;
         if self.wait_for_nodes && reporting > 0 {
             wait_for_nodes(&placement.endpoint(), &certs.security(Role::Operator), reporting).await?;
         }

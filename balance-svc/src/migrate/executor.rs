@@ -255,17 +255,17 @@ impl Mover {
         match record.step {
             Step::Planned => next.epoch = self.own(record).await?,
             Step::Owned => {
-                self.lifecycle(&record.from_address, record, NodeAction::Pause).await?;
+                self.lifecycle(record.source(), record, NodeAction::Pause).await?;
                 next.paused_at_unix_ms = Some(now_ms());
             }
             Step::SourcePaused => self.copy(record).await?,
             Step::Restored => {
-                self.lifecycle(&record.to_address, record, NodeAction::Resume).await?;
+                self.lifecycle(record.target(), record, NodeAction::Resume).await?;
                 next.resumed_at_unix_ms = Some(now_ms());
             }
             Step::TargetResumed => self.switch(record).await?,
             Step::Switched => {
-                self.lifecycle(&record.from_address, record, NodeAction::Kill).await?;
+                self.lifecycle(record.source(), record, NodeAction::Kill).await?;
                 self.tell_placement(record).await;
                 next.finished_at_unix_ms = Some(now_ms());
             }

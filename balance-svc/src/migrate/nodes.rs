@@ -15,10 +15,14 @@ use super::MoveError;
 /// from stalling on window updates (node-svc's server uses the same).
 const STREAM_WINDOW: u32 = 8 << 20;
 
-/// gRPC clients per node address, connected lazily and reused.
+/// A node's ID and address: a client is for one node at one address.
+type NodeKey = (String, String);
+
+/// gRPC clients per node, connected lazily and reused; each accepts only a server that
+/// proves it is the node it was asked for.
 #[derive(Clone, Default)]
 pub struct NodeClients {
-    clients: Arc<Mutex<HashMap<String, NodeClient<TracedChannel>>>>,
+    clients: Arc<Mutex<HashMap<NodeKey, NodeClient<TracedChannel>>>>,
     security: Option<mtls::Security>,
 }
 
@@ -31,23 +35,25 @@ impl NodeClients {
         }
     }
 
-    pub async fn get(&self, address: &str) -> Result<NodeClient<TracedChannel>, MoveError> {
+    /// The client of node `node_id` at `address`.
+    pub async fn get(&self, node_id: &str, address: &str) -> Result<NodeClient<TracedChannel>, MoveError> {
+        let key = (node_id.to_string(), address.to_string());
         let mut clients = self.clients.lock().await;
-        if let Some(client) = clients.get(address) {
+        if let Some(client) = clients.get(&key) {
             return Ok(client.clone());
         }
         let channel = self
             .security
             .as_ref()
             .unwrap_or(&mtls::Security::Plaintext)
-            .endpoint(address, mtls::Role::Node)
+            .node_endpoint(address, node_id)
             .map_err(|e| MoveError::Failed(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .initial_stream_window_size(Some(STREAM_WINDOW))
             .initial_connection_window_size(Some(STREAM_WINDOW * 2))
             .connect_lazy();
         let client = NodeClient::new(common::trace::traced(channel)).max_decoding_message_size(16 << 20);
-        clients.insert(address.to_string(), client.clone());
+        clients.insert(key, client.clone());
         Ok(client)
     }
 }

@@ -129,11 +129,11 @@ impl Mover {
     /// done; a kill that finds nothing has nothing left to do.
     pub(super) async fn lifecycle(
         &self,
-        address: &str,
+        (node_id, address): (&str, &str),
         record: &MoveRecord,
         action: NodeAction,
     ) -> Result<(), MoveError> {
-        let mut node = self.nodes.get(address).await?;
+        let mut node = self.nodes.get(node_id, address).await?;
         let request = node_pb::LifecycleRequest {
             operation_id: record.operation_id(action.name()),
             epoch: record.epoch,
@@ -169,8 +169,8 @@ impl Mover {
     /// Streams the paused source's snapshot straight into the target's restore: chunks are
     /// forwarded as they arrive, so reading, sending and unpacking overlap.
     pub(super) async fn copy(&self, record: &MoveRecord) -> Result<(), MoveError> {
-        let mut source = self.nodes.get(&record.from_address).await?;
-        let mut target = self.nodes.get(&record.to_address).await?;
+        let mut source = self.nodes.get(&record.from_node, &record.from_address).await?;
+        let mut target = self.nodes.get(&record.to_node, &record.to_address).await?;
         let mut snapshot = source
             .snapshot(node_pb::LifecycleRequest {
                 operation_id: record.operation_id("snapshot"),
@@ -235,7 +235,7 @@ impl Mover {
         if doc.value.lifecycle_owner.as_deref() != Some(record.move_id.as_str()) {
             return Err(MoveError::Failed("the move no longer owns the sandbox".into()));
         }
-        let mut target = self.nodes.get(&record.to_address).await?;
+        let mut target = self.nodes.get(&record.to_node, &record.to_address).await?;
         let info = tokio::time::timeout(self.call_deadline, target.info(node_pb::InfoRequest {}))
             .await
             .map_err(|_| MoveError::Transient("target info: no answer".into()))?
@@ -273,7 +273,7 @@ impl Mover {
         record.epoch = self.take_epoch(&record, doc).await?;
         let record = &record;
         let target_may_run = record.target_may_run();
-        match self.lifecycle(&record.to_address, record, NodeAction::UndoKill).await {
+        match self.lifecycle(record.target(), record, NodeAction::UndoKill).await {
             Ok(()) => {}
             Err(err) if target_may_run => {
                 tracing::warn!(sandbox_id = %record.sandbox_id, to = %record.to_node, %err,
@@ -288,8 +288,7 @@ impl Mover {
                     "target unreachable while rolling back; any copy there stays paused");
             }
         }
-        self.lifecycle(&record.from_address, record, NodeAction::UndoResume)
-            .await?;
+        self.lifecycle(record.source(), record, NodeAction::UndoResume).await?;
         self.release(record).await?;
         Ok(record.epoch)
     }
@@ -321,16 +320,16 @@ impl Mover {
         self.release_target(&record).await;
         // Never owned: the move touched nothing but the reservation.
         let copies = if record.epoch == 0 { 0 } else { 2 };
-        for (address, action) in [
-            (&record.to_address, NodeAction::AbandonKillTarget),
-            (&record.from_address, NodeAction::AbandonKill),
+        for (node, action) in [
+            (record.target(), NodeAction::AbandonKillTarget),
+            (record.source(), NodeAction::AbandonKill),
         ]
         .into_iter()
         .take(copies)
         {
             // Gone, fenced by the user's kill, or refused: nothing of ours is left there.
             if let Err(err @ (MoveError::Transient(_) | MoveError::Halted(_))) =
-                self.lifecycle(address, &record, action).await
+                self.lifecycle(node, &record, action).await
             {
                 return Err(err);
             }

@@ -264,6 +264,7 @@ impl Cluster {
                 .parse()?;
             let link = Link::open(placement).await?;
             let id = format!("chaos-{tag}-n{i}");
+            cluster.certs.node(&id)?;
             let state_dir = work.join(&id);
             let envd_port = free_port()?;
             let (link_addr, blobs) = (link.addr, blobs.display().to_string());

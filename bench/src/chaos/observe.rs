@@ -67,7 +67,7 @@ fn phase(p: SandboxPhase) -> &'static str {
 /// The cluster as it stands: fails when any part cannot be read (the caller tries again).
 pub async fn observe(cluster: &Cluster) -> anyhow::Result<Observation> {
     let ledger =
-        ledger_client::LedgerClient::connect_lazy(&cluster.ledger, &cluster.certs.security(stack::Role::Gateway))?;
+        ledger_client::LedgerClient::connect_lazy(&cluster.ledger, &cluster.certs.security(stack::Role::Operator))?;
     let (docs, _) = ledger
         .list::<SandboxDoc>(SANDBOX_KIND, "")
         .await

@@ -20,7 +20,7 @@ impl Sandboxes {
                 doc.phase
             )));
         }
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         let image = node
             .capture(node_pb::LifecycleRequest {
                 operation_id: format!("capture-{id}-{}", uuid::Uuid::new_v4().simple()),

@@ -48,7 +48,9 @@ impl Sandboxes {
             vcpus: intent.vcpus,
             memory_bytes: intent.memory_bytes,
             memory_source: intent.memory_source,
-            env_vars: intent.env_vars.clone(),
+            // Tenants put their API keys here: the ledger keeps them sealed.
+            env_vars: Default::default(),
+            sealed_env: self.tokens.seal_env(&sandbox_id, &intent.env_vars),
             metadata: intent.metadata.clone(),
             phase: SandboxPhase::Creating,
             node_id: String::new(),
@@ -57,9 +59,9 @@ impl Sandboxes {
             epoch: 1,
             // Always: envd answers only requests that carry it (or a URL signed with it). The
             // manifest keeps a seal; the token is derived from it with the gateways' key.
-            envd_access_token: Some(self.tokens.seal()),
+            envd_access_token: Some(self.tokens.token_seal()),
             network: Some(intent.network.clone()),
-            traffic_access_token: (!intent.public_traffic).then(|| self.tokens.seal()),
+            traffic_access_token: (!intent.public_traffic).then(|| self.tokens.token_seal()),
             started_at_unix_ms: now,
             end_at_unix_ms: now + intent.timeout_secs * 1000,
             auto_pause: intent.auto_pause,
@@ -72,6 +74,7 @@ impl Sandboxes {
             last_moved_unix_ms: None,
             trace_context: common::trace::traceparent(),
             disk_bytes: self.disk_bytes,
+            hibernation: None,
         };
         // A lost reply is resolved by reading back; only a ledger that stays unreadable
         // leaves this create's outcome unknown (a 503; nothing was started).
@@ -204,7 +207,8 @@ impl Sandboxes {
         placed: &pl::PlaceResponse,
         attempt: usize,
     ) -> Result<String, Failure> {
-        let mut node = self.nodes.client(&placed.node_address).await?;
+        let env_vars = self.sealed_env(doc)?;
+        let mut node = self.nodes.client(&placed.node_id, &placed.node_address).await?;
         node.create(node_pb::CreateRequest {
             operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
             epoch: doc.epoch,
@@ -215,7 +219,7 @@ impl Sandboxes {
                 memory_bytes: doc.memory_bytes,
                 disk_bytes: doc.disk_bytes,
             }),
-            env_vars: doc.env_vars.clone().into_iter().collect(),
+            env_vars: env_vars.into_iter().collect(),
             metadata: doc.metadata.clone().into_iter().collect(),
             start_command: String::new(),
             access_token: self.tokens.envd(doc).unwrap_or_default(),
@@ -241,7 +245,7 @@ impl Sandboxes {
             )),
             _ => from_status("node create", s),
         })?;
-        match self.nodes.envd(&placed.node_address).await {
+        match self.nodes.envd(&placed.node_id, &placed.node_address).await {
             Ok(envd) => Ok(envd),
             Err(err) => {
                 let _ = node

@@ -1,8 +1,15 @@
 //! Pause without memory: the sandbox's files are kept off its node, in the cluster's blob
-//! store (`snapshots/<id>.tar` and `snapshots/<id>.json`, so any gateway can wake it), its
-//! processes stopped and the node freed; resuming places it again wherever placement chooses
-//! and restores the files there. The gateway's hibernation directory is only a spool: a
-//! snapshot passes through it on its way to and from the store, never whole in memory.
+//! store (`snapshots/<id>.tar`, so any gateway can wake it), its processes stopped and the
+//! node freed; resuming places it again wherever placement chooses and restores the files
+//! there. The gateway's hibernation directory is only a spool: a snapshot passes through it
+//! on its way to and from the store, never whole in memory.
+//!
+//! What the archive needs beside it (the node's description of the sandbox, which holds its
+//! environment and tokens, and the archive's checksum) is sealed (`crate::tokens`) and kept in
+//! the manifest itself (`hibernation`), not in the store: a reader of the store learns no
+//! secret, and a writer of the store can neither put an archive of its own in the sandbox's
+//! place (the wake checks the sealed checksum) nor bring back an older one with its own
+//! description (the manifest, compared and swapped in the ledger, holds the current one).
 
 use common::docs::{SandboxDoc, SandboxPhase};
 use ledger_client::Versioned;
@@ -12,6 +19,17 @@ use proto::placement::v1 as pl;
 use blobs::Key;
 
 use super::{from_status, Failure, Sandboxes};
+use crate::tokens::Secret;
+
+/// What the store keeps beside a hibernated sandbox's archive: the node's description of it
+/// (template, resources, environment, tokens) and the archive's checksum and length.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hibernated {
+    description_json: String,
+    sha256: String,
+    #[serde(default)]
+    bytes: u64,
+}
 
 impl Sandboxes {
     /// The blob store keys of a hibernated sandbox's description and archive.
@@ -47,8 +65,9 @@ impl Sandboxes {
         tokio::fs::set_permissions(&self.hibernate_dir, std::fs::Permissions::from_mode(0o700)).await
     }
 
-    /// Copies a paused sandbox's snapshot (header, archive, checksum) off its node.
-    pub(super) async fn hibernate(&self, doc: &SandboxDoc) -> Result<(), Failure> {
+    /// Copies a paused sandbox's snapshot (header, archive, checksum) off its node; answers
+    /// the seal of its description and checksum, for the manifest's `hibernation`.
+    pub(super) async fn hibernate(&self, doc: &SandboxDoc) -> Result<String, Failure> {
         let io = |e: std::io::Error| Failure::Internal(format!("hibernation spool: {e}"));
         self.open_spool().await.map_err(io)?;
         let (meta_key, tar_key) = Self::snapshot_keys(&doc.sandbox_id)?;
@@ -64,11 +83,11 @@ impl Sandboxes {
         tar_path: &std::path::Path,
         meta_key: &Key,
         tar_key: &Key,
-    ) -> Result<(), Failure> {
+    ) -> Result<String, Failure> {
         use tokio::io::AsyncWriteExt;
         let io = |e: std::io::Error| Failure::Internal(format!("hibernation spool: {e}"));
         let store = |e: blobs::BlobError| Failure::Unavailable(format!("blob store: {e}"));
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         let mut stream = node
             .snapshot(node_pb::LifecycleRequest {
                 operation_id: String::new(),
@@ -92,18 +111,44 @@ impl Sandboxes {
         let (Some(header), Some(trailer)) = (header, trailer) else {
             return Err(Failure::Internal("the snapshot stream was incomplete".into()));
         };
-        let meta = serde_json::json!({
-            "description_json": header.description_json,
-            "sha256": trailer.sha256,
-            "bytes": trailer.bytes,
-        });
-        // The archive first: a description in the store always has its archive beside it.
+        let hibernated = Hibernated {
+            description_json: header.description_json,
+            sha256: trailer.sha256,
+            bytes: trailer.bytes,
+        };
+        // The description holds the sandbox's tokens and environment: sealed with the
+        // archive's checksum, for the manifest (see the module's comment).
+        let plain = serde_json::to_vec(&hibernated).map_err(|e| Failure::Internal(e.to_string()))?;
         self.store.put_file(tar_key, tar_path).await.map_err(store)?;
-        self.store
-            .put_bytes(meta_key, meta.to_string().into_bytes().into())
-            .await
-            .map_err(store)?;
-        Ok(())
+        // A description a gateway from before sealing left in the store is stale now.
+        if let Err(err) = self.store.delete(meta_key).await {
+            tracing::debug!(sandbox_id = %doc.sandbox_id, %err, "no old description to remove");
+        }
+        Ok(self.tokens.seal(Secret::Hibernation, &doc.sandbox_id, &plain))
+    }
+
+    /// A hibernated sandbox's description and checksum: opened from the seal its manifest
+    /// keeps, or, for a sandbox a gateway from before sealing hibernated, read from the store.
+    async fn hibernated(&self, doc: &SandboxDoc, meta_key: &Key) -> Result<Hibernated, Failure> {
+        let id = &doc.sandbox_id;
+        let bad = |e: String| Failure::Internal(format!("sandbox {id}'s hibernation description: {e}"));
+        match doc.hibernation.as_deref() {
+            Some(sealed) => {
+                let plain = self
+                    .tokens
+                    .open(Secret::Hibernation, id, sealed)
+                    .map_err(|e| bad(e.to_string()))?;
+                serde_json::from_slice(&plain).map_err(|e| bad(e.to_string()))
+            }
+            None => {
+                let meta = self
+                    .store
+                    .get_bytes(meta_key)
+                    .await
+                    .map_err(|e| Failure::Unavailable(format!("blob store: {e}")))?;
+                serde_json::from_slice(&meta).map_err(|e| bad(e.to_string()))
+            }
+        }
     }
 
     /// Cold-boots a hibernated sandbox wherever placement chooses: restore its files there,
@@ -112,8 +157,7 @@ impl Sandboxes {
         let id = doc.value.sandbox_id.clone();
         let (meta_key, tar_key) = Self::snapshot_keys(&id)?;
         let store = |e: blobs::BlobError| Failure::Unavailable(format!("blob store: {e}"));
-        let meta: serde_json::Value = serde_json::from_slice(&self.store.get_bytes(&meta_key).await.map_err(store)?)
-            .map_err(|e| Failure::Internal(e.to_string()))?;
+        let meta = self.hibernated(&doc.value, &meta_key).await?;
         let io = |e: std::io::Error| Failure::Internal(format!("hibernation spool: {e}"));
         self.open_spool().await.map_err(io)?;
         let tar_path = self.spool(&id);
@@ -124,6 +168,7 @@ impl Sandboxes {
         let woken = self.wake_from(doc, &meta, &tar_path).await;
         let _ = tokio::fs::remove_file(&tar_path).await;
         if woken.is_ok() {
+            doc.value.hibernation = None;
             self.forget_snapshot(&id).await;
         }
         woken
@@ -132,7 +177,7 @@ impl Sandboxes {
     async fn wake_from(
         &self,
         doc: &mut Versioned<SandboxDoc>,
-        meta: &serde_json::Value,
+        meta: &Hibernated,
         tar_path: &std::path::Path,
     ) -> Result<(), Failure> {
         let id = doc.value.sandbox_id.clone();
@@ -164,7 +209,7 @@ impl Sandboxes {
                     epoch: doc.value.epoch,
                     snapshot: Some(node_pb::SnapshotHeader {
                         sandbox_id: id.clone(),
-                        description_json: meta["description_json"].as_str().unwrap_or_default().to_string(),
+                        description_json: meta.description_json.clone(),
                     }),
                 })),
             };
@@ -187,15 +232,15 @@ impl Sandboxes {
             });
             let trailer = node_pb::RestoreChunk {
                 part: Some(node_pb::restore_chunk::Part::Trailer(node_pb::SnapshotTrailer {
-                    sha256: meta["sha256"].as_str().unwrap_or_default().to_string(),
-                    bytes: meta["bytes"].as_u64().unwrap_or_default(),
+                    sha256: meta.sha256.clone(),
+                    bytes: meta.bytes,
                 })),
             };
             let chunks = futures::StreamExt::chain(
                 futures::StreamExt::chain(futures::stream::iter([header]), data),
                 futures::stream::iter([trailer]),
             );
-            let mut node = self.nodes.client(&placed.node_address).await?;
+            let mut node = self.nodes.client(&placed.node_id, &placed.node_address).await?;
             node.restore(chunks).await.map_err(|s| from_status("restore", s))?;
             node.resume(node_pb::LifecycleRequest {
                 operation_id: format!("wake-resume-{id}-{}", doc.value.epoch),
@@ -204,7 +249,7 @@ impl Sandboxes {
             })
             .await
             .map_err(|s| from_status("resume", s))?;
-            self.nodes.envd(&placed.node_address).await
+            self.nodes.envd(&placed.node_id, &placed.node_address).await
         }
         .await;
         let envd = match restored {

@@ -77,7 +77,7 @@ impl Sandboxes {
         if doc.node_address.is_empty() {
             return Ok(());
         }
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         let killed = node
             .kill(node_pb::LifecycleRequest {
                 operation_id: format!("kill-{}-{}", doc.sandbox_id, doc.epoch),
@@ -93,7 +93,7 @@ impl Sandboxes {
     }
 
     pub(super) async fn node_call(&self, doc: &SandboxDoc, op: Freeze) -> Result<(), Failure> {
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         let req = node_pb::LifecycleRequest {
             operation_id: format!("{}-{}-{}", op.name(), doc.sandbox_id, uuid::Uuid::new_v4().simple()),
             epoch: doc.epoch,
@@ -123,18 +123,20 @@ impl Sandboxes {
         released(&mut doc.value);
         doc.value.paused_at_unix_ms = Some(now_ms());
         if !memory {
-            if let Err(err) = self.hibernate(&doc.value).await {
-                tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place");
-            } else {
-                self.stop_on_node(&doc.value).await;
-                doc.value.node_id.clear();
-                doc.value.node_address.clear();
-                doc.value.envd_address.clear();
-                doc.value.epoch += 1;
-                doc.value.phase = SandboxPhase::Hibernated;
-                self.save(&doc).await?;
-                self.routes.forget(id).await;
-                return Ok(());
+            match self.hibernate(&doc.value).await {
+                Err(err) => tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place"),
+                Ok(sealed) => {
+                    doc.value.hibernation = Some(sealed);
+                    self.stop_on_node(&doc.value).await;
+                    doc.value.node_id.clear();
+                    doc.value.node_address.clear();
+                    doc.value.envd_address.clear();
+                    doc.value.epoch += 1;
+                    doc.value.phase = SandboxPhase::Hibernated;
+                    self.save(&doc).await?;
+                    self.routes.forget(id).await;
+                    return Ok(());
+                }
             }
         }
         doc.value.phase = SandboxPhase::Paused;
@@ -181,7 +183,7 @@ impl Sandboxes {
 
     /// A paused sandbox's files off its node, its frozen copy killed, then woken from the files.
     async fn reboot(&self, doc: &mut Versioned<SandboxDoc>) -> Result<(), Failure> {
-        self.hibernate(&doc.value).await?;
+        doc.value.hibernation = Some(self.hibernate(&doc.value).await?);
         self.stop_on_node(&doc.value).await;
         doc.value.node_id.clear();
         doc.value.node_address.clear();
@@ -219,7 +221,7 @@ impl Sandboxes {
             )));
         }
         let applied = async {
-            let mut node = self.nodes.client(&doc.value.node_address).await?;
+            let mut node = self.nodes.client(&doc.value.node_id, &doc.value.node_address).await?;
             node.update_network(node_pb::NetworkUpdateRequest {
                 operation_id: format!("network-{id}-{}", uuid::Uuid::new_v4().simple()),
                 epoch: doc.value.epoch,

@@ -205,7 +205,7 @@ impl Sandboxes {
         if doc.node_address.is_empty() {
             return Ok(Vec::new());
         }
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         Ok(node
             .metrics(node_pb::MetricsRequest {
                 sandbox_id: doc.sandbox_id.clone(),
@@ -223,7 +223,7 @@ impl Sandboxes {
         if doc.node_address.is_empty() || query.limit == 0 {
             return Ok(Vec::new());
         }
-        let mut node = self.nodes.client(&doc.node_address).await?;
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
         Ok(node
             .logs(query)
             .await
@@ -258,7 +258,7 @@ impl Sandboxes {
             .await
             .map_err(|s| from_status("placement", s))?
             .into_inner();
-        let client = self.nodes.client(&placed.node_address).await?;
+        let client = self.nodes.client(&placed.node_id, &placed.node_address).await?;
         Ok((placed, client))
     }
 
@@ -280,6 +280,16 @@ impl Sandboxes {
     }
 
     /// The placer's view of every node.
+    /// A manifest's environment variables, opened from their seal.
+    pub fn sealed_env(&self, doc: &SandboxDoc) -> Result<std::collections::BTreeMap<String, String>, Failure> {
+        self.tokens.env(doc).map_err(|e| {
+            Failure::Internal(format!(
+                "sandbox {}'s environment variables: {e} (do all gateways share one token key?)",
+                doc.sandbox_id
+            ))
+        })
+    }
+
     pub async fn nodes(&self) -> Result<Vec<pl::NodeView>, Failure> {
         Ok(self
             .placement

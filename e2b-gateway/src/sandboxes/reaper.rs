@@ -141,7 +141,7 @@ impl Sandboxes {
     /// answer, or does not hold the sandbox, leaves the new claim for a later round.
     async fn resolve_claim(&self, team: &str, id: &str) -> Result<(), Failure> {
         let mut doc = self.claim(team, id, "resolve").await?;
-        let running = match self.held_on(&doc.value.node_address, id).await {
+        let running = match self.held_on(&doc.value.node_id, &doc.value.node_address, id).await {
             Ok(Some(s)) if s.state == node_pb::SandboxState::Running as i32 => true,
             Ok(Some(s)) if s.state == node_pb::SandboxState::Paused as i32 => false,
             Ok(other) => {
@@ -175,8 +175,8 @@ impl Sandboxes {
 
     /// What the node at `address` holds of sandbox `id` (its listing entry), or why it did not
     /// answer.
-    async fn held_on(&self, address: &str, id: &str) -> Result<Option<node_pb::SandboxInfo>, String> {
-        let mut node = self.nodes.client(address).await.map_err(|e| e.to_string())?;
+    async fn held_on(&self, node_id: &str, address: &str, id: &str) -> Result<Option<node_pb::SandboxInfo>, String> {
+        let mut node = self.nodes.client(node_id, address).await.map_err(|e| e.to_string())?;
         let listed = node.list(node_pb::ListRequest {}).await.map_err(|s| s.to_string())?;
         Ok(listed.into_inner().sandboxes.into_iter().find(|s| s.sandbox_id == id))
     }
@@ -191,15 +191,16 @@ impl Sandboxes {
         let mut doc = self.claim(team, id, KILL).await?;
         let mut running_on = Vec::new();
         for node in self.nodes().await? {
-            let held = self.held_on(&node.address, id).await;
+            let held = self.held_on(&node.node_id, &node.address, id).await;
             if matches!(held, Ok(Some(s)) if s.state == node_pb::SandboxState::Running as i32) {
                 running_on.push(node);
             }
         }
         if let Some((keep, others)) = running_on.split_first() {
-            if let Ok(envd) = self.nodes.envd(&keep.address).await {
+            if let Ok(envd) = self.nodes.envd(&keep.node_id, &keep.address).await {
                 for other in others {
                     let mut on = doc.value.clone();
+                    on.node_id = other.node_id.clone();
                     on.node_address = other.address.clone();
                     self.kill_on_node(&on).await?;
                 }
@@ -217,6 +218,7 @@ impl Sandboxes {
         }
         for node in self.nodes().await? {
             let mut on = doc.value.clone();
+            on.node_id = node.node_id;
             on.node_address = node.address;
             self.kill_on_node(&on).await?;
         }
