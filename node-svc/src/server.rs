@@ -197,9 +197,7 @@ impl RunningNode {
 }
 
 pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
-    if config.host.node_id.is_empty() {
-        return Err(StartError::Config("node id must not be empty".into()));
-    }
+    mtls::check_node_id(&config.host.node_id).map_err(StartError::Config)?;
     if config.host.capacity.vcpus == 0 || config.host.capacity.memory_bytes == 0 {
         return Err(StartError::Config("capacity must be positive".into()));
     }
@@ -212,6 +210,7 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
                 envd_binary: config.envd_binary.clone(),
                 network: config.network.clone(),
                 pids_max: config.pids_max,
+                memory_bytes: config.host.capacity.memory_bytes,
             },
         )),
         RuntimeKind::Unisolated { cgroups } => Arc::new(ProcessRuntime::new(&config.host.node_id, cgroups)),

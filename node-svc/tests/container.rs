@@ -861,6 +861,38 @@ async fn a_fork_bomb_stops_at_the_nodes_process_limit() {
     n.stop().await;
 }
 
+/// One tenant's fork bomb leaves its neighbour the processes it was promised: each sandbox
+/// may have its memory's share of the node's processes (here two halves of 128), so the bomb
+/// stops at its own half while the neighbour still starts dozens. Before shares, one sandbox's
+/// limit (8192) lay above the node's whole cap and the bomb took all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_leaves_the_neighbour_its_share() {
+    let n = node_configured(None, |c| {
+        c.pids_max = Some(128);
+        c.host.capacity.memory_bytes = 1 << 30;
+    })
+    .await;
+    n.create("bomb", 512 << 20).await;
+    n.create("neighbour", 512 << 20).await;
+    let (out, code) = n
+        .sh("bomb", "root", "while :; do sleep 60 </dev/null >/dev/null 2>&1 & done")
+        .await;
+    assert_ne!(code, 0, "the bomb never ran out of forks: {out}");
+    let (out, code) = n
+        .sh(
+            "neighbour",
+            "user",
+            "for i in $(seq 40); do sleep 60 </dev/null >/dev/null 2>&1 & done; echo started",
+        )
+        .await;
+    assert_eq!(
+        (out.as_str(), code),
+        ("started\n", 0),
+        "the neighbour could not start its processes"
+    );
+    n.stop().await;
+}
+
 /// Runs `script` with `sh -c` as `nobody`, the way any local account would (through a shell:
 /// setpriv's own exec of a path is not a fair trial of the path's permissions).
 fn as_nobody(script: &str) -> std::process::Output {

@@ -98,9 +98,11 @@ pub struct ContainerConfig {
     pub envd_binary: Option<PathBuf>,
     /// Sandboxes' links out and the host's floor.
     pub network: network::NetworkConfig,
-    /// Processes all this node's sandboxes may have together (each has its own limit too);
-    /// `None`: [`crate::runtime::cgroup::default_pids_max`].
+    /// Processes all this node's sandboxes may have together (each has its share of them by
+    /// its memory: [`spec::pids_limit`]); `None`: [`crate::runtime::cgroup::default_pids_max`].
     pub pids_max: Option<u64>,
+    /// The node's memory for sandboxes, against which each one's share is measured.
+    pub memory_bytes: u64,
 }
 
 /// The base template's generated layer (under the host's userland), in a node's state
@@ -190,6 +192,9 @@ pub struct ContainerRuntime {
     network: network::Network,
     /// Which host ids each sandbox runs as.
     ids: ids::IdRanges,
+    /// Processes all sandboxes may have together, and the memory they share them by.
+    pids_max: u64,
+    memory_bytes: u64,
     /// Why this host cannot run isolated sandboxes, if it cannot: every start is refused.
     missing: Vec<String>,
     degraded: Vec<String>,
@@ -448,6 +453,8 @@ impl ContainerRuntime {
             cgroups,
             network,
             ids,
+            pids_max,
+            memory_bytes: config.memory_bytes,
             missing,
             degraded,
         }
@@ -488,6 +495,7 @@ impl ContainerRuntime {
             host_dirs: if host_userland { &self.host_dirs } else { &[] },
             host_userland,
             host_ids,
+            pids_limit: spec::pids_limit(self.pids_max, self.memory_bytes, record.resources.memory_bytes),
         };
         let spec = spec::spec(record, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;

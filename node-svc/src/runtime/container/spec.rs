@@ -38,8 +38,24 @@ pub const ENVD_PATH: &str = "/.sandboxsched/envd";
 /// sandbox goes before the node. Positive because lowering below 0 needs CAP_SYS_RESOURCE,
 /// which many hosts (containers among them) do not grant even to root.
 pub const ENVD_OOM_SCORE_ADJ: i64 = 300;
-/// Processes a sandbox may have at once.
+/// Processes a sandbox may have at once, at most.
 pub const PIDS_LIMIT: i64 = 8192;
+/// Processes a sandbox may have at once, at least (a shell, envd and a few tools).
+pub const PIDS_FLOOR: i64 = 64;
+
+/// The processes a sandbox of `memory_bytes` may have on a node whose sandboxes may have
+/// `node_pids` together and which holds `node_memory_bytes`: its share of the node's memory,
+/// of the node's processes, within [`PIDS_FLOOR`] and [`PIDS_LIMIT`]. Placement never puts
+/// more memory on a node than it has, so the shares add up to the node's limit at most (but
+/// for sandboxes so small that the floor lifts them): one tenant's fork bomb leaves its
+/// neighbours the processes they were promised, not just the host its own.
+pub fn pids_limit(node_pids: u64, node_memory_bytes: u64, memory_bytes: u64) -> i64 {
+    if node_memory_bytes == 0 {
+        return PIDS_FLOOR;
+    }
+    let share = u128::from(node_pids) * u128::from(memory_bytes) / u128::from(node_memory_bytes);
+    i64::try_from(share).unwrap_or(PIDS_LIMIT).clamp(PIDS_FLOOR, PIDS_LIMIT)
+}
 /// CFS period for the CPU quota.
 const CPU_PERIOD_US: u64 = 100_000;
 
@@ -59,6 +75,8 @@ pub struct Inputs<'a> {
     pub host_userland: bool,
     /// The host uid and gid root inside runs as: the first of the sandbox's [`ID_RANGE`] ids.
     pub host_ids: u32,
+    /// Processes it may have at once ([`pids_limit`]).
+    pub pids_limit: i64,
 }
 
 const CAPABILITIES: [&str; 14] = [
@@ -203,7 +221,7 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
             "resources": {
                 "memory": {"limit": memory, "swap": memory},
                 "cpu": {"quota": (vcpus * CPU_PERIOD_US) as i64, "period": CPU_PERIOD_US},
-                "pids": {"limit": PIDS_LIMIT}
+                "pids": {"limit": inputs.pids_limit}
             },
             "seccomp": {
                 "defaultAction": "SCMP_ACT_ALLOW",
@@ -264,6 +282,7 @@ mod tests {
             host_dirs: &[],
             host_userland: true,
             host_ids: 1 << 24,
+            pids_limit: 300,
         };
         let spec = spec(&record(), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
@@ -282,6 +301,7 @@ mod tests {
         assert_eq!(json["process"]["noNewPrivileges"], true);
         assert_eq!(json["linux"]["resources"]["memory"]["limit"], 512 << 20);
         assert_eq!(json["linux"]["resources"]["cpu"]["quota"], 200_000);
+        assert_eq!(json["linux"]["resources"]["pids"]["limit"], 300);
         let bounding = json["process"]["capabilities"]["bounding"].as_array().unwrap();
         assert!(!bounding.iter().any(|c| c == "CAP_SYS_ADMIN" || c == "CAP_NET_ADMIN"));
         let env: Vec<&str> = json["process"]["env"]
@@ -304,6 +324,19 @@ mod tests {
     }
 
     #[test]
+    fn a_sandbox_gets_its_memory_share_of_the_nodes_processes() {
+        const GIB: u64 = 1 << 30;
+        // Half the memory, half the processes; shares add up to the node's limit.
+        assert_eq!(pids_limit(24_576, 16 * GIB, 8 * GIB), 12_288.min(PIDS_LIMIT));
+        assert_eq!(pids_limit(4096, 16 * GIB, 4 * GIB), 1024);
+        assert_eq!((0..4).map(|_| pids_limit(4096, 16 * GIB, 4 * GIB)).sum::<i64>(), 4096);
+        // Within the floor and the ceiling, whatever the numbers.
+        assert_eq!(pids_limit(4096, 16 * GIB, 1 << 20), PIDS_FLOOR);
+        assert_eq!(pids_limit(u64::MAX, 1, u64::MAX), PIDS_LIMIT);
+        assert_eq!(pids_limit(4096, 0, GIB), PIDS_FLOOR);
+    }
+
+    #[test]
     fn an_image_brings_its_own_userland_and_defaults() {
         let inputs = Inputs {
             rootfs: Path::new("/state/sbx1/rootfs"),
@@ -312,6 +345,7 @@ mod tests {
             host_dirs: &[],
             host_userland: false,
             host_ids: HOST_ID_BASE,
+            pids_limit: PIDS_LIMIT,
         };
         let mut record = record();
         record.image = Some(common::template::Image {
