@@ -246,6 +246,49 @@ impl Serving {
         self.servers.push(Server { name, task, on_stop });
     }
 
+    /// Serves an HTTP router (HTTP/1.1 and h2, upgrades spliced) over mutual TLS on
+    /// `listener` until stopped: every connection must complete a handshake with a client
+    /// certificate of the cluster (`tls`, from [`mtls::Credentials::http_server`]) naming one
+    /// of `callers`, or it is closed before a byte of HTTP is read.
+    pub fn https(
+        &mut self,
+        name: &'static str,
+        listener: Listener,
+        router: axum::Router,
+        tls: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+        callers: &'static [mtls::Role],
+        on_stop: OnStop,
+    ) {
+        let mut stopped = self.stopping();
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        let task = tokio::spawn(async move {
+            // Owned by this task: aborting it (OnStop::Abort) drops every connection with it.
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let accepted = tokio::select! {
+                    accepted = listener.listener.accept() => accepted,
+                    _ = stopped.wait_for(|stop| *stop) => break,
+                    Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+                };
+                let (tcp, peer) = match accepted {
+                    Ok(pair) => pair,
+                    Err(err) => {
+                        // Out of descriptors, most likely: give the open ones a moment.
+                        tracing::warn!(server = name, %err, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
+                if let Err(err) = tcp.set_nodelay(true) {
+                    tracing::debug!(%err, "TCP_NODELAY not set");
+                }
+                connections.spawn(serve_tls(name, acceptor.clone(), tcp, peer, router.clone(), callers));
+            }
+            while connections.join_next().await.is_some() {}
+        });
+        self.servers.push(Server { name, task, on_stop });
+    }
+
     /// A task that lives as long as the service and is aborted when it stops.
     pub fn background(&mut self, task: JoinHandle<()>) {
         self.background.push(task);
@@ -273,5 +316,48 @@ impl Serving {
         for task in &self.background {
             task.abort();
         }
+    }
+}
+
+/// How long a client may take over its TLS handshake before it is dropped.
+const TLS_HANDSHAKE: Duration = Duration::from_secs(10);
+
+/// One connection of [`Serving::https`]: the handshake, the caller's role, then HTTP.
+async fn serve_tls(
+    name: &'static str,
+    acceptor: tokio_rustls::TlsAcceptor,
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    router: axum::Router,
+    callers: &'static [mtls::Role],
+) {
+    let tls = match tokio::time::timeout(TLS_HANDSHAKE, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(err)) => {
+            tracing::info!(server = name, %peer, %err, "TLS handshake refused");
+            return;
+        }
+        Err(_) => {
+            tracing::info!(server = name, %peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    let role = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .and_then(mtls::authorize::role_of);
+    if !role.is_some_and(|role| callers.contains(&role)) {
+        tracing::warn!(server = name, %peer, ?role, "connection refused: not a caller of this server");
+        return;
+    }
+    let service = hyper_util::service::TowerToHyperService::new(router);
+    let builder = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    if let Err(err) = builder
+        .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(tls), service)
+        .await
+    {
+        tracing::debug!(server = name, %peer, %err, "connection ended with an error");
     }
 }

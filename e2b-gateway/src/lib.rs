@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod intent;
+pub mod node_http;
 pub mod proxy;
 pub mod sandboxes;
 pub mod server;

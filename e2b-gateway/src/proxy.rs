@@ -17,13 +17,13 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use envd_wire::access::{self, Presented};
 use envd_wire::{headers, ENVD_PORT};
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use ledger_client::{LedgerClient, WatchEvent};
 use serde_json::json;
 use tokio::sync::RwLock;
@@ -40,6 +40,8 @@ pub struct Routes {
 
 #[derive(Clone, Debug)]
 struct Route {
+    /// The node that runs it, and that node's envd endpoint (`http://HOST:PORT`).
+    node_id: String,
     envd: String,
     running: bool,
     /// Another operation (a move) owns the sandbox: hold its requests.
@@ -53,6 +55,7 @@ struct Route {
 
 fn route_of(doc: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Option<Route> {
     (!doc.envd_address.is_empty() || doc.lifecycle_owner.is_some()).then(|| Route {
+        node_id: doc.node_id.clone(),
         envd: doc.envd_address.clone(),
         running: doc.phase == SandboxPhase::Running,
         moving: doc.lifecycle_owner.is_some(),
@@ -229,7 +232,8 @@ impl Drop for Wake<'_> {
 pub struct Proxy {
     pub routes: Routes,
     pub ledger: LedgerClient,
-    pub http: reqwest::Client,
+    /// The hop to the nodes (mutual TLS, each node checked by its ID).
+    pub nodes: crate::node_http::NodeHttp,
     /// For resuming a paused sandbox that asked to be resumed by its traffic.
     pub sandboxes: Arc<crate::sandboxes::Sandboxes>,
 }
@@ -328,11 +332,11 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
     };
     let (parts, body) = request.into_parts();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let url = format!("{}{path}", route.envd);
-    let mut outbound = proxy
-        .http
-        .request(parts.method.clone(), &url)
-        .body(reqwest::Body::wrap_stream(body.into_data_stream()));
+    let Ok(uri) = proxy.nodes.uri(&route.node_id, &route.envd, path) else {
+        tracing::warn!(sandbox_id = %id, envd = %route.envd, "envd proxy: not a node address");
+        return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox's node is unreachable");
+    };
+    let mut outbound = Request::builder().method(parts.method.clone()).uri(uri);
     for (name, value) in &parts.headers {
         if name == "host" || name == headers::SANDBOX_ID || HOP_BY_HOP.contains(&name.as_str()) {
             continue;
@@ -341,26 +345,21 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
     }
     // The node tells sandboxes apart by this header, whichever way the request named its own.
     outbound = outbound.header(headers::SANDBOX_ID, &id);
-    match outbound.send().await {
+    let Ok(outbound) = outbound.body(body) else {
+        return sandbox_error(StatusCode::BAD_REQUEST, &id, "the request cannot be passed on");
+    };
+    match proxy.nodes.send(outbound).await {
         Ok(answer) if answer.headers().contains_key(headers::MISSING) => {
             // The node no longer has it (killed, or moved away a moment ago).
             proxy.routes.forget(&id).await;
             sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found")
         }
         Ok(answer) => {
-            let mut response = Response::builder().status(answer.status().as_u16());
-            for (name, value) in answer.headers() {
-                if HOP_BY_HOP.contains(&name.as_str()) {
-                    continue;
-                }
-                if let Ok(name) = HeaderName::from_bytes(name.as_str().as_bytes()) {
-                    response = response.header(name, value.as_bytes());
-                }
+            let (mut head, body) = answer.into_parts();
+            for name in HOP_BY_HOP {
+                head.headers.remove(name);
             }
-            let stream = answer.bytes_stream().map_err(std::io::Error::other);
-            response
-                .body(Body::from_stream(stream))
-                .unwrap_or_else(|_| sandbox_error(StatusCode::BAD_GATEWAY, &id, "bad answer from the node"))
+            Response::from_parts(head, Body::new(body))
         }
         Err(err) => {
             tracing::warn!(sandbox_id = %id, %err, "envd proxy: node unreachable");
@@ -385,19 +384,13 @@ async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: 
         Ok(route) => route,
         Err(response) => return response,
     };
-    let node = route
-        .envd
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .to_string();
-    let stream = match tokio::net::TcpStream::connect(&node).await {
+    let stream = match proxy.nodes.connect(&route.node_id, &route.envd).await {
         Ok(stream) => stream,
         Err(err) => {
             tracing::warn!(sandbox_id = %id, %err, "port proxy: node unreachable");
             return sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node is unreachable");
         }
     };
-    let _ = stream.set_nodelay(true);
     // The node tells sandboxes and ports apart by these, whichever way the request named them.
     let (Ok(sandbox), Ok(port)) = (HeaderValue::from_str(id), HeaderValue::from_str(&port.to_string())) else {
         return sandbox_error(StatusCode::BAD_REQUEST, id, "not a sandbox ID");

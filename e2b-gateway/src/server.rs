@@ -240,16 +240,12 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .layer(axum::middleware::map_response(api::e2b_shaped))
         .with_state(gateway);
     let routes = sandboxes.routes.clone();
-    let http = reqwest::Client::builder()
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build()
-        .map_err(|e| StartError::Config(e.to_string()))?;
     let app = Router::new().fallback(dispatch).with_state(Dispatch {
         api: api_router,
         proxy: Proxy {
             routes: routes.clone(),
             ledger: ledger.clone(),
-            http,
+            nodes: crate::node_http::NodeHttp::new(&config.security),
             sandboxes: sandboxes.clone(),
         },
         domain,

@@ -127,16 +127,38 @@ async fn envd_through_the_gateway_needs_the_sandboxs_own_token() {
         .unwrap();
     assert_eq!(health.status().as_u16(), 204);
 
-    // The node refuses on its own what reaches it without the token.
-    let direct = reqwest::Client::new()
-        .post(format!("{}/process.Process/List", s.node().envd_endpoint()))
+    // The node's envd endpoint is mutual TLS for gateways alone: a local user or network
+    // peer holding the sandbox's token, in clear or with another role's certificate, gets no
+    // further than the handshake.
+    let envd = s.node().envd_endpoint();
+    let node_id = s.nodes[0].id.clone();
+    let in_clear = reqwest::Client::new()
+        .post(format!("{envd}/process.Process/List"))
         .header("E2b-Sandbox-Id", &a.id)
+        .header("X-Access-Token", &a.token)
         .header("Content-Type", "application/json")
         .body("{}")
         .send()
-        .await
-        .unwrap();
-    assert_eq!(direct.status().as_u16(), 401);
+        .await;
+    assert!(in_clear.is_err(), "the node answered in clear: {in_clear:?}");
+    let direct = |role: stack::Role, token: Option<&str>| {
+        let hop = e2b_gateway::node_http::NodeHttp::new(&s.security(role));
+        let mut request = http::Request::post(hop.uri(&node_id, &envd, "/process.Process/List").unwrap())
+            .header("E2b-Sandbox-Id", &a.id)
+            .header("Content-Type", "application/json");
+        if let Some(token) = token {
+            request = request.header("X-Access-Token", token);
+        }
+        let request = request.body(axum::body::Body::from("{}")).unwrap();
+        async move { hop.send(request).await.map(|answer| answer.status().as_u16()) }
+    };
+    for role in [stack::Role::Balance, stack::Role::Operator] {
+        let answered = direct(role, Some(&a.token)).await;
+        assert!(answered.is_err(), "the node answered {role}: {answered:?}");
+    }
+    // A gateway gets through, and the node still refuses on its own what lacks the token.
+    assert_eq!(direct(stack::Role::Gateway, None).await.unwrap(), 401);
+    assert_eq!(direct(stack::Role::Gateway, Some(&a.token)).await.unwrap(), 200);
 
     // Another port goes to the sandbox's port (nothing listens on 8000: 502 saying so, in
     // E2B's shape); a malformed port is refused.

@@ -20,6 +20,10 @@ pub struct Credentials {
     role: Role,
     ca: Certificate,
     identity: Identity,
+    /// The same, for rustls itself (the HTTP hop from gateway to node, which tonic does not
+    /// carry): made once, shared by every connection.
+    http_server: Arc<rustls::ServerConfig>,
+    http_client: Arc<rustls::ClientConfig>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -54,11 +58,28 @@ impl Credentials {
         let ca = read(&ca_cert_path(dir))?;
         let cert = read(cert_path)?;
         let key = read_secret(key_path)?;
+        let (http_server, http_client) = rustls_configs(&ca, &cert, key.as_bytes())?;
         Ok(Self {
             role,
             ca: Certificate::from_pem(ca),
             identity: Identity::from_pem(cert, key),
+            http_server,
+            http_client,
         })
+    }
+
+    /// The TLS of an HTTP server of this role: its certificate, and a client certificate of
+    /// the cluster demanded of every caller (which role it names is the server's to check:
+    /// [`crate::authorize::role_of`] on the handshake's peer certificate).
+    pub fn http_server(&self) -> Arc<rustls::ServerConfig> {
+        self.http_server.clone()
+    }
+
+    /// The TLS of an HTTP client of this role: the cluster CA alone trusted, this role's
+    /// certificate presented; the name to check is the connection's (a node's:
+    /// [`crate::node_dns_name`]).
+    pub fn http_client(&self) -> Arc<rustls::ClientConfig> {
+        self.http_client.clone()
     }
 
     /// A server's TLS: present this role's certificate, demand a client certificate signed by
@@ -140,4 +161,43 @@ impl Security {
             Security::Plaintext => Endpoint::from_shared(format!("http://{bare}")).map_err(|e| refuse(e.to_string())),
         }
     }
+}
+
+/// The rustls server and client configurations of one pair, trusting the cluster CA alone.
+fn rustls_configs(
+    ca: &[u8],
+    cert: &[u8],
+    key: &[u8],
+) -> Result<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>), TlsError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |what: &str, e: String| TlsError::Config(format!("{what}: {e}"));
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_slice_iter(ca) {
+        roots
+            .add(ca.map_err(|e| bad("the CA certificate", e.to_string()))?)
+            .map_err(|e| bad("the CA certificate", e.to_string()))?;
+    }
+    let roots = Arc::new(roots);
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad("the certificate", e.to_string()))?;
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| bad("the key", e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .build()
+        .map_err(|e| bad("the client verifier", e.to_string()))?;
+    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS versions", e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(|e| bad("the server's certificate", e.to_string()))?;
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS versions", e.to_string()))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| bad("the client's certificate", e.to_string()))?;
+    Ok((Arc::new(server), Arc::new(client)))
 }

@@ -227,7 +227,20 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode, StartError> {
     // envd requests are commands and watches that may stream for as long as the client
     // likes: stopping the node drops them rather than waiting.
     let envd_router = crate::envd::Envd::new(host.clone()).router();
-    serving.http("envd", envd_listener, envd_router, OnStop::Abort);
+    // Under mutual TLS only gateways reach it (with a sandbox's token on top): the tokens
+    // travel in TLS, and a local user or network peer holding a stolen token gets no further
+    // than the handshake.
+    match &config.security {
+        mtls::Security::MutualTls(credentials) => serving.https(
+            "envd",
+            envd_listener,
+            envd_router,
+            credentials.http_server(),
+            &[mtls::Role::Gateway],
+            OnStop::Abort,
+        ),
+        mtls::Security::Plaintext => serving.http("envd", envd_listener, envd_router, OnStop::Abort),
+    }
     let sampled = host.clone();
     let every = config.sample_interval;
     serving.background(tokio::spawn(async move {
