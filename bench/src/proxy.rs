@@ -30,6 +30,10 @@ pub struct Args {
     /// MiB uploaded (and downloaded back) through /files.
     #[arg(long, default_value_t = 1024)]
     upload_mib: u64,
+    /// The services talk without TLS (gRPC and the gateway's hop to the node; a stack is
+    /// mutual TLS otherwise), to see what TLS costs.
+    #[arg(long)]
+    plaintext: bool,
 }
 
 const DOMAIN: &str = "bench.test";
@@ -107,16 +111,18 @@ fn direct_get(pid: u32, path: &str) -> anyhow::Result<Duration> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
-    let stack = stack::Stack::builder()
+    let mut stack = stack::Stack::builder()
         .placement(|c| c.ledger_endpoint = None)
         .heartbeat(Duration::from_millis(200))
         .nodes(1)
         .gateway(|c| {
             c.keys = [("bench".to_string(), "bench".to_string())].into();
             c.domain = DOMAIN.to_string();
-        })
-        .start()
-        .await?;
+        });
+    if args.plaintext {
+        stack = stack.plaintext();
+    }
+    let stack = stack.start().await?;
     let gateway = stack.gateway.as_ref().context("the stack has a gateway")?;
     let url = gateway.url();
     let http = reqwest::Client::new();
@@ -246,8 +252,12 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let (through_p50, direct_p50) = (percentile(&mut through, 0.5), percentile(&mut direct, 0.5));
     let mib = args.upload_mib as f64;
     let mut report = Report::new(format!(
-        "proxy: one container through the gateway; {} commands, {} port requests each way, {} MB download, {} MiB through /files",
-        args.commands, args.requests, args.download_mb, args.upload_mib
+        "proxy: one container through the gateway; {} commands, {} port requests each way, {} MB download, {} MiB through /files; {}",
+        args.commands,
+        args.requests,
+        args.download_mb,
+        args.upload_mib,
+        if args.plaintext { "plaintext" } else { "mutual TLS to the node" }
     ));
     report
         .figure(

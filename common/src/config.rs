@@ -177,6 +177,19 @@ mod tests {
     }
 
     #[test]
+    fn a_password_in_a_url_is_not_repeated() {
+        assert_eq!(
+            redacted("postgres://app:s3cret@db:5432/x?sslmode=require"),
+            "postgres://app:***@db:5432/x?sslmode=require"
+        );
+        assert_eq!(redacted("redis://:s3cret@redis:6379"), "redis://:***@redis:6379");
+        assert_eq!(redacted("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redacted("postgres://postgres@db/x"), "postgres://postgres@db/x");
+        assert_eq!(redacted("sqlite://data/ledger.db"), "sqlite://data/ledger.db");
+        assert_eq!(redacted("nonsense"), "nonsense");
+    }
+
+    #[test]
     fn the_file_sets_defaults_and_flags_override_it() {
         let file = "[demo]\nlisten = \"0.0.0.0:9\"\nk = 5\n[other]\nk = 1\n";
         let demo = parse_with(file, &[]).unwrap();
@@ -206,6 +219,23 @@ mod tests {
             config_path(&["x".into(), "--config=a.toml".into()]),
             Some(PathBuf::from("a.toml"))
         );
+    }
+}
+
+/// `url` with the password of its user part (`scheme://user:PASSWORD@host/…`) replaced by
+/// `***`: for error messages and logs, which other people read.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority
+        .rsplit_once('@')
+        .and_then(|(user, host)| Some((user.split_once(':')?.0, host)))
+    {
+        Some((name, host)) => format!("{scheme}://{name}:***@{host}{tail}"),
+        None => url.to_string(),
     }
 }
 

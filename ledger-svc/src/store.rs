@@ -253,7 +253,7 @@ impl Store {
     /// `sqlite://PATH` or `postgres://…`. Call [`Store::migrate`] before use.
     pub fn open(url: &str) -> Result<Self, StoreError> {
         let bad = |reason: String| StoreError::BadUrl {
-            url: url.to_string(),
+            url: common::config::redacted(url),
             reason,
         };
         let pool = if url.starts_with("sqlite:") {

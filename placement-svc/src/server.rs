@@ -91,7 +91,10 @@ impl PlacementConfig {
         }
         if let StoreConfig::Redis { url, .. } = &self.store {
             if !url.starts_with("redis://") && !url.starts_with("rediss://") {
-                return Err(format!("redis url must start with redis:// (got {url:?})"));
+                return Err(format!(
+                    "redis url must start with redis:// (got {:?})",
+                    common::config::redacted(url)
+                ));
             }
         }
         Ok(())

@@ -32,14 +32,9 @@ def compose(*args, check=True, timeout=300):
 
 
 def ctl(*args):
-    """sandboxsched-ctl inside the balance container, against the services' own addresses."""
-    out = compose(
-        "exec", "-T",
-        "-e", "SANDBOXSCHED_LEDGER=http://ledger:7001",
-        "-e", "SANDBOXSCHED_PLACEMENT=http://placement:7002",
-        "-e", "SANDBOXSCHED_BALANCE=http://127.0.0.1:7003",
-        "balance", "sandboxsched-ctl", "--json", *args,
-    )
+    """sandboxsched-ctl in the operator's container (the one that holds the operator's pair),
+    against the services' own addresses."""
+    out = compose("exec", "-T", "operator", "sandboxsched-ctl", "--json", *args)
     return json.loads(out) if out.strip().startswith(("{", "[")) else out
 
 
@@ -97,6 +92,23 @@ def stack():
             capture_output=True, text=True,
         ).stdout.split()
         assert volumes == [], f"down -v left volumes: {volumes}"
+
+
+def test_each_container_holds_its_own_key_alone(stack):
+    """A broken-into container holds its own pair and the CA's certificate, never another
+    role's key or the CA's."""
+    expected = {
+        "ledger": {"ca.pem", "ledger.pem", "ledger.key"},
+        "placement": {"ca.pem", "placement.pem", "placement.key"},
+        "balance": {"ca.pem", "balance.pem", "balance.key"},
+        "gateway": {"ca.pem", "gateway.pem", "gateway.key", "tokens.key"},
+        "node-1": {"ca.pem", "node-node-1.pem", "node-node-1.key"},
+        "node-2": {"ca.pem", "node-node-2.pem", "node-node-2.key"},
+        "operator": {"ca.pem", "operator.pem", "operator.key"},
+    }
+    for service, files in expected.items():
+        held = set(compose("exec", "-T", service, "ls", "-A", "/certs").split())
+        assert held == files, f"{service} holds {sorted(held)}"
 
 
 def node_of(sandbox_id):

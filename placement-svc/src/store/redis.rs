@@ -122,8 +122,8 @@ impl RedisStore {
         rank: &RankConfig,
         max_unconfirmed: u32,
     ) -> Result<Self, StoreError> {
-        let client =
-            redis::Client::open(url).map_err(|e| StoreError::Internal(format!("bad redis url {url:?}: {e}")))?;
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::Internal(format!("bad redis url {:?}: {e}", common::config::redacted(url))))?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(2)))
