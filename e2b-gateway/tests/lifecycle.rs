@@ -10,6 +10,12 @@ use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::{LedgerClient, Txn};
 use support::{assert_e2b_error, stack};
 
+/// `connect` with a minute's timeout: resumes (or wakes) the sandbox.
+async fn connect(s: &support::Stack, id: &str) -> (u16, serde_json::Value) {
+    let path = format!("/sandboxes/{id}/connect");
+    s.call("POST", &path, Some("key-a"), Some(r#"{"timeout":60}"#)).await
+}
+
 async fn create(s: &support::Stack, body: &str) -> String {
     let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
     assert_eq!(status, 201, "{created:?}");
@@ -99,14 +105,7 @@ async fn dumps_of_the_ledger_and_the_blob_store_hold_no_tenant_secret() {
         .await
         .unwrap();
     store.put_bytes(&tar_key, crafted.into()).await.unwrap();
-    let (status, answer) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/connect"),
-            Some("key-a"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let (status, answer) = connect(&s, &id).await;
     assert_ne!(status, 201, "a swapped archive was restored: {answer}");
     assert!(answer["message"].is_string(), "{answer}");
     let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
@@ -114,14 +113,7 @@ async fn dumps_of_the_ledger_and_the_blob_store_hold_no_tenant_secret() {
 
     // The genuine archive wakes, with the tenant's files, environment and token.
     store.put_bytes(&tar_key, genuine).await.unwrap();
-    let (status, answer) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/connect"),
-            Some("key-a"),
-            Some(r#"{"timeout":60}"#),
-        )
-        .await;
+    let (status, answer) = connect(&s, &id).await;
     assert_eq!(status, 201, "{answer}");
     assert_eq!(
         std::fs::read_to_string(s.node().host().home(&id).join("keep.txt")).unwrap(),

@@ -126,13 +126,7 @@ impl Sandboxes {
             match self.hibernate(&doc.value).await {
                 Err(err) => tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place"),
                 Ok(sealed) => {
-                    doc.value.hibernation = Some(sealed);
-                    self.stop_on_node(&doc.value).await;
-                    doc.value.node_id.clear();
-                    doc.value.node_address.clear();
-                    doc.value.envd_address.clear();
-                    doc.value.epoch += 1;
-                    doc.value.phase = SandboxPhase::Hibernated;
+                    self.leave_node(&mut doc.value, sealed).await;
                     self.save(&doc).await?;
                     self.routes.forget(id).await;
                     return Ok(());
@@ -183,16 +177,24 @@ impl Sandboxes {
 
     /// A paused sandbox's files off its node, its frozen copy killed, then woken from the files.
     async fn reboot(&self, doc: &mut Versioned<SandboxDoc>) -> Result<(), Failure> {
-        doc.value.hibernation = Some(self.hibernate(&doc.value).await?);
-        self.stop_on_node(&doc.value).await;
-        doc.value.node_id.clear();
-        doc.value.node_address.clear();
-        doc.value.envd_address.clear();
-        doc.value.epoch += 1;
-        doc.value.phase = SandboxPhase::Hibernated;
+        let sealed = self.hibernate(&doc.value).await?;
+        self.leave_node(&mut doc.value, sealed).await;
         doc.version = self.save(doc).await?;
         self.routes.forget(&doc.value.sandbox_id).await;
         self.wake(doc).await
+    }
+
+    /// A sandbox whose files are in the store (`sealed`: the seal of its description, from
+    /// [`Sandboxes::hibernate`]) leaves its node: the frozen copy is killed, the manifest names
+    /// no node and a new epoch fences whatever the old copy might still be asked.
+    async fn leave_node(&self, doc: &mut SandboxDoc, sealed: String) {
+        doc.hibernation = Some(sealed);
+        self.stop_on_node(doc).await;
+        doc.node_id.clear();
+        doc.node_address.clear();
+        doc.envd_address.clear();
+        doc.epoch += 1;
+        doc.phase = SandboxPhase::Hibernated;
     }
 
     /// Sets when the sandbox ends, `secs` from now: one compare-and-swap on the version read,
