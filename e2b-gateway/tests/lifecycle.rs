@@ -10,6 +10,13 @@ use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use ledger_client::{LedgerClient, Txn};
 use support::{assert_e2b_error, stack};
 
+/// Pauses without memory (hibernates) and expects it done.
+async fn hibernate(s: &support::Stack, id: &str) {
+    let path = format!("/sandboxes/{id}/pause");
+    let (status, answer) = s.call("POST", &path, Some("key-a"), Some(r#"{"memory":false}"#)).await;
+    assert_eq!(status, 204, "{answer}");
+}
+
 /// `connect` with a minute's timeout: resumes (or wakes) the sandbox.
 async fn connect(s: &support::Stack, id: &str) -> (u16, serde_json::Value) {
     let path = format!("/sandboxes/{id}/connect");
@@ -57,15 +64,7 @@ async fn dumps_of_the_ledger_and_the_blob_store_hold_no_tenant_secret() {
     );
 
     // Hibernated: the store holds its archive, the manifest the seal of the rest.
-    let (status, _) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/pause"),
-            Some("key-a"),
-            Some(r#"{"memory":false}"#),
-        )
-        .await;
-    assert_eq!(status, 204);
+    hibernate(&s, &id).await;
     let store = blobs::from_url(&s.config().blob_store).unwrap();
     let meta_key = blobs::Key::new(format!("snapshots/{id}.json")).unwrap();
     let tar_key = blobs::Key::new(format!("snapshots/{id}.tar")).unwrap();
@@ -132,15 +131,7 @@ async fn pause_without_memory_frees_the_node_and_keeps_the_files() {
     let id = create(&s, r#"{"templateID":"base"}"#).await;
     std::fs::write(s.node().host().home(&id).join("keep.txt"), "still here").unwrap();
 
-    let (status, _) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/pause"),
-            Some("key-a"),
-            Some(r#"{"memory":false}"#),
-        )
-        .await;
-    assert_eq!(status, 204);
+    hibernate(&s, &id).await;
     let (_, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
     assert_eq!(detail["state"], "paused");
     assert!(
@@ -731,15 +722,7 @@ async fn metrics_are_a_series_of_what_the_sandbox_uses() {
         .await;
     assert!(latest["sandboxes"][&id]["memUsed"].as_u64().unwrap() > 0, "{latest}");
     // Hibernated (files only, off every node): an empty series.
-    let (status, _) = s
-        .call(
-            "POST",
-            &format!("/sandboxes/{id}/pause"),
-            Some("key-a"),
-            Some(r#"{"memory":false}"#),
-        )
-        .await;
-    assert_eq!(status, 204);
+    hibernate(&s, &id).await;
     let (status, empty) = s.call("GET", &path, Some("key-a"), None).await;
     assert_eq!((status, empty), (200, serde_json::json!([])));
     s.stop().await;
