@@ -39,7 +39,9 @@ pub enum RelayError {
     Request(hyper::Error),
 }
 
-fn is_upgrade(headers: &HeaderMap) -> bool {
+/// Whether `headers` ask for a protocol upgrade (WebSocket): such a request needs a connection
+/// of its own ([`relay`]); any other can go over a pooled one ([`prepare`]).
+pub fn is_upgrade(headers: &HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
         && headers
             .get_all(header::CONNECTION)
@@ -79,26 +81,7 @@ where
 {
     let upgrading = is_upgrade(request.headers());
     let client_side = upgrading.then(|| hyper::upgrade::on(&mut request));
-    // Origin form and a Host header, whatever the client spoke.
-    if !request.headers().contains_key(header::HOST) {
-        if let Some(authority) = request.uri().authority().cloned() {
-            if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-                request.headers_mut().insert(header::HOST, host);
-            }
-        }
-    }
-    let origin = request
-        .uri()
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .parse::<Uri>()
-        .unwrap_or_else(|_| Uri::from_static("/"));
-    *request.uri_mut() = origin;
-    *request.version_mut() = http::Version::HTTP_11;
-    strip_hop_by_hop(request.headers_mut(), upgrading);
-    for name in drop {
-        request.headers_mut().remove(*name);
-    }
+    prepare(&mut request, drop);
 
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -125,6 +108,39 @@ where
         strip_hop_by_hop(response.headers_mut(), false);
     }
     Ok(response.map(Body::new))
+}
+
+/// Readies `request` for the far side as [`relay`] sends it: a `Host` header and origin form
+/// whatever the client spoke, HTTP/1.1, no hop-by-hop headers (an upgrade's pair kept), none
+/// of the headers named in `drop`. A caller that sends it over a pooled client sets the URI
+/// the pool needs afterwards; the `Host` header stays the client's.
+pub fn prepare<B>(request: &mut Request<B>, drop: &[&str]) {
+    let upgrading = is_upgrade(request.headers());
+    // Origin form and a Host header, whatever the client spoke.
+    if !request.headers().contains_key(header::HOST) {
+        if let Some(authority) = request.uri().authority().cloned() {
+            if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
+                request.headers_mut().insert(header::HOST, host);
+            }
+        }
+    }
+    let origin = request
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .parse::<Uri>()
+        .unwrap_or_else(|_| Uri::from_static("/"));
+    *request.uri_mut() = origin;
+    *request.version_mut() = http::Version::HTTP_11;
+    strip_hop_by_hop(request.headers_mut(), upgrading);
+    for name in drop {
+        request.headers_mut().remove(*name);
+    }
+}
+
+/// Readies an answer that is not an upgrade's for the client: no hop-by-hop headers.
+pub fn prepare_answer<B>(response: &mut Response<B>) {
+    strip_hop_by_hop(response.headers_mut(), false);
 }
 
 #[cfg(test)]

@@ -384,6 +384,15 @@ async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: 
         Ok(route) => route,
         Err(response) => return response,
     };
+    // The node tells sandboxes and ports apart by these, whichever way the request named them.
+    let (Ok(sandbox), Ok(port)) = (HeaderValue::from_str(id), HeaderValue::from_str(&port.to_string())) else {
+        return sandbox_error(StatusCode::BAD_REQUEST, id, "not a sandbox ID");
+    };
+    request.headers_mut().insert(headers::SANDBOX_ID, sandbox);
+    request.headers_mut().insert(headers::SANDBOX_PORT, port);
+    if !common::relay::is_upgrade(request.headers()) {
+        return to_port_pooled(proxy, id, &route, request).await;
+    }
     let stream = match proxy.nodes.connect(&route.node_id, &route.envd).await {
         Ok(stream) => stream,
         Err(err) => {
@@ -391,14 +400,31 @@ async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: 
             return sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node is unreachable");
         }
     };
-    // The node tells sandboxes and ports apart by these, whichever way the request named them.
-    let (Ok(sandbox), Ok(port)) = (HeaderValue::from_str(id), HeaderValue::from_str(&port.to_string())) else {
-        return sandbox_error(StatusCode::BAD_REQUEST, id, "not a sandbox ID");
-    };
-    request.headers_mut().insert(headers::SANDBOX_ID, sandbox);
-    request.headers_mut().insert(headers::SANDBOX_PORT, port);
     match common::relay::relay(stream, request, &[]).await {
         Ok(response) => response,
+        Err(err) => {
+            tracing::warn!(sandbox_id = %id, %err, "port proxy: node did not answer");
+            sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node did not answer")
+        }
+    }
+}
+
+/// A request for a sandbox's port that asks for no upgrade: over the pooled connections to
+/// its node, so it pays no connection (and no TLS handshake) of its own.
+async fn to_port_pooled(proxy: &Proxy, id: &str, route: &Route, mut request: Request) -> Response {
+    common::relay::prepare(&mut request, &[]);
+    let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let Ok(uri) = proxy.nodes.uri(&route.node_id, &route.envd, &path) else {
+        tracing::warn!(sandbox_id = %id, envd = %route.envd, "port proxy: not a node address");
+        return sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node is unreachable");
+    };
+    *request.uri_mut() = uri;
+    match proxy.nodes.send(request).await {
+        Ok(answer) => {
+            let mut answer = answer.map(Body::new);
+            common::relay::prepare_answer(&mut answer);
+            answer
+        }
         Err(err) => {
             tracing::warn!(sandbox_id = %id, %err, "port proxy: node did not answer");
             sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node did not answer")
