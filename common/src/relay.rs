@@ -105,7 +105,7 @@ where
             }
         });
     } else {
-        strip_hop_by_hop(response.headers_mut(), false);
+        prepare_answer(&mut response);
     }
     Ok(response.map(Body::new))
 }
@@ -138,14 +138,32 @@ pub fn prepare<B>(request: &mut Request<B>, drop: &[&str]) {
     }
 }
 
-/// Readies an answer that is not an upgrade's for the client: no hop-by-hop headers.
+/// Readies an answer that is not an upgrade's for the client: no hop-by-hop headers, and
+/// HTTP/1.1 whatever the far side spoke. (A server in a sandbox that answers HTTP/1.0, as
+/// Python's `http.server` does, would otherwise have every hop back to the client close its
+/// connection after this answer: hyper writes a response in the version it carries.)
 pub fn prepare_answer<B>(response: &mut Response<B>) {
     strip_hop_by_hop(response.headers_mut(), false);
+    *response.version_mut() = http::Version::HTTP_11;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_goes_back_as_http_1_1_without_hop_by_hop_headers() {
+        let mut answer = Response::builder()
+            .version(http::Version::HTTP_10)
+            .header(header::CONNECTION, "close")
+            .header("x-kept", "1")
+            .body(())
+            .unwrap();
+        prepare_answer(&mut answer);
+        assert_eq!(answer.version(), http::Version::HTTP_11, "an HTTP/1.0 answer closes every hop");
+        assert!(!answer.headers().contains_key(header::CONNECTION));
+        assert!(answer.headers().contains_key("x-kept"));
+    }
 
     #[test]
     fn hop_by_hop_headers_go_and_an_upgrades_pair_stays() {
