@@ -160,7 +160,11 @@ mod tests {
             .body(())
             .unwrap();
         prepare_answer(&mut answer);
-        assert_eq!(answer.version(), http::Version::HTTP_11, "an HTTP/1.0 answer closes every hop");
+        assert_eq!(
+            answer.version(),
+            http::Version::HTTP_11,
+            "an HTTP/1.0 answer closes every hop"
+        );
         assert!(!answer.headers().contains_key(header::CONNECTION));
         assert!(answer.headers().contains_key("x-kept"));
     }
