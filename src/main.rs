@@ -239,8 +239,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let private_registries = args.private_registries.clone();
         // Nodes that share this host share its processes too.
         let pids_max = node_svc::runtime::cgroup::default_pids_max() / share;
+        // And its disk: each node promises its share of the free space, so together they
+        // promise no more than the host has.
+        let disk_overcommit = 1.0 / share as f64;
         builder = builder.named_node(format!("node-{i}"), move |c| {
             c.pids_max = Some(pids_max);
+            c.host.disk_overcommit = disk_overcommit;
             c.host.private_registries = private_registries;
             c.runtime = runtime;
             c.envd_binary = envd_binary;

@@ -28,6 +28,7 @@ pub fn status(err: NodeError) -> Status {
             Status::failed_precondition(message)
         }
         NodeError::Corrupt(_) => Status::data_loss(message),
+        NodeError::NoRoom(_) => Status::resource_exhausted(message),
         NodeError::Runtime(_) | NodeError::Io(_) => Status::internal(message),
     }
 }

@@ -25,6 +25,14 @@
 //! `prjquota` mounts there). A filesystem per sandbox needs only loop devices, which every
 //! kernel has, and says ENOSPC rather than EDQUOT, as a disk does.
 //!
+//! - **No disk is promised that the host cannot hold**: a sparse image costs only what is
+//!   written, so without a check a node would hand out more disk than it has, and the first
+//!   tenant to fill the host would make every other sandbox's writes fail with EIO. A new disk
+//!   is admitted only while the room every disk may still take (its size less what it already
+//!   holds) fits in the host's free space ([`admit`]); otherwise the create is refused for
+//!   room and the gateway tries another node. `--disk-overcommit` relaxes the promise
+//!   knowingly.
+//!
 //! A host without loop devices or `mkfs.ext4` keeps each `disk/` a plain folder: sandboxes
 //! run, unbounded, and the node says so in its health. So do sandboxes from before disks
 //! existed (a `disk/` with files and no image is never mounted over).
@@ -57,7 +65,83 @@ pub struct Disks {
     default_bytes: u64,
     /// Where formatted blank disks are kept, one per size (`None`: each disk formatted anew).
     blanks: Option<PathBuf>,
+    /// How many times the host's free space the disks may promise (1: never more than it has).
+    overcommit: f64,
 }
+
+/// The host's disk has no room for another sandbox's disk: what was asked, what the disks
+/// already promise, what is free.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error(
+    "no room for a {asked_mib} MiB disk: {disks} disks may still take {promised_mib} MiB and the host has {free_mib} MiB free (over-commit {overcommit})"
+)]
+pub struct NoRoom {
+    pub asked_mib: u64,
+    pub disks: usize,
+    pub promised_mib: u64,
+    pub free_mib: u64,
+    pub overcommit: f64,
+}
+
+/// What a node's disks may still take from the host: for each image, its size less the blocks
+/// it already holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Promised {
+    pub disks: usize,
+    pub bytes: u64,
+}
+
+/// Whether a new disk of `bytes` may be promised when the disks already promise `promised` and
+/// the host has `free` bytes free: the whole promise must fit in `overcommit` × `free`.
+pub fn admit(promised: Promised, free: u64, bytes: u64, overcommit: f64) -> Result<(), NoRoom> {
+    let after = promised.bytes.saturating_add(bytes);
+    if (after as f64) <= free as f64 * overcommit {
+        return Ok(());
+    }
+    Err(NoRoom {
+        asked_mib: bytes >> 20,
+        disks: promised.disks,
+        promised_mib: promised.bytes >> 20,
+        free_mib: free >> 20,
+        overcommit,
+    })
+}
+
+/// What the disks in the sandbox folders under `sandboxes` may still take.
+pub fn promised(sandboxes: &Path) -> io::Result<Promised> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut total = Promised::default();
+    for entry in std::fs::read_dir(sandboxes)? {
+        let Ok(image) = std::fs::symlink_metadata(entry?.path().join(IMAGE)) else {
+            continue;
+        };
+        total.disks += 1;
+        // st_blocks counts 512-byte units whatever the filesystem's block size.
+        let held = image.blocks().saturating_mul(512);
+        total.bytes = total.bytes.saturating_add(image.len().saturating_sub(held));
+    }
+    Ok(total)
+}
+
+/// Bytes an unprivileged writer may still write on the filesystem holding `path`.
+pub fn free_bytes(path: &Path) -> io::Result<u64> {
+    let stat = statvfs(path)?;
+    Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
+fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
+    let c = cpath(path)?;
+    // SAFETY: statvfs writes only into `stat`, which outlives the call.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat)
+}
+
+/// Held from a new disk's admission until its image exists, so two creates cannot both be
+/// admitted into the same free space.
+static ADMISSION: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[derive(Clone, Debug)]
 enum Kind {
@@ -91,6 +175,15 @@ impl Disks {
             kind,
             default_bytes,
             blanks: None,
+            overcommit: 1.0,
+        }
+    }
+
+    /// Lets the disks promise `factor` times the host's free space (see [`admit`]).
+    pub fn with_overcommit(self, factor: f64) -> Self {
+        Self {
+            overcommit: factor,
+            ..self
         }
     }
 
@@ -140,7 +233,13 @@ impl Disks {
                 tracing::warn!(path = %mount.display(), "a sandbox's files with no disk image; it keeps a plain folder");
                 return Ok(());
             }
-            self.make(mkfs, &image, self.size(bytes))?;
+            let bytes = self.size(bytes);
+            let _admitted = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(sandboxes) = dir.parent() {
+                admit(promised(sandboxes)?, free_bytes(sandboxes)?, bytes, self.overcommit)
+                    .map_err(|no_room| io::Error::new(io::ErrorKind::StorageFull, no_room))?;
+            }
+            self.make(mkfs, &image, bytes)?;
         }
         std::fs::create_dir_all(&mount)?;
         mount_image(&image, &mount)
@@ -252,12 +351,7 @@ pub fn usage(dir: &Path) -> Option<(u64, u64)> {
     if !mounted(&mount) {
         return None;
     }
-    let c = cpath(&mount).ok()?;
-    // SAFETY: statvfs writes only into `stat`, which outlives the call.
-    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
-        return None;
-    }
+    let stat = statvfs(&mount).ok()?;
     let total = stat.f_blocks.saturating_mul(stat.f_frsize);
     let free = stat.f_bfree.saturating_mul(stat.f_frsize);
     Some((total.saturating_sub(free), total))
@@ -528,6 +622,82 @@ mod tests {
         std::fs::write(other.join(MOUNT).join("mine"), "x").unwrap();
         remove_folder(&other).unwrap();
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A tenant cannot be promised disk the host does not have: on a host filesystem of 80 MiB
+    /// two 32 MiB disks are admitted and a third is refused for room, so each admitted disk
+    /// fills to its own size (ENOSPC inside it) instead of the host filling first (EIO for
+    /// everyone). Once a disk goes, its room is free again.
+    #[test]
+    fn no_disk_is_promised_past_the_hosts_free_space() {
+        let root = std::env::temp_dir().join(format!("disk-room-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&root).unwrap();
+        let c = cpath(&root).unwrap();
+        // SAFETY: valid NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                c.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                c"size=80m".as_ptr().cast(),
+            )
+        };
+        assert_eq!(rc, 0, "tmpfs: {}", io::Error::last_os_error());
+        let disks = Disks::probe(true, 32 << 20).with_blanks(root.join("blanks"));
+        let sandboxes = root.join("sandboxes");
+        let [a, b, c] = ["a", "b", "c"].map(|id| sandboxes.join(id));
+        disks.attach(&a, 0).unwrap();
+        disks.attach(&b, 0).unwrap();
+        let promised = promised(&sandboxes).unwrap();
+        assert_eq!(promised.disks, 2);
+        assert!(promised.bytes > 60 << 20, "{promised:?}");
+        let refused = disks.attach(&c, 0).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
+        assert!(refused.to_string().contains("no room for a 32 MiB disk"), "{refused}");
+        assert!(!c.join(IMAGE).exists(), "nothing of a refused disk is made");
+
+        for dir in [&a, &b] {
+            let mut file = File::create(dir.join(MOUNT).join("fill")).unwrap();
+            let chunk = vec![7u8; 1 << 20];
+            let full = (0..64).find_map(|_| {
+                io::Write::write_all(&mut file, &chunk)
+                    .and_then(|()| file.sync_data())
+                    .err()
+            });
+            assert_eq!(
+                full.and_then(|e| e.raw_os_error()),
+                Some(libc::ENOSPC),
+                "{}",
+                dir.display()
+            );
+        }
+
+        remove_folder(&b).unwrap();
+        disks.attach(&c, 0).unwrap();
+        for dir in [&a, &c] {
+            remove_folder(dir).unwrap();
+        }
+        let c = cpath(&root).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn admission_counts_what_disks_may_still_take() {
+        let two = Promised {
+            disks: 2,
+            bytes: 60 << 20,
+        };
+        assert_eq!(admit(two, 100 << 20, 32 << 20, 1.0), Ok(()));
+        let refused = admit(two, 80 << 20, 32 << 20, 1.0).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "no room for a 32 MiB disk: 2 disks may still take 60 MiB and the host has 80 MiB free (over-commit 1)"
+        );
+        assert_eq!(admit(two, 80 << 20, 32 << 20, 2.0), Ok(()), "over-commit is a choice");
+        assert_eq!(admit(Promised::default(), 0, 1, 1.0).map_err(|e| e.asked_mib), Err(0));
     }
 
     #[test]

@@ -82,6 +82,9 @@ pub enum NodeError {
     Io(String),
     #[error("snapshot corrupted: {0}")]
     Corrupt(String),
+    /// The node has no room for what was asked (another node may).
+    #[error("{0}")]
+    NoRoom(String),
 }
 
 impl From<RuntimeError> for NodeError {
@@ -105,6 +108,9 @@ fn io(err: impl std::fmt::Display) -> NodeError {
 
 /// A sandbox's disk could not be made or mounted.
 fn disk(err: std::io::Error) -> NodeError {
+    if err.kind() == std::io::ErrorKind::StorageFull {
+        return NodeError::NoRoom(format!("the sandbox's disk: {err}"));
+    }
     NodeError::Runtime(format!("the sandbox's disk: {err}"))
 }
 
@@ -135,6 +141,9 @@ pub struct HostConfig {
     /// files in plain folders of the state directory, unbounded; for measuring what disks
     /// cost, or a host whose state filesystem is bounded per tenant some other way).
     pub own_disks: bool,
+    /// How many times the host's free space sandboxes' disks may promise together (1: never
+    /// more than it has; see `crate::disk::admit`).
+    pub disk_overcommit: f64,
 }
 
 /// Template layers a node keeps cached unless told otherwise: 20 GiB.
@@ -326,7 +335,8 @@ impl Host {
     pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
         let dir = StateDir::new(&config.state_dir);
         let disks = crate::disk::Disks::probe(runtime.own_disks() && config.own_disks, config.disk_bytes)
-            .with_blanks(config.state_dir.join("container").join("disks"));
+            .with_blanks(config.state_dir.join("container").join("disks"))
+            .with_overcommit(config.disk_overcommit);
         let adopted = {
             let (dir, runtime, disks) = (dir.clone(), runtime.clone(), disks.clone());
             blocking(move || {
@@ -513,6 +523,14 @@ impl Host {
         let dir = self.shared.dir.clone();
         let readings = tokio::task::spawn_blocking(move || {
             let host_disk = disk_total(dir.root());
+            // What the disks may still take from the host, beside the host's own free space
+            // (`node_disk_free_bytes`): the room a create is admitted against.
+            if let Ok(promised) = crate::disk::promised(dir.root()) {
+                metrics::gauge!("node_disk_promised_bytes").set(promised.bytes as f64);
+            }
+            if let Ok(free) = crate::disk::free_bytes(dir.root()) {
+                metrics::gauge!("node_disk_free_bytes").set(free as f64);
+            }
             records
                 .into_iter()
                 .map(|record| {
@@ -1581,6 +1599,7 @@ mod tests {
             disk_bytes: crate::host::DEFAULT_DISK_BYTES,
             build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
             own_disks: true,
+            disk_overcommit: 1.0,
         }
     }
 

@@ -93,6 +93,13 @@ struct Args {
     /// (no size limit): for measuring what the disks cost.
     #[arg(long, env = "NODE_NO_SANDBOX_DISKS")]
     no_sandbox_disks: bool,
+    /// How many times the host's free space sandboxes' disks may promise together. Disks are
+    /// sparse: each costs only what is written, so a node could hand out more than it has and
+    /// let the first tenant to fill the host break every other's writes. At 1 (the default) a
+    /// create is refused for room (the gateway tries another node) unless every disk could
+    /// still fill to its size; above 1 the operator takes that risk knowingly.
+    #[arg(long, env = "NODE_DISK_OVERCOMMIT", default_value_t = 1.0, value_parser = overcommit)]
+    disk_overcommit: f64,
     /// Megabytes of disk each builder container of a template build gets.
     #[arg(long, env = "NODE_BUILD_DISK_MB", default_value_t = node_svc::host::DEFAULT_BUILD_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
     build_disk_mb: u64,
@@ -146,6 +153,7 @@ async fn serve() -> anyhow::Result<()> {
     config.host.disk_bytes = args.sandbox_disk_mb << 20;
     config.host.build_disk_bytes = args.build_disk_mb << 20;
     config.host.own_disks = !args.no_sandbox_disks;
+    config.host.disk_overcommit = args.disk_overcommit;
     config.host.private_registries = args.private_registries;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store
@@ -185,4 +193,12 @@ async fn serve() -> anyhow::Result<()> {
     node.stop().await;
     telemetry.shutdown().await;
     Ok(())
+}
+
+/// A disk over-commit factor: a finite number of at least 0.1.
+fn overcommit(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(factor) if factor.is_finite() && factor >= 0.1 => Ok(factor),
+        _ => Err(format!("{text:?} is not a factor of at least 0.1")),
+    }
 }

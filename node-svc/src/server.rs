@@ -103,6 +103,7 @@ impl NodeConfig {
                 disk_bytes: crate::host::DEFAULT_DISK_BYTES,
                 build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
                 own_disks: true,
+                disk_overcommit: 1.0,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),

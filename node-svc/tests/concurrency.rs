@@ -172,6 +172,7 @@ impl Node {
             disk_bytes: node_svc::host::DEFAULT_DISK_BYTES,
             build_disk_bytes: node_svc::host::DEFAULT_BUILD_DISK_BYTES,
             own_disks: true,
+            disk_overcommit: 1.0,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 
