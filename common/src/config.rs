@@ -187,6 +187,8 @@ mod tests {
         assert_eq!(redacted("postgres://postgres@db/x"), "postgres://postgres@db/x");
         assert_eq!(redacted("sqlite://data/ledger.db"), "sqlite://data/ledger.db");
         assert_eq!(redacted("nonsense"), "nonsense");
+        assert_eq!(redacted("redis://:a/b?c#d@redis:6379/0"), "redis://:***@redis:6379/0");
+        assert_eq!(redacted("postgres://u:p#1@db/x"), "postgres://u:***@db/x");
     }
 
     #[test]
@@ -223,18 +225,24 @@ mod tests {
 }
 
 /// `url` with the password of its user part (`scheme://user:PASSWORD@host/…`) replaced by
-/// `***`: for error messages and logs, which other people read.
+/// `***`: for error messages and logs, which other people read. A password holding an
+/// unencoded `/`, `?` or `#` (a malformed URL, the very case that ends up in an error) is
+/// still hidden: without an `@` before the first of those, the user part runs to the last `@`.
 pub fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority
-        .rsplit_once('@')
-        .and_then(|(user, host)| Some((user.split_once(':')?.0, host)))
-    {
-        Some((name, host)) => format!("{scheme}://{name}:***@{host}{tail}"),
+    let user_end = match rest[..authority_end].rfind('@') {
+        Some(at) => Some(at),
+        None => rest.rfind('@'),
+    };
+    let Some(user_end) = user_end else {
+        return url.to_string();
+    };
+    let (user, host) = (&rest[..user_end], &rest[user_end..]);
+    match user.split_once(':') {
+        Some((name, _password)) => format!("{scheme}://{name}:***{host}"),
         None => url.to_string(),
     }
 }

@@ -38,6 +38,11 @@ pub enum HopError {
     Request(#[from] hyper_util::client::legacy::Error),
 }
 
+/// How long a connection to a node (TCP, and TLS on the gateway's own connections) may take:
+/// a node that vanished from the network must fail a request, not hold it until the kernel
+/// gives up on the SYN minutes later.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// HTTP clients of the nodes, pooled per node and address.
 #[derive(Clone)]
 pub struct NodeHttp {
@@ -54,6 +59,7 @@ impl NodeHttp {
         };
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
+        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
         // https when TLS is configured, http otherwise: the URI's scheme says which.
         http.enforce_http(false);
         let config = tls.as_deref().cloned().unwrap_or_else(|| {
@@ -93,6 +99,17 @@ impl NodeHttp {
     /// A connection of its own to node `node_id`'s envd endpoint, for a relay that may be
     /// upgraded (WebSocket): the same checks as the pooled client.
     pub async fn connect(&self, node_id: &str, envd: &str) -> Result<Box<dyn NodeStream>, HopError> {
+        tokio::time::timeout(CONNECT_TIMEOUT, self.connect_now(node_id, envd))
+            .await
+            .map_err(|_| {
+                HopError::Connect(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection to node {node_id} within {CONNECT_TIMEOUT:?}"),
+                ))
+            })?
+    }
+
+    async fn connect_now(&self, node_id: &str, envd: &str) -> Result<Box<dyn NodeStream>, HopError> {
         let authority = host_port(envd)?;
         let tcp = TcpStream::connect(authority).await.map_err(HopError::Connect)?;
         let _ = tcp.set_nodelay(true);

@@ -16,13 +16,27 @@ use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
 use crate::store::{PlacementStore, StoreError};
 
-/// Where the placer's view lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where the placer's view lives. Its `Debug` form hides a password in the Redis URL (it is
+/// logged at start).
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreConfig {
     /// In this process (embedded default; one replica).
     Memory,
     /// In Redis, shared by every replica.
     Redis { url: String, prefix: String },
+}
+
+impl std::fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreConfig::Memory => f.write_str("Memory"),
+            StoreConfig::Redis { url, prefix } => f
+                .debug_struct("Redis")
+                .field("url", &common::config::redacted(url))
+                .field("prefix", prefix)
+                .finish(),
+        }
+    }
 }
 
 /// How placement-svc runs.
@@ -207,6 +221,16 @@ async fn serve<S: PlacementStore>(
 
 #[cfg(test)]
 mod policy_tests {
+    #[test]
+    fn the_logged_store_hides_its_password() {
+        let store = super::StoreConfig::Redis {
+            url: "redis://:s3cret@redis:6379".into(),
+            prefix: "p".into(),
+        };
+        let logged = format!("{store:?}");
+        assert!(!logged.contains("s3cret") && logged.contains("redis:6379"), "{logged}");
+    }
+
     #[test]
     fn the_policy_names_every_rpc_of_placement() {
         let proto = include_str!("../../proto/proto/sandboxsched/placement.proto");

@@ -143,6 +143,9 @@ impl Sandboxes {
         doc: &SandboxDoc,
         image: &node_pb::TemplateImage,
     ) -> Result<Placed, Failure> {
+        // Opened once, before any node is asked: a seal this gateway cannot open is its own
+        // fault (a token key unlike its peers'), not a node's to be retried elsewhere.
+        let env_vars = self.sealed_env(doc)?;
         let mut exclude = Vec::new();
         let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
         for attempt in 0..CREATE_ATTEMPTS {
@@ -172,7 +175,7 @@ impl Sandboxes {
                 Err(_) if attempt > 0 => return Err(last),
                 Err(status) => return Err(from_status("placement", status)),
             };
-            let started = self.start_on(doc, image, &placed, attempt).await;
+            let started = self.start_on(doc, image, &env_vars, &placed, attempt).await;
             let sandbox_ref = pl::SandboxRef {
                 sandbox_id: doc.sandbox_id.clone(),
                 node_id: placed.node_id.clone(),
@@ -204,10 +207,10 @@ impl Sandboxes {
         &self,
         doc: &SandboxDoc,
         image: &node_pb::TemplateImage,
+        env_vars: &std::collections::BTreeMap<String, String>,
         placed: &pl::PlaceResponse,
         attempt: usize,
     ) -> Result<String, Failure> {
-        let env_vars = self.sealed_env(doc)?;
         let mut node = self.nodes.client(&placed.node_id, &placed.node_address).await?;
         node.create(node_pb::CreateRequest {
             operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
@@ -219,7 +222,7 @@ impl Sandboxes {
                 memory_bytes: doc.memory_bytes,
                 disk_bytes: doc.disk_bytes,
             }),
-            env_vars: env_vars.into_iter().collect(),
+            env_vars: env_vars.clone().into_iter().collect(),
             metadata: doc.metadata.clone().into_iter().collect(),
             start_command: String::new(),
             access_token: self.tokens.envd(doc).unwrap_or_default(),

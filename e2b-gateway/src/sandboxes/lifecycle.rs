@@ -125,12 +125,16 @@ impl Sandboxes {
         if !memory {
             match self.hibernate(&doc.value).await {
                 Err(err) => tracing::warn!(sandbox_id = %id, %err, "hibernation failed; kept paused in place"),
-                Ok(sealed) => {
-                    self.leave_node(&mut doc.value, sealed).await;
-                    self.save(&doc).await?;
-                    self.routes.forget(id).await;
-                    return Ok(());
-                }
+                Ok(sealed) => match self.leave_node(&mut doc, sealed).await {
+                    Ok(()) => {
+                        self.save(&doc).await?;
+                        self.routes.forget(id).await;
+                        return Ok(());
+                    }
+                    Err(err) => {
+                        tracing::warn!(sandbox_id = %id, %err, "the hibernation's seal was not saved; kept paused in place")
+                    }
+                },
             }
         }
         doc.value.phase = SandboxPhase::Paused;
@@ -178,7 +182,7 @@ impl Sandboxes {
     /// A paused sandbox's files off its node, its frozen copy killed, then woken from the files.
     async fn reboot(&self, doc: &mut Versioned<SandboxDoc>) -> Result<(), Failure> {
         let sealed = self.hibernate(&doc.value).await?;
-        self.leave_node(&mut doc.value, sealed).await;
+        self.leave_node(doc, sealed).await?;
         doc.version = self.save(doc).await?;
         self.routes.forget(&doc.value.sandbox_id).await;
         self.wake(doc).await
@@ -186,15 +190,21 @@ impl Sandboxes {
 
     /// A sandbox whose files are in the store (`sealed`: the seal of its description, from
     /// [`Sandboxes::hibernate`]) leaves its node: the frozen copy is killed, the manifest names
-    /// no node and a new epoch fences whatever the old copy might still be asked.
-    async fn leave_node(&self, doc: &mut SandboxDoc, sealed: String) {
-        doc.hibernation = Some(sealed);
+    /// no node and a new epoch fences whatever the old copy might still be asked. The seal is
+    /// saved in the manifest before the copy is killed: the archive in the store opens only
+    /// with it, so a save failing after the kill would lose the sandbox. The caller saves what
+    /// this leaves in `doc`.
+    async fn leave_node(&self, versioned: &mut Versioned<SandboxDoc>, sealed: String) -> Result<(), Failure> {
+        versioned.value.hibernation = Some(sealed);
+        versioned.version = self.save(versioned).await?;
+        let doc = &mut versioned.value;
         self.stop_on_node(doc).await;
         doc.node_id.clear();
         doc.node_address.clear();
         doc.envd_address.clear();
         doc.epoch += 1;
         doc.phase = SandboxPhase::Hibernated;
+        Ok(())
     }
 
     /// Sets when the sandbox ends, `secs` from now: one compare-and-swap on the version read,
