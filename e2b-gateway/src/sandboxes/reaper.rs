@@ -60,19 +60,22 @@ pub(super) enum Reap {
     ResolveClaim,
 }
 
+/// A kill's claim this old is finished by the reaper, whatever the claims' time to live: a kill
+/// that ended without the node's answer (the node died under it) told its caller "kill
+/// again", and a caller that does not would leave a manifest naming a sandbox that may be gone.
+/// Kills are idempotent, so finishing one early races nothing it could harm.
+const UNCONFIRMED_KILL_AFTER_MS: u64 = 5_000;
+
 /// What to do about a running or paused sandbox's user claim past its time to live: finish a
-/// kill (the user asked for it; kills are idempotent), resolve anything else against the node.
+/// kill (the user asked for it; kills are idempotent) after [`UNCONFIRMED_KILL_AFTER_MS`],
+/// resolve anything else against the node.
 fn stale_claim(doc: &SandboxDoc, now: u64, ttl_ms: u64) -> Option<Reap> {
     let claim = doc.lifecycle_owner.as_deref()?.strip_prefix(USER_CLAIM_PREFIX)?;
-    let since = doc.lifecycle_claimed_at_unix_ms.unwrap_or(0);
-    if now.saturating_sub(since) < ttl_ms {
-        return None;
+    let age = now.saturating_sub(doc.lifecycle_claimed_at_unix_ms.unwrap_or(0));
+    if claim.split(':').next() == Some(KILL) {
+        return (age >= ttl_ms.min(UNCONFIRMED_KILL_AFTER_MS)).then_some(Reap::Kill);
     }
-    Some(if claim.split(':').next() == Some(KILL) {
-        Reap::Kill
-    } else {
-        Reap::ResolveClaim
-    })
+    (age >= ttl_ms).then_some(Reap::ResolveClaim)
 }
 
 pub(super) fn reap(doc: &SandboxDoc, now: u64, patience: Patience) -> Option<Reap> {
@@ -300,8 +303,13 @@ mod tests {
         assert_eq!(reap(&pause, 1_000 + ttl, patience), Some(Reap::ResolveClaim));
         let resume = claimed(SandboxPhase::Paused, "user:resume:1");
         assert_eq!(reap(&resume, 1_000 + ttl, patience), Some(Reap::ResolveClaim));
+        // A kill the node never confirmed is finished well before the claims' time to live.
         let kill = claimed(SandboxPhase::Running, "user:kill:1");
-        assert_eq!(reap(&kill, 1_000 + ttl, patience), Some(Reap::Kill));
+        assert_eq!(reap(&kill, 1_000 + UNCONFIRMED_KILL_AFTER_MS - 1, patience), None);
+        assert_eq!(
+            reap(&kill, 1_000 + UNCONFIRMED_KILL_AFTER_MS, patience),
+            Some(Reap::Kill)
+        );
         // A move's ownership is the balancer's; a create's claim is the abandoned-create rule's.
         assert_eq!(
             reap(&claimed(SandboxPhase::Running, "plan.0"), u64::MAX / 2, patience),
