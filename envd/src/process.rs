@@ -182,6 +182,9 @@ impl Commands {
             Some(cwd) if !cwd.is_empty() => scope.resolve(cwd)?,
             _ => match scope.users.default_workdir() {
                 Some(workdir) if scope.hosted_home.is_none() && workdir.is_dir() => workdir.to_path_buf(),
+                // A home that is not there (an image's account with `/nonexistent`, a bare
+                // uid): `/`, where Docker starts a process with no working directory.
+                _ if scope.hosted_home.is_none() && !scope.home().is_dir() => std::path::PathBuf::from("/"),
                 _ => scope.home(),
             },
         };

@@ -81,11 +81,21 @@ impl Users {
         self.lookup(named.as_deref().unwrap_or(&self.default_user))
     }
 
-    /// The account called `name`.
+    /// The account called `name`: by name in the passwd file; as Docker runs an image's
+    /// `USER`, a number (`UID` or `UID:GID`) is that passwd entry's account when one has the
+    /// uid, else those ids with `/` as home; and `root` is uid 0 even in an image with no
+    /// passwd file at all (built `FROM scratch`).
     pub fn lookup(&self, name: &str) -> Result<User, RpcError> {
         let text = std::fs::read_to_string(&self.passwd).unwrap_or_default();
-        if let Some(user) = parse(&text).into_iter().find(|u| u.name == name) {
-            return Ok(user);
+        let accounts = parse(&text);
+        if let Some(user) = accounts.iter().find(|u| u.name == name) {
+            return Ok(user.clone());
+        }
+        // Outside a container (unisolated) ids are the host's: nothing is made up there.
+        if self.fallback_home.is_none() {
+            if let Some(user) = numeric(name, &accounts) {
+                return Ok(user);
+            }
         }
         match &self.fallback_home {
             Some(home) if name == DEFAULT_USER => Ok(User {
@@ -110,6 +120,36 @@ impl Users {
             |u| u.name,
         )
     }
+}
+
+/// The account a numeric user (`UID`, `UID:GID`, or `root`) stands for when no passwd entry is
+/// called that: the entry with that uid (its gid unless one is given), else the bare ids with
+/// `/root` (uid 0, when it exists) or `/` as home.
+fn numeric(name: &str, accounts: &[User]) -> Option<User> {
+    let (uid, gid) = match name {
+        "root" => (0, None),
+        _ => match name.split_once(':') {
+            Some((uid, gid)) => (uid.parse().ok()?, Some(gid.parse().ok()?)),
+            None => (name.parse().ok()?, None),
+        },
+    };
+    if let Some(known) = accounts.iter().find(|u| u.uid == uid) {
+        return Some(User {
+            gid: gid.unwrap_or(known.gid),
+            ..known.clone()
+        });
+    }
+    let home = if uid == 0 && Path::new("/root").is_dir() {
+        "/root"
+    } else {
+        "/"
+    };
+    Some(User {
+        name: name.to_string(),
+        uid,
+        gid: gid.unwrap_or(0),
+        home: PathBuf::from(home),
+    })
 }
 
 /// The user of `Authorization: Basic base64("name:")`, if the header is there and well formed.
@@ -179,6 +219,20 @@ mod tests {
         );
         let err = users.lookup("mallory").unwrap_err();
         assert_eq!(err.code, Code::InvalidArgument);
+
+        // As Docker runs an image's USER: a uid in the passwd file is its account, any other
+        // number those ids, with `/` as home.
+        let by_uid = users.lookup("1000").unwrap();
+        assert_eq!((by_uid.name.as_str(), by_uid.gid), ("user", 1000));
+        assert_eq!(users.lookup("1000:5").unwrap().gid, 5);
+        let bare = users.lookup("4242").unwrap();
+        assert_eq!((bare.uid, bare.gid, bare.home.as_path()), (4242, 0, Path::new("/")));
+        assert!(users.lookup("12ab").is_err());
+
+        // An image with no passwd file (FROM scratch): root is uid 0 all the same.
+        let scratch = Users::new(dir.join("missing"), None);
+        assert_eq!(scratch.lookup("root").unwrap().uid, 0);
+        assert!(scratch.lookup("user").is_err(), "a name must exist");
 
         let unisolated = Users::new(dir.join("missing"), Some(dir.clone()));
         assert_eq!(unisolated.lookup("user").unwrap().home, dir);
