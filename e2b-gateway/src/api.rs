@@ -793,7 +793,25 @@ fn entry_json(e: &proto::node::v1::LogEntry) -> Value {
     })
 }
 
-/// `limit` of a logs request: 0 to 1000, 1000 when absent.
+/// A v1 log `line`: the entry as one JSON object, as E2B's lines are (its CLI parses each
+/// line and filters on `level` and on `logger` by service name). Our sources take E2B's
+/// service names: the start command's output is `process`; envd's and the node's own events
+/// are `system`.
+fn line_json(e: &proto::node::v1::LogEntry) -> String {
+    let mut line = serde_json::Map::new();
+    for (key, value) in &e.fields {
+        line.insert(key.clone(), Value::String(value.clone()));
+    }
+    let logger = match e.fields.get("logger").map(String::as_str) {
+        Some("start") => "process",
+        _ => "system",
+    };
+    line.insert("logger".into(), Value::String(logger.into()));
+    line.insert("level".into(), Value::String(e.level.clone()));
+    line.insert("message".into(), Value::String(e.message.clone()));
+    Value::Object(line).to_string()
+}
+
 /// Log levels, least severe first.
 pub(crate) const LEVELS: [&str; 4] = ["debug", "info", "warn", "error"];
 
@@ -857,7 +875,7 @@ pub async fn logs(
     let entries = log_entries(&g, &doc.value, request).await;
     let lines: Vec<Value> = entries
         .iter()
-        .map(|e| json!({"timestamp": rfc3339(e.at_unix_ms), "line": e.message}))
+        .map(|e| json!({"timestamp": rfc3339(e.at_unix_ms), "line": line_json(e)}))
         .collect();
     Ok(Json(
         json!({"logs": lines, "logEntries": entries.iter().map(entry_json).collect::<Vec<_>>()}),

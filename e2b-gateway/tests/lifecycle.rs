@@ -789,6 +789,13 @@ async fn a_sandboxs_logs_carry_its_lifecycle() {
         v1["logs"].as_array().unwrap().len(),
         v1["logEntries"].as_array().unwrap().len()
     );
-    assert!(v1["logs"][0]["line"].is_string(), "{v1}");
+    // Each line is one JSON object, as E2B's CLI (`e2b sandbox logs`) parses it: a level and
+    // a logger named for E2B's services.
+    for line in v1["logs"].as_array().unwrap() {
+        let parsed: serde_json::Value = serde_json::from_str(line["line"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("a v1 line that is not JSON ({e}): {line}"));
+        assert!(parsed["level"].is_string() && parsed["message"].is_string(), "{parsed}");
+        assert_eq!(parsed["logger"], "system", "envd's and the node's events: {parsed}");
+    }
     s.stop().await;
 }
