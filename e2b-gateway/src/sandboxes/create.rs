@@ -101,6 +101,10 @@ impl Sandboxes {
         let image = node_pb::TemplateImage::from(&intent.image);
         let placed = match self.place_and_start(&doc, &image).await {
             Ok(placed) => placed,
+            // A placement or node call that broke after it was sent may have reserved or
+            // started something this gateway cannot name: the manifest stays `creating`, and
+            // the reaper resolves it against every node (and releases every reservation).
+            Err(err @ Failure::Unknown(_)) => return Err(err),
             Err(err) => {
                 undo_manifest().await;
                 return Err(err);

@@ -37,7 +37,9 @@ impl Sandboxes {
         let mut doc = self.claim(team, id, KILL).await?;
         match self.kill_on_node(&doc.value).await {
             Ok(()) => {}
-            Err(Failure::Unavailable(why)) => {
+            // Not confirmed (the node did not answer, or the call broke after it was sent: a
+            // node killed under it): the claim stays, so the next kill, or the reaper, ends it.
+            Err(Failure::Unavailable(why) | Failure::Unknown(why)) => {
                 return Err(Failure::Unavailable(format!(
                     "the node did not confirm the kill ({why}); it may have landed: kill again"
                 )));
@@ -116,8 +118,12 @@ impl Sandboxes {
         }
         self.routes.set_running(id, false).await;
         if let Err(err) = self.node_call(&doc.value, Freeze::Pause).await {
-            self.routes.set_running(id, true).await;
-            self.unclaim(&mut doc).await;
+            // A pause that may have landed keeps its claim: past its time to live the reaper
+            // makes the manifest say what the node holds.
+            if !matches!(err, Failure::Unknown(_)) {
+                self.routes.set_running(id, true).await;
+                self.unclaim(&mut doc).await;
+            }
             return Err(err);
         }
         released(&mut doc.value);
@@ -160,6 +166,7 @@ impl Sandboxes {
     ) -> Result<(SandboxDoc, bool), Failure> {
         let mut doc = self.claim(team, id, "resume").await?;
         let resumed = doc.value.phase != SandboxPhase::Running;
+        let in_place = matches!(doc.value.phase, SandboxPhase::Paused | SandboxPhase::Creating) && !reboot;
         let woken = match doc.value.phase {
             SandboxPhase::Running => Ok(()),
             SandboxPhase::Hibernated => self.wake(&mut doc).await,
@@ -167,7 +174,10 @@ impl Sandboxes {
             SandboxPhase::Paused | SandboxPhase::Creating => self.node_call(&doc.value, Freeze::Resume).await,
         };
         if let Err(err) = woken {
-            self.unclaim(&mut doc).await;
+            // As for a pause: a resume in place that may have landed is left to the reaper.
+            if !(in_place && matches!(err, Failure::Unknown(_))) {
+                self.unclaim(&mut doc).await;
+            }
             return Err(err);
         }
         doc.value.phase = SandboxPhase::Running;

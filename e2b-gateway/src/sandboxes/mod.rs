@@ -48,7 +48,8 @@ pub enum Failure {
     TooLarge(String),
     #[error("{0}")]
     Unavailable(String),
-    /// A ledger write whose outcome stayed unknown (answered like `Unavailable`).
+    /// A ledger write or a node call whose outcome stayed unknown (answered like
+    /// `Unavailable`): it may have landed.
     #[error("{0}")]
     Unknown(String),
     #[error("{0}")]
@@ -84,6 +85,8 @@ fn from_status(what: &str, status: tonic::Status) -> Failure {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
             Failure::Unavailable(format!("{what}: {}", status.message()))
         }
+        // A call that broke after it was sent (tonic's transport errors): it may have landed.
+        Code::Unknown => Failure::Unknown(format!("{what}: no answer, it may have landed ({})", status.message())),
         Code::ResourceExhausted => Failure::NoCapacity(status.message().to_string()),
         Code::OutOfRange => Failure::TooLarge(status.message().to_string()),
         Code::NotFound => Failure::NotFound(status.message().to_string()),
@@ -279,6 +282,21 @@ impl Sandboxes {
         }
     }
 
+    /// Releases sandbox `id`'s reservation on node `node_id`, if it holds one; an error is
+    /// returned (for a caller that must not go on without it), not logged.
+    pub(super) async fn release_on(&self, id: &str, node_id: &str) -> Result<(), Failure> {
+        self.placement
+            .clone()
+            .release(pl::SandboxRef {
+                sandbox_id: id.to_string(),
+                node_id: node_id.to_string(),
+                resources: None,
+            })
+            .await
+            .map(drop)
+            .map_err(|s| from_status("placement", s))
+    }
+
     /// The placer's view of every node.
     /// A manifest's environment variables, opened from their seal.
     pub fn sealed_env(&self, doc: &SandboxDoc) -> Result<std::collections::BTreeMap<String, String>, Failure> {
@@ -299,5 +317,21 @@ impl Sandboxes {
             .map_err(|s| from_status("placement", s))?
             .into_inner()
             .nodes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call that broke after it was sent (tonic says `Unknown`: a peer killed under it) may
+    /// have landed: its caller keeps its claim or its manifest for the reaper, never answers as
+    /// though nothing happened.
+    #[test]
+    fn a_call_that_broke_after_it_was_sent_has_an_unknown_outcome() {
+        let broken = from_status("kill", tonic::Status::unknown("transport error"));
+        assert!(matches!(&broken, Failure::Unknown(m) if m.contains("may have landed")), "{broken:?}");
+        let refused = from_status("kill", tonic::Status::unavailable("tcp connect error"));
+        assert!(matches!(refused, Failure::Unavailable(_)));
     }
 }

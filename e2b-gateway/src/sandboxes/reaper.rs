@@ -189,7 +189,9 @@ impl Sandboxes {
     /// runs the sandbox. One that does keeps it: the manifest is completed as running there
     /// (a retry with the create's `Idempotency-Key` then finds it), and any other copy is
     /// killed. When none does, the manifest is deleted (every node told to kill it first, in
-    /// case a start is still landing).
+    /// case a start is still landing). Either way every other node's reservation for it is
+    /// released: a Place whose answer was lost (a placer killed under it), or whose gateway
+    /// stopped before the node was asked, left one that nothing else would ever end.
     async fn end_abandoned_create(&self, team: &str, id: &str) -> Result<(), Failure> {
         let mut doc = self.claim(team, id, KILL).await?;
         let mut running_on = Vec::new();
@@ -206,6 +208,11 @@ impl Sandboxes {
                     on.node_id = other.node_id.clone();
                     on.node_address = other.address.clone();
                     self.kill_on_node(&on).await?;
+                }
+                for node in self.nodes().await? {
+                    if node.node_id != keep.node_id {
+                        self.release_on(id, &node.node_id).await?;
+                    }
                 }
                 doc.value.phase = SandboxPhase::Running;
                 doc.value.node_id = keep.node_id.clone();
@@ -224,6 +231,7 @@ impl Sandboxes {
             on.node_id = node.node_id;
             on.node_address = node.address;
             self.kill_on_node(&on).await?;
+            self.release_on(id, &on.node_id).await?;
         }
         self.ledger
             .compare_resolving(
