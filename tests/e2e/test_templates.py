@@ -138,8 +138,9 @@ def _registry_up():
         return False
 
 
-def _busybox_layer():
-    """A root filesystem of Debian's static busybox: /bin/busybox and a link per applet."""
+def _busybox_layer(passwd="root:x:0:0:root:/root:/bin/sh\n"):
+    """A root filesystem of Debian's static busybox: /bin/busybox and a link per applet, and
+    `passwd` as /etc/passwd (None: no passwd or group file at all)."""
     if not os.path.exists(BUSYBOX):
         raise RuntimeError(f"{BUSYBOX} is missing: install busybox-static (scripts/blob-services does)")
     raw = io.BytesIO()
@@ -153,7 +154,8 @@ def _busybox_layer():
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
-        for path, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), ("etc/group", "root:x:0:\n")):
+        accounts = () if passwd is None else (("etc/passwd", passwd), ("etc/group", "root:x:0:\n"))
+        for path, text in accounts:
             data = text.encode()
             info = tarfile.TarInfo(path)
             info.size, info.mode = len(data), 0o644
@@ -162,14 +164,20 @@ def _busybox_layer():
     return gzip.compress(plain, mtime=0), hashlib.sha256(plain).hexdigest()
 
 
-def _push(repository, tag):
-    """Pushes a one-layer busybox image with the registry's HTTP API (OCI distribution)."""
-    layer, diff_id = _busybox_layer()
+def _push(repository, tag, passwd="root:x:0:0:root:/root:/bin/sh\n", workdir="/", user=None):
+    """Pushes a one-layer busybox image with the registry's HTTP API (OCI distribution): its
+    /etc/passwd (None: none), its config's WorkingDir and User (None: not set)."""
+    layer, diff_id = _busybox_layer(passwd)
+    image_config = {"Env": ["PATH=/bin:/usr/bin", "IMAGE_VAR=from-the-image"]}
+    if workdir is not None:
+        image_config["WorkingDir"] = workdir
+    if user is not None:
+        image_config["User"] = user
     config = json.dumps(
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Env": ["PATH=/bin:/usr/bin", "IMAGE_VAR=from-the-image"], "WorkingDir": "/"},
+            "config": image_config,
             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
         }
     ).encode()
@@ -238,6 +246,43 @@ def test_a_template_from_a_registry_image_has_that_root(stack, tmp_path):
         assert sbx.commands.run("echo $IMAGE_VAR").stdout == "from-the-image\n"
         sbx.files.write("/home/user/note.txt", "written through envd")
         assert sbx.files.read("/home/user/note.txt") == "written through envd"
+    finally:
+        sbx.kill()
+
+
+APP = "root:x:0:0:root:/root:/bin/sh\napp:x:1234:1234::/home/app:/bin/sh\n"
+
+
+@pytest.mark.parametrize(
+    "image, build_ids, sandbox_ids",
+    [
+        # No /etc/passwd at all (as FROM scratch): root is uid 0; the build adds E2B's user,
+        # who runs the steps of an image with no USER, as E2B's builds do.
+        # (Its WorkingDir is `/`: there everything starts.)
+        (dict(passwd=None), "1000 /", "user /"),
+        # No WorkingDir (busybox's, Debian's and Alpine's official images have none).
+        (dict(workdir=None), "1000 /home/user", "user /home/user"),
+        # A non-root USER by name, whose home the image lacks: it runs the steps and is the
+        # sandbox's default user, starting in `/` as Docker starts it.
+        (dict(passwd=APP, workdir=None, user="app"), "1234 /", "app /"),
+        # ... and by uid.
+        (dict(passwd=APP, user="1234"), "1234 /", "app /"),
+    ],
+    ids=["no-passwd", "no-workdir", "user-by-name", "user-by-uid"],
+)
+def test_images_run_as_docker_runs_them(stack, image, build_ids, sandbox_ids):
+    if not _registry_up():
+        raise RuntimeError(f"no registry answers at {REGISTRY}: run scripts/blob-services")
+    repository = f"e2e/plain-{uuid.uuid4().hex[:8]}"
+    _push(repository, "1", **image)
+    name = f"e2e-plain-{uuid.uuid4().hex[:8]}"
+    template = Template().from_image(f"{REGISTRY}/{repository}:1").run_cmd("echo $(id -u) $(pwd) > /tmp/built")
+    Template.build(template, name, on_build_logs=lambda _: None)
+    sbx = Sandbox.create(name, timeout=60)
+    try:
+        assert sbx.commands.run("cat /tmp/built").stdout == build_ids + "\n"
+        assert sbx.commands.run("echo $(id -un) $(pwd)").stdout == sandbox_ids + "\n"
+        assert sbx.commands.run("id -u", user="root").stdout == "0\n"
     finally:
         sbx.kill()
 
