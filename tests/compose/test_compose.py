@@ -111,6 +111,24 @@ def test_each_container_holds_its_own_key_alone(stack):
         assert held == files, f"{service} holds {sorted(held)}"
 
 
+def test_only_the_ledger_and_placement_reach_the_stores(stack):
+    """A broken-into node or gateway (the containers tenants' code and traffic come closest
+    to) cannot write the ledger's tables or placement's view behind those services' checks:
+    Redis and PostgreSQL sit on a network only the ledger and placement join."""
+
+    def reaches(service, host, port):
+        probe = f"</dev/tcp/{host}/{port}"
+        done = subprocess.run([*COMPOSE, "exec", "-T", service, "timeout", "5", "bash", "-c", probe],
+                              capture_output=True, text=True, timeout=60)
+        return done.returncode == 0
+
+    assert reaches("ledger", "postgres", 5432), "the ledger lost its database"
+    assert reaches("placement", "redis", 6379), "placement lost its Redis"
+    for service in ("node-1", "node-2", "gateway", "balance", "operator"):
+        for host, port in (("postgres", 5432), ("redis", 6379)):
+            assert not reaches(service, host, port), f"{service} reaches {host}:{port}"
+
+
 def node_of(sandbox_id):
     return next(s for s in ctl("sandboxes") if s["sandbox"] == sandbox_id)["node"]
 
