@@ -330,7 +330,10 @@ mod tests {
     #[test]
     fn a_call_that_broke_after_it_was_sent_has_an_unknown_outcome() {
         let broken = from_status("kill", tonic::Status::unknown("transport error"));
-        assert!(matches!(&broken, Failure::Unknown(m) if m.contains("may have landed")), "{broken:?}");
+        assert!(
+            matches!(&broken, Failure::Unknown(m) if m.contains("may have landed")),
+            "{broken:?}"
+        );
         let refused = from_status("kill", tonic::Status::unavailable("tcp connect error"));
         assert!(matches!(refused, Failure::Unavailable(_)));
     }
