@@ -88,6 +88,11 @@ struct UpArgs {
     /// Memory capacity of each node-svc in MiB (default: an equal share of this host's).
     #[arg(long, env = "SANDBOXSCHED_NODE_MEMORY_MB")]
     node_memory_mb: Option<u64>,
+    /// How many times this host's free disk the sandboxes' disks may promise together (each
+    /// is sparse, 2 GiB unless asked otherwise; 1: every disk could fill to its size, so a
+    /// small free disk holds few sandboxes). Split among the nodes.
+    #[arg(long, env = "SANDBOXSCHED_DISK_OVERCOMMIT", default_value_t = 1.0)]
+    disk_overcommit: f64,
     /// Address of balance-svc's gRPC endpoint (status, plan history, drain, pause).
     #[arg(long, env = "SANDBOXSCHED_BALANCE_LISTEN", default_value = "127.0.0.1:7003")]
     balance_listen: SocketAddr,
@@ -241,7 +246,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         let pids_max = node_svc::runtime::cgroup::default_pids_max() / share;
         // And its disk: each node promises its share of the free space, so together they
         // promise no more than the host has.
-        let disk_overcommit = 1.0 / share as f64;
+        let disk_overcommit = args.disk_overcommit.max(0.01) / share as f64;
         builder = builder.named_node(format!("node-{i}"), move |c| {
             c.pids_max = Some(pids_max);
             c.host.disk_overcommit = disk_overcommit;
