@@ -103,7 +103,8 @@ impl Logger {
         // One line, whatever the message contains.
         let msg = msg.replace(['\n', '\r'], " ");
         let prefix = if level == "error" { "" } else { "warning: " };
-        let _ = writeln!(std::io::stderr(), "{prefix}{msg}");
+        // Each line in one write: stderr is often the sandbox's log, appended to by others.
+        let _ = std::io::stderr().write_all(format!("{prefix}{msg}\n").as_bytes());
         let Some(path) = &self.path else { return };
         let time = state::now_rfc3339();
         let line = match self.format {
@@ -111,7 +112,7 @@ impl Logger {
             LogFormat::Text => format!("time={time:?} level={level} msg={msg:?}"),
         };
         if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-            let _ = writeln!(f, "{line}");
+            let _ = f.write_all(format!("{line}\n").as_bytes());
         }
     }
 }

@@ -158,8 +158,13 @@ pub fn note(path: &Path, level: &str, message: &str) {
         "fields": {"message": message},
         "target": "node",
     });
+    // One write of the whole line: envd appends to the same file at any moment, and
+    // `writeln!` on a `File` issues a write per formatted piece, so envd's line could land
+    // inside ours (O_APPEND keeps each write whole, not a sequence of them).
+    let mut text = line.to_string();
+    text.push('\n');
     if let Ok(mut file) = std::fs::OpenOptions::new().append(true).open(path) {
-        let _ = writeln!(file, "{line}");
+        let _ = file.write_all(text.as_bytes());
     }
 }
 
@@ -265,5 +270,35 @@ runc: a plain line a runtime wrote
         assert_eq!(entries[1].message, "sandbox paused");
         assert_eq!(entries[1].fields.get("logger").map(String::as_str), Some("node"));
         let _ = std::fs::remove_file(&path);
+    }
+
+    /// envd appends to the log while the node notes in it: every line stays whole (the node's
+    /// note once went out in pieces and envd's line landed in the middle of it).
+    #[test]
+    fn notes_and_envds_lines_never_interleave() {
+        let path = std::env::temp_dir().join(format!("logs-interleave-{}.log", std::process::id()));
+        std::fs::write(&path, b"").unwrap();
+        let writer = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut file = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+                for i in 0..2_000 {
+                    let line = format!(
+                        "{{\"timestamp\":\"2026-12-01T10:00:00Z\",\"level\":\"INFO\",\"fields\":{{\"message\":\"envd {i}\"}},\"target\":\"start\"}}\n"
+                    );
+                    file.write_all(line.as_bytes()).unwrap();
+                }
+            })
+        };
+        for i in 0..2_000 {
+            note(&path, "info", &format!("node {i}"));
+        }
+        writer.join().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(text.lines().count(), 4_000);
+        for line in text.lines() {
+            assert!(serde_json::from_str::<Value>(line).is_ok(), "a broken line: {line}");
+        }
     }
 }
