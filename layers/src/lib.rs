@@ -8,7 +8,9 @@
 //! the unshifted ones seen inside the container.
 //!
 //! * [`digest`] names blobs and hashes streams as they pass.
-//! * [`unpack`] applies a pulled layer blob to a fresh directory ([`unpack::unpack_layer`]).
+//! * [`unpack`] applies a pulled layer blob to a fresh directory ([`unpack::unpack_layer`]),
+//!   and is the one path by which a node applies any archive: a sandbox's snapshot (a move's
+//!   target, a wake from hibernation) goes through it too, by its own [`unpack::Rules`].
 //! * [`pack`] turns the upper directory of a build step into a layer blob ([`pack::pack_layer`]).
 //! * [`files`] extracts a user-supplied archive for COPY-like build steps
 //!   ([`files::extract_files`]).
@@ -28,7 +30,7 @@ pub use digest::{Digest, DigestReader, DigestWriter};
 pub use files::{extract_files, FilesError};
 pub use pack::{pack_layer, PackError, PackedLayer};
 pub use safefs::SafeFsError;
-pub use unpack::{unpack_layer, Compression, UnpackError, UnpackStats};
+pub use unpack::{unpack_archive, unpack_layer, Compression, Rules, UnpackError, UnpackStats, LITERAL_RECORD};
 
 /// Number of ids a sandbox user namespace maps: ids `0..ID_RANGE` inside are
 /// `shift..shift + ID_RANGE` on the host. Ids outside that range are refused in both directions,

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -278,10 +278,44 @@ impl Tree {
             op: "copy contents",
             source,
         })?;
+        self.finish_file(file, a, comps)?;
+        Ok(written)
+    }
+
+    /// Creates a regular file by `write`, which is handed a path to create it at (and must
+    /// create it new, as `O_CREAT | O_EXCL` does, which follows no symlink) and returns the
+    /// file; returns its length. The path reaches the parent through the descriptor this
+    /// walk opened (`/proc/self/fd/N/NAME`), so nothing along it is resolved again: for a
+    /// writer that only works by path (the tar reader's sparse unpacking).
+    pub fn make_file_by(
+        &mut self,
+        comps: &[OsString],
+        a: &Attrs,
+        write: &mut dyn FnMut(&Path) -> io::Result<File>,
+    ) -> Result<u64> {
+        let (dir, name) = self.parent(comps)?;
+        self.clear(&dir, name, comps, false)?;
+        let mut path = std::path::PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+        path.push(name);
+        let file = write(&path).map_err(|source| SafeFsError::Io {
+            path: show(comps),
+            op: "write contents",
+            source,
+        })?;
+        let st = rfs::fstat(&file).map_err(io_err(comps, "stat"))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Err(io_err(comps, "create")(Errno::INVAL));
+        }
+        self.finish_file(file, a, comps)?;
+        Ok(st.st_size as u64)
+    }
+
+    /// Gives a new regular file its attributes and times, and lets later hard links name it.
+    fn finish_file(&mut self, file: File, a: &Attrs, comps: &[OsString]) -> Result<()> {
         self.apply(file.as_fd(), a, comps)?;
         rfs::futimens(&file, &times(a.mtime)).map_err(io_err(comps, "utimens"))?;
         self.linkable.insert(comps.to_vec());
-        Ok(written)
+        Ok(())
     }
 
     /// Creates a symlink. The target is stored verbatim and never resolved here.

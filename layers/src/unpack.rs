@@ -35,7 +35,7 @@ use crate::ID_RANGE;
 #[derive(Debug, thiserror::Error)]
 pub enum UnpackError {
     /// Reading or decompressing the blob failed, or the tar stream is malformed.
-    #[error("reading layer: {0}")]
+    #[error("reading the archive: {0}")]
     Read(#[from] io::Error),
     /// An entry was unsafe or could not be created.
     #[error(transparent)]
@@ -149,43 +149,84 @@ impl<R: Read> Read for Bounded<R> {
     }
 }
 
-fn unpack_tar<R: Read>(reader: R, dest: &Path, shift: u32) -> Result<UnpackStats, UnpackError> {
-    let mut tree = Tree::open(dest, Policy::Layer, (shift, shift, 0o755))?;
+/// The rules by which an archive's entries become files: the two kinds of archive a node
+/// applies, through the one path below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rules {
+    /// An OCI image layer: tar ids `N` become host ids `shift + N` (ids outside
+    /// [`ID_RANGE`] are refused), set-uid and set-gid bits are dropped, and every `.wh.` entry
+    /// is a whiteout.
+    Layer { shift: u32 },
+    /// A sandbox's own files (a move's snapshot, a hibernation's archive): ids are host ids
+    /// already and stay as archived, a tenant's modes come back as they left, except that no
+    /// file owned by host root keeps a set-id bit (a sandbox's root is never host root, so
+    /// such a file was crafted); an entry carrying the PAX record [`LITERAL_RECORD`] is the
+    /// tenant's own file whatever its name, and regular files keep their holes.
+    Snapshot,
+}
+
+/// The PAX record that marks an entry named like a whiteout (`.wh.…`) as a tenant's own file:
+/// a tenant may name a file anything, and `/etc/.wh.nsswitch.conf` must come back as a file,
+/// not delete `/etc/nsswitch.conf`. Snapshots from before it carry no user file of that name
+/// unmarked on purpose, so an unmarked `.wh.` entry stays a whiteout.
+pub const LITERAL_RECORD: &str = "SANDBOXSCHED.literal";
+
+/// Applies an uncompressed tar stream to `dest` (an existing, normally empty directory) by
+/// `rules`, in overlay form (whiteouts become overlayfs's marks), and reads the stream to its
+/// end. Nothing is ever written through a symlink, outside `dest`, or with an attribute other
+/// than `user.*`; device nodes are left out.
+pub fn unpack_archive(reader: impl Read, dest: &Path, rules: Rules) -> Result<UnpackStats, UnpackError> {
+    let implicit = match rules {
+        Rules::Layer { shift } => (shift, shift, 0o755),
+        // As a folder the node makes for itself.
+        Rules::Snapshot => (0, 0, 0o755),
+    };
+    let mut tree = Tree::open(dest, Policy::Layer, implicit)?;
     let mut archive = tar::Archive::new(reader);
     let mut stats = UnpackStats::default();
     for entry in archive.entries()? {
-        apply_entry(&mut tree, &mut entry?, shift, &mut stats)?;
+        apply_entry(&mut tree, &mut entry?, rules, &mut stats)?;
     }
     tree.finish()?;
     io::copy(&mut archive.into_inner(), &mut io::sink())?;
-    tracing::debug!(dest = %dest.display(), ?stats, "unpacked layer");
+    tracing::debug!(dest = %dest.display(), ?stats, ?rules, "unpacked archive");
     Ok(stats)
 }
 
-fn map_id(id: u64, shift: u32, comps: &[OsString]) -> Result<u32, UnpackError> {
-    u32::try_from(id)
-        .ok()
-        .filter(|&id| id < ID_RANGE)
-        .and_then(|id| shift.checked_add(id))
-        .filter(|&host| host != u32::MAX)
-        .ok_or_else(|| UnpackError::IdOutOfRange {
-            path: safefs::show(comps),
-            id,
-        })
+fn unpack_tar<R: Read>(reader: R, dest: &Path, shift: u32) -> Result<UnpackStats, UnpackError> {
+    unpack_archive(reader, dest, Rules::Layer { shift })
+}
+
+fn map_id(id: u64, rules: Rules, comps: &[OsString]) -> Result<u32, UnpackError> {
+    let host = u32::try_from(id).ok();
+    match rules {
+        Rules::Layer { shift } => host.filter(|&id| id < ID_RANGE).and_then(|id| shift.checked_add(id)),
+        Rules::Snapshot => host,
+    }
+    .filter(|&host| host != u32::MAX)
+    .ok_or_else(|| UnpackError::IdOutOfRange {
+        path: safefs::show(comps),
+        id,
+    })
 }
 
 /// Mode bits that would make a file run as its owner or group.
 const SET_UID: u32 = 0o4000;
 const SET_GID: u32 = 0o2000;
 
-/// The PAX xattrs worth keeping: `user.*` (file capabilities, `trusted.*` and `security.*` are
-/// the host's business, never an image's).
-fn xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Xattrs> {
-    let mut out = Vec::new();
+/// What an entry's PAX records say: the xattrs worth keeping, `user.*` (file capabilities,
+/// `trusted.*` and `security.*` are the host's business, never an archive's), and whether it
+/// carries [`LITERAL_RECORD`].
+fn pax_records<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<(Xattrs, bool)> {
+    let (mut out, mut literal) = (Vec::new(), false);
     if let Some(exts) = entry.pax_extensions()? {
         for ext in exts {
             let ext = ext?;
-            let Some(name) = ext.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) else {
+            let Ok(key) = ext.key() else { continue };
+            if key == LITERAL_RECORD {
+                literal = true;
+            }
+            let Some(name) = key.strip_prefix("SCHILY.xattr.") else {
                 continue;
             };
             if name.starts_with("user.") {
@@ -193,13 +234,23 @@ fn xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Xattrs> {
             }
         }
     }
-    Ok(out)
+    Ok((out, literal))
+}
+
+/// The mode an entry's file is given: a layer's loses its set-id bits; a snapshot's keeps
+/// them unless host root would own the file (uid for set-uid, gid for set-gid).
+fn mode_under(rules: Rules, mode: u32, uid: u32, gid: u32) -> u32 {
+    let dropped = match rules {
+        Rules::Layer { .. } => SET_UID | SET_GID,
+        Rules::Snapshot => (if uid == 0 { SET_UID } else { 0 }) | (if gid == 0 { SET_GID } else { 0 }),
+    };
+    mode & !dropped
 }
 
 fn apply_entry<R: Read>(
     tree: &mut Tree,
     entry: &mut tar::Entry<'_, R>,
-    shift: u32,
+    rules: Rules,
     stats: &mut UnpackStats,
 ) -> Result<(), UnpackError> {
     let header = entry.header().clone();
@@ -208,17 +259,26 @@ fn apply_entry<R: Read>(
         return Ok(());
     }
     stats.entries += 1;
+    if matches!(kind, EntryType::Char | EntryType::Block) {
+        // No unprivileged sandbox can use one, and overlayfs's whiteouts travel as `.wh.`
+        // names: any other device is left out, whatever it is named or claims.
+        stats.skipped_devices += 1;
+        return Ok(());
+    }
     let comps = normalise(&entry.path_bytes())?;
-    let uid = map_id(header.uid()?, shift, &comps)?;
-    let gid = map_id(header.gid()?, shift, &comps)?;
+    let uid = map_id(header.uid()?, rules, &comps)?;
+    let gid = map_id(header.gid()?, rules, &comps)?;
     let mtime = i64::try_from(header.mtime()?).unwrap_or(i64::MAX);
+    let (xattrs, literal) = pax_records(entry)?;
 
-    if let Some((name, parent)) = comps.split_last() {
+    if let Some((name, parent)) = comps.split_last().filter(|_| !literal) {
         let name = name.as_encoded_bytes();
         if name == b".wh..wh..opq" {
             return Ok(tree.set_opaque(parent)?);
         }
-        if comps.iter().any(|c| c.as_encoded_bytes().starts_with(b".wh..wh.")) {
+        let aufs =
+            matches!(rules, Rules::Layer { .. }) && comps.iter().any(|c| c.as_encoded_bytes().starts_with(b".wh..wh."));
+        if aufs {
             tracing::debug!(path = %safefs::show(&comps), "ignoring aufs metadata entry");
             return Ok(());
         }
@@ -232,11 +292,10 @@ fn apply_entry<R: Read>(
         }
     }
 
-    let xattrs = xattrs(entry)?;
     let attrs = Attrs {
         uid,
         gid,
-        mode: header.mode()? & !(SET_UID | SET_GID),
+        mode: mode_under(rules, header.mode()?, uid, gid),
         mtime,
         xattrs,
     };
@@ -246,6 +305,17 @@ fn apply_entry<R: Read>(
         link.ok_or_else(|| SafeFsError::InvalidPath(safefs::show(&comps)))
     };
     match kind {
+        // A snapshot's sparse file keeps its holes (a tenant's `truncate -s 8G` moves as a few
+        // KiB); a layer's is written whole, as its image describes it.
+        EntryType::GNUSparse if rules == Rules::Snapshot => {
+            // The tar reader alone knows the sparse map (its `Read` hands holes over as
+            // zeros, gigabytes of them): it writes the file, seeking over the holes, at a path
+            // that reaches the parent through its descriptor.
+            stats.bytes += tree.make_file_by(&comps, &attrs, &mut |path| match entry.unpack(path)? {
+                tar::Unpacked::File(file) => Ok(file),
+                _ => Err(io::Error::other("a sparse entry unpacked as no file")),
+            })?;
+        }
         EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
             stats.bytes += tree.make_file(&comps, &attrs, entry)?;
         }
@@ -253,7 +323,6 @@ fn apply_entry<R: Read>(
         EntryType::Symlink => tree.make_symlink(&comps, &link(entry)?, &attrs)?,
         EntryType::Link => tree.make_hardlink(&comps, &normalise(&link(entry)?)?)?,
         EntryType::Fifo => tree.make_fifo(&comps, &attrs)?,
-        EntryType::Char | EntryType::Block => stats.skipped_devices += 1,
         kind => {
             return Err(UnpackError::Unsupported {
                 path: safefs::show(&comps),

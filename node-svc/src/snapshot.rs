@@ -133,11 +133,9 @@ fn user_xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
     found
 }
 
-/// The PAX record that marks an entry named like a whiteout (`.wh.…`) as the user's own file:
-/// a tenant may name a file anything, and `/etc/.wh.nsswitch.conf` must come back as a file,
-/// not delete `/etc/nsswitch.conf`. Archives from before it carry no user file of that name
-/// unmarked on purpose, so an unmarked `.wh.` entry stays a whiteout.
-const LITERAL_RECORD: &str = "SANDBOXSCHED.literal";
+/// The PAX record that marks a tenant's file named like a whiteout as a file (see
+/// `layers::LITERAL_RECORD`, which unpacking reads).
+const LITERAL_RECORD: &str = layers::LITERAL_RECORD;
 
 /// Appends `path` as `name`, its `user.*` attributes first as PAX records (`SCHILY.xattr.*`,
 /// which unpacking applies), and the literal mark if its name looks like a whiteout.
@@ -211,169 +209,29 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
     Ok(())
 }
 
-/// The directory `relative` names under `into`, made where missing, one component at a time
-/// and never through a symlink: an archive may hold `home/evil -> /anywhere` and then an
-/// entry under `home/evil/`, which must not reach outside `into`. (Nothing else writes to the
-/// scratch folder while it is unpacked, so what is checked here is what is acted on.)
-fn directory_beneath(into: &Path, relative: &Path) -> std::io::Result<PathBuf> {
-    let mut dir = into.to_path_buf();
-    for component in relative.components() {
-        let std::path::Component::Normal(name) = component else {
-            return Err(std::io::Error::other(format!(
-                "{} leaves the archive",
-                relative.display()
-            )));
-        };
-        dir.push(name);
-        match std::fs::symlink_metadata(&dir) {
-            Ok(meta) if meta.file_type().is_dir() => {}
-            Ok(_) => {
-                return Err(std::io::Error::other(format!(
-                    "{} is not a directory (a symlink is never followed)",
-                    dir.display()
-                )))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(&dir)?,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(dir)
-}
-
-/// Turns an OCI whiteout entry at `relative` (under `into`) back into overlayfs's mark;
-/// `false` when the entry is an ordinary one.
-fn restore_mark(into: &Path, relative: &Path) -> std::io::Result<bool> {
-    let Some(name) = relative.file_name().and_then(|n| n.to_str()) else {
-        return Ok(false);
-    };
-    let Some(deleted) = name.strip_prefix(WHITEOUT_PREFIX) else {
-        return Ok(false);
-    };
-    let parent = directory_beneath(into, relative.parent().unwrap_or(Path::new("")))?;
-    if name == OPAQUE_MARK {
-        let (path, key) = (
-            cpath(&parent)?,
-            std::ffi::CString::new(OPAQUE_XATTR).map_err(std::io::Error::other)?,
-        );
-        // SAFETY: valid C strings and a one-byte value.
-        if unsafe { libc::lsetxattr(path.as_ptr(), key.as_ptr(), b"y".as_ptr().cast(), 1, 0) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        return Ok(true);
-    }
-    if deleted.is_empty() || deleted.contains('/') || deleted == "." || deleted == ".." {
-        return Err(std::io::Error::other(format!("bad whiteout {name:?}")));
-    }
-    let target = cpath(&parent.join(deleted))?;
-    // SAFETY: a valid C string; a 0:0 character device is overlayfs's whiteout.
-    if unsafe { libc::mknod(target.as_ptr(), libc::S_IFCHR, 0) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(true)
-}
-
 /// Unpacks the archive arriving on `data` into `into` and checks it against the trailer
 /// (blocking).
+///
+/// The archive is the sender's word (a peer node, or the blob store for a hibernation), so it
+/// is applied by the one path a node applies any archive through, image layers included
+/// (`layers::unpack_archive`, by the snapshot's rules): through directory descriptors, never
+/// following a symlink (an archive's own `home/evil -> /anywhere` then `home/evil/x` leads
+/// nowhere), `user.*` attributes only (no `security.capability`, no `trusted.*`), device
+/// nodes left out, holes kept. `into` is a scratch folder the caller installs only once this
+/// has verified the checksum.
 pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), NodeError> {
     let mut reader = ChunkReader::new(data);
-    let mut archive = tar::Archive::new(&mut reader);
-    // A container's files belong to the ids its user namespace maps (and overlayfs marks
-    // deletions as 0:0 character devices): both must arrive as they left.
-    archive.set_preserve_ownerships(true);
-    archive.set_preserve_permissions(true);
-    archive.set_preserve_mtime(true);
-    // Files' metadata (envd's `user.*` attributes) arrives with them, and nothing else: an
-    // archive is the sender's word, and `security.capability` (a file that grants
-    // capabilities when run), `trusted.*` or `security.*` from it would be the host
-    // trusting a tenant. So attributes are applied here, `user.*` only, not by the tar reader.
-    archive.set_unpack_xattrs(false);
-    let corrupt = |e: std::io::Error| {
-        // The tar reader wraps the cause ("failed to unpack `PATH`": why?).
-        let cause = std::error::Error::source(&e)
-            .map(|c| format!(": {c}"))
-            .unwrap_or_default();
-        NodeError::Corrupt(format!("unpacking: {e}{cause}"))
-    };
-    // The folder of the last entry, checked: archives list a folder's files together, so it
-    // is walked once for all of them, and forgotten when an entry could have replaced it.
-    let mut checked: Option<PathBuf> = None;
-    for entry in archive.entries().map_err(corrupt)? {
-        let mut entry = entry.map_err(corrupt)?;
-        let relative = entry.path().map_err(corrupt)?.into_owned();
-        if relative
-            .components()
-            .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            return Err(NodeError::Corrupt(format!(
-                "unpacking: entry {} leaves the archive",
-                relative.display()
-            )));
-        }
-        let (literal, xattrs) = pax_records(&mut entry).map_err(corrupt)?;
-        if checked.as_deref().is_some_and(|dir| dir.starts_with(&relative)) {
-            checked = None;
-        }
-        if !literal && restore_mark(into, &relative).map_err(corrupt)? {
-            continue;
-        }
-        if matches!(
-            entry.header().entry_type(),
-            tar::EntryType::Char | tar::EntryType::Block
-        ) {
-            // No sandbox makes device nodes (its user namespace may not; overlayfs's own
-            // deletions travel as `.wh.` marks): one in an archive was crafted, to be opened
-            // where it lands. Left out, as a socket is on the way in.
-            tracing::warn!(entry = %relative.display(), "a device node in a snapshot; left out");
-            continue;
-        }
-        // Its folder exists and is a real one (checked as whiteouts are), so the tar reader's
-        // own containment check and the attributes below act on a path inside `into`.
-        if let Some(parent) = relative.parent() {
-            if checked.as_deref() != Some(parent) {
-                directory_beneath(into, parent).map_err(corrupt)?;
-                checked = Some(parent.to_path_buf());
-            }
-        }
-        if !entry.unpack_in(into).map_err(corrupt)? {
-            return Err(NodeError::Corrupt(format!(
-                "unpacking: entry {} leaves the archive",
-                relative.display()
-            )));
-        }
-        let path = cpath(&into.join(&relative)).map_err(corrupt)?;
-        for (name, value) in xattrs {
-            let name = std::ffi::CString::new(name).map_err(|e| corrupt(std::io::Error::other(e)))?;
-            // SAFETY: valid C strings and a value of the stated length; never follows a link.
-            if unsafe { libc::lsetxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) } != 0 {
-                return Err(corrupt(std::io::Error::last_os_error()));
-            }
-        }
+    let stats = layers::unpack_archive(&mut reader, into, layers::Rules::Snapshot)
+        .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
+    if stats.skipped_devices > 0 {
+        // No sandbox makes device nodes (its user namespace may not; overlayfs's own deletions
+        // travel as `.wh.` marks): one in an archive was crafted, to be opened where it lands.
+        tracing::warn!(devices = stats.skipped_devices, "device nodes in a snapshot; left out");
     }
     // Drain what follows the archive's end (tar padding) up to the trailer.
     std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
     let got = reader.checksum();
     verify(&got, reader.trailer.as_ref())
-}
-
-/// What an entry's PAX records say: whether it carries the literal mark (a user's file named
-/// like a whiteout), and the `user.*` attributes it carries (`SCHILY.xattr.user.*`); every
-/// other attribute is dropped.
-type PaxRecords = (bool, Vec<(String, Vec<u8>)>);
-
-fn pax_records<R: Read>(entry: &mut tar::Entry<'_, R>) -> std::io::Result<PaxRecords> {
-    let (mut literal, mut xattrs) = (false, Vec::new());
-    if let Some(extensions) = entry.pax_extensions()? {
-        for extension in extensions {
-            let extension = extension?;
-            let Ok(key) = extension.key() else { continue };
-            if key == LITERAL_RECORD {
-                literal = true;
-            } else if let Some(name) = key.strip_prefix("SCHILY.xattr.").filter(|n| n.starts_with("user.")) {
-                xattrs.push((name.to_string(), extension.value_bytes().to_vec()));
-            }
-        }
-    }
-    Ok((literal, xattrs))
 }
 
 /// Whether the data that arrived (`got`) is what the sender stated it sent (`want`).
@@ -814,6 +672,84 @@ mod tests {
             // SAFETY: valid C strings and a buffer of the stated length.
             let n = unsafe { libc::lgetxattr(c.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
             assert!(n < 0, "{name:?} was restored");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A tenant's modes and owners come back as they left, set-id bits included (inside, a
+    /// sandbox's root is never host root); a file the archive gives to host root never keeps
+    /// a set-id bit, since no sandbox can have made it.
+    #[test]
+    fn modes_and_owners_come_back_and_no_set_id_file_of_roots_arrives() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = scratch("modes");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(&home).expect("home");
+        let tenant = home.join("tenant-sudo");
+        std::fs::write(&tenant, b"#!/bin/sh\n").expect("file");
+        std::os::unix::fs::chown(&tenant, Some(100_000), Some(100_000)).expect("chown");
+        std::fs::set_permissions(&tenant, std::fs::Permissions::from_mode(0o6755)).expect("chmod");
+        let into = dir.join("restored");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(as_restore(take(&home)), &into).expect("restore");
+        let back = std::fs::metadata(into.join("home/tenant-sudo")).expect("restored");
+        assert_eq!(
+            (back.mode() & 0o7777, back.uid(), back.gid()),
+            (0o6755, 100_000, 100_000)
+        );
+
+        let items = crafted(|a| {
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_size(3);
+            header.set_mode(0o6755);
+            header.set_uid(0);
+            header.set_gid(0);
+            header.set_mtime(0);
+            a.append_data(&mut header, "home/rootshell", &b"elf"[..])
+                .expect("entry");
+        });
+        let into = dir.join("crafted");
+        std::fs::create_dir_all(&into).expect("into");
+        restore(items, &into).expect("restore");
+        let back = std::fs::metadata(into.join("home/rootshell")).expect("restored");
+        assert_eq!(back.mode() & 0o7777, 0o755, "a set-id file of host root arrived");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A hard link in an archive may name only a file the same archive made before it: one to
+    /// a host file (absolute, or climbing out) links nothing and fails the restore.
+    #[test]
+    fn a_hard_link_reaches_no_file_of_the_host() {
+        let dir = scratch("hardlink");
+        let victim = dir.join("secret");
+        std::fs::write(&victim, b"the host's").expect("victim");
+        let depth = dir.components().count();
+        let climbing = format!(
+            "{}{}",
+            "../".repeat(depth + 2),
+            victim.display().to_string().trim_start_matches('/')
+        );
+        for target in [victim.display().to_string(), climbing] {
+            let items = crafted(|a| {
+                file(a, "home/ok", b"ok");
+                let mut header = tar::Header::new_gnu();
+                header.set_entry_type(tar::EntryType::Link);
+                header.set_size(0);
+                header.set_mode(0o644);
+                header.set_uid(0);
+                header.set_gid(0);
+                header.set_mtime(0);
+                a.append_link(&mut header, "home/stolen", &target).expect("link");
+            });
+            let into = dir.join("into");
+            let _ = std::fs::remove_dir_all(&into);
+            std::fs::create_dir_all(&into).expect("into");
+            let result = restore(items, &into);
+            assert!(matches!(result, Err(NodeError::Corrupt(_))), "{target}: {result:?}");
+            assert!(!into.join("home/stolen").exists(), "{target} was linked");
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!(std::fs::metadata(&victim).expect("victim").nlink(), 1, "{target}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
