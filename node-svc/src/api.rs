@@ -13,6 +13,8 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+use proto::reason::Reason;
+
 use crate::host::{CreateSpec, Host, NodeError};
 use crate::sandbox::{Move, Refusal, Resources, SandboxRecord, State};
 use crate::snapshot::{RestoreItem, SnapshotPart};
@@ -24,8 +26,9 @@ pub fn status(err: NodeError) -> Status {
         NodeError::Invalid(_) | NodeError::OperationReused { .. } => Status::invalid_argument(message),
         NodeError::NotFound(_) | NodeError::UnknownTemplate(_) => Status::not_found(message),
         NodeError::AlreadyExists(_) => Status::already_exists(message),
-        NodeError::Refused(Refusal::StaleEpoch { .. } | Refusal::IllegalMove { .. }) => {
-            Status::failed_precondition(message)
+        NodeError::Refused(Refusal::StaleEpoch { .. }) => Reason::StaleEpoch.mark(Status::failed_precondition(message)),
+        NodeError::Refused(Refusal::IllegalMove { .. }) => {
+            Reason::IllegalMove.mark(Status::failed_precondition(message))
         }
         NodeError::Corrupt(_) => Status::data_loss(message),
         NodeError::NoRoom(_) => Status::resource_exhausted(message),

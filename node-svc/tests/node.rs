@@ -373,6 +373,10 @@ async fn operation_ids_and_epochs_guard_every_mutation() {
     // An older epoch is fenced off.
     let stale = c.pause(lifecycle("guarded", "op-stale", 4)).await.unwrap_err();
     assert_eq!(stale.code(), Code::FailedPrecondition);
+    assert_eq!(
+        proto::reason::Reason::of(&stale),
+        Some(proto::reason::Reason::StaleEpoch)
+    );
     assert!(stale.message().contains("epoch 4"), "{}", stale.message());
     c.kill(lifecycle("guarded", "op-kill", 6)).await.unwrap();
     node.cleanup().await;

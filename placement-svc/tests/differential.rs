@@ -1089,6 +1089,9 @@ fn compare_evaluations(m: &[Evaluation], r: &[Evaluation]) -> Result<(), String>
                 if mr != rr {
                     diffs.push(format!("{id} rejected: memory {mr:?}, redis {rr:?}"));
                 }
+                if me.never != re.never {
+                    diffs.push(format!("{id} never fits: memory {}, redis {}", me.never, re.never));
+                }
             }
             (mr, rr) => diffs.push(format!(
                 "{id}: memory {} (score {}), redis {} (score {})",

@@ -11,6 +11,8 @@ pub mod ledger {
     }
 }
 
+pub mod reason;
+
 /// Node choice, reservations and heartbeats.
 pub mod placement {
     pub mod v1 {

@@ -1,6 +1,7 @@
 //! What can stop a step, and how node and ledger answers map onto it.
 
 use ledger_client::LedgerError;
+use proto::reason::Reason;
 use tonic::Code;
 
 /// Why a step did not complete.
@@ -32,7 +33,7 @@ pub(crate) fn from_status(what: &str, status: tonic::Status) -> MoveError {
     let message = format!("{what}: {}", status.message());
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => MoveError::Transient(message),
-        Code::FailedPrecondition if status.message().contains("epoch") => MoveError::Fenced(message),
+        Code::FailedPrecondition if Reason::of(&status) == Some(Reason::StaleEpoch) => MoveError::Fenced(message),
         _ => MoveError::Failed(message),
     }
 }
@@ -58,8 +59,20 @@ mod tests {
             MoveError::Transient(_)
         ));
         assert!(matches!(
-            from_status("x", status(Code::FailedPrecondition, "stale epoch 3 < 4")),
+            from_status(
+                "x",
+                Reason::StaleEpoch.mark(status(Code::FailedPrecondition, "newer owner"))
+            ),
             MoveError::Fenced(_)
+        ));
+        // The reason, not the wording: a sentence that mentions epochs fences nothing.
+        assert!(matches!(
+            from_status("x", status(Code::FailedPrecondition, "stale epoch 3 < 4")),
+            MoveError::Failed(_)
+        ));
+        assert!(matches!(
+            from_status("x", Reason::IllegalMove.mark(status(Code::FailedPrecondition, "epoch"))),
+            MoveError::Failed(_)
         ));
         assert!(matches!(
             from_status("x", status(Code::FailedPrecondition, "not paused")),

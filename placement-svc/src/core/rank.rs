@@ -64,7 +64,25 @@ impl Default for RankConfig {
 /// A check a node must pass to be considered at all.
 pub trait Feasibility: Send + Sync {
     /// Why `node` cannot take `req` now, or `None`.
-    fn reject(&self, node: &NodeView, req: &Request, now_ms: u64) -> Option<String>;
+    fn reject(&self, node: &NodeView, req: &Request, now_ms: u64) -> Option<Rejection>;
+}
+
+/// Why a check filtered a node out: a sentence for people, and whether waiting could help.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: String,
+    /// The node could not take the ask even empty: no release or heartbeat will change it.
+    pub never: bool,
+}
+
+impl Rejection {
+    /// A rejection that may lift (full, draining, unhealthy, busy now).
+    pub fn now(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            never: false,
+        }
+    }
 }
 
 /// A term of the score: lower means a better fit.
@@ -77,10 +95,10 @@ pub trait Scorer: Send + Sync {
 pub struct NotExcluded;
 
 impl Feasibility for NotExcluded {
-    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<String> {
+    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<Rejection> {
         req.exclude
             .contains(&node.node_id)
-            .then(|| "excluded by the request".to_string())
+            .then(|| Rejection::now("excluded by the request"))
     }
 }
 
@@ -90,12 +108,13 @@ pub struct Ready {
 }
 
 impl Feasibility for Ready {
-    fn reject(&self, node: &NodeView, _: &Request, now_ms: u64) -> Option<String> {
+    fn reject(&self, node: &NodeView, _: &Request, now_ms: u64) -> Option<Rejection> {
         if node.admin == AdminState::Draining {
-            return Some("draining".to_string());
+            return Some(Rejection::now("draining"));
         }
         let age = now_ms.saturating_sub(node.last_heartbeat_ms);
-        (node.seq == 0 || age > self.unhealthy_after_ms).then(|| format!("unhealthy: last heartbeat {age} ms ago"))
+        (node.seq == 0 || age > self.unhealthy_after_ms)
+            .then(|| Rejection::now(format!("unhealthy: last heartbeat {age} ms ago")))
     }
 }
 
@@ -103,11 +122,11 @@ impl Feasibility for Ready {
 pub struct LabelsMatch;
 
 impl Feasibility for LabelsMatch {
-    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<String> {
+    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<Rejection> {
         req.selector
             .iter()
             .find(|(k, v)| node.labels.get(*k) != Some(*v))
-            .map(|(k, v)| format!("label {k}={v} missing"))
+            .map(|(k, v)| Rejection::now(format!("label {k}={v} missing")))
     }
 }
 
@@ -117,18 +136,21 @@ pub struct Fits {
     pub overcommit: f64,
 }
 
-/// How a reason begins when the ask exceeds the node's whole capacity: it could not fit there
-/// even empty, so waiting will not help.
+/// How a reason begins when the ask exceeds the node's whole capacity (a [`Rejection`] that
+/// is `never`): for people reading it, and the text placement's Redis script writes too.
 pub const TOO_LARGE: &str = "too large for this node";
 
 impl Feasibility for Fits {
-    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<String> {
+    fn reject(&self, node: &NodeView, req: &Request, _: u64) -> Option<Rejection> {
         let empty = fit::Allocation {
             vcpus: 0,
             memory_bytes: 0,
         };
         if let Err(misfit) = fit::check(&node.capacity.into(), empty, &req.resources.into(), self.overcommit) {
-            return Some(format!("{TOO_LARGE}: {misfit}"));
+            return Some(Rejection {
+                reason: format!("{TOO_LARGE}: {misfit}"),
+                never: true,
+            });
         }
         let believed = node.believed();
         let allocated = fit::Allocation {
@@ -137,7 +159,7 @@ impl Feasibility for Fits {
         };
         fit::check(&node.capacity.into(), allocated, &req.resources.into(), self.overcommit)
             .err()
-            .map(|misfit| misfit.to_string())
+            .map(|misfit| Rejection::now(misfit.to_string()))
     }
 }
 
@@ -147,9 +169,9 @@ pub struct StartingCap {
 }
 
 impl Feasibility for StartingCap {
-    fn reject(&self, node: &NodeView, _: &Request, _: u64) -> Option<String> {
+    fn reject(&self, node: &NodeView, _: &Request, _: u64) -> Option<Rejection> {
         let pending = node.pending();
-        (pending >= self.max).then(|| format!("too many starting: {pending} creates in flight"))
+        (pending >= self.max).then(|| Rejection::now(format!("too many starting: {pending} creates in flight")))
     }
 }
 
@@ -216,6 +238,8 @@ pub struct Evaluation {
     pub node_id: String,
     /// `Some(reason)` when a check filtered the node out.
     pub rejected: Option<String>,
+    /// The node was filtered out for being too small for the ask even empty.
+    pub never: bool,
     pub score: f64,
     pub terms: Vec<(&'static str, f64)>,
 }
@@ -235,12 +259,7 @@ impl Decision {
     /// Whether the ask can never fit: every node was looked at, and each is too small for it
     /// even empty (not merely full, draining or unhealthy now).
     pub fn never_fits(&self) -> bool {
-        self.scanned_all
-            && !self.evaluated.is_empty()
-            && self
-                .evaluated
-                .iter()
-                .all(|e| e.rejected.as_deref().is_some_and(|r| r.starts_with(TOO_LARGE)))
+        self.scanned_all && !self.evaluated.is_empty() && self.evaluated.iter().all(|e| e.rejected.is_some() && e.never)
     }
 
     /// A one-line account of why nothing fit, grouped by reason.
@@ -304,7 +323,9 @@ impl Ranker {
 
     /// Checks and scores one node.
     pub fn evaluate(&self, node: &NodeView, req: &Request, now_ms: u64) -> Evaluation {
-        let rejected = self.checks.iter().find_map(|c| c.reject(node, req, now_ms));
+        let rejection = self.checks.iter().find_map(|c| c.reject(node, req, now_ms));
+        let never = rejection.as_ref().is_some_and(|r| r.never);
+        let rejected = rejection.map(|r| r.reason);
         let mut terms = Vec::with_capacity(self.scorers.len());
         let mut score = 0.0;
         if rejected.is_none() {
@@ -320,6 +341,7 @@ impl Ranker {
         Evaluation {
             node_id: node.node_id.clone(),
             rejected,
+            never,
             score,
             terms,
         }
@@ -398,6 +420,7 @@ pub fn unknown_node(node_id: &str) -> Evaluation {
     Evaluation {
         node_id: node_id.to_string(),
         rejected: Some("unknown node: no heartbeat received from it".to_string()),
+        never: false,
         score: 0.0,
         terms: Vec::new(),
     }

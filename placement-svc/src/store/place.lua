@@ -86,7 +86,7 @@ for i = 1, n do
     'pending', 'cpu_usage', 'address', 'templates')
   local id = h[1]
   local reason = ''
-  local score, cpu, mem, tpl = 0, 0, 0, 0
+  local score, cpu, mem, tpl, never = 0, 0, 0, 0, 0
   if not id then
     id = KEYS[2 * i - 1]
     reason = 'unknown node'
@@ -123,9 +123,11 @@ for i = 1, n do
         if req_v > cpu_limit then
           reason = 'too large for this node: cpu: ' .. rust_float(req_v) .. ' vCPU would exceed ' ..
             rust_float(cpu_limit) .. ' (R=' .. rust_float(R) .. ')'
+          never = 1
         elseif req_m > cap_m then
           reason = 'too large for this node: memory: ' .. int(math.floor(req_m / 1048576)) ..
             ' MiB would exceed ' .. int(math.floor(cap_m / 1048576)) .. ' MiB'
+          never = 1
         elseif cpu_after > cpu_limit then
           reason = 'cpu: ' .. rust_float(cpu_after) .. ' vCPU would exceed ' .. rust_float(cpu_limit) ..
             ' (R=' .. rust_float(R) .. ')'
@@ -162,6 +164,7 @@ for i = 1, n do
   out[o + 4] = math.floor(cpu * SCALE + 0.5)
   out[o + 5] = math.floor(mem * SCALE + 0.5)
   out[o + 6] = tpl
+  out[o + 7] = never
   if feasible == k then break end
 end
 

@@ -80,6 +80,8 @@ type Chosen = (String, f64, String);
 struct Scored {
     node_id: String,
     reason: String,
+    /// Too small for the ask even empty (the script's own flag, not read from `reason`).
+    never: bool,
     score: f64,
     cpu: f64,
     memory: f64,
@@ -236,8 +238,8 @@ impl RedisStore {
         let scored = reply
             .get(3..)
             .unwrap_or_default()
-            .chunks(6)
-            .filter(|c| c.len() == 6)
+            .chunks(7)
+            .filter(|c| c.len() == 7)
             .map(|c| Scored {
                 node_id: text(&c[0]),
                 reason: text(&c[1]),
@@ -245,6 +247,7 @@ impl RedisStore {
                 cpu: scaled(&c[3]),
                 memory: scaled(&c[4]),
                 template: int(&c[5]) as f64,
+                never: int(&c[6]) == 1,
             })
             .collect();
         let chosen = usize::try_from(chosen)
@@ -270,6 +273,7 @@ impl RedisStore {
                 let scored = Scored {
                     node_id: unknown.node_id,
                     reason: unknown.rejected.unwrap_or_default(),
+                    never: unknown.never,
                     score: 0.0,
                     cpu: 0.0,
                     memory: 0.0,
@@ -602,6 +606,7 @@ impl RedisStore {
         Evaluation {
             node_id: s.node_id,
             rejected: (!feasible).then_some(s.reason),
+            never: !feasible && s.never,
             score: s.score,
             terms: if feasible {
                 weighted

@@ -179,7 +179,10 @@ impl Cli {
                     _ => Status::Stopped,
                 }))
             }
-            Err(message) if message.contains("does not exist") => Ok(None),
+            // A runc-compatible runtime keeps a folder per container it knows: without one,
+            // the failure was that it does not know this container (its message is a
+            // sentence of another program, never matched).
+            Err(_) if !self.knows(id) => Ok(None),
             Err(message) => Err(message),
         }
     }
@@ -209,7 +212,7 @@ impl Cli {
         }
         match self.simple("delete", &["--force"], id) {
             Ok(_) => Ok(()),
-            Err(message) if message.contains("does not exist") => Ok(()),
+            Err(_) if !self.knows(id) => Ok(()),
             Err(message) => Err(message),
         }
     }
