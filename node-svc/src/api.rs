@@ -262,7 +262,7 @@ impl pb::node_server::Node for NodeApi {
             Ok(SnapshotPart::End { sha256, bytes }) => Ok(pb::SnapshotChunk {
                 part: Some(pb::snapshot_chunk::Part::Trailer(pb::SnapshotTrailer { sha256, bytes })),
             }),
-            Err(err) => Err(status(err)),
+            Err(err) => Err(status(err.into())),
         });
         let stream = tokio_stream::once(Ok(header)).chain(parts);
         Ok(Response::new(Box::pin(stream)))

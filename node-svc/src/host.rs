@@ -50,7 +50,7 @@ use crate::runtime::{Features, Runtime, RuntimeError};
 use crate::sandbox::{
     fence, next_state, on_existing, Answers, Move, OnExisting, Recall, Refusal, Resources, SandboxRecord, State,
 };
-use crate::snapshot::{self, RestoreItem, SnapshotPart};
+use crate::snapshot::{self, RestoreItem, SnapshotError, SnapshotPart};
 use crate::state_dir::StateDir;
 use crate::template::{self, Template, TemplateError};
 use crate::usage::CpuRate;
@@ -85,6 +85,15 @@ pub enum NodeError {
     /// The node has no room for what was asked (another node may).
     #[error("{0}")]
     NoRoom(String),
+}
+
+impl From<SnapshotError> for NodeError {
+    fn from(err: SnapshotError) -> Self {
+        match err {
+            SnapshotError::Archive(message) => NodeError::Io(message),
+            SnapshotError::Corrupt(message) => NodeError::Corrupt(message),
+        }
+    }
 }
 
 impl From<RuntimeError> for NodeError {
@@ -671,7 +680,7 @@ impl Host {
 
     /// Streams the sandbox's home as a tar archive in chunks; the last item is the SHA-256
     /// of all the data and its length.
-    pub fn snapshot_stream(&self, sandbox_id: &str) -> mpsc::Receiver<Result<SnapshotPart, NodeError>> {
+    pub fn snapshot_stream(&self, sandbox_id: &str) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
         snapshot::stream(self.shared.dir.home(sandbox_id))
     }
 
@@ -1173,7 +1182,7 @@ impl Shared {
         let unpacked = tokio::task::spawn_blocking(move || snapshot::unpack(data, &unpack_into))
             .await
             .map_err(|e| NodeError::Runtime(format!("restore task failed: {e}")))
-            .and_then(|unpacked| unpacked);
+            .and_then(|unpacked| unpacked.map_err(NodeError::from));
         let drop_scratch = |scratch: PathBuf| {
             blocking(move || {
                 let _ = crate::disk::remove_folder(&scratch);

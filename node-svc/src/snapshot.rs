@@ -24,7 +24,16 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use crate::host::NodeError;
+/// Why a snapshot could not be taken or applied.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The sandbox's home could not be read into an archive.
+    #[error("{0}")]
+    Archive(String),
+    /// What arrived is not what was sent, or not an archive a node applies.
+    #[error("{0}")]
+    Corrupt(String),
+}
 
 /// Size of snapshot data chunks.
 const CHUNK: usize = 256 * 1024;
@@ -52,14 +61,14 @@ pub struct Checksum {
 
 /// Streams `home` as a tar archive in chunks; the last item is the SHA-256 of all the data and
 /// its length, or the error that stopped the archive.
-pub fn stream(home: PathBuf) -> mpsc::Receiver<Result<SnapshotPart, NodeError>> {
+pub fn stream(home: PathBuf) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
     let (tx, rx) = mpsc::channel(IN_FLIGHT);
     tokio::task::spawn_blocking(move || archive(&home, tx));
     rx
 }
 
 /// Archives `home` into chunks sent on `tx`, then the end (blocking).
-fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
+fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, SnapshotError>>) {
     let mut writer = ChunkWriter::new(tx.clone());
     let written = (|| -> std::io::Result<()> {
         let mut archive = tar::Builder::new(&mut writer);
@@ -77,7 +86,7 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) {
                 bytes: sum.bytes,
             })
         }
-        Err(err) => Err(NodeError::Io(format!("archiving {}: {err}", home.display()))),
+        Err(err) => Err(SnapshotError::Archive(format!("archiving {}: {err}", home.display()))),
     };
     // A receiver that went away wants nothing more.
     let _ = tx.blocking_send(last);
@@ -219,30 +228,30 @@ fn append_tree<W: Write>(archive: &mut tar::Builder<W>, dir: &Path, name: &Path)
 /// nowhere), `user.*` attributes only (no `security.capability`, no `trusted.*`), device
 /// nodes left out, holes kept. `into` is a scratch folder the caller installs only once this
 /// has verified the checksum.
-pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), NodeError> {
+pub fn unpack(data: mpsc::Receiver<RestoreItem>, into: &Path) -> Result<(), SnapshotError> {
     let mut reader = ChunkReader::new(data);
     let stats = layers::unpack_archive(&mut reader, into, layers::Rules::Snapshot)
-        .map_err(|e| NodeError::Corrupt(format!("unpacking: {e}")))?;
+        .map_err(|e| SnapshotError::Corrupt(format!("unpacking: {e}")))?;
     if stats.skipped_devices > 0 {
         // No sandbox makes device nodes (its user namespace may not; overlayfs's own deletions
         // travel as `.wh.` marks): one in an archive was crafted, to be opened where it lands.
         tracing::warn!(devices = stats.skipped_devices, "device nodes in a snapshot; left out");
     }
     // Drain what follows the archive's end (tar padding) up to the trailer.
-    std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| NodeError::Corrupt(e.to_string()))?;
+    std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| SnapshotError::Corrupt(e.to_string()))?;
     let got = reader.checksum();
     verify(&got, reader.trailer.as_ref())
 }
 
 /// Whether the data that arrived (`got`) is what the sender stated it sent (`want`).
-pub fn verify(got: &Checksum, want: Option<&Checksum>) -> Result<(), NodeError> {
+pub fn verify(got: &Checksum, want: Option<&Checksum>) -> Result<(), SnapshotError> {
     match want {
         Some(want) if want == got => Ok(()),
-        Some(want) => Err(NodeError::Corrupt(format!(
+        Some(want) => Err(SnapshotError::Corrupt(format!(
             "checksum {} over {} bytes, the source said {} over {}",
             got.sha256, got.bytes, want.sha256, want.bytes
         ))),
-        None => Err(NodeError::Corrupt("the stream ended without a trailer".to_string())),
+        None => Err(SnapshotError::Corrupt("the stream ended without a trailer".to_string())),
     }
 }
 
@@ -252,14 +261,14 @@ fn hex(bytes: &[u8]) -> String {
 
 /// A `Write` that sends what it is given as chunks of [`CHUNK`] bytes, hashing them.
 struct ChunkWriter {
-    tx: mpsc::Sender<Result<SnapshotPart, NodeError>>,
+    tx: mpsc::Sender<Result<SnapshotPart, SnapshotError>>,
     buf: Vec<u8>,
     hasher: Sha256,
     bytes: u64,
 }
 
 impl ChunkWriter {
-    fn new(tx: mpsc::Sender<Result<SnapshotPart, NodeError>>) -> Self {
+    fn new(tx: mpsc::Sender<Result<SnapshotPart, SnapshotError>>) -> Self {
         Self {
             tx,
             buf: Vec::with_capacity(CHUNK),
@@ -366,7 +375,7 @@ mod tests {
     }
 
     /// Archives `home` on a thread of its own, as `spawn_blocking` would: every part sent.
-    fn take(home: &Path) -> Vec<Result<SnapshotPart, NodeError>> {
+    fn take(home: &Path) -> Vec<Result<SnapshotPart, SnapshotError>> {
         let (tx, mut rx) = mpsc::channel(IN_FLIGHT);
         let home = home.to_path_buf();
         let archiver = std::thread::spawn(move || archive(&home, tx));
@@ -379,16 +388,17 @@ mod tests {
     }
 
     /// Feeds `items` to [`unpack`] into `into`.
-    fn restore(items: Vec<RestoreItem>, into: &Path) -> Result<(), NodeError> {
+    fn restore(items: Vec<RestoreItem>, into: &Path) -> Result<(), SnapshotError> {
         let (tx, rx) = mpsc::channel(items.len().max(1));
         for item in items {
-            tx.try_send(item).map_err(|_| NodeError::Io("channel full".into()))?;
+            tx.try_send(item)
+                .map_err(|_| SnapshotError::Archive("channel full".into()))?;
         }
         drop(tx);
         unpack(rx, into)
     }
 
-    fn as_restore(parts: Vec<Result<SnapshotPart, NodeError>>) -> Vec<RestoreItem> {
+    fn as_restore(parts: Vec<Result<SnapshotPart, SnapshotError>>) -> Vec<RestoreItem> {
         parts
             .into_iter()
             .map(|part| match part {
@@ -449,14 +459,14 @@ mod tests {
         }
         let into = dir.join("lying");
         std::fs::create_dir_all(&into).expect("into");
-        assert!(matches!(restore(lying, &into), Err(NodeError::Corrupt(_))));
+        assert!(matches!(restore(lying, &into), Err(SnapshotError::Corrupt(_))));
 
         // A stream that ends without its trailer.
         let mut truncated = as_restore(take(&home));
         truncated.pop();
         let into = dir.join("truncated");
         std::fs::create_dir_all(&into).expect("into");
-        assert!(matches!(restore(truncated, &into), Err(NodeError::Corrupt(_))));
+        assert!(matches!(restore(truncated, &into), Err(SnapshotError::Corrupt(_))));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -597,7 +607,7 @@ mod tests {
             std::fs::create_dir_all(&into).expect("into");
             let result = restore(items, &into);
             assert!(
-                matches!(&result, Err(NodeError::Corrupt(m)) if m.contains("not a directory")),
+                matches!(&result, Err(SnapshotError::Corrupt(m)) if m.contains("not a directory")),
                 "{what}: {result:?}"
             );
             let planted: Vec<_> = std::fs::read_dir(&victim).expect("victim").collect();
@@ -746,7 +756,7 @@ mod tests {
             let _ = std::fs::remove_dir_all(&into);
             std::fs::create_dir_all(&into).expect("into");
             let result = restore(items, &into);
-            assert!(matches!(result, Err(NodeError::Corrupt(_))), "{target}: {result:?}");
+            assert!(matches!(result, Err(SnapshotError::Corrupt(_))), "{target}: {result:?}");
             assert!(!into.join("home/stolen").exists(), "{target} was linked");
             use std::os::unix::fs::MetadataExt;
             assert_eq!(std::fs::metadata(&victim).expect("victim").nlink(), 1, "{target}");

@@ -80,17 +80,17 @@ impl Slots {
 }
 
 /// The host id of root in slot `slot`.
-fn host_base(slot: u32) -> u32 {
+pub(super) fn host_base(slot: u32) -> u32 {
     RUN_ID_BASE + slot * ID_RANGE
 }
 
 impl IdRanges {
-    /// Ranges for a node whose sandboxes' files are under `scratch`'s file system: checks
-    /// there, with a small overlay of idmapped layers, that this host can give each sandbox a
-    /// range of its own.
-    pub fn probe(scratch: &Path) -> Self {
+    /// Ranges for a node, given what probing its file system for idmapped layers found
+    /// (`rootfs::probe_idmapped_overlay`): slot 0's mapping namespace, or why sandboxes must
+    /// share the storage range.
+    pub fn new(probed: io::Result<OwnedFd>) -> Self {
         let mut slots = Slots::default();
-        let shared = match probe_idmapped_overlay(scratch) {
+        let shared = match probed {
             // The probe's namespace is slot 0's: the first sandbox needs no other.
             Ok(userns) => {
                 slots.namespaces.insert(0, userns);
@@ -191,7 +191,7 @@ fn mapping_text(host: u32) -> String {
 /// fork-like clone would copy the page tables of the whole node, a large threaded process,
 /// and then pay copy-on-write faults and TLB shootdowns on every CPU: 3 ms or more a slot,
 /// most of a sandbox's create wherever it needed a fresh slot.
-fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
+pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
     let mut stack = vec![0u8; HOLDER_STACK];
     // The stack grows down from its end, 16-byte aligned as the ABI wants.
     let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
@@ -253,7 +253,7 @@ extern "C" fn hold(_: *mut libc::c_void) -> libc::c_int {
 /// user namespace `userns` (storage ids as the sandbox's). Overlayfs takes it as a layer by
 /// its `/proc/self/fd/N` path.
 pub fn idmapped(path: &Path, userns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    let c = super::rootfs::cstring(path)?;
+    let c = super::cstring(path)?;
     // SAFETY: a valid NUL-terminated path; the call returns a new descriptor or -1.
     let fd = unsafe {
         libc::syscall(
@@ -302,48 +302,6 @@ pub fn idmapped(path: &Path, userns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 /// The path by which overlayfs reaches a detached mount, `/proc/self/fd/N`.
 pub fn fd_path(fd: &impl AsFd) -> String {
     format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd())
-}
-
-/// Mounts, under `scratch`, an overlay whose lower and upper layers are idmapped to slot 0's
-/// range, writes through it as that range's root, and checks the file lands in the storage
-/// range; then takes it all away. Returns slot 0's mapping namespace.
-fn probe_idmapped_overlay(scratch: &Path) -> io::Result<OwnedFd> {
-    use std::os::unix::fs::MetadataExt;
-    let dir = scratch.join(format!("idmap-probe-{}", std::process::id()));
-    let _ = super::rootfs::unmount(&dir.join("root"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let result = (|| {
-        for rel in ["lower", "layer/upper", "layer/work", "root"] {
-            std::fs::create_dir_all(dir.join(rel))?;
-        }
-        for rel in ["lower", "layer/upper", "layer/work"] {
-            std::os::unix::fs::chown(dir.join(rel), Some(HOST_ID_BASE), Some(HOST_ID_BASE))?;
-        }
-        let host = host_base(0);
-        let userns = mapping_namespace(host)?;
-        super::rootfs::mount_overlay(
-            &[dir.join("lower")],
-            &dir.join("layer/upper"),
-            &dir.join("layer/work"),
-            &dir.join("root"),
-            Some(userns.as_fd()),
-        )?;
-        let seen = std::fs::metadata(dir.join("root"))?.uid();
-        std::fs::write(dir.join("root/probe"), b"")?;
-        std::os::unix::fs::chown(dir.join("root/probe"), Some(host + 1), Some(host + 1))?;
-        let stored = std::fs::metadata(dir.join("layer/upper/probe"))?.uid();
-        super::rootfs::unmount(&dir.join("root"))?;
-        if (seen, stored) != (host, HOST_ID_BASE + 1) {
-            return Err(io::Error::other(format!(
-                "the layers' root showed as {seen} (not {host}) and a file of {} was stored as {stored}",
-                host + 1
-            )));
-        }
-        Ok(userns)
-    })();
-    let _ = super::rootfs::unmount(&dir.join("root"));
-    let _ = std::fs::remove_dir_all(&dir);
-    result
 }
 
 #[cfg(test)]

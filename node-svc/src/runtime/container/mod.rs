@@ -67,6 +67,16 @@ fn parts(run: &Path, home: &Path) -> Parts {
     }
 }
 
+/// The host end of every sandbox's link is named with this prefix: what the network floor's
+/// rules and the DNS redirect match a sandbox's traffic by (`network` names the links,
+/// `resolver` redirects their queries; here, so neither reaches into the other for it).
+pub const HOST_PREFIX: &str = "sbx";
+
+/// `s` as a C string for a system call (a path with a NUL in it is refused).
+pub(super) fn cstring(s: impl AsRef<std::ffi::OsStr>) -> std::io::Result<std::ffi::CString> {
+    std::ffi::CString::new(s.as_ref().as_encoded_bytes()).map_err(std::io::Error::other)
+}
+
 /// FNV-1a of `bytes`: a hash stable across builds and platforms (which `DefaultHasher` does
 /// not promise), for names and spreads that must come out the same in every process.
 pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
@@ -425,7 +435,7 @@ impl ContainerRuntime {
                 PathBuf::from("/nonexistent/envd")
             }),
         };
-        let ids = ids::IdRanges::probe(&root);
+        let ids = ids::IdRanges::new(rootfs::probe_idmapped_overlay(&root));
         if let Some(shared) = ids.shared() {
             degraded.push(shared.to_string());
         }

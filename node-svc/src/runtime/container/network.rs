@@ -50,8 +50,7 @@ use common::egress::{Cidr, NetworkPolicy};
 
 use super::resolver::{self, Resolver};
 
-/// The host end's name prefix: what the floor's rules match.
-pub const HOST_PREFIX: &str = "sbx";
+pub use super::HOST_PREFIX;
 /// The nftables table of the floor.
 pub const TABLE: &str = "sandboxsched";
 /// The pool sandboxes' /30s come from, unless `--sandbox-network` says otherwise.

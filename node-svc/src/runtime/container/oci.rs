@@ -289,17 +289,17 @@ fn spawn_and_wait(
     attr.set_sigdefault(&default)?;
     attr.set_flags(PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
 
-    let path = super::rootfs::cstring(program)?;
+    let path = super::cstring(program)?;
     let argv = std::iter::once(program.as_os_str())
         .chain(args.iter().map(OsString::as_os_str))
-        .map(super::rootfs::cstring)
+        .map(super::cstring)
         .collect::<std::io::Result<Vec<_>>>()?;
     let envp = std::env::vars_os()
         .map(|(k, v)| {
             let mut kv = k;
             kv.push("=");
             kv.push(v);
-            super::rootfs::cstring(&kv)
+            super::cstring(&kv)
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     // A bare name (`--oci-runtime runc`) is looked up on PATH, as `Command` does.

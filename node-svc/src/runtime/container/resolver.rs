@@ -85,7 +85,7 @@ fn table_of(pool: &Cidr) -> String {
 /// another pool's sandboxes go to their own forwarder.
 pub fn redirect_ruleset(pool: &Cidr, port: u16) -> String {
     let table = table_of(pool);
-    let prefix = super::network::HOST_PREFIX;
+    let prefix = super::HOST_PREFIX;
     format!(
         "add table ip {table}
 delete table ip {table}

@@ -10,11 +10,12 @@
 //! user namespace maps, so inside it is root's (or `user`'s), and nothing of it is the host's
 //! secrets: `/etc/shadow`, keys and the host's accounts are not copied.
 
-use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::os::unix::fs::{chown, lchown, symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use super::cstring;
 use super::spec::{HOST_ID_BASE, SANDBOX_USER_ID};
 
 /// Bumped whenever the generated layer changes, so nodes rebuild it.
@@ -261,11 +262,6 @@ pub fn prepare_upper(upper: &Path, work: &Path) -> io::Result<()> {
     std::fs::create_dir_all(work)
 }
 
-/// A path (or any OS string) for a system call.
-pub(super) fn cstring(s: impl AsRef<std::ffi::OsStr>) -> io::Result<CString> {
-    CString::new(s.as_ref().as_encoded_bytes()).map_err(io::Error::other)
-}
-
 /// Mounts a new `fstype` file system (its source named as its type) at `target`.
 pub(super) fn mount_new(fstype: &str, target: &Path, flags: libc::c_ulong, data: &str) -> io::Result<()> {
     let (fstype, target, data) = (cstring(fstype)?, cstring(target)?, cstring(data)?);
@@ -356,6 +352,48 @@ pub fn unmount(target: &Path) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Mounts, under `scratch`, an overlay whose lower and upper layers are idmapped to slot 0's
+/// range, writes through it as that range's root, and checks the file lands in the storage
+/// range; then takes it all away. Returns slot 0's mapping namespace.
+pub(super) fn probe_idmapped_overlay(scratch: &Path) -> io::Result<OwnedFd> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = scratch.join(format!("idmap-probe-{}", std::process::id()));
+    let _ = unmount(&dir.join("root"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let result = (|| {
+        for rel in ["lower", "layer/upper", "layer/work", "root"] {
+            std::fs::create_dir_all(dir.join(rel))?;
+        }
+        for rel in ["lower", "layer/upper", "layer/work"] {
+            std::os::unix::fs::chown(dir.join(rel), Some(HOST_ID_BASE), Some(HOST_ID_BASE))?;
+        }
+        let host = super::ids::host_base(0);
+        let userns = super::ids::mapping_namespace(host)?;
+        mount_overlay(
+            &[dir.join("lower")],
+            &dir.join("layer/upper"),
+            &dir.join("layer/work"),
+            &dir.join("root"),
+            Some(userns.as_fd()),
+        )?;
+        let seen = std::fs::metadata(dir.join("root"))?.uid();
+        std::fs::write(dir.join("root/probe"), b"")?;
+        std::os::unix::fs::chown(dir.join("root/probe"), Some(host + 1), Some(host + 1))?;
+        let stored = std::fs::metadata(dir.join("layer/upper/probe"))?.uid();
+        unmount(&dir.join("root"))?;
+        if (seen, stored) != (host, HOST_ID_BASE + 1) {
+            return Err(io::Error::other(format!(
+                "the layers' root showed as {seen} (not {host}) and a file of {} was stored as {stored}",
+                host + 1
+            )));
+        }
+        Ok(userns)
+    })();
+    let _ = unmount(&dir.join("root"));
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ pub fn run_dir(state_dir: &Path) -> PathBuf {
 }
 
 fn on_tmpfs(path: &Path) -> bool {
-    let Ok(c) = super::rootfs::cstring(path) else {
+    let Ok(c) = super::cstring(path) else {
         return false;
     };
     // SAFETY: statfs writes only into `stat`, from a valid NUL-terminated path.
