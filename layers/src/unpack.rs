@@ -266,9 +266,6 @@ fn apply_entry<R: Read>(
         return Ok(());
     }
     let comps = normalise(&entry.path_bytes())?;
-    let uid = map_id(header.uid()?, rules, &comps)?;
-    let gid = map_id(header.gid()?, rules, &comps)?;
-    let mtime = i64::try_from(header.mtime()?).unwrap_or(i64::MAX);
     let (xattrs, literal) = pax_records(entry)?;
 
     if let Some((name, parent)) = comps.split_last().filter(|_| !literal) {
@@ -288,9 +285,18 @@ fn apply_entry<R: Read>(
             }
             let mut target = parent.to_vec();
             target.push(OsStr::from_bytes(hidden).to_owned());
+            // A mark carries no file: an owner or time left blank (as snapshots before
+            // these rules wrote their marks) is root's and the epoch.
+            let uid = map_id(header.uid().unwrap_or(0), rules, &comps)?;
+            let gid = map_id(header.gid().unwrap_or(0), rules, &comps)?;
+            let mtime = i64::try_from(header.mtime().unwrap_or(0)).unwrap_or(i64::MAX);
             return Ok(tree.make_whiteout(&target, uid, gid, mtime)?);
         }
     }
+
+    let uid = map_id(header.uid()?, rules, &comps)?;
+    let gid = map_id(header.gid()?, rules, &comps)?;
+    let mtime = i64::try_from(header.mtime()?).unwrap_or(i64::MAX);
 
     let attrs = Attrs {
         uid,

@@ -184,6 +184,10 @@ fn append_mark<W: Write>(archive: &mut tar::Builder<W>, name: &Path) -> std::io:
     header.set_entry_type(tar::EntryType::Regular);
     header.set_size(0);
     header.set_mode(0o600);
+    // Owned by host root, as overlayfs makes its own marks.
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_mtime(0);
     archive.append_data(&mut header, name, std::io::empty())
 }
 
@@ -550,6 +554,52 @@ mod tests {
         assert_eq!(read(".wh..wh..opq"), "also mine");
         assert!(!opaque(&into.join("home")), "a user's file made the home opaque");
         assert!(!into.join("home/app.sock").exists(), "a socket was restored");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// overlayfs's own marks (a deletion's 0:0 character device, an opaque directory) move
+    /// as marks, and so do those of archives written before marks carried an owner.
+    #[test]
+    fn overlay_marks_move_as_marks_from_archives_old_and_new() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = scratch("marks");
+        let home = dir.join("home-src");
+        std::fs::create_dir_all(home.join("etc")).expect("home");
+        let deleted = cpath(&home.join("etc/hosts")).expect("path");
+        // SAFETY: a valid C string; a 0:0 character device is overlayfs's whiteout.
+        assert_eq!(unsafe { libc::mknod(deleted.as_ptr(), libc::S_IFCHR, 0) }, 0, "mknod");
+        let (etc, key) = (
+            cpath(&home.join("etc")).expect("path"),
+            std::ffi::CString::new(OPAQUE_XATTR).expect("key"),
+        );
+        // SAFETY: valid C strings and a one-byte value.
+        assert_eq!(
+            unsafe { libc::lsetxattr(etc.as_ptr(), key.as_ptr(), b"y".as_ptr().cast(), 1, 0) },
+            0
+        );
+        let old = crafted(|a| {
+            for name in ["home/old/.wh.gone", "home/old/.wh..wh..opq"] {
+                // As marks were written before: no owner, no time.
+                let mut header = tar::Header::new_gnu();
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_size(0);
+                header.set_mode(0o600);
+                a.append_data(&mut header, name, std::io::empty()).expect("mark");
+            }
+        });
+        for (what, items) in [("new", as_restore(take(&home))), ("old", old)] {
+            let into = dir.join(format!("into-{what}"));
+            std::fs::create_dir_all(&into).expect("into");
+            restore(items, &into).expect(what);
+            let (folder, gone) = if what == "new" {
+                ("home/etc", "hosts")
+            } else {
+                ("home/old", "gone")
+            };
+            let mark = std::fs::symlink_metadata(into.join(folder).join(gone)).expect("whiteout");
+            assert!(mark.file_type().is_char_device(), "{what}: {mark:?}");
+            assert!(opaque(&into.join(folder)), "{what}: not opaque");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
