@@ -245,21 +245,22 @@ pub fn validate(spec: Spec, bundle: &Path, id: &str) -> Result<Config, SpecError
     }
     if let Some(p) = linux.rootfs_propagation() {
         if !p.is_empty() {
-            crate::rootfs::propagation_flag(p).ok_or_else(|| invalid(format!("unknown rootfsPropagation {p:?}")))?;
+            crate::rootfs::options::propagation_flag(p)
+                .ok_or_else(|| invalid(format!("unknown rootfsPropagation {p:?}")))?;
         }
     }
     let mounts = spec.mounts().clone().unwrap_or_default();
     for m in &mounts {
-        crate::rootfs::validate_mount(m).map_err(|e| invalid(e.to_string()))?;
+        crate::rootfs::options::validate_mount(m).map_err(|e| invalid(e.to_string()))?;
     }
     let devices = linux.devices().clone().unwrap_or_default();
     for d in &devices {
-        crate::rootfs::validate_device_path(d.path()).map_err(|e| invalid(e.to_string()))?;
+        crate::rootfs::options::validate_device_path(d.path()).map_err(|e| invalid(e.to_string()))?;
     }
     let masked_paths = linux.masked_paths().clone().unwrap_or_default();
     let readonly_paths = linux.readonly_paths().clone().unwrap_or_default();
     for p in masked_paths.iter().chain(&readonly_paths) {
-        crate::rootfs::split_container_path(p).map_err(|e| invalid(e.to_string()))?;
+        crate::rootfs::options::split_container_path(p).map_err(|e| invalid(e.to_string()))?;
     }
 
     let cgroups_path = match linux.cgroups_path() {
@@ -337,7 +338,7 @@ fn validate_process(p: &Process) -> Result<(), SpecError> {
     if !p.cwd().is_absolute() {
         return Err(invalid(format!("process.cwd {:?} is not absolute", p.cwd())));
     }
-    crate::rootfs::split_container_path(&p.cwd().to_string_lossy()).map_err(|e| invalid(e.to_string()))?;
+    crate::rootfs::options::split_container_path(&p.cwd().to_string_lossy()).map_err(|e| invalid(e.to_string()))?;
     if p.user().username().is_some() {
         return Err(unsupported("process.user.username (Windows)"));
     }
