@@ -2,7 +2,7 @@
 //!
 //! - [`plan`]: the pure core: spread, observation status, the fewest moves, drains, and the
 //!   lower bound plans are compared to.
-//! - [`optimum`]: the exact fewest moves on clusters small enough to search (pure).
+//! - [`optimum`] (in `plan`): the exact fewest moves on clusters small enough to search (pure).
 //! - [`view`]: from ledger documents to the planner's snapshot (pure).
 //! - [`record`]: the plan, lease, observation and control documents, and a move's steps.
 //! - [`migrate`]: executes moves as persisted, fenced, idempotent state machines.
@@ -15,9 +15,9 @@ pub mod api;
 pub mod balancer;
 pub mod lease;
 pub mod migrate;
-pub mod optimum;
 pub mod orphan;
 pub mod plan;
+pub use plan::optimum;
 pub mod record;
 pub mod server;
 pub mod stuck;

@@ -115,7 +115,7 @@ fn overlay_mounts(state_dir: &std::path::Path, rounds: usize) -> anyhow::Result<
     use node_svc::runtime::container::{base_dir, ids::IdRanges, rootfs};
     let scratch = state_dir.join("overlay-bench");
     std::fs::create_dir_all(&scratch)?;
-    let ranges = IdRanges::probe(&scratch);
+    let ranges = IdRanges::new(rootfs::probe_idmapped_overlay(&scratch));
     if let Some(why) = ranges.shared() {
         anyhow::bail!("{why}");
     }

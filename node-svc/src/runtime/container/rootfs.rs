@@ -357,7 +357,7 @@ pub fn unmount(target: &Path) -> io::Result<()> {
 /// Mounts, under `scratch`, an overlay whose lower and upper layers are idmapped to slot 0's
 /// range, writes through it as that range's root, and checks the file lands in the storage
 /// range; then takes it all away. Returns slot 0's mapping namespace.
-pub(super) fn probe_idmapped_overlay(scratch: &Path) -> io::Result<OwnedFd> {
+pub fn probe_idmapped_overlay(scratch: &Path) -> io::Result<OwnedFd> {
     use std::os::unix::fs::MetadataExt;
     let dir = scratch.join(format!("idmap-probe-{}", std::process::id()));
     let _ = unmount(&dir.join("root"));

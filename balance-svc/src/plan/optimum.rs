@@ -4,7 +4,7 @@
 //! combination; tests and the benchmark use it to measure how far plans are from the optimum.
 //!
 //! The moves follow the planner's rules: only sandboxes on ready nodes that may move now
-//! (see [`Skip`](crate::plan::Skip)), each at most once, onto ready nodes that are not draining,
+//! (see [`Skip`](super::model::Skip)), each at most once, onto ready nodes that are not draining,
 //! in an order where every move fits its target when it runs: its measured memory, and its ask
 //! under placement's allocation rule ([`common::fit`]). `max_moves` is not applied.
 //!
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use common::docs::Capacity;
 use common::fit::{self, Allocation};
 
-use crate::plan::{skip_reason, Move, Snapshot, Tuning};
+use super::model::{skip_reason, Move, Snapshot, Tuning};
 
 /// Most ready nodes searched.
 pub const MAX_NODES: usize = 6;
@@ -139,7 +139,7 @@ impl Search {
         }
     }
 
-    /// The spread as [`crate::plan::spread`] computes it, within `target`, with no node overfull.
+    /// The spread as [`super::model::spread`] computes it, within `target`, with no node overfull.
     fn within_target(&self) -> bool {
         if self.available.iter().any(|&a| a < 0) {
             return false;
