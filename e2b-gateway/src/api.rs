@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,76 +13,15 @@ use common::docs::{SandboxDoc, SandboxPhase};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+pub use crate::error::ApiError;
+pub use crate::ids::{check_id, SandboxId, MAX_ID_BYTES};
 use crate::intent::{self, NewSandbox, Template};
-use crate::sandboxes::{idempotency, Failure, Sandboxes};
+use crate::sandboxes::{idempotency, Sandboxes};
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
 pub const ENVD_VERSION: &str = "0.6.3";
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
-
-/// An error answer in E2B's shape.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (
-            self.status,
-            Json(json!({"code": self.status.as_u16(), "message": self.message})),
-        )
-            .into_response();
-        // 503 means "not now": say when to try again (the SDK honours Retry-After).
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            response
-                .headers_mut()
-                .insert(axum::http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        response
-    }
-}
-
-impl From<Failure> for ApiError {
-    fn from(f: Failure) -> Self {
-        let status = match &f {
-            Failure::NotFound(_) => StatusCode::NOT_FOUND,
-            Failure::Conflict(_) => StatusCode::CONFLICT,
-            // Never "try again": no node of this cluster could hold it.
-            Failure::TooLarge(_) => StatusCode::BAD_REQUEST,
-            // E2B answers "no capacity" with 503 too.
-            Failure::NoCapacity(_) | Failure::Unavailable(_) | Failure::Unknown(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            Failure::Invalid(_) => StatusCode::BAD_REQUEST,
-            Failure::Forbidden(_) => StatusCode::FORBIDDEN,
-        };
-        let message = match &f {
-            Failure::NotFound(id) => format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),
-            other => other.to_string(),
-        };
-        ApiError::new(status, message)
-    }
-}
-
-impl From<intent::Refusal> for ApiError {
-    fn from(r: intent::Refusal) -> Self {
-        match r {
-            intent::Refusal::UnknownTemplate(_) => ApiError::new(StatusCode::NOT_FOUND, r.to_string()),
-            intent::Refusal::Invalid(_) => ApiError::new(StatusCode::BAD_REQUEST, r.to_string()),
-        }
-    }
-}
 
 /// Shared by every handler.
 #[derive(Clone)]
@@ -159,45 +98,6 @@ pub(crate) fn json_body<T: for<'de> Deserialize<'de>>(
     }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request body: {e}")))
-}
-
-/// A sandbox (or node) ID from the path, checked at the edge: 1 to 128 letters, digits,
-/// `-`, `_` or `.`, not starting with a dot. Anything else is a 400 naming the field, before
-/// any service is asked (a control character or a kilobyte of ID used to reach the ledger and
-/// come back as a 500).
-pub struct SandboxId(pub String);
-
-/// The longest ID accepted (IDs this gateway makes are 20 characters).
-pub const MAX_ID_BYTES: usize = 128;
-
-pub fn check_id(id: &str) -> Result<(), ApiError> {
-    let plain = !id.is_empty()
-        && id.len() <= MAX_ID_BYTES
-        && !id.starts_with('.')
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
-        Ok(())
-    } else {
-        let shown: String = id.chars().take(40).flat_map(char::escape_default).collect();
-        Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!("sandboxID \"{shown}\" is not an ID: 1 to {MAX_ID_BYTES} letters, digits, '-', '_' or '.'"),
-        ))
-    }
-}
-
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxId {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(id) = Path::<String>::from_request_parts(parts, state)
-            .await
-            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("sandboxID: {e}")))?;
-        check_id(&id)?;
-        Ok(SandboxId(id))
-    }
 }
 
 pub(crate) fn rfc3339(ms: u64) -> String {
@@ -352,7 +252,7 @@ async fn resolve_template(g: &Gateway, team: &str, reference: &str) -> Result<Op
     if reference.is_empty() {
         return Ok(None);
     }
-    crate::template_api::check_id("templateID", reference)?;
+    crate::ids::check_template_id("templateID", reference)?;
     let resolved = g.templates.resolve(team, reference).await?;
     Ok(resolved.map(|r| Template {
         name: r.template.template_id,

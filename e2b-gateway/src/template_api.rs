@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::api::{backward_of, json_body, level_of, rfc3339, ApiError, Gateway, ENVD_VERSION, LEVELS};
+use crate::ids::check_template_id;
 use crate::sandboxes::Failure;
 use crate::templates::build::{effective_status, StartBuild};
 use crate::templates::{files, BuildRequest};
@@ -29,21 +30,6 @@ fn failure(f: Failure) -> ApiError {
             format!("{what} doesn't exist or you don't have access to it"),
         ),
         other => other.into(),
-    }
-}
-
-/// Checks a template ID, name or reference (`team/name:tag`) from a path or a body: plain
-/// characters only, as any other ID at the edge.
-pub(crate) fn check_id(what: &str, id: &str) -> Result<(), ApiError> {
-    let ok = !id.is_empty()
-        && id.len() <= 256
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/' | b':'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::new(StatusCode::BAD_REQUEST, format!("invalid {what} {id:?}")))
     }
 }
 
@@ -121,7 +107,7 @@ pub async fn file_link(
     Path((template_id, hash)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &template_id)?;
+    check_template_id("templateID", &template_id)?;
     files::check_hash(&hash).map_err(failure)?;
     let template = g
         .templates
@@ -150,7 +136,7 @@ pub async fn upload(
     Query(query): Query<HashMap<String, String>>,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
-    check_id("templateID", &template_id)?;
+    check_template_id("templateID", &template_id)?;
     files::check_hash(&hash).map_err(failure)?;
     let token = query.get("token").map(String::as_str).unwrap_or("");
     let denied = || ApiError::new(StatusCode::FORBIDDEN, "the upload URL is not valid");
@@ -186,8 +172,8 @@ pub async fn start_build(
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &template_id)?;
-    check_id("buildID", &build_id)?;
+    check_template_id("templateID", &template_id)?;
+    check_template_id("buildID", &build_id)?;
     let spec: StartBuild = json_body(&headers, &body, true)?;
     g.builder
         .start(&team, &template_id, &build_id, spec)
@@ -231,8 +217,8 @@ pub async fn build_status(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &template_id)?;
-    check_id("buildID", &build_id)?;
+    check_template_id("templateID", &template_id)?;
+    check_template_id("buildID", &build_id)?;
     let offset = query_u64(&query, "logsOffset", 0, u64::from(u32::MAX))?;
     let limit = query_u64(&query, "limit", 100, 100)? as usize;
     let level = level_of(&query)?;
@@ -283,8 +269,8 @@ pub async fn build_logs(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &template_id)?;
-    check_id("buildID", &build_id)?;
+    check_template_id("templateID", &template_id)?;
+    check_template_id("buildID", &build_id)?;
     let cursor = query_u64(&query, "cursor", 0, u64::MAX)?;
     let limit = query_u64(&query, "limit", 100, 100)? as usize;
     let level = level_of(&query)?;
@@ -363,7 +349,7 @@ pub async fn list(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<V
 }
 
 async fn found(g: &Gateway, team: &str, id: &str) -> Result<TemplateDoc, ApiError> {
-    check_id("templateID", id)?;
+    check_template_id("templateID", id)?;
     g.templates
         .find(team, id)
         .await
@@ -401,7 +387,7 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &id)?;
+    check_template_id("templateID", &id)?;
     g.templates.delete(&team, &id).await.map_err(failure)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -419,7 +405,7 @@ pub async fn update(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let team = g.team(&headers)?;
-    check_id("templateID", &id)?;
+    check_template_id("templateID", &id)?;
     let update: Update = json_body(&headers, &body, true)?;
     let names = g
         .templates
@@ -439,7 +425,7 @@ struct AssignTags {
 pub async fn assign_tags(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let team = g.team(&headers)?;
     let req: AssignTags = json_body(&headers, &body, true)?;
-    check_id("target", &req.target)?;
+    check_template_id("target", &req.target)?;
     let build = g
         .templates
         .assign_tags(&team, &req.target, &req.tags)
@@ -458,7 +444,7 @@ struct RemoveTags {
 pub async fn remove_tags(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Result<StatusCode, ApiError> {
     let team = g.team(&headers)?;
     let req: RemoveTags = json_body(&headers, &body, true)?;
-    check_id("name", &req.name)?;
+    check_template_id("name", &req.name)?;
     g.templates
         .remove_tags(&team, &req.name, &req.tags)
         .await
@@ -587,8 +573,8 @@ mod tests {
         assert!(at_least(&e("error"), "warn"));
         assert!(!at_least(&e("info"), "warn"));
         assert!(at_least(&e("debug"), ""));
-        assert!(check_id("templateID", "t123").is_ok());
-        assert!(check_id("templateID", "a b").is_err());
-        assert!(check_id("templateID", "").is_err());
+        assert!(check_template_id("templateID", "t123").is_ok());
+        assert!(check_template_id("templateID", "a b").is_err());
+        assert!(check_template_id("templateID", "").is_err());
     }
 }

@@ -20,6 +20,9 @@ mod reaper;
 pub use claim::DEFAULT_CLAIM_TTL;
 pub use reaper::{Patience, DEFAULT_ABANDONED_CREATE_AFTER};
 
+use crate::error::from_status;
+pub use crate::error::Failure;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,71 +32,12 @@ use ledger_client::{LedgerClient, LedgerError, Txn, Versioned};
 use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
-use tonic::Code;
 
 /// How long a lifecycle call waits for a balancer move of its sandbox to finish.
 const WAIT_FOR_MOVE: Duration = Duration::from_secs(15);
 
-/// Why a sandbox operation failed, in terms the REST layer maps to E2B's statuses.
-#[derive(Debug, thiserror::Error)]
-pub enum Failure {
-    #[error("sandbox {0} not found")]
-    NotFound(String),
-    #[error("{0}")]
-    Conflict(String),
-    #[error("{0}")]
-    NoCapacity(String),
-    /// Larger than any node of the cluster could ever hold.
-    #[error("the sandbox is larger than any node can hold: {0}")]
-    TooLarge(String),
-    #[error("{0}")]
-    Unavailable(String),
-    /// A ledger write or a node call whose outcome stayed unknown (answered like
-    /// `Unavailable`): it may have landed.
-    #[error("{0}")]
-    Unknown(String),
-    #[error("{0}")]
-    Internal(String),
-    /// The request itself is wrong (400).
-    #[error("{0}")]
-    Invalid(String),
-    /// Exists, but not the caller's to use or change (403).
-    #[error("{0}")]
-    Forbidden(String),
-}
-
 /// Reads a ledger write of unknown outcome may take to resolve it.
 pub(super) const LEDGER_RESOLVE_ATTEMPTS: usize = 5;
-
-impl From<LedgerError> for Failure {
-    fn from(err: LedgerError) -> Self {
-        match err {
-            LedgerError::Unavailable(m) => Failure::Unavailable(format!("ledger unavailable: {m}")),
-            LedgerError::OutcomeUnknown(m) => Failure::Unknown(format!(
-                "the ledger did not confirm the write ({m}); read the sandbox to see whether it applied"
-            )),
-            // What the ledger refuses as malformed came from the request (an ID, a name, a
-            // value too large): the caller's to fix, never a server error.
-            LedgerError::Invalid(m) => Failure::Invalid(format!("the request was refused: {m}")),
-            other => Failure::Internal(other.to_string()),
-        }
-    }
-}
-
-fn from_status(what: &str, status: tonic::Status) -> Failure {
-    match status.code() {
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
-            Failure::Unavailable(format!("{what}: {}", status.message()))
-        }
-        // A call that broke after it was sent (tonic's transport errors): it may have landed.
-        Code::Unknown => Failure::Unknown(format!("{what}: no answer, it may have landed ({})", status.message())),
-        Code::ResourceExhausted => Failure::NoCapacity(status.message().to_string()),
-        Code::OutOfRange => Failure::TooLarge(status.message().to_string()),
-        Code::NotFound => Failure::NotFound(status.message().to_string()),
-        Code::FailedPrecondition | Code::AlreadyExists => Failure::Conflict(status.message().to_string()),
-        _ => Failure::Internal(format!("{what}: {}", status.message())),
-    }
-}
 
 /// The gateway's view of sandboxes: the ledger is the truth, placement and nodes do the work.
 pub struct Sandboxes {
@@ -106,7 +50,7 @@ pub struct Sandboxes {
     /// How long the reaper lets paused sandboxes and unfinished creates be.
     patience: reaper::Patience,
     /// The proxy's routing table: this gateway's own changes apply to it at once.
-    pub routes: crate::proxy::Routes,
+    pub routes: crate::routes::Routes,
     placement: PlacementClient<TracedChannel>,
     nodes: nodes::Nodes,
     /// Derives sandboxes' tokens from the seals their manifests keep.
@@ -135,7 +79,7 @@ impl Sandboxes {
             hibernate_dir,
             store,
             patience,
-            routes: crate::proxy::Routes::new(tokens.clone()),
+            routes: crate::routes::Routes::new(tokens.clone()),
             tokens,
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::new(security.clone()),

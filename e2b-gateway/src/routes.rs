@@ -1,0 +1,169 @@
+//! Where each sandbox runs, for the envd proxy: a routing table kept fresh by a ledger watch
+//! on the sandbox manifests (no ledger read per request). A miss (a sandbox created a moment
+//! ago, before the watch delivered it) is read from the ledger once and remembered.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use futures::StreamExt;
+use ledger_client::{LedgerClient, WatchEvent};
+use tokio::sync::RwLock;
+
+/// Sandbox → envd endpoint, for running sandboxes.
+#[derive(Clone)]
+pub struct Routes {
+    table: Arc<RwLock<HashMap<String, Route>>>,
+    /// Woken on every change of the table, for requests held during a move.
+    changed: Arc<tokio::sync::Notify>,
+    /// Opens the seals manifests keep into the tokens requests must carry.
+    tokens: crate::tokens::Tokens,
+}
+
+#[derive(Clone, Debug)]
+pub struct Route {
+    /// The node that runs it, and that node's envd endpoint (`http://HOST:PORT`).
+    pub(crate) node_id: String,
+    pub(crate) envd: String,
+    pub(crate) running: bool,
+    /// Another operation (a move) owns the sandbox: hold its requests.
+    pub(crate) moving: bool,
+    pub(crate) access_token: Option<Arc<str>>,
+    /// Required on requests for its ports when set.
+    pub(crate) traffic_token: Option<Arc<str>>,
+    /// Traffic to it while paused resumes it (as its team, with its own timeout).
+    pub(crate) auto_resume: Option<(Arc<str>, u64)>,
+}
+
+fn route_of(doc: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Option<Route> {
+    (!doc.envd_address.is_empty() || doc.lifecycle_owner.is_some()).then(|| Route {
+        node_id: doc.node_id.clone(),
+        envd: doc.envd_address.clone(),
+        running: doc.phase == SandboxPhase::Running,
+        moving: doc.lifecycle_owner.is_some(),
+        access_token: tokens.envd(doc).map(Arc::from),
+        traffic_token: tokens.traffic(doc).map(Arc::from),
+        auto_resume: doc
+            .auto_resume
+            .then(|| (Arc::from(doc.team_id.as_str()), doc.timeout_secs)),
+    })
+}
+
+/// How long a request may wait for a moving sandbox to resume somewhere.
+pub const HOLD_DURING_MOVE: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Routes {
+    pub fn new(tokens: crate::tokens::Tokens) -> Self {
+        Self {
+            table: Arc::default(),
+            changed: Arc::default(),
+            tokens,
+        }
+    }
+
+    /// Lists the manifests, then follows the ledger from that revision on.
+    pub fn follow(&self, ledger: LedgerClient) -> tokio::task::JoinHandle<()> {
+        let routes = self.clone();
+        tokio::spawn(async move {
+            let pause = std::time::Duration::from_secs(2);
+            let mut backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
+            loop {
+                let start = match ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await {
+                    Ok((docs, revision)) => {
+                        let mut table = routes.table.write().await;
+                        table.clear();
+                        for d in docs {
+                            if let Some(r) = route_of(&d.value, &routes.tokens) {
+                                table.insert(d.value.sandbox_id.clone(), r);
+                            }
+                        }
+                        backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
+                        revision + 1
+                    }
+                    Err(err) => {
+                        tracing::warn!(%err, "routing table: cannot list manifests; retrying");
+                        tokio::time::sleep(backoff.next().unwrap_or(pause)).await;
+                        continue;
+                    }
+                };
+                let mut watch = ledger.watch(SANDBOX_KIND, "", start);
+                while let Some(update) = watch.next().await {
+                    let Ok(update) = update else { break };
+                    let _woken = Wake(&routes.changed);
+                    let mut table = routes.table.write().await;
+                    for event in update.events {
+                        match event {
+                            WatchEvent::Put(doc) => {
+                                if let Ok(d) = serde_json::from_str::<SandboxDoc>(&doc.payload) {
+                                    match route_of(&d, &routes.tokens) {
+                                        Some(r) => table.insert(d.sandbox_id.clone(), r),
+                                        None => table.remove(&d.sandbox_id),
+                                    };
+                                }
+                            }
+                            WatchEvent::Deleted { key, .. } => {
+                                table.remove(&key.id);
+                            }
+                        }
+                    }
+                }
+                // The watch ended (compacted, or an error that is not transient): list again.
+            }
+        })
+    }
+
+    /// Resolves at the next change of the table (the ledger's watch, or a local update).
+    /// Created before looking at what it guards, it misses no change made in between.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Drops a sandbox's route (it was killed, or its node says it is not there).
+    pub async fn forget(&self, id: &str) {
+        self.table.write().await.remove(id);
+        self.changed.notify_waiters();
+    }
+
+    /// Marks a sandbox paused or running without waiting for the watch.
+    pub async fn set_running(&self, id: &str, running: bool) {
+        if let Some(route) = self.table.write().await.get_mut(id) {
+            route.running = running;
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The sandbox's route once it is not being moved, waiting at most `limit`.
+    pub async fn settled(&self, ledger: &LedgerClient, id: &str, limit: std::time::Duration) -> Option<Route> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            // Register for the next change before looking, so none is missed in between.
+            let changed = self.changed.notified();
+            let route = self.lookup(ledger, id).await?;
+            if !route.moving {
+                return Some(route);
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Some(route);
+            }
+        }
+    }
+
+    async fn lookup(&self, ledger: &LedgerClient, id: &str) -> Option<Route> {
+        if let Some(r) = self.table.read().await.get(id) {
+            return Some(r.clone());
+        }
+        let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.ok()??;
+        let route = route_of(&doc.value, &self.tokens)?;
+        self.table.write().await.insert(id.to_string(), route.clone());
+        Some(route)
+    }
+}
+
+/// Wakes held requests when dropped (after the table's write lock is released).
+struct Wake<'a>(&'a tokio::sync::Notify);
+
+impl Drop for Wake<'_> {
+    fn drop(&mut self) {
+        self.0.notify_waiters();
+    }
+}
