@@ -62,8 +62,11 @@ pub fn open(cols: u16, rows: u16) -> io::Result<(PtyMaster, OwnedFd)> {
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 pub unsafe fn take_terminal() -> io::Result<()> {
-    if libc::setsid() >= 0 {
-        libc::ioctl(0, libc::TIOCSCTTY as _, 0);
+    // SAFETY: setsid takes no arguments and is async-signal-safe.
+    if unsafe { libc::setsid() } >= 0 {
+        // SAFETY: TIOCSCTTY on stdin with an integer argument; a stdin that is no terminal
+        // fails the call, harmlessly.
+        unsafe { libc::ioctl(0, libc::TIOCSCTTY as _, 0) };
     }
     Ok(())
 }

@@ -397,7 +397,9 @@ fn clone_vfork(plan: &Plan<'_>) -> io::Result<libc::pid_t> {
     let top = (top as usize & !15) as *mut libc::c_void;
     // SAFETY: sigset_t is plain data; sigfillset and pthread_sigmask only write the sets.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above: plain data, zero is a valid set.
     let mut before: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: both sets are live locals; these calls only write them and the thread's mask.
     unsafe {
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut before);
@@ -523,6 +525,7 @@ unsafe fn prepare_and_exec(plan: &Plan<'_>) -> i32 {
     // SAFETY: every call gets plain numbers or pointers to the prepared plan and the two
     // locals above, all alive until execve replaces this process or it ends.
     let step = || -> Result<(), i32> {
+        // SAFETY: as the comment above the closure says.
         unsafe {
             // Default dispositions for every signal (a handler of envd's would run envd's
             // code in a process that is not envd; an ignored SIGPIPE would reach the command).

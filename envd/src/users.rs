@@ -102,6 +102,7 @@ impl Users {
                 name: name.to_string(),
                 // SAFETY: getuid/getgid cannot fail and touch no memory.
                 uid: unsafe { libc::getuid() },
+                // SAFETY: as getuid.
                 gid: unsafe { libc::getgid() },
                 home: home.clone(),
             }),

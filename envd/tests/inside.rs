@@ -29,6 +29,7 @@ impl Drop for Envd {
 
 fn start(name: &str) -> Envd {
     assert_eq!(
+        // SAFETY: geteuid cannot fail and touches no memory.
         unsafe { libc::geteuid() },
         0,
         "these tests act as uid 1000 and need root (run them as root, as CI does)"

@@ -277,6 +277,7 @@ impl ExecPlan {
         for c in &self.candidates {
             // SAFETY: stat into a zeroed struct.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid C string and the live struct above to write into.
             if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
                 last = Errno::last();
                 continue;

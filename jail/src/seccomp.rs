@@ -423,6 +423,7 @@ mod tests {
         // SAFETY: the child only makes system calls on memory prepared before the fork.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
+            // SAFETY: the forked child makes system calls on memory prepared before the fork.
             let code = (|| unsafe {
                 if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || install(&p).is_err() {
                     return 10;

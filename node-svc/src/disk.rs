@@ -133,6 +133,7 @@ fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
     let c = cpath(path)?;
     // SAFETY: statvfs writes only into `stat`, which outlives the call.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and the live struct above to write into.
     if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
         return Err(io::Error::last_os_error());
     }

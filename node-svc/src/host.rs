@@ -279,6 +279,7 @@ fn disk_total(path: &std::path::Path) -> u64 {
     };
     // SAFETY: statvfs writes only into `stat`, which outlives the call.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and the live struct above to write into.
     if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
         return 0;
     }

@@ -572,8 +572,8 @@ mod tests {
             cpath(&home.join("etc")).expect("path"),
             std::ffi::CString::new(OPAQUE_XATTR).expect("key"),
         );
-        // SAFETY: valid C strings and a one-byte value.
         assert_eq!(
+            // SAFETY: valid C strings and a one-byte value.
             unsafe { libc::lsetxattr(etc.as_ptr(), key.as_ptr(), b"y".as_ptr().cast(), 1, 0) },
             0
         );

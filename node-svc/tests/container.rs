@@ -425,8 +425,8 @@ impl Internet {
         let path = format!("/run/netns/{name}");
         let listener = std::thread::spawn(move || {
             let ns = std::fs::File::open(&path).unwrap();
-            // SAFETY: on this short-lived thread only.
             assert_eq!(
+                // SAFETY: an open namespace file, on this short-lived thread only.
                 unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) },
                 0
             );
@@ -1551,6 +1551,7 @@ fn free_bytes(path: &std::path::Path) -> u64 {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: statvfs writes only into `stat`.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and the live struct above to write into.
     assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) }, 0);
     stat.f_bavail * stat.f_frsize
 }

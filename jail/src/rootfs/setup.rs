@@ -133,6 +133,7 @@ fn resolve(rootfd: RawFd, p: &PathPlan, create: Create) -> Result<OwnedFd, Errno
 fn kept_flags(fd: RawFd, opts: &MountOptions) -> Result<c_ulong, Errno> {
     // SAFETY: fstatvfs writes into the zeroed struct; O_PATH descriptors are accepted.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the live struct above to write into; a bad descriptor is an error, not UB.
     sys::check(unsafe { libc::fstatvfs(fd, &mut st) })?;
     let f = st.f_flag;
     let mut keep = 0;
@@ -282,6 +283,7 @@ fn mask_paths<'a>(rootfd: RawFd, paths: &'a [PathPlan]) -> Result<(), SetupError
         };
         // SAFETY: fstat on an O_PATH descriptor into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: an open descriptor and the live struct above to write into.
         sys::check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).map_err(|errno| SetupError::Mask {
             path: &p.display,
             errno,
@@ -434,6 +436,7 @@ mod tests {
         // SAFETY: the child only makes system calls on memory prepared before the fork.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
+            // SAFETY: the forked child makes system calls on memory prepared before the fork.
             let code = (|| unsafe {
                 if libc::unshare(libc::CLONE_NEWNS) != 0 {
                     // Not privileged enough for a mount namespace: the parent says so.

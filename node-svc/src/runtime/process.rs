@@ -412,31 +412,34 @@ const SANDBOX_HOME: &str = "/home/user";
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Result<()> {
-    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-        return Err(std::io::Error::last_os_error());
+    // SAFETY: what the function promises its caller (above) holds for every call here.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // Nothing mounted from here on may leak back to the host.
+        if libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::mount(
+            home.as_ptr(),
+            target.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REC,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
     }
-    // Nothing mounted from here on may leak back to the host.
-    if libc::mount(
-        std::ptr::null(),
-        c"/".as_ptr(),
-        std::ptr::null(),
-        libc::MS_REC | libc::MS_PRIVATE,
-        std::ptr::null(),
-    ) != 0
-    {
-        return Err(std::io::Error::last_os_error());
-    }
-    if libc::mount(
-        home.as_ptr(),
-        target.as_ptr(),
-        std::ptr::null(),
-        libc::MS_BIND | libc::MS_REC,
-        std::ptr::null(),
-    ) != 0
-    {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Moves the calling process into a cgroup (`path` is its `cgroup.procs`).
@@ -444,22 +447,28 @@ unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Re
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn join_cgroup(path: &CString) -> std::io::Result<()> {
-    let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
+    // SAFETY: what the function promises its caller (above) holds for every call here.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+        libc::close(fd);
+        if written != 1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
     }
-    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-    libc::close(fd);
-    if written != 1 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Closes every descriptor: a process that will never exec must not hold std's exec-status
 /// pipe (spawn would wait for it) nor the command's pipes (readers would wait for EOF).
 unsafe fn close_all() {
-    libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
+    // SAFETY: what the function promises its caller (above) holds for every call here.
+    unsafe {
+        libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
+    }
 }
 
 /// What a sandbox's PID 1 runs: waiting is all it does (`wait` reaps every child, adopted
@@ -472,20 +481,23 @@ const REAPER_SCRIPT: &str = "while :; do sleep 3600 & wait $!; done";
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn start_reaper() -> std::io::Result<()> {
-    if libc::unshare(libc::CLONE_NEWPID) != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    match libc::fork() {
-        -1 => Err(std::io::Error::last_os_error()),
-        0 => {
-            // PID 1 keeps only its standard descriptors (all /dev/null).
-            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
-            libc::setsid();
-            Ok(())
+    // SAFETY: what the function promises its caller (above) holds for every call here.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWPID) != 0 {
+            return Err(std::io::Error::last_os_error());
         }
-        _ => {
-            close_all();
-            libc::_exit(0);
+        match libc::fork() {
+            -1 => Err(std::io::Error::last_os_error()),
+            0 => {
+                // PID 1 keeps only its standard descriptors (all /dev/null).
+                libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+                libc::setsid();
+                Ok(())
+            }
+            _ => {
+                close_all();
+                libc::_exit(0);
+            }
         }
     }
 }
@@ -497,50 +509,53 @@ unsafe fn start_reaper() -> std::io::Result<()> {
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`, after the mount namespace.
 unsafe fn enter_pid_namespace(ns: &CString) -> std::io::Result<()> {
-    let fd = libc::open(ns.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let joined = libc::setns(fd, libc::CLONE_NEWPID);
-    libc::close(fd);
-    if joined != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    match libc::fork() {
-        -1 => Err(std::io::Error::last_os_error()),
-        0 => {
-            // The command: dies with its stand-in (a signal to the PID the SDK knows ends it).
-            // (Its parent is outside its namespace, so getppid() cannot check for a parent
-            // that died before this line; the stand-in only dies by a signal sent to it.)
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            let proc_ = c"proc";
-            if libc::mount(
-                proc_.as_ptr(),
-                c"/proc".as_ptr(),
-                proc_.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+    // SAFETY: what the function promises its caller (above) holds for every call here.
+    unsafe {
+        let fd = libc::open(ns.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
         }
-        child => {
-            close_all();
-            let mut status = 0;
-            loop {
-                if libc::waitpid(child, &mut status, 0) == child {
-                    break;
+        let joined = libc::setns(fd, libc::CLONE_NEWPID);
+        libc::close(fd);
+        if joined != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        match libc::fork() {
+            -1 => Err(std::io::Error::last_os_error()),
+            0 => {
+                // The command: dies with its stand-in (a signal to the PID the SDK knows ends it).
+                // (Its parent is outside its namespace, so getppid() cannot check for a parent
+                // that died before this line; the stand-in only dies by a signal sent to it.)
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                let proc_ = c"proc";
+                if libc::mount(
+                    proc_.as_ptr(),
+                    c"/proc".as_ptr(),
+                    proc_.as_ptr(),
+                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                    std::ptr::null(),
+                ) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
                 }
-                if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                    libc::_exit(127);
+                Ok(())
+            }
+            child => {
+                close_all();
+                let mut status = 0;
+                loop {
+                    if libc::waitpid(child, &mut status, 0) == child {
+                        break;
+                    }
+                    if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                        libc::_exit(127);
+                    }
                 }
+                if libc::WIFEXITED(status) {
+                    libc::_exit(libc::WEXITSTATUS(status));
+                }
+                libc::_exit(128 + libc::WTERMSIG(status));
             }
-            if libc::WIFEXITED(status) {
-                libc::_exit(libc::WEXITSTATUS(status));
-            }
-            libc::_exit(128 + libc::WTERMSIG(status));
         }
     }
 }

@@ -42,6 +42,7 @@ fn on_tmpfs(path: &Path) -> bool {
     };
     // SAFETY: statfs writes only into `stat`, from a valid NUL-terminated path.
     let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and the live struct above to write into.
     (unsafe { libc::statfs(c.as_ptr(), &mut stat) } == 0) && stat.f_type == libc::TMPFS_MAGIC
 }
 
