@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use balance_svc::migrate::schedule::{self, Budget};
 use balance_svc::optimum::{self, Optimum};
+use balance_svc::plan::skewed;
 use balance_svc::plan::{self, Candidate, NodeMemory, ScanResult, Snapshot, Status, Tuning};
 use common::docs::Capacity;
 use common::fit::Allocation;
@@ -84,7 +85,6 @@ enum Mode {
     Grid,
 }
 
-const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// Milliseconds between observations (the balancer's interval).
 const CYCLE_MS: u64 = 5_000;
@@ -144,40 +144,15 @@ fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
     }
 }
 
-/// The skewed cluster: 64 GiB nodes, sandboxes of 128-768 MiB dealt round-robin (an even
-/// cluster to start from), then each of the first `hot` nodes takes sandboxes from random
-/// others until 5 GiB are left free. (The planner's regression tests build the same clusters.)
+/// The skewed cluster the planner's tests also use (`balance_svc::plan::skewed`), as the
+/// simulation holds it.
 fn cluster(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> (Vec<u64>, Placement) {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let capacity = vec![64 * GIB; nodes];
-    let mut placement: Placement = (0..sandboxes)
-        .map(|i| {
-            (
-                format!("sbx-{i:05}"),
-                (i % nodes, rng.random_range(128..=768) * MIB, None),
-            )
-        })
+    let placement = skewed::cluster(nodes, sandboxes, hot, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (node, bytes))| (format!("sbx-{i:05}"), (node, bytes, None)))
         .collect();
-    let mut ids: Vec<String> = placement.keys().cloned().collect();
-    ids.sort();
-    for (hot_node, cap) in capacity.iter().enumerate().take(hot) {
-        let mut used: u64 = placement
-            .values()
-            .filter(|(n, _, _)| *n == hot_node)
-            .map(|(_, m, _)| m)
-            .sum();
-        for id in &ids {
-            let (node, memory, _) = placement[id];
-            if node < hot || used + memory > cap - 5 * GIB {
-                continue;
-            }
-            if rng.random_bool(0.5) {
-                placement.insert(id.clone(), (hot_node, memory, None));
-                used += memory;
-            }
-        }
-    }
-    (capacity, placement)
+    (vec![skewed::NODE_BYTES; nodes], placement)
 }
 
 /// One simulated run.

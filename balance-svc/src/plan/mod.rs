@@ -62,6 +62,8 @@ use common::fit::{self, Allocation};
 
 pub mod model;
 pub mod optimum;
+#[cfg(any(test, feature = "skewed"))]
+pub mod skewed;
 
 pub use model::*;
 use optimum::Optimum;
@@ -1614,35 +1616,6 @@ mod tests {
         }
     }
 
-    /// The cluster `bench balance-convergence` builds for these figures, draw for draw:
-    /// 64 GiB nodes, sandboxes of 128-768 MiB dealt round-robin, then each of the first `hot`
-    /// nodes takes sandboxes (in ID order, each with probability 1/2) from the others until
-    /// 5 GiB are left free. Returns each sandbox's (node, bytes).
-    fn bench_cluster(nodes: usize, sandboxes: usize, hot: usize, seed: u64) -> Vec<(usize, u64)> {
-        use rand::rngs::SmallRng;
-        use rand::{Rng as _, SeedableRng};
-        let mut rng = SmallRng::seed_from_u64(seed);
-        let mut placed: Vec<(usize, u64)> = (0..sandboxes)
-            .map(|i| (i % nodes, rng.random_range(128u64..=768) * MIB))
-            .collect();
-        // IDs are "sbx-{i:05}": for fewer than 100,000 sandboxes their order is i's.
-        assert!(sandboxes <= 100_000);
-        for h in 0..hot.min(nodes) {
-            let mut used: u64 = placed.iter().filter(|(n, _)| *n == h).map(|(_, m)| m).sum();
-            for entry in placed.iter_mut() {
-                let (at, bytes) = *entry;
-                if at < hot || used + bytes > 64 * GIB - 5 * GIB {
-                    continue;
-                }
-                if rng.random_bool(0.5) {
-                    *entry = (h, bytes);
-                    used += bytes;
-                }
-            }
-        }
-        placed
-    }
-
     /// The snapshot of a benchmark cluster: `placed[i]` is sandbox i's (node, bytes), `moved[i]`
     /// when it last moved (none if empty).
     fn snapshot_of(nodes: usize, placed: &[(usize, u64)], moved: &[Option<u64>], now_ms: u64) -> Snapshot {
@@ -1719,7 +1692,7 @@ mod tests {
     /// NoImprovingMove, or needs many plans. Each must converge within 3 cycles.
     fn converges_within_three_cycles(rows: &[(usize, usize, usize, u64)]) {
         for &(nodes, sandboxes, hot, seed) in rows {
-            let mut placed = bench_cluster(nodes, sandboxes, hot, seed);
+            let mut placed = skewed::cluster(nodes, sandboxes, hot, seed);
             let cycles = cycles_to_converge(nodes, &mut placed, 3);
             assert!(
                 cycles.is_some(),
@@ -1769,7 +1742,7 @@ mod tests {
         // Seed 2 needs more moves than three plans may make (3 × max_moves) just to bring the
         // spread within the threshold, so no planner converges in three cycles; it takes four.
         let tuning = Tuning::default();
-        let mut placed = bench_cluster(1_000, 100_000, 200, 2);
+        let mut placed = skewed::cluster(1_000, 100_000, 200, 2);
         let wide = Tuning {
             target: tuning.threshold,
             ..tuning.clone()
