@@ -20,7 +20,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{LinuxDevice, LinuxIdMapping, LinuxNamespaceType, LinuxResources, Mount, Process, Spec};
+use oci_spec::runtime::{LinuxDevice, LinuxIdMapping, LinuxNamespaceType, LinuxResources, Process, Spec};
 
 use crate::cgroup::{self, Resources};
 use crate::sys::IoDisplay;
@@ -90,7 +90,8 @@ pub struct Config {
     /// Canonical absolute path of the rootfs on the host.
     pub rootfs: PathBuf,
     pub root_readonly: bool,
-    pub mounts: Vec<Mount>,
+    /// `mounts`, each with its options parsed once.
+    pub mounts: Vec<crate::rootfs::options::SpecMount>,
     pub namespaces: Namespaces,
     pub uid_mappings: Vec<LinuxIdMapping>,
     pub gid_mappings: Vec<LinuxIdMapping>,
@@ -249,10 +250,13 @@ pub fn validate(spec: Spec, bundle: &Path, id: &str) -> Result<Config, SpecError
                 .ok_or_else(|| invalid(format!("unknown rootfsPropagation {p:?}")))?;
         }
     }
-    let mounts = spec.mounts().clone().unwrap_or_default();
-    for m in &mounts {
-        crate::rootfs::options::validate_mount(m).map_err(|e| invalid(e.to_string()))?;
-    }
+    let mounts = spec
+        .mounts()
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|m| crate::rootfs::options::validate_mount(m).map_err(|e| invalid(e.to_string())))
+        .collect::<Result<Vec<_>, _>>()?;
     let devices = linux.devices().clone().unwrap_or_default();
     for d in &devices {
         crate::rootfs::options::validate_device_path(d.path()).map_err(|e| invalid(e.to_string()))?;

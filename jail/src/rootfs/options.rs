@@ -225,8 +225,16 @@ pub fn parse_options(dest: &str, options: &[String]) -> Result<MountOptions, Roo
 /// The filesystem types we mount (besides bind mounts).
 const FS_TYPES: [&str; 5] = ["proc", "sysfs", "tmpfs", "devpts", "mqueue"];
 
-/// Checks one entry of `mounts` (called from spec validation).
-pub fn validate_mount(m: &Mount) -> Result<(), RootfsError> {
+/// One entry of a spec's `mounts` with its options parsed, once, while the spec is
+/// validated: the plan takes the options from here.
+#[derive(Debug, Clone)]
+pub struct SpecMount {
+    pub mount: Mount,
+    pub options: MountOptions,
+}
+
+/// Checks one entry of `mounts` (called from spec validation) and parses its options.
+pub fn validate_mount(m: &Mount) -> Result<SpecMount, RootfsError> {
     let dest = m.destination().to_string_lossy().to_string();
     let plan = split_container_path(&dest)?;
     if plan.is_root() {
@@ -241,7 +249,10 @@ pub fn validate_mount(m: &Mount) -> Result<(), RootfsError> {
         if m.source().is_none() {
             return Err(RootfsError::NoSource(dest));
         }
-        return Ok(());
+        return Ok(SpecMount {
+            mount: m.clone(),
+            options: opts,
+        });
     }
     if !FS_TYPES.contains(&kind) {
         return Err(RootfsError::Type {
@@ -249,7 +260,10 @@ pub fn validate_mount(m: &Mount) -> Result<(), RootfsError> {
             kind: kind.to_string(),
         });
     }
-    Ok(())
+    Ok(SpecMount {
+        mount: m.clone(),
+        options: opts,
+    })
 }
 
 /// Checks a `linux.devices` path.

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use libc::c_ulong;
 use oci_spec::runtime::LinuxIdMapping;
 
-use super::options::{parse_options, propagation_flag, split_container_path, MountOptions, PathPlan, RootfsError};
+use super::options::{propagation_flag, split_container_path, MountOptions, PathPlan, RootfsError, SpecMount};
 use crate::spec::Config;
 use crate::sys::Errno;
 
@@ -87,10 +87,10 @@ impl RootfsPlan {
     pub fn new(config: &Config, no_pivot: bool) -> Result<Self, RootfsError> {
         let mut mounts = Vec::with_capacity(config.mounts.len());
         let mut dev_is_bind = false;
-        for m in &config.mounts {
+        for SpecMount { mount: m, options } in &config.mounts {
             let dest_s = m.destination().to_string_lossy().to_string();
             let dest = split_container_path(&dest_s)?;
-            let mut opts = parse_options(&dest_s, m.options().as_deref().unwrap_or(&[]))?;
+            let mut opts = options.clone();
             let kind_s = m.typ().clone().unwrap_or_default();
             let (kind, source, what, is_file) = if opts.bind {
                 let src = m
