@@ -5,20 +5,17 @@
 //! (if placement and the node assumed a default memory estimate that the balancer never saw,
 //! the balancer would skip every sandbox and move nothing).
 
+pub use contracts::{docs, egress, fit, resources, template};
+
 pub mod clock;
 pub mod config;
-pub mod docs;
-pub mod egress;
-pub mod fit;
 pub mod metrics;
 pub mod net;
 pub mod relay;
-pub mod resources;
 pub mod retry;
 pub mod serve;
 pub mod shutdown;
 pub mod telemetry;
-pub mod template;
 pub mod trace;
 
 /// The allocator the allocation-bound binaries install (`#[global_allocator]` in their

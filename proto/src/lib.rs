@@ -34,10 +34,10 @@ pub mod balance {
     }
 }
 
-/// A template's image on the wire and as the services hold it (`common::template::Image`),
+/// A template's image on the wire and as the services hold it (`contracts::template::Image`),
 /// converted in one place for the gateway and the node.
 mod image {
-    use common::template::{Image, Layer};
+    use contracts::template::{Image, Layer};
 
     use crate::node::v1 as pb;
 
