@@ -107,6 +107,10 @@ struct UpArgs {
     /// `default`); teams never see each other's sandboxes.
     #[arg(long, env = "SANDBOXSCHED_API_KEYS", value_delimiter = ',')]
     api_keys: Vec<String>,
+    /// Do not build E2B's `code-interpreter-v1` (by default it is built once a node is up,
+    /// the first time in some seconds, and `up` says when it is ready).
+    #[arg(long, env = "SANDBOXSCHED_NO_CODE_INTERPRETER")]
+    no_code_interpreter: bool,
 }
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
@@ -268,6 +272,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     );
     let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
     let gateway_blobs = args.blob_store.clone();
+    let code_interpreter = !args.no_code_interpreter;
     let stack = builder
         .balance(move |c| {
             c.listen = balance_listen;
@@ -281,6 +286,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
             c.domain = sandbox_domain(gateway_listen);
+            c.code_interpreter = code_interpreter;
             if let Some(url) = gateway_blobs {
                 c.blob_store = url;
             }
@@ -345,6 +351,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     println!("  export E2B_API_KEY={api_key}");
     println!();
     println!("Press Ctrl-C to stop.");
+    tokio::spawn(report_code_interpreter(gateway.code_interpreter()));
 
     common::shutdown::signal().await;
     // A move in flight finishes its current step (a restart resumes the rest); sandboxes keep
@@ -352,6 +359,34 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     drop(nodes);
     stack.stop().await;
     Ok(())
+}
+
+/// Prints each change of `code-interpreter-v1`'s availability (its first build takes some
+/// seconds after start; a create of it waits for that build).
+async fn report_code_interpreter(
+    mut watch: tokio::sync::watch::Receiver<e2b_gateway::templates::code_interpreter::Availability>,
+) {
+    use e2b_gateway::templates::code_interpreter::{Availability, NAME};
+    let mut last = String::new();
+    loop {
+        let line = match &*watch.borrow_and_update() {
+            Availability::Off => String::new(),
+            Availability::Waiting(why) => format!("{NAME}: waiting ({why})"),
+            Availability::Building { .. } => format!("{NAME}: building from base (first start only)..."),
+            Availability::Ready { built_in: Some(took) } => {
+                format!("{NAME}: ready (built in {:.1} s)", took.as_secs_f64())
+            }
+            Availability::Ready { built_in: None } => format!("{NAME}: ready (built before)"),
+            Availability::Failed(why) => format!("{NAME}: build failed, retrying: {why}"),
+        };
+        if !line.is_empty() && line != last {
+            println!("{line}");
+            last = line;
+        }
+        if watch.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The local stack's API key: made once, kept in the data directory so it survives restarts.

@@ -17,6 +17,8 @@ pub use crate::error::ApiError;
 pub use crate::ids::{check_id, SandboxId, MAX_ID_BYTES};
 use crate::intent::{self, NewSandbox, Template};
 use crate::sandboxes::{idempotency, Sandboxes};
+use crate::templates::code_interpreter;
+use common::template::split_name;
 
 /// The envd protocol version this stack speaks (what the SDK gates features on).
 pub const ENVD_VERSION: &str = "0.6.3";
@@ -36,6 +38,9 @@ pub struct Gateway {
     /// The domain under which sandboxes' ports are reachable (`domain` in answers; empty:
     /// none, answered as null).
     pub domain: Arc<str>,
+    /// Where `code-interpreter-v1` stands on this gateway: a create of it waits for a build
+    /// in progress, and is told why when none is ready.
+    pub code_interpreter: tokio::sync::watch::Receiver<crate::templates::code_interpreter::Availability>,
     /// The operators' token for E2B's admin routes (`X-Admin-Token`); none: they are closed.
     pub admin_token: Option<Arc<str>>,
 }
@@ -253,13 +258,41 @@ async fn resolve_template(g: &Gateway, team: &str, reference: &str) -> Result<Op
         return Ok(None);
     }
     crate::ids::check_template_id("templateID", reference)?;
-    let resolved = g.templates.resolve(team, reference).await?;
+    let mut resolved = g.templates.resolve(team, reference).await?;
+    if resolved.is_none() && split_name(reference).0 == code_interpreter::NAME {
+        resolved = awaited_code_interpreter(g, team, reference).await?;
+    }
     Ok(resolved.map(|r| Template {
         name: r.template.template_id,
         vcpus: Some(r.template.vcpus).filter(|v| *v > 0),
         memory_mb: Some(r.template.memory_mb).filter(|m| *m > 0),
         image: r.image,
     }))
+}
+
+/// A create of `code-interpreter-v1` before it is ready: waits for this gateway's build in
+/// progress (up to [`code_interpreter::CREATE_WAITS_AT_MOST`]), then resolves it again;
+/// still missing, the caller is told why (503 with `Retry-After` while it builds).
+async fn awaited_code_interpreter(
+    g: &Gateway,
+    team: &str,
+    reference: &str,
+) -> Result<Option<crate::templates::Resolved>, ApiError> {
+    use code_interpreter::Availability;
+    let mut watch = g.code_interpreter.clone();
+    let settled = |a: &Availability| !matches!(a, Availability::Building { .. } | Availability::Waiting(_));
+    if !settled(&watch.borrow()) {
+        let _ = tokio::time::timeout(code_interpreter::CREATE_WAITS_AT_MOST, watch.wait_for(settled)).await;
+    }
+    if let Some(resolved) = g.templates.resolve(team, reference).await? {
+        return Ok(Some(resolved));
+    }
+    let state = g.code_interpreter.borrow().clone();
+    match (state.explain(), &state) {
+        (Some(why), Availability::Building { .. }) => Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, why)),
+        (Some(why), _) => Err(ApiError::new(StatusCode::NOT_FOUND, why)),
+        (None, _) => Ok(None),
+    }
 }
 
 /// `SandboxForkRequest`.

@@ -74,6 +74,11 @@ struct Args {
     /// (`s3://BUCKET?endpoint=http://HOST:PORT&region=...`, credentials from AWS_* variables).
     #[arg(long, env = "SANDBOXSCHED_BLOB_STORE", default_value = "data/blobs")]
     blob_store: String,
+    /// Keep E2B's `code-interpreter-v1` built: once a node is there, this gateway builds it
+    /// from `base` (the nodes need Debian's python3-ipykernel, python3-jupyter-client,
+    /// python3-matplotlib and python3-pandas) unless a build of this version exists.
+    #[arg(long, env = "GATEWAY_CODE_INTERPRETER", default_value_t = false)]
+    code_interpreter: bool,
 }
 
 #[global_allocator]
@@ -130,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
             ),
             None => None,
         },
+        code_interpreter: args.code_interpreter,
     })
     .await?;
     common::shutdown::signal().await;

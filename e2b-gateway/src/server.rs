@@ -63,6 +63,9 @@ pub struct GatewayConfig {
     /// The operators' token for E2B's admin routes (`GET /nodes`, `X-Admin-Token`); none:
     /// those routes answer 403 to everyone.
     pub admin_token: Option<String>,
+    /// Whether this gateway keeps E2B's `code-interpreter-v1` built (the cluster builds it
+    /// from `base` once a node is there; see `templates::code_interpreter`).
+    pub code_interpreter: bool,
 }
 
 /// Paused sandboxes are kept this long unless configured otherwise: 30 days.
@@ -78,6 +81,7 @@ pub enum StartError {
 
 pub struct RunningGateway {
     addr: SocketAddr,
+    code_interpreter: tokio::sync::watch::Receiver<crate::templates::code_interpreter::Availability>,
     serving: Serving,
 }
 
@@ -88,6 +92,11 @@ impl RunningGateway {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Where `code-interpreter-v1` stands (`Off` unless configured).
+    pub fn code_interpreter(&self) -> tokio::sync::watch::Receiver<crate::templates::code_interpreter::Availability> {
+        self.code_interpreter.clone()
     }
 
     pub async fn stop(self) {
@@ -170,6 +179,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .map(|t| (t.name.clone(), t.vcpus, t.memory_mb))
         .collect();
     let seeding = templates.clone();
+    let (interpreter_state, interpreter_watch) = crate::templates::code_interpreter::availability();
     let gateway = Gateway {
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),
@@ -180,7 +190,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         templates,
         domain: domain.clone(),
         admin_token: config.admin_token.as_deref().map(Arc::from),
+        code_interpreter: interpreter_watch.clone(),
     };
+    let interpreter_builder = gateway.builder.clone();
     let mut api_router = Router::new()
         .route("/health", get(api::health))
         .route("/openapi.yaml", get(api::openapi))
@@ -266,6 +278,12 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             wait = (wait * 2).min(Duration::from_secs(5));
         }
     }));
+    if config.code_interpreter {
+        serving.background(tokio::spawn(crate::templates::code_interpreter::keep_built(
+            interpreter_builder,
+            interpreter_state,
+        )));
+    }
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;
     serving.background(tokio::spawn(async move {
@@ -291,7 +309,11 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     }));
     serving.http("e2b-gateway", listener, app, OnStop::Drain);
     tracing::info!(%addr, "e2b-gateway serving");
-    Ok(RunningGateway { addr, serving })
+    Ok(RunningGateway {
+        addr,
+        serving,
+        code_interpreter: interpreter_watch,
+    })
 }
 
 /// The builds of E2B's SDKs before 2.x (`POST /templates`, `/v2/templates`, rebuilds): this

@@ -366,6 +366,7 @@ impl StackBuilder {
                     security: certs.security(Role::Gateway),
                     token_key: certs.token_key().clone(),
                     admin_token: None,
+                    code_interpreter: false,
                 };
                 adjust(&mut config);
                 let gateway = e2b_gateway::server::start(config.clone()).await?;

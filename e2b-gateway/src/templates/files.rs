@@ -38,9 +38,15 @@ pub fn check_hash(hash: &str) -> Result<(), Failure> {
     }
 }
 
-/// The blob store key of a team's archive (team IDs are the operator's, checked anyway).
+/// The blob store key of a team's archive (team IDs are the operator's, checked anyway). The
+/// cluster's own built-ins (team "") keep theirs under `.public`, a name no team's ID maps to
+/// (a `.` in one becomes `_`).
 pub fn key(team: &str, hash: &str) -> Result<Key, Failure> {
     check_hash(hash)?;
+    if team.is_empty() {
+        return Key::new(format!("files/.public/{}", hash.to_ascii_lowercase()))
+            .map_err(|e| Failure::Internal(e.to_string()));
+    }
     let team: String = team
         .bytes()
         .map(|b| {
@@ -132,6 +138,8 @@ mod tests {
     fn keys_are_per_team_and_hashes_are_hex() {
         assert_eq!(key("team-a", "ABCDEF01").unwrap().to_string(), "files/team-a/abcdef01");
         assert_eq!(key("a/../b", "00").unwrap().to_string(), "files/a____b/00");
+        assert_eq!(key("", "00").unwrap().to_string(), "files/.public/00");
+        assert_eq!(key(".public", "00").unwrap().to_string(), "files/_public/00");
         assert!(key("t", "../x").is_err());
         assert!(key("t", "").is_err());
         let token = upload_token("key", "t1", "00");

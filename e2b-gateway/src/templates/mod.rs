@@ -11,6 +11,7 @@
 //! except that its *name* is taken (an alias check answers 403, as E2B's does).
 
 pub mod build;
+pub mod code_interpreter;
 pub mod files;
 
 use std::collections::HashMap;

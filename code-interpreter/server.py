@@ -1,0 +1,588 @@
+#!/usr/bin/python3
+"""The code interpreter's server: what E2B's `e2b-code-interpreter` SDKs speak to, on port
+49999 inside a sandbox of the `code-interpreter-v1` template.
+
+The protocol (HTTP/1.1, JSON):
+
+- `POST /execute` `{code, context_id?, language?, env_vars?}` answers a stream of JSON lines,
+  one event each, written as the kernel produces them: `stdout`/`stderr` `{text, timestamp}`
+  (nanoseconds since the epoch), `number_of_executions` `{execution_count}`, `result` (a MIME
+  bundle spread over `text`, `html`, `png`, ..., `extra`, with `is_main_result` set on the
+  value of the cell's last expression), `error` `{name, value, traceback}`, and last
+  `end_of_execution`. While code runs and says nothing, a `keepalive` line goes every few
+  seconds, so proxies do not take the quiet stream for a dead one.
+- `POST /contexts` `{language?, cwd?}` starts a context (one kernel or shell of its own);
+  `GET /contexts` lists them; `DELETE /contexts/{id}` stops one; `POST
+  /contexts/{id}/restart` starts its kernel afresh (its variables are gone).
+- `GET /health` is `OK` once the default Python kernel answers: the template's ready command
+  waits for that, so a sandbox is handed out with its kernel already warm.
+
+Python runs in real Jupyter kernels (ipykernel, driven with jupyter_client over ZeroMQ), so
+state, rich display, matplotlib's inline figures and tracebacks are exactly a notebook's.
+Bash runs in one long-lived `bash` per context (no bash kernel is packaged by Debian): a
+call's script is sourced by it, so `cd` and variables persist, and its end is found by a
+random marker the shell prints with the exit status.
+
+An execution ends early when the client goes away (the SDK's timeout closes its connection):
+the kernel is interrupted, so the context is free for the next call and keeps its state. One
+execution runs at a time per context; others wait their turn.
+
+Only the standard library and what ipykernel brings (jupyter_client, tornado, pyzmq) are used:
+the template installs nothing else.
+"""
+
+import asyncio
+import json
+import os
+import queue
+import shlex
+import signal
+import sys
+import tempfile
+import time
+import uuid
+
+PACKAGES = "python3-ipykernel python3-jupyter-client python3-matplotlib python3-pandas"
+try:
+    import tornado.httpserver
+    import tornado.iostream
+    import tornado.web
+    from jupyter_client.manager import AsyncKernelManager
+except ImportError as missing:
+    sys.exit(f"the code interpreter needs Debian's {PACKAGES} on the node ({missing})")
+
+PORT = int(os.environ.get("CODE_INTERPRETER_PORT", "49999"))
+DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
+KEEPALIVE_SECS = 5.0
+# How long an interrupted execution may take to stop before its kernel is restarted.
+INTERRUPT_GRACE_SECS = 5.0
+KERNEL_START_SECS = 60.0
+# Languages SDKs may name and the kernel that runs each; the others are refused by name.
+ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash", "py": "python", "python3": "python"}
+RUNNABLE = ("python", "bash")
+# MIME types of a display bundle and the result field the SDKs read each from.
+MIME_FIELDS = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
+}
+
+
+class BadRequest(Exception):
+    """A request the server refuses with 400 and this message."""
+
+
+class NotFound(Exception):
+    """A context that does not exist: 404 with this message."""
+
+
+def now_ns():
+    return time.time_ns()
+
+
+def normalise_language(language):
+    """The language an SDK named, as this server names it (`None` is Python)."""
+    if language is None or language == "":
+        return "python"
+    if not isinstance(language, str):
+        raise BadRequest("language must be a string")
+    language = language.strip().lower()
+    language = ALIASES.get(language, language)
+    if language not in RUNNABLE:
+        raise BadRequest(
+            f"no kernel for {language!r} in this template: it runs {' and '.join(RUNNABLE)} "
+            "(no JavaScript, TypeScript, R or Java kernel is packaged by Debian, which this "
+            "template is built from)"
+        )
+    return language
+
+
+def result_event(bundle, is_main):
+    """A `result` event from a Jupyter MIME bundle: known types in their fields, the rest in
+    `extra` (E2B's shape)."""
+    event = {"type": "result", "is_main_result": is_main}
+    extra = {}
+    for mime, value in bundle.items():
+        field = MIME_FIELDS.get(mime)
+        if field is None:
+            extra[mime] = value
+        else:
+            event[field] = value
+    if extra:
+        event["extra"] = extra
+    return event
+
+
+def check_env_vars(env_vars):
+    if env_vars is None:
+        return {}
+    if not isinstance(env_vars, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+    ):
+        raise BadRequest("env_vars must be an object of string values")
+    for key in env_vars:
+        if not key or "=" in key or "\0" in key or key[0].isdigit() or not all(c.isalnum() or c == "_" for c in key):
+            raise BadRequest(f"env var name {key!r} is not a valid name")
+    return env_vars
+
+
+class PythonContext:
+    """One ipykernel: started with the context's cwd, its messages read for one execution at a
+    time (`self.turn`), and each iopub message taken only when it answers that execution."""
+
+    language = "python"
+
+    def __init__(self, context_id, cwd):
+        self.id = context_id
+        self.cwd = cwd
+        self.turn = asyncio.Lock()
+        self.manager = None
+        self.client = None
+
+    async def start(self):
+        self.manager = AsyncKernelManager(kernel_name="python3")
+        await self.manager.start_kernel(cwd=self.cwd, env=dict(os.environ))
+        self.client = self.manager.client()
+        self.client.start_channels()
+        await self.client.wait_for_ready(timeout=KERNEL_START_SECS)
+
+    async def stop(self):
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.manager is not None:
+            await self.manager.shutdown_kernel(now=True)
+
+    async def restart(self):
+        async with self.turn:
+            await self.stop()
+            await self.start()
+
+    async def interrupt(self):
+        await self.manager.interrupt_kernel()
+
+    async def _run(self, code, emit, silent=False):
+        """Runs `code` and hands every event it causes to `emit` until the kernel is idle."""
+        msg_id = self.client.execute(code, silent=silent, store_history=not silent, allow_stdin=False)
+        while True:
+            try:
+                msg = await self.client.get_iopub_msg(timeout=1.0)
+            except queue.Empty:
+                if not await self.manager.is_alive():
+                    # The code ended the kernel (os._exit, a crash): say so, start another.
+                    await self.stop()
+                    await self.start()
+                    raise RuntimeError("the kernel died while running this code; it was restarted (its variables are gone)")
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content.get("execution_state") == "idle":
+                return
+            if silent:
+                continue
+            if kind == "stream":
+                emit({"type": content.get("name", "stdout"), "text": content.get("text", ""), "timestamp": now_ns()})
+            elif kind == "execute_input":
+                emit({"type": "number_of_executions", "execution_count": content.get("execution_count")})
+            elif kind == "execute_result":
+                emit(result_event(content.get("data", {}), True))
+            elif kind in ("display_data", "update_display_data"):
+                emit(result_event(content.get("data", {}), False))
+            elif kind == "error":
+                emit(
+                    {
+                        "type": "error",
+                        "name": content.get("ename", ""),
+                        "value": content.get("evalue", ""),
+                        "traceback": "\n".join(content.get("traceback", [])),
+                    }
+                )
+
+    async def execute(self, code, env_vars, emit):
+        async with self.turn:
+            if env_vars:
+                # Set for this call only: the previous values come back after it.
+                setup = (
+                    "import os as _e2b_os\n"
+                    f"_e2b_saved = {{k: _e2b_os.environ.get(k) for k in {list(env_vars)!r}}}\n"
+                    f"_e2b_os.environ.update({env_vars!r})\n"
+                )
+                await self._run(setup, emit, silent=True)
+            try:
+                await self._run(code, emit)
+            finally:
+                if env_vars:
+                    restore = (
+                        "for _e2b_k, _e2b_v in _e2b_saved.items():\n"
+                        "    _e2b_os.environ.pop(_e2b_k, None) if _e2b_v is None else _e2b_os.environ.__setitem__(_e2b_k, _e2b_v)\n"
+                        "del _e2b_saved, _e2b_k, _e2b_v\n"
+                    )
+                    await asyncio.shield(self._run(restore, emit, silent=True))
+
+
+class BashContext:
+    """One `bash` for the context's life. A call's code is written to a file the shell
+    sources; after it the shell prints a marker with the exit status on stdout and on stderr,
+    which is how the reader knows the call ended (and what it returned)."""
+
+    language = "bash"
+
+    def __init__(self, context_id, cwd):
+        self.id = context_id
+        self.cwd = cwd
+        self.turn = asyncio.Lock()
+        self.shell = None
+
+    async def start(self):
+        self.shell = await asyncio.create_subprocess_exec(
+            "bash",
+            "--noprofile",
+            "--norc",
+            cwd=self.cwd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            # Its own process group: an interrupt reaches what it runs, not this server.
+            start_new_session=True,
+        )
+        # An interrupt stops the command running, not the shell.
+        self.shell.stdin.write(b"trap true INT\n")
+        await self.shell.stdin.drain()
+
+    async def stop(self):
+        if self.shell is not None and self.shell.returncode is None:
+            try:
+                os.killpg(self.shell.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await self.shell.wait()
+
+    async def restart(self):
+        async with self.turn:
+            await self.stop()
+            await self.start()
+
+    async def interrupt(self):
+        if self.shell is not None and self.shell.returncode is None:
+            try:
+                os.killpg(self.shell.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    async def _read_until(self, stream, marker, name, emit):
+        """Emits what `stream` says until `marker`; returns what follows the marker up to its
+        closing byte (the exit status)."""
+        pending = b""
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                raise RuntimeError("the shell exited")
+            pending += chunk
+            at = pending.find(marker)
+            if at >= 0:
+                end = pending.find(b"\x1e", at + len(marker))
+                while end < 0:
+                    more = await stream.read(65536)
+                    if not more:
+                        raise RuntimeError("the shell exited")
+                    pending += more
+                    end = pending.find(b"\x1e", at + len(marker))
+                if at > 0:
+                    emit({"type": name, "text": pending[:at].decode("utf-8", "replace"), "timestamp": now_ns()})
+                return pending[at + len(marker) : end].decode()
+            # Hold back what could be the start of the marker; say the rest now.
+            keep = len(marker) - 1
+            if len(pending) > keep:
+                text, pending = pending[:-keep], pending[-keep:]
+                emit({"type": name, "text": text.decode("utf-8", "replace"), "timestamp": now_ns()})
+
+    async def execute(self, code, env_vars, emit):
+        async with self.turn:
+            if self.shell is None or self.shell.returncode is not None:
+                await self.start()
+            token = uuid.uuid4().hex
+            marker = f"\x1e{token} ".encode()
+            fd, path = tempfile.mkstemp(prefix=".e2b-cell-", suffix=".sh")
+            with os.fdopen(fd, "w") as script:
+                script.write(code)
+                if not code.endswith("\n"):
+                    script.write("\n")
+            exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in env_vars.items())
+            # With per-call env vars the script runs in a subshell, so they end with it.
+            run = f"( {exports} source {shlex.quote(path)} )" if env_vars else f"source {shlex.quote(path)}"
+            line = (
+                f"{run} </dev/null; __e2b_status=$?; rm -f {shlex.quote(path)}; "
+                f"printf '\\036%s %s\\036' {token} $__e2b_status; printf '\\036%s %s\\036' {token} $__e2b_status >&2\n"
+            )
+            self.shell.stdin.write(line.encode())
+            await self.shell.stdin.drain()
+            status, _ = await asyncio.gather(
+                self._read_until(self.shell.stdout, marker, "stdout", emit),
+                self._read_until(self.shell.stderr, marker, "stderr", emit),
+            )
+            if status.strip() not in ("", "0"):
+                emit({"type": "error", "name": "ExitCode", "value": f"exit status {status.strip()}", "traceback": ""})
+
+
+class Contexts:
+    """Every context of this sandbox, and which one is each language's default."""
+
+    def __init__(self):
+        self.by_id = {}
+        self.defaults = {}
+        self.ready = asyncio.Event()
+
+    async def create(self, language, cwd):
+        language = normalise_language(language)
+        cwd = cwd or DEFAULT_CWD
+        if not isinstance(cwd, str) or not os.path.isdir(cwd):
+            raise BadRequest(f"cwd {cwd!r} is not a directory in the sandbox")
+        kind = PythonContext if language == "python" else BashContext
+        context = kind(str(uuid.uuid4()), cwd)
+        await context.start()
+        self.by_id[context.id] = context
+        return context
+
+    async def default(self, language):
+        language = normalise_language(language)
+        context = self.by_id.get(self.defaults.get(language))
+        if context is None:
+            context = await self.create(language, DEFAULT_CWD)
+            self.defaults[language] = context.id
+        return context
+
+    def get(self, context_id):
+        if not isinstance(context_id, str) or context_id not in self.by_id:
+            raise NotFound(f"context {context_id!r} not found")
+        return self.by_id[context_id]
+
+    async def remove(self, context_id):
+        context = self.get(context_id)
+        del self.by_id[context_id]
+        for language, default in list(self.defaults.items()):
+            if default == context_id:
+                del self.defaults[language]
+        await context.stop()
+
+
+def describe(context):
+    return {"id": context.id, "language": context.language, "cwd": context.cwd}
+
+
+class Handler(tornado.web.RequestHandler):
+    def initialize(self, contexts):
+        self.contexts = contexts
+
+    def body(self):
+        if not self.request.body:
+            return {}
+        try:
+            body = json.loads(self.request.body)
+        except ValueError as err:
+            raise BadRequest(f"the body is not JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def refuse(self, status, message):
+        self.set_status(status)
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.finish(message)
+
+    async def guarded(self, work):
+        try:
+            await work()
+        except BadRequest as err:
+            self.refuse(400, str(err))
+        except NotFound as err:
+            self.refuse(404, str(err))
+
+    def write_json(self, value, status=200):
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(value))
+
+
+class Health(Handler):
+    async def get(self):
+        if self.contexts.ready.is_set():
+            self.finish("OK")
+        else:
+            self.refuse(503, "the default Python kernel is starting")
+
+
+class ContextList(Handler):
+    async def get(self):
+        self.write_json([describe(c) for c in self.contexts.by_id.values()])
+
+    async def post(self):
+        async def work():
+            body = self.body()
+            context = await self.contexts.create(body.get("language"), body.get("cwd"))
+            self.write_json(describe(context))
+
+        await self.guarded(work)
+
+
+class OneContext(Handler):
+    async def delete(self, context_id):
+        async def work():
+            await self.contexts.remove(context_id)
+            self.set_status(204)
+            self.finish()
+
+        await self.guarded(work)
+
+
+class Restart(Handler):
+    async def post(self, context_id):
+        async def work():
+            await self.contexts.get(context_id).restart()
+            self.set_status(204)
+            self.finish()
+
+        await self.guarded(work)
+
+
+class Execute(Handler):
+    """`POST /execute`: events go to a queue as the kernel makes them, and from it to the
+    client; a closed connection interrupts the execution."""
+
+    gone = None
+
+    def on_connection_close(self):
+        if self.gone is not None:
+            self.gone.set()
+
+    async def post(self):
+        self.gone = asyncio.Event()
+        await self.guarded(self.execute)
+
+    async def execute(self):
+        body = self.body()
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise BadRequest("code must be a string")
+        if body.get("context_id") and body.get("language"):
+            raise BadRequest("give context_id or language, not both")
+        env_vars = check_env_vars(body.get("env_vars"))
+        if body.get("context_id"):
+            context = self.contexts.get(body["context_id"])
+        else:
+            context = await self.contexts.default(body.get("language"))
+        events = asyncio.Queue()
+        running = asyncio.ensure_future(context.execute(code, env_vars, events.put_nowait))
+        running.add_done_callback(lambda _: events.put_nowait(None))
+        self.set_header("Content-Type", "application/x-ndjson")
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            while True:
+                next_event = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({next_event, gone}, timeout=KEEPALIVE_SECS, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    next_event.cancel()
+                    await self.stop_early(context, running)
+                    return
+                if not done:
+                    next_event.cancel()
+                    self.write('{"type": "keepalive"}\n')
+                    await self.flush()
+                    continue
+                event = next_event.result()
+                if event is None:
+                    break
+                self.write(json.dumps(event) + "\n")
+                await self.flush()
+            failure = running.exception()
+            if failure is not None:
+                self.write(json.dumps({"type": "error", "name": type(failure).__name__, "value": str(failure), "traceback": ""}) + "\n")
+            self.write('{"type": "end_of_execution"}\n')
+            self.finish()
+        except tornado.iostream.StreamClosedError:
+            await self.stop_early(context, running)
+        finally:
+            gone.cancel()
+
+    async def stop_early(self, context, running):
+        """The client left: interrupt, and restart the kernel if it will not stop."""
+        if running.done():
+            return
+        await context.interrupt()
+        try:
+            await asyncio.wait_for(asyncio.shield(running), INTERRUPT_GRACE_SECS)
+        except Exception:
+            running.cancel()
+            await context.stop()
+            await context.start()
+
+
+def prepare_environment():
+    """What the kernels inherit. Debian's matplotlib finds its matplotlibrc in /etc, which is
+    the template's own and does not have it: point at the copy in /usr."""
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    packaged = "/usr/share/matplotlib/mpl-data/matplotlibrc"
+    if not os.path.exists("/etc/matplotlibrc") and os.path.exists(packaged):
+        os.environ.setdefault("MATPLOTLIBRC", packaged)
+
+
+def warm():
+    """Run once by the template's build, as the sandbox's user: pays now, in the layer every
+    sandbox starts from, what a first cell would pay (matplotlib's font cache, IPython's
+    profile), and fails the build with what to install when the node lacks a package."""
+    prepare_environment()
+    try:
+        import IPython.paths
+        import ipykernel  # noqa: F401
+        import matplotlib.pyplot  # noqa: F401
+        import pandas  # noqa: F401
+        from IPython.core.profiledir import ProfileDir
+    except ImportError as missing:
+        sys.exit(f"the code interpreter needs Debian's {PACKAGES} on the node ({missing})")
+    ProfileDir.create_profile_dir_by_name(IPython.paths.get_ipython_dir(), "default")
+    print("code interpreter: packages present, caches warm")
+
+
+def main():
+    if sys.argv[1:] == ["--warm"]:
+        warm()
+        return
+    # What this server starts inherits its dispositions: a server started in the background
+    # by a shell has SIGINT ignored, and a shell started ignoring it cannot trap it, so an
+    # interrupt would never reach a bash context's commands.
+    for number in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    prepare_environment()
+    contexts = Contexts()
+    app = tornado.web.Application(
+        [
+            (r"/health", Health, {"contexts": contexts}),
+            (r"/contexts", ContextList, {"contexts": contexts}),
+            (r"/contexts/([^/]+)", OneContext, {"contexts": contexts}),
+            (r"/contexts/([^/]+)/restart", Restart, {"contexts": contexts}),
+            (r"/execute", Execute, {"contexts": contexts}),
+        ],
+        log_function=lambda handler: None,
+    )
+
+    async def serve():
+        server = tornado.httpserver.HTTPServer(app, idle_connection_timeout=3600)
+        server.listen(PORT)
+        await contexts.default("python")
+        contexts.ready.set()
+        print(f"code interpreter serving on :{PORT}", file=sys.stderr, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
