@@ -231,8 +231,10 @@ class PythonContext:
 
 class BashContext:
     """One `bash` for the context's life. A call's code is written to a file the shell
-    sources; after it the shell prints a marker with the exit status on stdout and on stderr,
-    which is how the reader knows the call ended (and what it returned)."""
+    sources; after it the shell saves its state (variables, functions, directory) and prints
+    a marker with the exit status on stdout and on stderr, which is how the reader knows the
+    call ended and what it returned. Code that ends the shell itself (`exit 3`) ends its call
+    with that status; the next shell starts from the state saved after the previous call."""
 
     language = "bash"
 
@@ -241,8 +243,11 @@ class BashContext:
         self.cwd = cwd
         self.turn = asyncio.Lock()
         self.shell = None
+        self.state_dir = tempfile.mkdtemp(prefix=".e2b-bash-")
+        self.state = os.path.join(self.state_dir, "state")
+        self.where = os.path.join(self.state_dir, "cwd")
 
-    async def start(self):
+    async def start(self, resume=False):
         self.shell = await asyncio.create_subprocess_exec(
             "bash",
             "--noprofile",
@@ -255,7 +260,11 @@ class BashContext:
             start_new_session=True,
         )
         # An interrupt stops the command running, not the shell.
-        self.shell.stdin.write(b"trap true INT\n")
+        setup = "trap true INT\n"
+        if resume and os.path.exists(self.state):
+            # Read-only and special variables refuse to be set again; the rest come back.
+            setup += f"source {shlex.quote(self.state)} 2>/dev/null; cd \"$(cat {shlex.quote(self.where)})\" 2>/dev/null\n"
+        self.shell.stdin.write(setup.encode())
         await self.shell.stdin.drain()
 
     async def stop(self):
@@ -269,6 +278,9 @@ class BashContext:
     async def restart(self):
         async with self.turn:
             await self.stop()
+            for path in (self.state, self.where):
+                if os.path.exists(path):
+                    os.remove(path)
             await self.start()
 
     async def interrupt(self):
@@ -280,12 +292,18 @@ class BashContext:
 
     async def _read_until(self, stream, marker, name, emit):
         """Emits what `stream` says until `marker`; returns what follows the marker up to its
-        closing byte (the exit status)."""
+        closing byte (the exit status), or `None` when the shell ended first."""
         pending = b""
+
+        def say(text):
+            if text:
+                emit({"type": name, "text": text.decode("utf-8", "replace"), "timestamp": now_ns()})
+
         while True:
             chunk = await stream.read(65536)
             if not chunk:
-                raise RuntimeError("the shell exited")
+                say(pending)
+                return None
             pending += chunk
             at = pending.find(marker)
             if at >= 0:
@@ -293,25 +311,25 @@ class BashContext:
                 while end < 0:
                     more = await stream.read(65536)
                     if not more:
-                        raise RuntimeError("the shell exited")
+                        say(pending[:at])
+                        return None
                     pending += more
                     end = pending.find(b"\x1e", at + len(marker))
-                if at > 0:
-                    emit({"type": name, "text": pending[:at].decode("utf-8", "replace"), "timestamp": now_ns()})
+                say(pending[:at])
                 return pending[at + len(marker) : end].decode()
             # Hold back what could be the start of the marker; say the rest now.
             keep = len(marker) - 1
             if len(pending) > keep:
                 text, pending = pending[:-keep], pending[-keep:]
-                emit({"type": name, "text": text.decode("utf-8", "replace"), "timestamp": now_ns()})
+                say(text)
 
     async def execute(self, code, env_vars, emit):
         async with self.turn:
             if self.shell is None or self.shell.returncode is not None:
-                await self.start()
+                await self.start(resume=True)
             token = uuid.uuid4().hex
             marker = f"\x1e{token} ".encode()
-            fd, path = tempfile.mkstemp(prefix=".e2b-cell-", suffix=".sh")
+            fd, path = tempfile.mkstemp(prefix=".e2b-cell-", suffix=".sh", dir=self.state_dir)
             with os.fdopen(fd, "w") as script:
                 script.write(code)
                 if not code.endswith("\n"):
@@ -319,8 +337,9 @@ class BashContext:
             exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in env_vars.items())
             # With per-call env vars the script runs in a subshell, so they end with it.
             run = f"( {exports} source {shlex.quote(path)} )" if env_vars else f"source {shlex.quote(path)}"
+            save = f"{{ declare -p; declare -f; }} >{shlex.quote(self.state)} 2>/dev/null; pwd >{shlex.quote(self.where)}"
             line = (
-                f"{run} </dev/null; __e2b_status=$?; rm -f {shlex.quote(path)}; "
+                f"{run} </dev/null; __e2b_status=$?; rm -f {shlex.quote(path)}; {save}; "
                 f"printf '\\036%s %s\\036' {token} $__e2b_status; printf '\\036%s %s\\036' {token} $__e2b_status >&2\n"
             )
             self.shell.stdin.write(line.encode())
@@ -329,6 +348,10 @@ class BashContext:
                 self._read_until(self.shell.stdout, marker, "stdout", emit),
                 self._read_until(self.shell.stderr, marker, "stderr", emit),
             )
+            if status is None:
+                # The code ended the shell (`exit`): its status is the call's.
+                os.path.exists(path) and os.remove(path)
+                status = str(await self.shell.wait())
             if status.strip() not in ("", "0"):
                 emit({"type": "error", "name": "ExitCode", "value": f"exit status {status.strip()}", "traceback": ""})
 

@@ -133,22 +133,55 @@ async fn launch() -> anyhow::Result<()> {
     result
 }
 
-/// Sandboxes reach out through rules the node puts in the kernel with `nft`: on a machine
-/// without it (Debian installs it with `nftables`), `up` installs it when it can (root, apt),
-/// as it would any other part of the local stack, and otherwise says what sandboxes lose.
-fn ensure_nft() {
-    let found = ["/usr/sbin/nft", "/sbin/nft"]
-        .iter()
-        .any(|p| std::path::Path::new(p).is_file());
-    if found {
+/// A part of the local stack that comes from Debian's packages: `up` installs it when it can
+/// (root, apt), as it would any other part, and otherwise says what is lost without it.
+struct DebianPart {
+    /// Any of these paths present: installed.
+    present: &'static [&'static str],
+    packages: &'static [&'static str],
+    /// Printed before installing: what it is for.
+    why: &'static str,
+    /// Printed when it could not be installed.
+    without: &'static str,
+}
+
+/// Sandboxes reach out through rules the node puts in the kernel with `nft`.
+const NFT: DebianPart = DebianPart {
+    present: &["/usr/sbin/nft", "/sbin/nft"],
+    packages: &["nftables"],
+    why: "nft is missing: installing Debian's nftables (sandboxes' egress rules live in the kernel)",
+    without: "nft (Debian's nftables) is not installed and could not be: sandboxes that ask for a network \
+              (E2B's default) will be refused; ones made with allow_internet_access=false run",
+};
+
+/// `code-interpreter-v1` runs the nodes' Python kernels (its sandboxes share the host's `/usr`,
+/// as `base` does).
+const CODE_INTERPRETER: DebianPart = DebianPart {
+    present: &["/usr/lib/python3/dist-packages/ipykernel/__init__.py"],
+    packages: &[
+        "python3-ipykernel",
+        "python3-jupyter-client",
+        "python3-matplotlib",
+        "python3-pandas",
+    ],
+    why: "the code interpreter's kernels are missing: installing Debian's python3-ipykernel, \
+          python3-jupyter-client, python3-matplotlib and python3-pandas",
+    without: "Debian's python3-ipykernel, python3-jupyter-client, python3-matplotlib and python3-pandas \
+              are not installed and could not be: code-interpreter-v1 will fail to build (up --no-code-interpreter \
+              leaves it out)",
+};
+
+fn ensure_installed(part: &DebianPart) {
+    if part.present.iter().any(|p| std::path::Path::new(p).is_file()) {
         return;
     }
     // /proc/self belongs to this process's effective user.
     let root = std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
     if root && std::path::Path::new("/usr/bin/apt-get").is_file() {
-        eprintln!("nft is missing: installing Debian's nftables (sandboxes' egress rules live in the kernel)");
+        eprintln!("{}", part.why);
         let installed = std::process::Command::new("apt-get")
-            .args(["install", "-y", "-qq", "nftables"])
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(part.packages)
             .env("DEBIAN_FRONTEND", "noninteractive")
             .stdout(std::process::Stdio::null())
             .status()
@@ -157,15 +190,15 @@ fn ensure_nft() {
             return;
         }
     }
-    eprintln!(
-        "warning: nft (Debian's nftables) is not installed and could not be: sandboxes that ask for \
-         a network (E2B's default) will be refused; ones made with allow_internet_access=false run"
-    );
+    eprintln!("warning: {}", part.without);
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<()> {
     if args.runtime == "container" {
-        ensure_nft();
+        ensure_installed(&NFT);
+    }
+    if !args.no_code_interpreter {
+        ensure_installed(&CODE_INTERPRETER);
     }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;

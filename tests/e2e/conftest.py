@@ -89,8 +89,23 @@ def stack():
     os.environ.update(exports)
     # The stack's process (gateway and nodes in one), for tests that measure its memory, and
     # its data directory, where its sandboxes' files are, for tests that need room there.
-    yield {**exports, "pid": proc.pid, "state": str(data)}
+    yield {**exports, "pid": proc.pid, "state": str(data), "log": str(_log)}
     _stop(proc, data)
+
+
+@pytest.fixture(scope="session")
+def code_interpreter(stack):
+    """The stack's `code-interpreter-v1`, which `up` builds once a node is there: waits for
+    the line `up` prints when it is ready (a build takes seconds), and fails with the log when
+    it does not come."""
+    log = Path(stack["log"])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "code-interpreter-v1: ready" in text:
+            return stack
+        time.sleep(0.2)
+    raise RuntimeError("code-interpreter-v1 was not ready within 300 s:\n" + log.read_text()[-5000:])
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +119,8 @@ def balanced_stack():
         "info",
         SANDBOXSCHED_NODE_MEMORY_MB="2048",
         SANDBOXSCHED_BALANCE_INTERVAL_MS="1000",
+        # Not this stack's subject (the session stack builds it).
+        SANDBOXSCHED_NO_CODE_INTERPRETER="true",
     )
     saved = {k: os.environ.get(k) for k in exports}
     os.environ.update(exports)
