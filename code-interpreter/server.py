@@ -14,8 +14,9 @@ The protocol (HTTP/1.1, JSON):
 - `POST /contexts` `{language?, cwd?}` starts a context (one kernel or shell of its own);
   `GET /contexts` lists them; `DELETE /contexts/{id}` stops one; `POST
   /contexts/{id}/restart` starts its kernel afresh (its variables are gone).
-- `GET /health` is `OK` once the default Python kernel answers: the template's ready command
-  waits for that, so a sandbox is handed out with its kernel already warm.
+- `GET /health` is `OK` once the default Python kernel answers (`?wait=SECONDS` holds the
+  answer until then): the template's ready command (`server.py --ready`) waits for that, so a
+  sandbox is handed out with its kernel already warm.
 
 Python runs in real Jupyter kernels (ipykernel, driven with jupyter_client over ZeroMQ), so
 state, rich display, matplotlib's inline figures and tracebacks are exactly a notebook's.
@@ -42,11 +43,39 @@ import tempfile
 import time
 import uuid
 
+
+def until_ready(port, within_secs=30.0):
+    """The template's ready command (`server.py --ready`): exits 0 once the server on `port`
+    says its default kernel answers. It keeps trying while the server is not listening yet,
+    then asks `/health?wait=` once, which answers the moment the kernel is up, so a create
+    waits for the kernel and not for a retry's backoff. Runs before the Jupyter imports
+    below: a ready command must start fast."""
+    import http.client
+
+    deadline = time.monotonic() + within_secs
+    while time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=left + 1)
+        try:
+            connection.request("GET", f"/health?wait={left:.1f}")
+            if connection.getresponse().status == 200:
+                return 0
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            connection.close()
+    return 1
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--ready"]:
+    sys.exit(until_ready(int(os.environ.get("CODE_INTERPRETER_PORT", "49999"))))
+
 PACKAGES = "python3-ipykernel python3-jupyter-client python3-matplotlib python3-pandas"
 try:
     import tornado.httpserver
     import tornado.iostream
     import tornado.web
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
 except ImportError as missing:
     sys.exit(f"the code interpreter needs Debian's {PACKAGES} on the node ({missing})")
@@ -75,6 +104,31 @@ MIME_FIELDS = {
     "e2b/data": "data",
     "e2b/chart": "chart",
 }
+
+
+# The Python kernel, started without Jupyter's kernel-spec search (which imports all of
+# ipykernel into this server only to find where its spec lives: ~0.3 s) and without debugpy
+# (ipykernel imports it to offer notebook debugging, which no SDK speaks: ~0.14 s of every
+# kernel's start). Quiet below errors: its warnings would fill the sandbox's log.
+PYTHON_KERNEL = KernelSpec(
+    argv=[
+        sys.executable,
+        "-c",
+        "import sys; sys.modules['debugpy'] = None; from ipykernel import kernelapp; kernelapp.launch_new_instance()",
+        "-f",
+        "{connection_file}",
+        "--IPKernelApp.log_level=ERROR",
+    ],
+    display_name="Python 3",
+    language="python",
+)
+
+
+class Kernels(KernelSpecManager):
+    """The one kernel spec this server starts, found without a search."""
+
+    def get_kernel_spec(self, kernel_name, *args, **kwargs):
+        return PYTHON_KERNEL
 
 
 class BadRequest(Exception):
@@ -149,11 +203,34 @@ class PythonContext:
         self.client = None
 
     async def start(self):
-        self.manager = AsyncKernelManager(kernel_name="python3")
+        self.manager = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=Kernels())
         await self.manager.start_kernel(cwd=self.cwd, env=dict(os.environ))
         self.client = self.manager.client()
         self.client.start_channels()
-        await self.client.wait_for_ready(timeout=KERNEL_START_SECS)
+        await self.until_answering()
+
+    async def until_answering(self):
+        """Until the kernel answers a `kernel_info` request on its shell channel and this
+        client sees the request's status on iopub (a subscription over ZeroMQ is live only
+        once a message arrives through it; output published before that would be lost).
+        jupyter_client's `wait_for_ready` does the same and then drains iopub for 0.2 s more,
+        which every create would wait for."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + KERNEL_START_SECS
+        asked = set()
+        while loop.time() < deadline:
+            if not await self.manager.is_alive():
+                raise RuntimeError("the Python kernel exited while starting")
+            asked.add(self.client.kernel_info())
+            try:
+                await self.client.get_shell_msg(timeout=1.0)
+                while True:
+                    msg = await self.client.get_iopub_msg(timeout=0.05)
+                    if msg["parent_header"].get("msg_id") in asked:
+                        return
+            except queue.Empty:
+                continue
+        raise TimeoutError(f"the Python kernel did not answer within {KERNEL_START_SECS:.0f} s")
 
     async def stop(self):
         if self.client is not None:
@@ -437,6 +514,17 @@ class Handler(tornado.web.RequestHandler):
 
 class Health(Handler):
     async def get(self):
+        # `?wait=SECONDS` holds the answer until the kernel is up (at most that long): the
+        # template's ready command asks once and is answered the moment it is.
+        try:
+            wait = min(float(self.get_query_argument("wait", "0")), KERNEL_START_SECS)
+        except ValueError:
+            return self.refuse(400, "wait must be a number of seconds")
+        if wait > 0 and not self.contexts.ready.is_set():
+            try:
+                await asyncio.wait_for(self.contexts.ready.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
         if self.contexts.ready.is_set():
             self.finish("OK")
         else:

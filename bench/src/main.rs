@@ -6,6 +6,7 @@
 
 mod balance_convergence;
 mod chaos;
+mod code_interpreter;
 mod fixture;
 mod gateway_create;
 mod host_cpu;
@@ -56,6 +57,9 @@ enum Scenario {
     /// from the node, a download from a port, 1 GiB through /files with peak memory.
     Proxy(proxy::Args),
     TemplateBuild(template_build::Args),
+    /// E2B's code interpreter through the gateway: its template's build, cold creates to the
+    /// first result, `run_code` round trips, the stream's delay, an idle sandbox's memory.
+    CodeInterpreter(code_interpreter::Args),
     /// A seeded fault suite: a multi-process cluster under a client workload while services
     /// are killed and nodes cut off, then a history checker (lost, duplicated, files lost,
     /// accounting error, stuck, leaked).
@@ -91,6 +95,7 @@ async fn run() -> anyhow::Result<()> {
         Scenario::MoveFaults(args) => move_faults::run(args).await?,
         Scenario::Proxy(args) => proxy::run(args).await?,
         Scenario::TemplateBuild(args) => template_build::run(args).await?,
+        Scenario::CodeInterpreter(args) => code_interpreter::run(args).await?,
         Scenario::Chaos(args) => chaos::run(args).await?,
         Scenario::Soak(args) => soak::run(args).await?,
     };

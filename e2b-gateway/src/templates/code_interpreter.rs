@@ -29,9 +29,10 @@ const PUBLIC_TEAM: &str = "";
 const SERVER: &[u8] = include_bytes!("../../../code-interpreter/server.py");
 const SERVER_DIR: &str = "/opt/sandboxsched/code-interpreter";
 const START_CMD: &str = "/usr/bin/python3 /opt/sandboxsched/code-interpreter/server.py";
-/// `/health` answers 200 once the default kernel is up; anything else (or no answer) fails.
-const READY_CMD: &str =
-    "/usr/bin/python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:49999/health', timeout=2)\"";
+/// Exits 0 once `/health` says the default kernel answers: it asks once the server listens,
+/// and the server holds the answer until the kernel is up, so a create waits no longer than
+/// the kernel (the node's retries back off up to half a second).
+const READY_CMD: &str = "/usr/bin/python3 /opt/sandboxsched/code-interpreter/server.py --ready";
 /// Fails the build with what to install when a node lacks the kernels, and warms what a
 /// first cell would otherwise pay for (in `user`'s home, so in the layer every sandbox starts
 /// from).
