@@ -37,6 +37,7 @@ import json
 import os
 import queue
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -88,7 +89,7 @@ INTERRUPT_GRACE_SECS = 5.0
 KERNEL_START_SECS = 60.0
 # Languages SDKs may name and the kernel that runs each; the others are refused by name.
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash", "py": "python", "python3": "python"}
-RUNNABLE = ("python", "bash")
+RUNNABLE = ("python", "bash", "javascript")
 # MIME types of a display bundle and the result field the SDKs read each from.
 MIME_FIELDS = {
     "text/plain": "text",
@@ -151,11 +152,16 @@ def normalise_language(language):
         raise BadRequest("language must be a string")
     language = language.strip().lower()
     language = ALIASES.get(language, language)
+    if language == "typescript":
+        raise BadRequest(
+            "no kernel for 'typescript' in this template: its Node.js (20) cannot strip types "
+            "(Node.js does from 22.6, and no TypeScript kernel is packaged by Debian); run it "
+            "as 'javascript'"
+        )
     if language not in RUNNABLE:
         raise BadRequest(
-            f"no kernel for {language!r} in this template: it runs {' and '.join(RUNNABLE)} "
-            "(no JavaScript, TypeScript, R or Java kernel is packaged by Debian, which this "
-            "template is built from)"
+            f"no kernel for {language!r} in this template: it runs {', '.join(RUNNABLE)} "
+            "(no R or Java kernel is packaged by Debian, which this template is built from)"
         )
     return language
 
@@ -433,6 +439,105 @@ class BashContext:
                 emit({"type": "error", "name": "ExitCode", "value": f"exit status {status.strip()}", "traceback": ""})
 
 
+class JavaScriptContext:
+    """One Node.js process for the context's life, running `javascript.js` beside this file:
+    a cell is a JSON line to its stdin; its events come back on its stdout as lines that
+    start with a token of this context (anything else there is output of a process the cell
+    started), and `done` ends the cell. A process that exits (the cell called
+    `process.exit`) ends its cell with an error; the next cell starts a fresh one."""
+
+    language = "javascript"
+    DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "javascript.js")
+
+    def __init__(self, context_id, cwd):
+        self.id = context_id
+        self.cwd = cwd
+        self.turn = asyncio.Lock()
+        self.node = None
+        self.token = ""
+
+    async def start(self):
+        node = shutil.which("node")
+        if node is None:
+            raise BadRequest("javascript needs Node.js (`node`) in the sandbox, and this template has none")
+        self.token = f"\x1e{uuid.uuid4().hex}\x1f"
+        self.node = await asyncio.create_subprocess_exec(
+            node,
+            self.DRIVER,
+            cwd=self.cwd,
+            env=dict(os.environ, E2B_JS_EVENTS_TOKEN=self.token),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            # A cell's output can be one long line.
+            limit=64 << 20,
+        )
+
+    async def stop(self):
+        if self.node is not None and self.node.returncode is None:
+            try:
+                os.killpg(self.node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await self.node.wait()
+
+    async def restart(self):
+        async with self.turn:
+            await self.stop()
+            await self.start()
+
+    async def interrupt(self):
+        if self.node is not None and self.node.returncode is None:
+            try:
+                os.kill(self.node.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    async def _events(self, cell, emit):
+        """Emits the cell's events until its `done`; False when the process ended first."""
+        token = self.token.encode()
+        while True:
+            line = await self.node.stdout.readline()
+            if not line:
+                return False
+            if not line.startswith(token):
+                emit({"type": "stdout", "text": line.decode("utf-8", "replace"), "timestamp": now_ns()})
+                continue
+            event = json.loads(line[len(token) :])
+            if event.get("type") == "done":
+                if event.get("id") == cell:
+                    return True
+                continue
+            if event["type"] in ("stdout", "stderr"):
+                event["timestamp"] = now_ns()
+            emit(event)
+
+    async def _stderr(self, emit):
+        """What the process itself writes to stderr (Node's own warnings, a child's output)."""
+        while True:
+            chunk = await self.node.stderr.read(65536)
+            if not chunk:
+                return
+            emit({"type": "stderr", "text": chunk.decode("utf-8", "replace"), "timestamp": now_ns()})
+
+    async def execute(self, code, env_vars, emit):
+        async with self.turn:
+            if self.node is None or self.node.returncode is not None:
+                await self.start()
+            cell = uuid.uuid4().hex
+            self.node.stdin.write((json.dumps({"id": cell, "code": code, "env": env_vars}) + "\n").encode())
+            await self.node.stdin.drain()
+            errors = asyncio.ensure_future(self._stderr(emit))
+            try:
+                finished = await self._events(cell, emit)
+            finally:
+                errors.cancel()
+            if not finished:
+                status = await self.node.wait()
+                emit({"type": "error", "name": "ExitCode", "value": f"the JavaScript context exited with status {status}", "traceback": ""})
+
+
 class Contexts:
     """Every context of this sandbox, and which one is each language's default."""
 
@@ -446,7 +551,7 @@ class Contexts:
         cwd = cwd or DEFAULT_CWD
         if not isinstance(cwd, str) or not os.path.isdir(cwd):
             raise BadRequest(f"cwd {cwd!r} is not a directory in the sandbox")
-        kind = PythonContext if language == "python" else BashContext
+        kind = {"python": PythonContext, "bash": BashContext, "javascript": JavaScriptContext}[language]
         context = kind(str(uuid.uuid4()), cwd)
         await context.start()
         self.by_id[context.id] = context

@@ -140,10 +140,35 @@ def test_bash_keeps_its_directory_and_variables(sbx):
     assert "".join(sbx.run_code("echo $KEPT; pwd", language="bash").logs.stdout) == "3\n/tmp\n"
 
 
-def test_a_language_without_a_kernel_is_refused_by_name(sbx):
+def test_javascript_keeps_its_declarations_awaits_and_is_interrupted(sbx):
+    ctx = sbx.create_code_context(language="javascript", cwd="/tmp")
+    first = sbx.run_code("const base = 40\nfunction add(x) { return x + 2 }\nconsole.log('from node')", context=ctx)
+    assert first.logs.stdout == ["from node\n"] and first.error is None
+    assert sbx.run_code("add(base)", context=ctx).text == "42"
+    # Top-level await: what it declares at the start of a line later cells see.
+    awaited = sbx.run_code("const later = await new Promise((r) => setTimeout(() => r(5), 50))\nlater * 2", context=ctx)
+    assert awaited.text == "10"
+    assert sbx.run_code("later + base + process.cwd().length", context=ctx).text == "49"
+    failed = sbx.run_code("null.x", context=ctx)
+    assert failed.error.name == "TypeError" and "null" in failed.error.value
+    assert "cell.js" in failed.error.traceback and "javascript.js" not in failed.error.traceback
+    env = sbx.run_code("process.env.ONE_CALL", context=ctx, envs={"ONE_CALL": "js"})
+    assert env.text == "'js'"
+    assert sbx.run_code("process.env.ONE_CALL", context=ctx).text is None
+    # A loop that never yields is interrupted where it stands; the context keeps its state.
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while (true) {}", context=ctx, timeout=2)
+    assert sbx.run_code("base", context=ctx).text == "40"
+    # The SDK's language names reach the same kind of context.
+    assert sbx.run_code("typeof require('node:fs').readFileSync", language="js").text == "'function'"
+    sbx.remove_code_context(ctx)
+
+
+@pytest.mark.parametrize("language", ["r", "typescript", "java"])
+def test_a_language_without_a_kernel_is_refused_by_name(sbx, language):
     with pytest.raises(SandboxException) as refused:
-        sbx.run_code("1", language="r")
-    assert "400" in str(refused.value) and "'r'" in str(refused.value)
+        sbx.run_code("1", language=language)
+    assert "400" in str(refused.value) and f"'{language}'" in str(refused.value)
 
 
 def test_files_written_by_code_are_read_through_the_files_api_and_back(sbx):

@@ -25,8 +25,14 @@ use crate::sandboxes::Failure;
 pub const NAME: &str = "code-interpreter-v1";
 /// The team that owns the cluster's public built-ins.
 const PUBLIC_TEAM: &str = "";
-/// The server, as the sandbox runs it.
-const SERVER: &[u8] = include_bytes!("../../../code-interpreter/server.py");
+/// The server and its JavaScript contexts' driver, as the sandbox runs them.
+const FILES: [(&str, &[u8]); 2] = [
+    ("server.py", include_bytes!("../../../code-interpreter/server.py")),
+    (
+        "javascript.js",
+        include_bytes!("../../../code-interpreter/javascript.js"),
+    ),
+];
 const SERVER_DIR: &str = "/opt/sandboxsched/code-interpreter";
 const START_CMD: &str = "/usr/bin/python3 /opt/sandboxsched/code-interpreter/server.py";
 /// Exits 0 once `/health` says the default kernel answers: it asks once the server listens,
@@ -78,17 +84,19 @@ pub fn availability() -> (watch::Sender<Availability>, watch::Receiver<Availabil
     watch::channel(Availability::Off)
 }
 
-/// The server as the COPY step's archive (a tar of one file, reproducible: fixed owner and
+/// The server as the COPY step's archive (a tar of its folder, reproducible: fixed owner and
 /// time), and its digest.
 fn archive() -> Result<(Vec<u8>, String), std::io::Error> {
     let mut tar = tar::Builder::new(Vec::new());
-    let mut header = tar::Header::new_gnu();
-    header.set_size(SERVER.len() as u64);
-    header.set_mode(0o644);
-    header.set_mtime(0);
-    header.set_uid(0);
-    header.set_gid(0);
-    tar.append_data(&mut header, "server.py", SERVER)?;
+    for (name, bytes) in FILES {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(bytes.len() as u64);
+        header.set_mode(0o644);
+        header.set_mtime(0);
+        header.set_uid(0);
+        header.set_gid(0);
+        tar.append_data(&mut header, format!("code-interpreter/{name}"), bytes)?;
+    }
     let bytes = tar.into_inner()?;
     let hash = hex(&Sha256::digest(&bytes));
     Ok((bytes, hash))
@@ -104,8 +112,8 @@ fn steps(files_hash: &str) -> Vec<Step> {
         Step {
             kind: "COPY".into(),
             args: vec![
-                "server.py".into(),
-                format!("{SERVER_DIR}/server.py"),
+                "code-interpreter".into(),
+                SERVER_DIR.into(),
                 "root".into(),
                 "0644".into(),
             ],

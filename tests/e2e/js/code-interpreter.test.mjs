@@ -75,6 +75,11 @@ test('code runs in kernels that keep their state, with the JS SDK', async () => 
     const bash = await sbx.runCode('echo "$GREETING from $(pwd)"', { language: 'bash' })
     assert.deepEqual(bash.logs.stdout, ['hi from /tmp\n'])
 
+    // JavaScript, in a Node.js process of its own that keeps what cells declare.
+    await sbx.runCode('const fromJs = [1, 2, 3]', { language: 'javascript' })
+    const js = await sbx.runCode('fromJs.map((n) => n * 2)', { language: 'javascript' })
+    assert.equal(js.text, '[ 2, 4, 6 ]')
+
     // Files written by code, read through the files API.
     await sbx.runCode("open('/home/user/from-kernel.txt', 'w').write('kernel wrote this')")
     assert.equal(await sbx.files.read('/home/user/from-kernel.txt'), 'kernel wrote this')
@@ -86,7 +91,9 @@ test('code runs in kernels that keep their state, with the JS SDK', async () => 
 test('a language no kernel speaks is refused clearly', async () => {
   const sbx = await Sandbox.create({ timeoutMs: 60_000 })
   try {
-    await assert.rejects(sbx.runCode('1', { language: 'r' }), /r/)
+    // (This SDK shows the status, not the server's reason; the Python test reads the reason.)
+    await assert.rejects(sbx.runCode('1', { language: 'r' }), /400/)
+    await assert.rejects(sbx.runCode('1', { language: 'typescript' }), /400/)
   } finally {
     await sbx.kill()
   }
