@@ -14,6 +14,8 @@ The protocol (HTTP/1.1, JSON):
 - `POST /contexts` `{language?, cwd?}` starts a context (one kernel or shell of its own);
   `GET /contexts` lists them; `DELETE /contexts/{id}` stops one; `POST
   /contexts/{id}/restart` starts its kernel afresh (its variables are gone).
+- `POST /execute` answers 401 unless the node vouches that the caller showed the sandbox's
+  access token (`X-Access-Token`, which the SDKs send there).
 - `GET /health` is `OK` once the default Python kernel answers (`?wait=SECONDS` holds the
   answer until then): the template's ready command (`server.py --ready`) waits for that, so a
   sandbox is handed out with its kernel already warm.
@@ -83,6 +85,11 @@ except ImportError as missing:
 
 PORT = int(os.environ.get("CODE_INTERPRETER_PORT", "49999"))
 DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
+# Set by the node on a request that showed the sandbox's envd access token, and removed from
+# any other (the token itself never comes in): code runs only for such callers, since the
+# sandbox's ID, in every host name, is no secret. The SDKs send the token on `/execute` only,
+# so the context routes cannot ask for it.
+ACCESS_VERIFIED = "E2b-Access-Token-Verified"
 KEEPALIVE_SECS = 5.0
 # How long an interrupted execution may take to stop before its kernel is restarted.
 INTERRUPT_GRACE_SECS = 5.0
@@ -681,6 +688,8 @@ class Execute(Handler):
 
     async def post(self):
         self.gone = asyncio.Event()
+        if self.request.headers.get(ACCESS_VERIFIED) != "true":
+            return self.refuse(401, "the sandbox's access token is required in X-Access-Token")
         await self.guarded(self.execute)
 
     async def execute(self):

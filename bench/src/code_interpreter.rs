@@ -61,8 +61,8 @@ fn unix_ns() -> u128 {
 }
 
 impl Client {
-    /// Creates a sandbox of `template`; its ID.
-    async fn create(&self, template: &str) -> anyhow::Result<String> {
+    /// Creates a sandbox of `template`: its ID and envd access token.
+    async fn create(&self, template: &str) -> anyhow::Result<(String, String)> {
         let r = self
             .http
             .post(format!("{}/sandboxes", self.url))
@@ -72,7 +72,9 @@ impl Client {
             .await?;
         anyhow::ensure!(r.status().as_u16() == 201, "create of {template}: {}", r.text().await?);
         let created: serde_json::Value = r.json().await?;
-        Ok(created["sandboxID"].as_str().context("sandboxID")?.to_string())
+        let id = created["sandboxID"].as_str().context("sandboxID")?;
+        let token = created["envdAccessToken"].as_str().context("envdAccessToken")?;
+        Ok((id.to_string(), token.to_string()))
     }
 
     async fn kill(&self, id: &str) {
@@ -85,12 +87,13 @@ impl Client {
     }
 
     /// Runs `code` in the sandbox's default Python context, as the SDK's `run_code` does.
-    async fn execute(&self, id: &str, code: &str) -> anyhow::Result<Executed> {
+    async fn execute(&self, (id, token): (&str, &str), code: &str) -> anyhow::Result<Executed> {
         let mut r = self
             .http
             .post(format!("{}/execute", self.url))
             .header("E2b-Sandbox-Id", id)
             .header("E2b-Sandbox-Port", PORT)
+            .header("X-Access-Token", token)
             .json(&serde_json::json!({"code": code}))
             .send()
             .await?;
@@ -159,31 +162,31 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let (mut to_first_result, mut interpreter_creates, mut base_creates) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.creates {
         let t0 = Instant::now();
-        let id = client.create(NAME).await?;
+        let (id, token) = client.create(NAME).await?;
         interpreter_creates.push(t0.elapsed());
-        let first = client.execute(&id, "1+1").await?;
+        let first = client.execute((&id, &token), "1+1").await?;
         to_first_result.push(t0.elapsed());
         anyhow::ensure!(first.main_text() == Some("2"), "1+1 answered {:?}", first.main_text());
         client.kill(&id).await;
         let t0 = Instant::now();
-        let id = client.create("base").await?;
+        let (id, _) = client.create("base").await?;
         base_creates.push(t0.elapsed());
         client.kill(&id).await;
     }
 
     // Round trips and streams on one sandbox.
-    let id = client.create(NAME).await?;
+    let (id, token) = client.create(NAME).await?;
     let mut round_trips = Vec::with_capacity(args.round_trips);
     for _ in 0..args.round_trips {
         let t0 = Instant::now();
-        let answer = client.execute(&id, "1+1").await?;
+        let answer = client.execute((&id, &token), "1+1").await?;
         round_trips.push(t0.elapsed());
         anyhow::ensure!(answer.main_text() == Some("2"), "1+1 answered {:?}", answer.main_text());
     }
     let mut stream_delays = Vec::with_capacity(args.streams);
     for _ in 0..args.streams {
         let cell = client
-            .execute(&id, "import time\nprint('tick', flush=True)\ntime.sleep(0.2)")
+            .execute((&id, &token), "import time\nprint('tick', flush=True)\ntime.sleep(0.2)")
             .await?;
         let (line, arrived) = cell
             .lines

@@ -18,6 +18,12 @@ pub const ACCESS_TOKEN: &str = "x-access-token";
 /// The sandbox's traffic token, required on its ports when public traffic is not allowed.
 pub const TRAFFIC_ACCESS_TOKEN: &str = "e2b-traffic-access-token";
 
+/// Set by the node, and only by it, on a request it relays to a sandbox's port when the
+/// caller showed the sandbox's envd access token (`X-Access-Token`, which itself never goes
+/// inside): a server there that runs code (the code interpreter's) answers only such requests,
+/// without ever holding the token. One a caller sends is removed.
+pub const ACCESS_VERIFIED: &str = "e2b-access-token-verified";
+
 /// Set by a node on answers about a sandbox it does not have, so a proxy in front can tell
 /// "not here" (the sandbox moved or ended) from any other 404.
 pub const MISSING: &str = "x-e2b-sandbox-missing";

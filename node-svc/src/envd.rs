@@ -261,12 +261,29 @@ async fn forward(State(envd): State<Envd>, request: Request) -> Response {
 }
 
 /// Relays `request` to `port` of its sandbox (HTTP/1.1, upgrades spliced through); answers
-/// 502 in E2B's shape when nothing listens there.
-async fn to_port(envd: &Envd, port: u16, request: Request) -> Response {
+/// 502 in E2B's shape when nothing listens there. The server there learns whether the caller
+/// showed the sandbox's access token ([`envd_wire::headers::ACCESS_VERIFIED`]), never the
+/// token.
+async fn to_port(envd: &Envd, port: u16, mut request: Request) -> Response {
     let record = match envd.running(request.headers()).await {
         Ok(record) => record,
         Err(err) => return rest_from_rpc(err),
     };
+    let verified = match (
+        record.access_token.as_deref().filter(|t| !t.is_empty()),
+        request.headers().get(envd_wire::headers::ACCESS_TOKEN),
+    ) {
+        (Some(expected), Some(given)) => access::same_secret(expected.as_bytes(), given.as_bytes()),
+        _ => false,
+    };
+    let headers = request.headers_mut();
+    headers.remove(envd_wire::headers::ACCESS_VERIFIED);
+    if verified {
+        headers.insert(
+            envd_wire::headers::ACCESS_VERIFIED,
+            axum::http::HeaderValue::from_static("true"),
+        );
+    }
     let runtime = envd.host.runtime().clone();
     let for_connect = record.clone();
     let connected = tokio::task::spawn_blocking(move || runtime.connect_port(&for_connect, port)).await;

@@ -7,6 +7,7 @@ import re
 import threading
 import time
 
+import httpx
 import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
@@ -214,3 +215,23 @@ def test_the_async_sdk_runs_code_too(code_interpreter):
     import asyncio
 
     assert asyncio.run(_async_round_trip()) == "45"
+
+
+def test_the_server_answers_only_the_sandboxs_access_token(sbx, code_interpreter):
+    """The server runs whatever it is sent as the sandbox's user: knowing the sandbox's ID
+    (it is in every host name) must not be enough to reach it, by headers or by host name."""
+    url = code_interpreter["E2B_SANDBOX_URL"]
+    by_headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    by_host = {"Host": sbx.get_host(49999)}
+    cell = {"code": "open('/tmp/pwned', 'w').write('x')"}
+    for headers in (by_headers, {**by_headers, "X-Access-Token": "not-the-token"}, by_host):
+        refused = httpx.post(f"{url}/execute", json=cell, headers=headers, timeout=10)
+        assert refused.status_code == 401, refused.text
+        assert "X-Access-Token" in refused.text
+    # A caller cannot vouch for itself: the node removes the mark it sets.
+    forged = {**by_headers, "E2b-Access-Token-Verified": "true"}
+    refused = httpx.post(f"{url}/execute", json=cell, headers=forged, timeout=10)
+    assert refused.status_code == 401, refused.text
+    assert sbx.run_code("import os\nos.path.exists('/tmp/pwned')").text == "False"
+    # Its health is public, as E2B's is.
+    assert httpx.get(f"{url}/health", headers=by_headers, timeout=10).status_code == 200
