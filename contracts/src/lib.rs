@@ -6,6 +6,7 @@
 //! - [`fit`]: the one allocation rule placement places by and the balancer plans by.
 //! - [`egress`]: a sandbox's network policy and the floor no policy opens.
 //! - [`template`]: a template's image and the grammar of its names and steps.
+//! - [`ids`]: the sandbox-ID rule the gateway, the node and the jail each check.
 //! - [`resources`]: the defaults a create assumes when it states nothing (512 MiB, ...).
 //!
 //! `common` re-exports each module under its old path (`common::docs`, ...).
@@ -13,5 +14,6 @@
 pub mod docs;
 pub mod egress;
 pub mod fit;
+pub mod ids;
 pub mod resources;
 pub mod template;

@@ -6,29 +6,23 @@ use axum::http::StatusCode;
 
 use crate::error::ApiError;
 
-/// A sandbox (or node) ID from the path, checked at the edge: 1 to 128 letters, digits,
-/// `-`, `_` or `.`, not starting with a dot. Anything else is a 400 naming the field, before
+/// A sandbox (or node) ID from the path, checked at the edge by the cluster's rule
+/// (`contracts::ids`: 1 to 128 letters, digits, `-`, `_` or `.`, starting with a letter or a
+/// digit). Anything else is a 400 naming the field, before
 /// any service is asked (a control character or a kilobyte of ID used to reach the ledger and
 /// come back as a 500).
 pub struct SandboxId(pub String);
 
-/// The longest ID accepted (IDs this gateway makes are 20 characters).
-pub const MAX_ID_BYTES: usize = 128;
+pub use common::ids::MAX_ID_BYTES;
 
 pub fn check_id(id: &str) -> Result<(), ApiError> {
-    let plain = !id.is_empty()
-        && id.len() <= MAX_ID_BYTES
-        && !id.starts_with('.')
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
+    if common::ids::is_sandbox_id(id) {
         Ok(())
     } else {
         let shown: String = id.chars().take(40).flat_map(char::escape_default).collect();
         Err(ApiError::new(
             StatusCode::BAD_REQUEST,
-            format!("sandboxID \"{shown}\" is not an ID: 1 to {MAX_ID_BYTES} letters, digits, '-', '_' or '.'"),
+            format!("sandboxID \"{shown}\" is not an ID: {}", common::ids::ID_RULE),
         ))
     }
 }

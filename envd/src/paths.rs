@@ -172,7 +172,10 @@ fn permissions(mode: u32, dir: bool, link: bool) -> String {
     s
 }
 
-/// RFC 3339 (UTC) for seconds since the epoch.
+/// RFC 3339 (UTC) for seconds since the epoch, for any year a file's time can carry. Not
+/// humantime's: a tenant's `touch -d` sets times past 9999, which humantime's formatter refuses
+/// (its `to_string` panics, it panics before 1970 too), and a listing must not fail over one
+/// file's date.
 pub fn rfc3339(secs: i64, nanos: u32) -> String {
     // Howard Hinnant's days-to-civil algorithm.
     let days = secs.div_euclid(86_400);

@@ -1371,17 +1371,12 @@ fn is_final(answer: &Answer) -> bool {
 }
 
 fn validate_id(id: &str) -> Result<(), NodeError> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-        && !id.starts_with('.');
-    if ok {
+    if common::ids::is_sandbox_id(id) {
         Ok(())
     } else {
         Err(NodeError::Invalid(format!(
-            "sandbox id {id:?} must be 1-128 characters of letters, digits, '-', '_' or '.', not starting with '.'"
+            "sandbox id {id:?} must be {}",
+            common::ids::ID_RULE
         )))
     }
 }
