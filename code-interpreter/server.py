@@ -132,6 +132,23 @@ PYTHON_KERNEL = KernelSpec(
 )
 
 
+# Run silently in every Python kernel once it answers: figures' displays gain `e2b/chart`
+# data (charts.py, beside this file), loaded by path so nothing of this folder becomes
+# importable by the user's code.
+CHARTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "charts.py")
+KERNEL_SETUP = f"""
+def _e2b_setup():
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("e2b_charts", {CHARTS!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["e2b_charts"] = module
+    module.register(get_ipython())
+_e2b_setup()
+del _e2b_setup
+"""
+
+
 class Kernels(KernelSpecManager):
     """The one kernel spec this server starts, found without a search."""
 
@@ -221,6 +238,7 @@ class PythonContext:
         self.client = self.manager.client()
         self.client.start_channels()
         await self.until_answering()
+        await self._run(KERNEL_SETUP, lambda event: None, silent=True)
 
     async def until_answering(self):
         """Until the kernel answers a `kernel_info` request on its shell channel and this

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
+from e2b_code_interpreter.charts import BarChart, BoxAndWhiskerChart, LineChart, PieChart, ScatterChart, SuperChart
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,31 @@ def test_bash_keeps_its_directory_and_variables(sbx):
     assert failed.error.name == "ExitCode" and failed.error.value == "exit status 4"
     # `exit` ended that call, not the context's state.
     assert "".join(sbx.run_code("echo $KEPT; pwd", language="bash").logs.stdout) == "3\n/tmp\n"
+
+
+def test_figures_come_with_their_data_as_e2b_charts(sbx):
+    """Beside the PNG, each figure's data as the SDK's typed charts (`result.chart`)."""
+    line = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [4, 5, 6], label='rising')\nplt.title('Growth'); plt.xlabel('day')\nplt.show()"
+    )
+    chart = line.results[0].chart
+    assert isinstance(chart, LineChart) and line.results[0].png
+    assert (chart.title, chart.x_label, chart.x_scale.value) == ("Growth", "day", "linear")
+    assert [(e.label, e.points) for e in chart.elements] == [("rising", [(1.0, 4.0), (2.0, 5.0), (3.0, 6.0)])]
+    bars = sbx.run_code("plt.bar(['a', 'b'], [3, 4], label='sales')\nplt.show()").results[0].chart
+    assert isinstance(bars, BarChart)
+    assert [(e.label, e.group, e.value) for e in bars.elements] == [("a", "sales", 3.0), ("b", "sales", 4.0)]
+    pie = sbx.run_code("plt.pie([1, 3], labels=['p', 'q'])\nplt.show()").results[0].chart
+    assert isinstance(pie, PieChart) and [(e.label, round(e.angle)) for e in pie.elements] == [("p", 90), ("q", 270)]
+    box = sbx.run_code("plt.boxplot([[1, 2, 3, 4, 10]])\nplt.show()").results[0].chart
+    assert isinstance(box, BoxAndWhiskerChart)
+    assert (box.elements[0].median, box.elements[0].outliers) == (3.0, [10.0])
+    both = sbx.run_code(
+        "fig, (a, b) = plt.subplots(1, 2)\nfig.suptitle('Two')\na.scatter([1, 2], [3, 4])\nb.plot([0, 1])\nplt.show()"
+    ).results[0].chart
+    assert isinstance(both, SuperChart) and both.title == "Two"
+    assert [type(c) for c in both.elements] == [ScatterChart, LineChart]
 
 
 def test_javascript_keeps_its_declarations_awaits_and_is_interrupted(sbx):

@@ -25,13 +25,15 @@ use crate::sandboxes::Failure;
 pub const NAME: &str = "code-interpreter-v1";
 /// The team that owns the cluster's public built-ins.
 const PUBLIC_TEAM: &str = "";
-/// The server and its JavaScript contexts' driver, as the sandbox runs them.
-const FILES: [(&str, &[u8]); 2] = [
+/// The server, its JavaScript contexts' driver and what its Python kernels describe charts
+/// with, as the sandbox runs them.
+const FILES: [(&str, &[u8]); 3] = [
     ("server.py", include_bytes!("../../../code-interpreter/server.py")),
     (
         "javascript.js",
         include_bytes!("../../../code-interpreter/javascript.js"),
     ),
+    ("charts.py", include_bytes!("../../../code-interpreter/charts.py")),
 ];
 const SERVER_DIR: &str = "/opt/sandboxsched/code-interpreter";
 const START_CMD: &str = "/usr/bin/python3 /opt/sandboxsched/code-interpreter/server.py";

@@ -21,6 +21,10 @@ test('code runs in kernels that keep their state, with the JS SDK', async () => 
       'import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()',
     )
     assert.ok(figure.results.some((r) => r.png && Buffer.from(r.png, 'base64').subarray(1, 4).toString() === 'PNG'))
+    // ... with its data as a chart beside the picture.
+    const chart = figure.results.find((r) => r.chart).chart
+    assert.equal(chart.type, 'line')
+    assert.deepEqual(chart.elements[0].points, [[0, 1], [1, 2], [2, 3]])
     const frame = await sbx.runCode("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
     assert.match(frame.results[0].html, /<table/)
     assert.match(frame.text, /a/)
