@@ -337,6 +337,23 @@ class PythonContext:
                     await asyncio.shield(self._run(restore, emit, silent=True))
 
 
+async def end_session(process):
+    """Kills a context's process and all it started (its own session), and reaps it."""
+    if process is not None and process.returncode is None:
+        signal_process(process, signal.SIGKILL, group=True)
+        await process.wait()
+
+
+def signal_process(process, number, group):
+    """Sends `number` to a context's live process, or to its whole group."""
+    if process is None or process.returncode is not None:
+        return
+    try:
+        (os.killpg if group else os.kill)(process.pid, number)
+    except ProcessLookupError:
+        pass
+
+
 class BashContext:
     """One `bash` for the context's life. A call's code is written to a file the shell
     sources; after it the shell saves its state (variables, functions, directory) and prints
@@ -376,12 +393,7 @@ class BashContext:
         await self.shell.stdin.drain()
 
     async def stop(self):
-        if self.shell is not None and self.shell.returncode is None:
-            try:
-                os.killpg(self.shell.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await self.shell.wait()
+        await end_session(self.shell)
 
     async def restart(self):
         async with self.turn:
@@ -392,11 +404,8 @@ class BashContext:
             await self.start()
 
     async def interrupt(self):
-        if self.shell is not None and self.shell.returncode is None:
-            try:
-                os.killpg(self.shell.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        # The whole group: what the shell runs is what the interrupt is for.
+        signal_process(self.shell, signal.SIGINT, group=True)
 
     async def _read_until(self, stream, marker, name, emit):
         """Emits what `stream` says until `marker`; returns what follows the marker up to its
@@ -500,12 +509,7 @@ class JavaScriptContext:
         )
 
     async def stop(self):
-        if self.node is not None and self.node.returncode is None:
-            try:
-                os.killpg(self.node.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await self.node.wait()
+        await end_session(self.node)
 
     async def restart(self):
         async with self.turn:
@@ -513,11 +517,8 @@ class JavaScriptContext:
             await self.start()
 
     async def interrupt(self):
-        if self.node is not None and self.node.returncode is None:
-            try:
-                os.kill(self.node.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        # Node alone: its SIGINT handler interrupts the cell, and the cell's children go on.
+        signal_process(self.node, signal.SIGINT, group=False)
 
     async def _events(self, cell, emit):
         """Emits the cell's events until its `done`; False when the process ended first."""
