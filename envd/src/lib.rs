@@ -73,6 +73,21 @@ pub struct Config {
     pub boot_fd: Option<i32>,
 }
 
+/// A listening socket at `path`, which appears only once it accepts: bound under a name of
+/// its own and then renamed into place. `bind` makes the name before `listen` makes it accept,
+/// so whoever waits for the path to exist and then connects could be refused in between
+/// (seen under load).
+fn listen_at(path: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
+    let mut staging = path.as_os_str().to_owned();
+    staging.push(format!(".binding-{}", std::process::id()));
+    let staging = std::path::PathBuf::from(staging);
+    let _ = std::fs::remove_file(&staging);
+    let listener = tokio::net::UnixListener::bind(&staging)?;
+    // Over whatever an earlier envd left at `path`.
+    std::fs::rename(&staging, path)?;
+    Ok(listener)
+}
+
 const USAGE: &str = "usage: envd (--listen-fd N | --listen PATH) [--boot-fd N] [--passwd FILE] [--fallback-home DIR]
   The sandbox's ID and env vars come from ENVD_SANDBOX_ID and ENVD_VARS (a JSON object).";
 
@@ -319,10 +334,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
                 std.set_nonblocking(true)?;
                 tokio::net::UnixListener::from_std(std)?
             }
-            Listen::Path(path) => {
-                let _ = std::fs::remove_file(path);
-                tokio::net::UnixListener::bind(path)?
-            }
+            Listen::Path(path) => listen_at(path)?,
         };
         tracing::info!(sandbox_id = %config.sandbox.sandbox_id, "envd serving");
         let booting = config.clone();
