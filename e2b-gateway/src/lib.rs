@@ -7,7 +7,7 @@
 //! fails and the one place failures become E2B's error shape; [`ids`] checks IDs at the edge;
 //! [`routes`] is where each sandbox runs, by the ledger's watch; [`sandboxes`] drives ledger,
 //! placement and nodes (and undoes failed creates); [`templates`] is the template registry
-//! and build driver; [`api`] and [`template_api`] are the REST layer; [`proxy`] routes envd
+//! and build driver; [`api`] is the REST layer (its `templates` the template routes); [`proxy`] routes envd
 //! traffic; [`server`] wires them.
 
 pub mod api;
@@ -19,6 +19,5 @@ pub mod proxy;
 pub mod routes;
 pub mod sandboxes;
 pub mod server;
-pub mod template_api;
 pub mod templates;
 pub mod tokens;

@@ -17,7 +17,6 @@ use crate::api::{self, Gateway};
 use crate::intent::Template;
 use crate::proxy::{self, Proxy};
 use crate::sandboxes::Sandboxes;
-use crate::template_api;
 use crate::templates::build::Builder;
 use crate::templates::files::Files;
 use crate::templates::Templates;
@@ -212,36 +211,39 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .route("/v2/sandboxes/{id}/logs", get(api::logs_v2))
         .route("/sandboxes/{id}/fork", post(api::fork))
         .route("/v2/sandboxes/{id}/fork", post(api::fork))
-        .route("/sandboxes/{id}/snapshots", post(template_api::snapshot))
-        .route("/snapshots", get(template_api::list_snapshots))
+        .route("/sandboxes/{id}/snapshots", post(api::templates::snapshot))
+        .route("/snapshots", get(api::templates::list_snapshots))
         .route("/nodes", get(api::nodes))
         .route("/nodes/{id}", get(api::node))
-        .route("/v3/templates", post(template_api::request_build))
-        .route("/templates", get(template_api::list).post(legacy_build))
-        .route("/v2/templates", get(template_api::list).post(legacy_build))
+        .route("/v3/templates", post(api::templates::request_build))
+        .route("/templates", get(api::templates::list).post(legacy_build))
+        .route("/v2/templates", get(api::templates::list).post(legacy_build))
         .route(
             "/templates/tags",
-            post(template_api::assign_tags).delete(template_api::remove_tags),
+            post(api::templates::assign_tags).delete(api::templates::remove_tags),
         )
-        .route("/templates/aliases/{alias}", get(template_api::alias))
+        .route("/templates/aliases/{alias}", get(api::templates::alias))
         .route(
             "/templates/{id}",
-            get(template_api::get)
-                .delete(template_api::delete)
-                .patch(template_api::update)
+            get(api::templates::get)
+                .delete(api::templates::delete)
+                .patch(api::templates::update)
                 .post(legacy_build),
         )
-        .route("/v2/templates/{id}", axum::routing::patch(template_api::update))
-        .route("/templates/{id}/tags", get(template_api::tags))
-        .route("/templates/{id}/files/{hash}", get(template_api::file_link))
+        .route("/v2/templates/{id}", axum::routing::patch(api::templates::update))
+        .route("/templates/{id}/tags", get(api::templates::tags))
+        .route("/templates/{id}/files/{hash}", get(api::templates::file_link))
         .route(
             "/templates/{id}/files/{hash}/upload",
-            axum::routing::put(template_api::upload).layer(DefaultBodyLimit::disable()),
+            axum::routing::put(api::templates::upload).layer(DefaultBodyLimit::disable()),
         )
         .route("/templates/{id}/builds/{build}", post(legacy_build))
-        .route("/v2/templates/{id}/builds/{build}", post(template_api::start_build))
-        .route("/templates/{id}/builds/{build}/status", get(template_api::build_status))
-        .route("/templates/{id}/builds/{build}/logs", get(template_api::build_logs));
+        .route("/v2/templates/{id}/builds/{build}", post(api::templates::start_build))
+        .route(
+            "/templates/{id}/builds/{build}/status",
+            get(api::templates::build_status),
+        )
+        .route("/templates/{id}/builds/{build}/logs", get(api::templates::build_logs));
     for (path, what) in api::UNSUPPORTED {
         api_router = api_router.route(path, axum::routing::any(move || async move { api::unsupported(what) }));
     }

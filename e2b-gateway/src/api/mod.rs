@@ -3,7 +3,8 @@
 //!
 //! Here: what every handler shares (the `Gateway` state, the caller's team or operator
 //! role, JSON bodies, times, the framework's refusals reshaped); the routes are in
-//! `sandboxes`, `observe` (metrics and logs) and `nodes`.
+//! `sandboxes`, `observe` (metrics and logs) and `nodes`, and the template routes in
+//! `templates` (named, not merged: their `list`, `get` and `delete` are templates').
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use common::template::split_name;
 mod nodes;
 mod observe;
 mod sandboxes;
+pub mod templates;
 
 pub use nodes::*;
 pub use observe::*;
