@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use e2b_gateway::templates::code_interpreter::{Availability, NAME};
 
-use crate::report::Report;
+use crate::report::{ms, percentile, Report};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -114,16 +114,6 @@ impl Client {
         }
         anyhow::bail!("the execution's stream ended before end_of_execution")
     }
-}
-
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
-    samples.sort();
-    let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
-    samples.get(i).copied().unwrap_or_default()
-}
-
-fn ms(d: Duration) -> f64 {
-    (d.as_secs_f64() * 100_000.0).round() / 100.0
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {

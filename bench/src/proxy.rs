@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::StreamExt;
 
-use crate::report::Report;
+use crate::report::{ms, percentile, Report};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -62,12 +62,6 @@ impl Sandbox {
         http.get(format!("{}{path}", self.url))
             .header("Host", format!("{PORT}-{}.{DOMAIN}", self.id))
     }
-}
-
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
-    samples.sort();
-    let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
-    samples.get(i).copied().unwrap_or_default()
 }
 
 /// Peak resident memory (VmHWM) of a process, in MiB.
@@ -247,7 +241,6 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .await;
     stack.stop().await;
 
-    let ms = |d: Duration| (d.as_secs_f64() * 100_000.0).round() / 100.0;
     let us = |d: Duration| (d.as_secs_f64() * 1_000_000.0).round();
     let (through_p50, direct_p50) = (percentile(&mut through, 0.5), percentile(&mut direct, 0.5));
     let mib = args.upload_mib as f64;

@@ -1,6 +1,20 @@
 //! A benchmark's result: a titled table for people and a JSON object for scripts.
 
+use std::time::Duration;
+
 use serde_json::{Map, Value};
+
+/// The sample at quantile `p` (0.5 the median) of `samples`, which it sorts; zero for none.
+pub fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort();
+    let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
+    samples.get(i).copied().unwrap_or_default()
+}
+
+/// Milliseconds, to two decimals, as the reports show them.
+pub fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 100_000.0).round() / 100.0
+}
 
 pub struct Report {
     title: String,
