@@ -6,6 +6,7 @@
 //! - [`fit`]: the one allocation rule placement places by and the balancer plans by.
 //! - [`egress`]: a sandbox's network policy and the floor no policy opens.
 //! - [`template`]: a template's image and the grammar of its names and steps.
+//! - [`envd`]: the variables a sandbox's settings reach its envd by.
 //! - [`ids`]: the sandbox-ID rule the gateway, the node and the jail each check.
 //! - [`resources`]: the defaults a create assumes when it states nothing (512 MiB, ...).
 //!
@@ -13,6 +14,7 @@
 
 pub mod docs;
 pub mod egress;
+pub mod envd;
 pub mod fit;
 pub mod ids;
 pub mod resources;

@@ -38,18 +38,8 @@ pub use process::SandboxEnv;
 pub use server::Envd;
 pub use users::Users;
 
-/// The environment variable carrying the sandbox's ID to envd (removed from envd's own
-/// environment once read, so commands do not inherit it twice).
-pub const SANDBOX_ID_VAR: &str = "ENVD_SANDBOX_ID";
-/// The environment variable carrying the sandbox's env vars to envd, as a JSON object.
-pub const VARS_VAR: &str = "ENVD_VARS";
-/// The environment variable carrying the sandbox's start command (its template's or its
-/// create request's), which envd starts once it serves.
-pub const START_COMMAND_VAR: &str = "ENVD_START_COMMAND";
-/// The environment variables carrying the sandbox's default user and working directory (its
-/// template's `USER` and `WORKDIR`), when its template sets them.
-pub const DEFAULT_USER_VAR: &str = "ENVD_DEFAULT_USER";
-pub const DEFAULT_WORKDIR_VAR: &str = "ENVD_DEFAULT_WORKDIR";
+/// The variables the node starts envd with (defined with the node's side of them).
+pub use contracts::envd::{DEFAULT_USER_VAR, DEFAULT_WORKDIR_VAR, SANDBOX_ID_VAR, START_COMMAND_VAR, VARS_VAR};
 
 /// Where envd listens.
 #[derive(Clone, Debug, PartialEq, Eq)]

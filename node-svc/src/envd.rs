@@ -111,7 +111,7 @@ impl Envd {
                 home,
                 enclose: Arc::new(move |cmd, cwd| {
                     runtime
-                        .enclose(&for_enclose, &enclose_home, cwd, cmd)
+                        .enclose(&for_enclose.view(), &enclose_home, cwd, cmd)
                         .map_err(|e| e.to_string())
                 }),
             },
@@ -286,7 +286,7 @@ async fn to_port(envd: &Envd, port: u16, mut request: Request) -> Response {
     }
     let runtime = envd.host.runtime().clone();
     let for_connect = record.clone();
-    let connected = tokio::task::spawn_blocking(move || runtime.connect_port(&for_connect, port)).await;
+    let connected = tokio::task::spawn_blocking(move || runtime.connect_port(&for_connect.view(), port)).await;
     let stream = match connected {
         Ok(Ok(stream)) => stream,
         Ok(Err(err)) => {

@@ -46,20 +46,17 @@ pub const NOT_IN_LAYERS: [&str; 1] = [".sandboxsched"];
 
 /// Where a node keeps its layers, under its state directory.
 pub fn root(state_dir: &Path) -> PathBuf {
-    state_dir.join("container").join("layers")
+    crate::runtime::layout::layers_dir(state_dir)
 }
 
 /// The hex of a `sha256:<hex>` digest, checked.
 pub fn hex_of(digest: &str) -> Result<&str, LayerError> {
-    match digest.strip_prefix("sha256:") {
-        Some(hex) if hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) => Ok(hex),
-        _ => Err(LayerError::BadDigest(digest.to_string())),
-    }
+    crate::runtime::layout::digest_hex(digest).ok_or_else(|| LayerError::BadDigest(digest.to_string()))
 }
 
 /// The directory of layer `digest` under `root`.
 pub fn layer_path(root: &Path, digest: &str) -> Result<PathBuf, LayerError> {
-    Ok(root.join("sha256").join(hex_of(digest)?))
+    crate::runtime::layout::layer_dir(root, digest).map_err(|e| LayerError::BadDigest(e.0))
 }
 
 /// The blob store key of layer `digest`.

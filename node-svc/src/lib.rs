@@ -2,9 +2,9 @@
 //! every sandbox by ID.
 //!
 //! Layout: [`sandbox`] is the pure core (records, legal moves, fencing, operation answers);
-//! [`runtime`] runs sandboxes (real processes or simulated); [`host`] owns the registry and
-//! every lifecycle operation, keeping each sandbox in the [`state_dir`] on a [`disk`] of its
-//! own, seeding new ones from
+//! [`runtime`] (the `node-runtime` crate) runs sandboxes (containers, plain processes or
+//! simulated) and gives each a [`disk`] of its own; [`host`] owns the registry and every
+//! lifecycle operation, keeping each sandbox in the [`state_dir`], seeding new ones from
 //! a [`template`] and moving them between nodes as [`snapshot`] streams; [`heartbeat`]
 //! reports to placement; [`api`] is the gRPC service; [`envd`] the in-sandbox API; [`server`]
 //! wires them. Templates with layers: [`layer_cache`] keeps their layers (fetched from the blob
@@ -16,7 +16,6 @@
 
 pub mod api;
 pub mod build;
-pub mod disk;
 pub mod envd;
 pub mod envd_client;
 pub mod heartbeat;
@@ -24,13 +23,15 @@ pub mod host;
 pub mod layer_cache;
 pub mod logs;
 pub mod metrics;
-pub mod runtime;
 pub mod sandbox;
 pub mod server;
 pub mod snapshot;
 pub mod state_dir;
 pub mod template;
 pub mod usage;
+
+pub use node_runtime as runtime;
+pub use node_runtime::disk;
 
 /// When this process was started as envd (`BINARY envd ARGS`, how the container runtime runs
 /// envd inside each sandbox) or as the OCI runtime (`BINARY jail ARGS`), runs that and returns

@@ -61,6 +61,23 @@ pub struct SandboxRecord {
     pub created_at_unix_ms: u64,
 }
 
+impl SandboxRecord {
+    /// What the runtime is told of this sandbox: the parts of its record that decide how it
+    /// runs.
+    pub fn view(&self) -> crate::runtime::Sandbox<'_> {
+        crate::runtime::Sandbox {
+            id: &self.id,
+            vcpus: self.resources.vcpus,
+            memory_bytes: self.resources.memory_bytes,
+            env: &self.env,
+            start_command: self.start_command.as_deref(),
+            network: self.network.as_ref(),
+            image: self.image.as_ref(),
+            pgid: self.pgid,
+        }
+    }
+}
+
 /// A lifecycle move.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Move {

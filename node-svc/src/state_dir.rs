@@ -47,7 +47,7 @@ impl StateDir {
     /// The sandboxes folder of `state_dir` (not created yet: see [`StateDir::create`]).
     pub fn new(state_dir: &Path) -> Self {
         Self {
-            root: state_dir.join("sandboxes"),
+            root: crate::runtime::layout::sandboxes_dir(state_dir),
         }
     }
 
@@ -177,10 +177,7 @@ impl StateDir {
     }
 }
 
-/// The writable layer in sandbox folder `dir` (or a restore's scratch folder).
-pub fn home_in(dir: &Path) -> PathBuf {
-    dir.join(crate::disk::MOUNT).join("home")
-}
+pub use crate::runtime::layout::home_in;
 
 #[cfg(test)]
 mod tests {

@@ -57,20 +57,7 @@ pub fn load(templates_dir: Option<&Path>, name: &str) -> Result<Template, Templa
     Err(TemplateError::Unknown(name.to_string()))
 }
 
-/// Copies a directory tree (template files into a new home), creating `to` if needed.
-pub fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_tree(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), target)?;
-        }
-    }
-    Ok(())
-}
+pub use crate::runtime::layout::copy_tree;
 
 #[cfg(test)]
 mod tests {

@@ -20,8 +20,8 @@ use node_svc::api::NodeApi;
 use node_svc::envd::Envd;
 use node_svc::host::{CreateSpec, Host, HostConfig, NodeError};
 use node_svc::runtime::process::ProcessRuntime;
-use node_svc::runtime::{Features, Runtime, RuntimeError};
-use node_svc::sandbox::{Move, Resources, SandboxRecord, State};
+use node_svc::runtime::{Features, Runtime, RuntimeError, Sandbox};
+use node_svc::sandbox::{Move, Resources, State};
 use proto::node::v1 as pb;
 use proto::node::v1::node_client::NodeClient;
 use tokio::sync::mpsc;
@@ -49,7 +49,7 @@ struct HeldKill {
 }
 
 impl HeldKill {
-    fn check_overlap(&self, record: &SandboxRecord) {
+    fn check_overlap(&self, record: &Sandbox<'_>) {
         if record.id == self.held && self.killing.load(Ordering::SeqCst) {
             self.overlapped.store(true, Ordering::SeqCst);
         }
@@ -65,22 +65,22 @@ impl Runtime for HeldKill {
         self.inner.features()
     }
 
-    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError> {
+    fn start(&self, record: &Sandbox<'_>, home: &Path) -> Result<u32, RuntimeError> {
         self.check_overlap(record);
         self.inner.start(record, home)
     }
 
-    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn pause(&self, record: &Sandbox<'_>) -> Result<(), RuntimeError> {
         self.check_overlap(record);
         self.inner.pause(record)
     }
 
-    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn resume(&self, record: &Sandbox<'_>) -> Result<(), RuntimeError> {
         self.check_overlap(record);
         self.inner.resume(record)
     }
 
-    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn kill(&self, record: &Sandbox<'_>) -> Result<(), RuntimeError> {
         if record.id == self.held {
             self.check_overlap(record);
             self.killing.store(true, Ordering::SeqCst);
@@ -95,15 +95,15 @@ impl Runtime for HeldKill {
         self.inner.kill(record)
     }
 
-    fn memory_used(&self, record: &SandboxRecord) -> u64 {
+    fn memory_used(&self, record: &Sandbox<'_>) -> u64 {
         self.inner.memory_used(record)
     }
 
-    fn alive(&self, record: &SandboxRecord) -> bool {
+    fn alive(&self, record: &Sandbox<'_>) -> bool {
         self.inner.alive(record)
     }
 
-    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn adopt(&self, record: &Sandbox<'_>) -> Result<(), RuntimeError> {
         self.check_overlap(record);
         self.inner.adopt(record)
     }
@@ -118,7 +118,7 @@ impl Runtime for HeldKill {
 
     fn enclose(
         &self,
-        record: &SandboxRecord,
+        record: &Sandbox<'_>,
         home: &Path,
         cwd: &Path,
         command: &mut Command,

@@ -542,7 +542,7 @@ impl Build {
                 .attach(&dir, r.resources.disk_bytes)
                 .and_then(|()| std::fs::create_dir_all(&h))
                 .map_err(|e| e.to_string())
-                .and_then(|()| runtime.start(&r, &h).map_err(|e| e.to_string()));
+                .and_then(|()| runtime.start(&r.view(), &h).map_err(|e| e.to_string()));
             match made {
                 Ok(pgid) => r.pgid = pgid,
                 Err(err) => {
@@ -567,7 +567,7 @@ impl Build {
             self.host.sandbox_dir(&record.id),
         );
         let _ = tokio::task::spawn_blocking(move || {
-            if let Err(err) = runtime.kill(&r) {
+            if let Err(err) = runtime.kill(&r.view()) {
                 tracing::warn!(sandbox_id = %r.id, %err, "builder container not killed");
             }
             if !keep_home {

@@ -98,9 +98,9 @@ impl Shared {
                 if let Some(files) = files {
                     runtime.seed(&home, &files).map_err(io)?;
                 }
-                record.pgid = runtime.start(&record, &home)?;
+                record.pgid = runtime.start(&record.view(), &home)?;
                 if let Err(err) = dir.persist(&record) {
-                    let _ = runtime.kill(&record);
+                    let _ = runtime.kill(&record.view());
                     return Err(io(err));
                 }
                 Ok(())
@@ -116,7 +116,7 @@ impl Shared {
         if let Err(err) = self.ready(&record).await {
             let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
             let _ = blocking(move || {
-                let _ = runtime.kill(&r);
+                let _ = runtime.kill(&r.view());
                 let _ = crate::disk::remove_folder(&dir.sandbox_dir(&r.id));
                 Ok(())
             })

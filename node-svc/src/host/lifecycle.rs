@@ -45,7 +45,7 @@ impl Shared {
             next.network = Some(policy.clone());
             let (runtime, dir) = (self.runtime.clone(), self.dir.clone());
             let next = blocking(move || {
-                runtime.update_network(&record, &policy)?;
+                runtime.update_network(&record.view(), &policy)?;
                 dir.persist(&next).map_err(io)?;
                 Ok(next)
             })
@@ -90,19 +90,19 @@ impl Shared {
         // The runtime call and the record's persistence in one trip to a blocking thread.
         let next = blocking(move || {
             match action {
-                Move::Pause => runtime.pause(&record)?,
+                Move::Pause => runtime.pause(&record.view())?,
                 Move::Resume => {
                     // Thaw first: commands started through envd live in the sandbox's cgroups
                     // too, whether or not it has a start command.
-                    runtime.resume(&record)?;
+                    runtime.resume(&record.view())?;
                     if record.pgid == 0 && has_process(runtime.as_ref(), &record) {
                         // Its start command was not preserved (restored from a snapshot, or
                         // the host restarted while it was paused): start it afresh, files
                         // intact.
-                        next.pgid = runtime.start(&record, &home)?;
+                        next.pgid = runtime.start(&record.view(), &home)?;
                     }
                 }
-                Move::Kill => runtime.kill(&record)?,
+                Move::Kill => runtime.kill(&record.view())?,
             }
             if next.state != State::Killed {
                 dir.persist(&next).map_err(io)?;
@@ -143,14 +143,14 @@ impl Shared {
         };
         let (runtime, dir, r) = (self.runtime.clone(), self.dir.clone(), record.clone());
         let started = blocking(move || {
-            if runtime.alive(&r) {
+            if runtime.alive(&r.view()) {
                 return Ok(None);
             }
             // What is left of it (the stopped container, its link, its root's mount), then
             // a fresh start over the same files.
-            let _ = runtime.kill(&r);
+            let _ = runtime.kill(&r.view());
             let mut next = r.clone();
-            next.pgid = runtime.start(&r, &dir.home(&r.id))?;
+            next.pgid = runtime.start(&r.view(), &dir.home(&r.id))?;
             dir.persist(&next).map_err(io)?;
             Ok(Some(next))
         })

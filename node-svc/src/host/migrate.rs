@@ -22,12 +22,12 @@ impl Shared {
         let _quiet = turn.slot.files.clone().write_owned().await;
         if running {
             let (runtime, r) = (self.runtime.clone(), record.clone());
-            blocking(move || runtime.pause(&r).map_err(NodeError::from)).await?;
+            blocking(move || runtime.pause(&r.view()).map_err(NodeError::from)).await?;
         }
         let packed = cache.pack(&self.dir.home(id)).await;
         if running {
             let (runtime, r) = (self.runtime.clone(), record.clone());
-            blocking(move || runtime.resume(&r).map_err(NodeError::from)).await?;
+            blocking(move || runtime.resume(&r.view()).map_err(NodeError::from)).await?;
         }
         let layer = packed.map_err(|e| NodeError::Runtime(e.to_string()))?;
         let mut image = record.image.clone().unwrap_or_else(common::template::Image::base);
@@ -167,7 +167,7 @@ impl Shared {
             let installed = dir
                 .install(&scratch, &r.id)
                 .map_err(io)
-                .and_then(|()| runtime.adopt(&r).map_err(NodeError::from))
+                .and_then(|()| runtime.adopt(&r.view()).map_err(NodeError::from))
                 .and_then(|()| dir.persist(&r).map_err(io));
             if installed.is_err() {
                 // A failed restore leaves nothing behind.

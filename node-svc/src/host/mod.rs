@@ -474,7 +474,7 @@ impl Host {
         let dead = tokio::task::spawn_blocking(move || {
             records
                 .into_iter()
-                .filter(|r| r.state == State::Running && runtime.died(r))
+                .filter(|r| r.state == State::Running && runtime.died(&r.view()))
                 .map(|r| r.id)
                 .collect::<Vec<_>>()
         })
@@ -522,9 +522,9 @@ impl Host {
                     }
                     let reading = crate::metrics::Reading {
                         at_unix_ms: common::clock::now_ms(),
-                        cpu_time_ns: runtime.cpu_time_ns_of(&record),
+                        cpu_time_ns: runtime.cpu_time_ns_of(&record.view()),
                         vcpus: record.resources.vcpus,
-                        memory_used_bytes: runtime.memory_used(&record),
+                        memory_used_bytes: runtime.memory_used(&record.view()),
                         memory_total_bytes: record.resources.memory_bytes,
                         disk_used_bytes,
                         disk_total_bytes,

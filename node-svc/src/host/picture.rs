@@ -15,7 +15,7 @@ pub(super) fn measure(runtime: &dyn Runtime, records: Vec<SandboxRecord>) -> Vec
     records
         .into_iter()
         .map(|r| {
-            let used = runtime.memory_used(&r);
+            let used = runtime.memory_used(&r.view());
             (r, used)
         })
         .collect()

@@ -45,12 +45,12 @@ pub(super) fn readopt_one(
     disks
         .attach(&dir.sandbox_dir(&record.id), record.resources.disk_bytes)
         .map_err(disk)?;
-    runtime.adopt(record)?;
-    let alive = runtime.alive(record);
+    runtime.adopt(&record.view())?;
+    let alive = runtime.alive(&record.view());
     match readoption(record.state, alive, has_process(runtime, record)) {
         Readoption::AsFound => {}
         Readoption::Restart => {
-            record.pgid = runtime.start(record, &dir.home(&record.id))?;
+            record.pgid = runtime.start(&record.view(), &dir.home(&record.id))?;
             tracing::warn!(sandbox_id = %record.id, "start command was not running; restarted");
             dir.persist(record).map_err(io)?;
         }

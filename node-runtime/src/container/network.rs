@@ -46,7 +46,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use common::egress::{Cidr, NetworkPolicy};
+use contracts::egress::{Cidr, NetworkPolicy};
 
 use super::resolver::{self, Resolver};
 

@@ -1,5 +1,5 @@
 //! The OCI runtime spec (`config.json`) of one sandbox. Pure: a function of the sandbox's
-//! record and where things are, so what a sandbox may do is read and tested in one place.
+//! settings and where things are, so what a sandbox may do is read and tested in one place.
 //!
 //! What it asks the runtime for, and why:
 //! - namespaces: user (root inside is the unprivileged host uid [`Inputs::host_ids`] starts,
@@ -20,7 +20,7 @@ use std::path::Path;
 use oci_spec::runtime::Spec;
 use serde_json::{json, Value};
 
-use crate::sandbox::SandboxRecord;
+use crate::Sandbox;
 
 /// Host uid and gid of root inside in the storage range: the ids files of layers and of
 /// sandboxes' writable layers have on disk (and the ids sandboxes run as on a host that cannot
@@ -59,7 +59,7 @@ pub fn pids_limit(node_pids: u64, node_memory_bytes: u64, memory_bytes: u64) -> 
 /// CFS period for the CPU quota.
 const CPU_PERIOD_US: u64 = 100_000;
 
-/// What the spec points at outside the record.
+/// What the spec points at outside the sandbox.
 pub struct Inputs<'a> {
     /// The mounted root filesystem.
     pub rootfs: &'a Path,
@@ -138,31 +138,31 @@ const REFUSED: &[&str] = &[
     "io_uring_register",
 ];
 
-/// The spec for `record`.
-pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
+/// The spec for `sandbox`.
+pub fn spec(sandbox: &Sandbox<'_>, inputs: &Inputs) -> Result<Spec, String> {
     let mut env = vec![
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
-        format!("{}={}", envd::SANDBOX_ID_VAR, record.id),
+        format!("{}={}", contracts::envd::SANDBOX_ID_VAR, sandbox.id),
         format!(
             "{}={}",
-            envd::VARS_VAR,
-            serde_json::to_string(&record.env).map_err(|e| e.to_string())?
+            contracts::envd::VARS_VAR,
+            serde_json::to_string(&sandbox.env).map_err(|e| e.to_string())?
         ),
     ];
-    if let Some(command) = record.start_command.as_deref().filter(|c| !c.trim().is_empty()) {
-        env.push(format!("{}={command}", envd::START_COMMAND_VAR));
+    if let Some(command) = sandbox.start_command.filter(|c| !c.trim().is_empty()) {
+        env.push(format!("{}={command}", contracts::envd::START_COMMAND_VAR));
     }
-    if let Some(image) = &record.image {
+    if let Some(image) = &sandbox.image {
         if !image.user.is_empty() {
-            env.push(format!("{}={}", envd::DEFAULT_USER_VAR, image.user));
+            env.push(format!("{}={}", contracts::envd::DEFAULT_USER_VAR, image.user));
         }
         if !image.workdir.is_empty() {
-            env.push(format!("{}={}", envd::DEFAULT_WORKDIR_VAR, image.workdir));
+            env.push(format!("{}={}", contracts::envd::DEFAULT_WORKDIR_VAR, image.workdir));
         }
     }
     let caps: Vec<&str> = CAPABILITIES.to_vec();
-    let vcpus = u64::from(record.resources.vcpus.max(1));
-    let memory = i64::try_from(record.resources.memory_bytes).unwrap_or(i64::MAX);
+    let vcpus = u64::from(sandbox.vcpus.max(1));
+    let memory = i64::try_from(sandbox.memory_bytes).unwrap_or(i64::MAX);
     let no_sandbox_user_namespaces = json!({
         "names": ["clone"],
         "action": "SCMP_ACT_ERRNO",
@@ -208,7 +208,7 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
             "oomScoreAdj": ENVD_OOM_SCORE_ADJ
         },
         "root": {"path": inputs.rootfs, "readonly": false},
-        "hostname": record.id,
+        "hostname": sandbox.id,
         "mounts": mounts,
         "linux": {
             "namespaces": [
@@ -248,29 +248,23 @@ pub fn spec(record: &SandboxRecord, inputs: &Inputs) -> Result<Spec, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::{Resources, State};
+    use std::collections::BTreeMap;
 
-    fn record() -> SandboxRecord {
-        SandboxRecord {
-            id: "sbx1".into(),
-            template: "base".into(),
-            resources: Resources {
-                vcpus: 2,
-                memory_bytes: 512 << 20,
-                disk_bytes: 0,
-            },
-            env: [("A".to_string(), "1".to_string())].into(),
-            metadata: Default::default(),
-            start_command: Some("sleep 9".into()),
-            access_token: None,
+    fn sandbox<'a>(env: &'a BTreeMap<String, String>, image: Option<&'a contracts::template::Image>) -> Sandbox<'a> {
+        Sandbox {
+            id: "sbx1",
+            vcpus: 2,
+            memory_bytes: 512 << 20,
+            env,
+            start_command: Some("sleep 9"),
             network: None,
-            traffic_access_token: None,
-            image: None,
-            state: State::Running,
-            epoch: 0,
+            image,
             pgid: 0,
-            created_at_unix_ms: 0,
         }
+    }
+
+    fn env() -> BTreeMap<String, String> {
+        [("A".to_string(), "1".to_string())].into()
     }
 
     #[test]
@@ -284,7 +278,7 @@ mod tests {
             host_ids: 1 << 24,
             pids_limit: 300,
         };
-        let spec = spec(&record(), &inputs).unwrap();
+        let spec = spec(&sandbox(&env(), None), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
         let kinds: Vec<&str> = json["linux"]["namespaces"]
             .as_array()
@@ -347,13 +341,13 @@ mod tests {
             host_ids: HOST_ID_BASE,
             pids_limit: PIDS_LIMIT,
         };
-        let mut record = record();
-        record.image = Some(common::template::Image {
+        let image = contracts::template::Image {
             user: "root".into(),
             workdir: "/app".into(),
             ..Default::default()
-        });
-        let json = serde_json::to_value(spec(&record, &inputs).unwrap()).unwrap();
+        };
+        let env = env();
+        let json = serde_json::to_value(spec(&sandbox(&env, Some(&image)), &inputs).unwrap()).unwrap();
         let binds: Vec<&str> = json["mounts"]
             .as_array()
             .unwrap()

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::cgroup::Cgroups;
 use super::{Features, Runtime, RuntimeError};
-use crate::sandbox::SandboxRecord;
+use crate::Sandbox;
 
 pub struct ProcessRuntime {
     cgroups: Cgroups,
@@ -46,9 +46,9 @@ pub struct ProcessRuntime {
     children: Mutex<HashMap<String, Child>>,
 }
 
-fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) -> RuntimeError {
+fn control(sandbox: &Sandbox<'_>, action: &'static str, reason: impl ToString) -> RuntimeError {
     RuntimeError::Control {
-        sandbox: record.id.clone(),
+        sandbox: sandbox.id.to_string(),
         action,
         reason: reason.to_string(),
     }
@@ -113,7 +113,7 @@ impl ProcessRuntime {
     /// A runtime for node `node_id`, using cgroups where the host allows.
     pub fn new(node_id: &str, use_cgroups: bool) -> Self {
         let (cgroups, mut found) = if use_cgroups {
-            Cgroups::probe(node_id, crate::runtime::cgroup::default_pids_max())
+            Cgroups::probe(node_id, crate::cgroup::default_pids_max())
         } else {
             (Cgroups::none(), vec!["cgroups disabled by configuration".to_string()])
         };
@@ -152,13 +152,13 @@ impl ProcessRuntime {
 
     /// Every live process of the sandbox: its cgroup members and its process group; with
     /// `with_reaper` false, without its PID namespace's reaper (which is not a command).
-    fn processes(&self, record: &SandboxRecord, with_reaper: bool) -> Vec<i32> {
-        let mut pids = self.cgroups.pids(&record.id);
+    fn processes(&self, sandbox: &Sandbox<'_>, with_reaper: bool) -> Vec<i32> {
+        let mut pids = self.cgroups.pids(sandbox.id);
         if !with_reaper {
             pids.retain(|&pid| !is_reaper_part(pid));
         }
-        if record.pgid > 0 {
-            for pid in group_members(record.pgid) {
+        if sandbox.pgid > 0 {
+            for pid in group_members(sandbox.pgid) {
                 if !pids.contains(&pid) {
                     pids.push(pid);
                 }
@@ -169,12 +169,12 @@ impl ProcessRuntime {
     }
 
     /// The host PID of the sandbox's PID-namespace reaper, started if it is not running.
-    fn reaper(&self, record: &SandboxRecord) -> Result<i32, RuntimeError> {
-        let find = || self.cgroups.pids(&record.id).into_iter().find(|&pid| is_reaper(pid));
+    fn reaper(&self, sandbox: &Sandbox<'_>) -> Result<i32, RuntimeError> {
+        let find = || self.cgroups.pids(sandbox.id).into_iter().find(|&pid| is_reaper(pid));
         if let Some(pid) = find() {
             return Ok(pid);
         }
-        let join = self.cgroups.join_paths(&record.id);
+        let join = self.cgroups.join_paths(sandbox.id);
         let mut cmd = Command::new("/bin/sh");
         cmd.args(["-c", REAPER_SCRIPT])
             .env_clear()
@@ -192,15 +192,15 @@ impl ProcessRuntime {
             });
         }
         // The process std spawns forks the reaper into the new namespace and exits at once.
-        let status = cmd.status().map_err(|e| control(record, "pid namespace", e))?;
+        let status = cmd.status().map_err(|e| control(sandbox, "pid namespace", e))?;
         if !status.success() {
             return Err(control(
-                record,
+                sandbox,
                 "pid namespace",
                 format!("reaper start failed: {status}"),
             ));
         }
-        find().ok_or_else(|| control(record, "pid namespace", "the reaper did not start"))
+        find().ok_or_else(|| control(sandbox, "pid namespace", "the reaper did not start"))
     }
 
     fn reap_one(&self, sandbox: &str) {
@@ -226,8 +226,8 @@ impl Runtime for ProcessRuntime {
         self.cgroups.cpu_time_ns()
     }
 
-    fn cpu_time_ns_of(&self, record: &SandboxRecord) -> Option<u64> {
-        self.cgroups.cpu_usage_ns(&record.id)
+    fn cpu_time_ns_of(&self, sandbox: &Sandbox<'_>) -> Option<u64> {
+        self.cgroups.cpu_usage_ns(sandbox.id)
     }
 
     fn features(&self) -> Features {
@@ -239,15 +239,15 @@ impl Runtime for ProcessRuntime {
         }
     }
 
-    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError> {
+    fn start(&self, sandbox: &Sandbox<'_>, home: &Path) -> Result<u32, RuntimeError> {
         let fail = |reason: String| RuntimeError::Start {
-            sandbox: record.id.clone(),
+            sandbox: sandbox.id.to_string(),
             reason,
         };
         self.cgroups
-            .create(&record.id, record.resources.memory_bytes)
+            .create(sandbox.id, sandbox.memory_bytes)
             .map_err(|e| fail(format!("cgroup: {e}")))?;
-        let Some(command) = record.start_command.as_deref().filter(|c| !c.trim().is_empty()) else {
+        let Some(command) = sandbox.start_command.filter(|c| !c.trim().is_empty()) else {
             return Ok(0);
         };
         let log = std::fs::OpenOptions::new()
@@ -262,84 +262,84 @@ impl Runtime for ProcessRuntime {
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             .env("E2B_SANDBOX", "true")
-            .env("E2B_SANDBOX_ID", &record.id)
-            .envs(&record.env)
+            .env("E2B_SANDBOX_ID", sandbox.id)
+            .envs(sandbox.env)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err));
-        self.enclose(record, home, home, &mut cmd)?;
+        self.enclose(sandbox, home, home, &mut cmd)?;
         let child = cmd.spawn().map_err(|e| fail(format!("spawn: {e}")))?;
         let pgid = child.id();
         if let Ok(mut children) = self.children.lock() {
-            children.insert(record.id.clone(), child);
+            children.insert(sandbox.id.to_string(), child);
         }
         Ok(pgid)
     }
 
-    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        match self.cgroups.freeze(&record.id, true) {
+    fn pause(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        match self.cgroups.freeze(sandbox.id, true) {
             Ok(true) => Ok(()),
             Ok(false) => {
-                signal_group(record.pgid, libc::SIGSTOP);
+                signal_group(sandbox.pgid, libc::SIGSTOP);
                 Ok(())
             }
-            Err(e) => Err(control(record, "pause", e)),
+            Err(e) => Err(control(sandbox, "pause", e)),
         }
     }
 
-    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        match self.cgroups.freeze(&record.id, false) {
+    fn resume(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        match self.cgroups.freeze(sandbox.id, false) {
             Ok(true) => Ok(()),
             Ok(false) => {
-                signal_group(record.pgid, libc::SIGCONT);
+                signal_group(sandbox.pgid, libc::SIGCONT);
                 Ok(())
             }
-            Err(e) => Err(control(record, "resume", e)),
+            Err(e) => Err(control(sandbox, "resume", e)),
         }
     }
 
-    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn kill(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            signal_group(record.pgid, libc::SIGKILL);
-            for pid in self.cgroups.pids(&record.id) {
+            signal_group(sandbox.pgid, libc::SIGKILL);
+            for pid in self.cgroups.pids(sandbox.id) {
                 signal_pid(pid, libc::SIGKILL);
             }
             // A frozen process keeps its SIGKILL pending until thawed.
-            let _ = self.cgroups.freeze(&record.id, false);
-            signal_group(record.pgid, libc::SIGCONT);
-            self.reap_one(&record.id);
-            if self.processes(record, true).is_empty() {
+            let _ = self.cgroups.freeze(sandbox.id, false);
+            signal_group(sandbox.pgid, libc::SIGCONT);
+            self.reap_one(sandbox.id);
+            if self.processes(sandbox, true).is_empty() {
                 break;
             }
             if Instant::now() > deadline {
-                return Err(control(record, "kill", "processes survived SIGKILL for 10 s"));
+                return Err(control(sandbox, "kill", "processes survived SIGKILL for 10 s"));
             }
             // Processes that were not our children are reaped by init; give it a moment.
             std::thread::sleep(Duration::from_millis(1));
         }
-        self.cgroups.remove(&record.id);
+        self.cgroups.remove(sandbox.id);
         Ok(())
     }
 
-    fn memory_used(&self, record: &SandboxRecord) -> u64 {
-        if let Some(bytes) = self.cgroups.memory_usage(&record.id) {
+    fn memory_used(&self, sandbox: &Sandbox<'_>) -> u64 {
+        if let Some(bytes) = self.cgroups.memory_usage(sandbox.id) {
             return bytes;
         }
-        if record.pgid == 0 {
+        if sandbox.pgid == 0 {
             return 0;
         }
-        group_members(record.pgid).into_iter().map(rss_bytes).sum()
+        group_members(sandbox.pgid).into_iter().map(rss_bytes).sum()
     }
 
-    fn alive(&self, record: &SandboxRecord) -> bool {
-        !self.processes(record, false).is_empty()
+    fn alive(&self, sandbox: &Sandbox<'_>) -> bool {
+        !self.processes(sandbox, false).is_empty()
     }
 
-    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn adopt(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
         self.cgroups
-            .create(&record.id, record.resources.memory_bytes)
-            .map_err(|e| control(record, "adopt", e))
+            .create(sandbox.id, sandbox.memory_bytes)
+            .map_err(|e| control(sandbox, "adopt", e))
     }
 
     fn reap(&self) {
@@ -349,19 +349,19 @@ impl Runtime for ProcessRuntime {
     }
 
     /// Unisolated sandboxes share the host's network: their port is the host's.
-    fn connect_port(&self, _record: &SandboxRecord, port: u16) -> std::io::Result<std::net::TcpStream> {
+    fn connect_port(&self, _record: &Sandbox<'_>, port: u16) -> std::io::Result<std::net::TcpStream> {
         let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
         std::net::TcpStream::connect_timeout(&addr, super::CONNECT_TIMEOUT)
     }
 
-    fn enclose(&self, record: &SandboxRecord, home: &Path, cwd: &Path, cmd: &mut Command) -> Result<(), RuntimeError> {
+    fn enclose(&self, sandbox: &Sandbox<'_>, home: &Path, cwd: &Path, cmd: &mut Command) -> Result<(), RuntimeError> {
         self.cgroups
-            .create(&record.id, record.resources.memory_bytes)
-            .map_err(|e| control(record, "enclose", e))?;
-        let join = self.cgroups.join_paths(&record.id);
+            .create(sandbox.id, sandbox.memory_bytes)
+            .map_err(|e| control(sandbox, "enclose", e))?;
+        let join = self.cgroups.join_paths(sandbox.id);
         let pid_ns = if self.pid_namespace {
-            let reaper = self.reaper(record)?;
-            Some(CString::new(format!("/proc/{reaper}/ns/pid")).map_err(|e| control(record, "enclose", e))?)
+            let reaper = self.reaper(sandbox)?;
+            Some(CString::new(format!("/proc/{reaper}/ns/pid")).map_err(|e| control(sandbox, "enclose", e))?)
         } else {
             None
         };
@@ -373,7 +373,7 @@ impl Runtime for ProcessRuntime {
             };
             cmd.env("HOME", SANDBOX_HOME).env("PWD", &inside);
             let c =
-                |p: &Path| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|e| control(record, "enclose", e));
+                |p: &Path| CString::new(p.as_os_str().as_encoded_bytes()).map_err(|e| control(sandbox, "enclose", e));
             Some((c(home)?, c(Path::new(SANDBOX_HOME))?, c(&inside)?))
         } else {
             cmd.env("HOME", home).current_dir(cwd);

@@ -37,8 +37,8 @@ use std::path::{Path, PathBuf};
 
 use super::cgroup::Cgroups;
 use super::{Features, Runtime, RuntimeError};
-use crate::sandbox::SandboxRecord;
-use crate::state_dir::StateDir;
+use crate::layout;
+use crate::Sandbox;
 
 /// Where a sandbox's parts live, beside its writable layer (`home`).
 struct Parts {
@@ -109,7 +109,7 @@ pub struct ContainerConfig {
     /// Sandboxes' links out and the host's floor.
     pub network: network::NetworkConfig,
     /// Processes all this node's sandboxes may have together (each has its share of them by
-    /// its memory: [`spec::pids_limit`]); `None`: [`crate::runtime::cgroup::default_pids_max`].
+    /// its memory: [`spec::pids_limit`]); `None`: [`crate::cgroup::default_pids_max`].
     pub pids_max: Option<u64>,
     /// The node's memory for sandboxes, against which each one's share is measured.
     pub memory_bytes: u64,
@@ -172,27 +172,30 @@ pub fn companion_binary(name: &str) -> Option<PathBuf> {
 
 /// How to call the runtime: `oci_runtime` when given, else the stand-alone jail when it is
 /// there, else the multicall binary's `jail`.
-fn runtime_cli(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathBuf) -> Option<oci::Cli> {
+fn engine(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathBuf) -> Option<Box<dyn oci::Engine>> {
     if let Some(program) = oci_runtime {
-        return Some(oci::Cli::new(program.to_path_buf(), Vec::new(), root));
+        let launcher = oci::Launcher::new(program.to_path_buf(), Vec::new(), root);
+        return Some(Box::new(oci::CommandLine::new(launcher)));
     }
-    if let Some(jail) = companion_binary(JAIL_COMPANION) {
-        return Some(oci::Cli::own(jail, Vec::new(), root));
-    }
-    carrier.map(|carrier| oci::Cli::own(carrier, vec!["jail".into()], root))
+    let launcher = match companion_binary(JAIL_COMPANION) {
+        Some(jail) => oci::Launcher::new(jail, Vec::new(), root),
+        None => oci::Launcher::new(carrier?, vec!["jail".into()], root),
+    };
+    Some(Box::new(oci::Jail::new(launcher)))
 }
 
 pub struct ContainerRuntime {
     node_id: String,
-    dirs: StateDir,
+    /// Every sandbox's folder ([`layout::sandboxes_dir`]).
+    sandboxes: PathBuf,
     /// What lives only as long as the containers ([`run_dir`]).
     run: PathBuf,
-    cli: oci::Cli,
+    engine: Box<dyn oci::Engine>,
     base: PathBuf,
     /// The layer above an image's own (templates not built on the host's userland): the mount
     /// points the spec needs, so nothing is created in a sandbox's writable layer for them.
     shim: PathBuf,
-    /// Where template layers are cached (`crate::layer_cache`).
+    /// Where template layers are kept ([`layout::layers_dir`]; the node's cache fills it).
     layers: PathBuf,
     host_dirs: Vec<PathBuf>,
     envd_binary: PathBuf,
@@ -210,16 +213,16 @@ pub struct ContainerRuntime {
     degraded: Vec<String>,
 }
 
-fn start_error(record: &SandboxRecord, reason: impl ToString) -> RuntimeError {
+fn start_error(sandbox: &Sandbox<'_>, reason: impl ToString) -> RuntimeError {
     RuntimeError::Start {
-        sandbox: record.id.clone(),
+        sandbox: sandbox.id.to_string(),
         reason: reason.to_string(),
     }
 }
 
-fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) -> RuntimeError {
+fn control(sandbox: &Sandbox<'_>, action: &'static str, reason: impl ToString) -> RuntimeError {
     RuntimeError::Control {
-        sandbox: record.id.clone(),
+        sandbox: sandbox.id.to_string(),
         action,
         reason: reason.to_string(),
     }
@@ -231,20 +234,20 @@ fn control(record: &SandboxRecord, action: &'static str, reason: impl ToString) 
 pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
     let run = run_dir(state_dir);
     let root = run.join("runtime");
-    let Some(cli) = runtime_cli(oci_runtime, multicall_binary(), root.clone()) else {
+    let Some(engine) = engine(oci_runtime, multicall_binary(), root.clone()) else {
         return;
     };
-    let dirs = StateDir::new(state_dir);
+    let sandboxes = layout::sandboxes_dir(state_dir);
     for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
         let id = entry.file_name().to_string_lossy().into_owned();
-        if let Err(err) = cli.delete(&id) {
+        if let Err(err) = engine.delete(&id) {
             tracing::warn!(sandbox_id = %id, %err, "left-over container not deleted");
         }
-        let _ = dismantle(&parts(&run, &dirs.home(&id)));
+        let _ = dismantle(&parts(&run, &layout::home_in(&sandboxes.join(&id))));
     }
     let _ = std::fs::remove_dir_all(&run);
     // Then every sandbox's disk, so the folder can be deleted.
-    for entry in std::fs::read_dir(dirs.root()).into_iter().flatten().flatten() {
+    for entry in std::fs::read_dir(&sandboxes).into_iter().flatten().flatten() {
         let _ = crate::disk::detach(&entry.path());
     }
 }
@@ -379,7 +382,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 impl ContainerRuntime {
     pub fn new(node_id: &str, config: ContainerConfig) -> Self {
-        let pids_max = config.pids_max.unwrap_or_else(crate::runtime::cgroup::default_pids_max);
+        let pids_max = config.pids_max.unwrap_or_else(crate::cgroup::default_pids_max);
         let (cgroups, mut degraded) = Cgroups::probe(node_id, pids_max);
         let mut missing = probe_host();
         // A runtime's `run` exits once the container runs, orphaning its init: as a subreaper
@@ -414,13 +417,13 @@ impl ContainerRuntime {
             missing.push(format!("a run directory at {}: {e}", run.display()));
         }
         let carrier = multicall_binary();
-        let cli =
-            runtime_cli(config.oci_runtime.as_deref(), carrier.clone(), run.join("runtime")).unwrap_or_else(|| {
-                missing.push(format!(
-                    "an OCI runtime: no {JAIL_COMPANION}, node-svc or sandboxsched binary beside this one"
-                ));
-                oci::Cli::new(PathBuf::from("/nonexistent/jail"), Vec::new(), run.join("runtime"))
-            });
+        let engine = engine(config.oci_runtime.as_deref(), carrier.clone(), run.join("runtime")).unwrap_or_else(|| {
+            missing.push(format!(
+                "an OCI runtime: no {JAIL_COMPANION}, node-svc or sandboxsched binary beside this one"
+            ));
+            let nowhere = oci::Launcher::new(PathBuf::from("/nonexistent/jail"), Vec::new(), run.join("runtime"));
+            Box::new(oci::CommandLine::new(nowhere))
+        });
         // Absolute: the runtime reads the spec's paths from each sandbox's bundle directory.
         let envd_binary = match config.envd_binary.clone().map(|e| std::path::absolute(&e).unwrap_or(e)) {
             Some(envd) if envd.is_file() => envd,
@@ -449,15 +452,15 @@ impl ContainerRuntime {
         for line in &degraded {
             tracing::warn!(node_id, "container runtime: {line}");
         }
-        tracing::info!(node_id, runtime = %cli.describe(), envd = %envd_binary.display(), "sandboxes are OCI containers");
+        tracing::info!(node_id, runtime = %engine.describe(), envd = %envd_binary.display(), "sandboxes are OCI containers");
         Self {
             node_id: node_id.to_string(),
-            dirs: StateDir::new(&config.state_dir),
+            sandboxes: layout::sandboxes_dir(&config.state_dir),
             run,
-            cli,
+            engine,
             base,
             shim,
-            layers: crate::layer_cache::root(&config.state_dir),
+            layers: layout::layers_dir(&config.state_dir),
             host_dirs,
             envd_binary,
             cgroups,
@@ -470,21 +473,21 @@ impl ContainerRuntime {
         }
     }
 
-    fn cgroups_path(&self, record: &SandboxRecord) -> String {
-        format!("/{}/{}", super::cgroup::parent_name(&self.node_id), record.id)
+    fn cgroups_path(&self, sandbox: &Sandbox<'_>) -> String {
+        format!("/{}/{}", super::cgroup::parent_name(&self.node_id), sandbox.id)
     }
 
     /// The read-only layers of the sandbox's root, topmost first: its template's layers on
     /// the base (the host's userland), or on nothing but the shim (an image's own root).
-    fn lower_dirs(&self, record: &SandboxRecord) -> Result<Vec<PathBuf>, String> {
-        let image = record.image.as_ref();
+    fn lower_dirs(&self, sandbox: &Sandbox<'_>) -> Result<Vec<PathBuf>, String> {
+        let image = sandbox.image;
         let mut lower = Vec::new();
         let own_root = image.is_some_and(|i| !i.host_userland);
         if own_root {
             lower.push(self.shim.clone());
         }
         for layer in image.map_or(&[][..], |i| &i.layers[..]).iter().rev() {
-            let dir = crate::layer_cache::layer_path(&self.layers, &layer.digest).map_err(|e| e.to_string())?;
+            let dir = layout::layer_dir(&self.layers, &layer.digest).map_err(|e| e.to_string())?;
             if !dir.is_dir() {
                 return Err(format!("layer {} is not on this node", layer.digest));
             }
@@ -496,18 +499,18 @@ impl ContainerRuntime {
         Ok(lower)
     }
 
-    fn write_spec(&self, record: &SandboxRecord, parts: &Parts, host_ids: u32) -> Result<(), String> {
-        let host_userland = record.image.as_ref().is_none_or(|i| i.host_userland);
+    fn write_spec(&self, sandbox: &Sandbox<'_>, parts: &Parts, host_ids: u32) -> Result<(), String> {
+        let host_userland = sandbox.image.is_none_or(|i| i.host_userland);
         let inputs = spec::Inputs {
             rootfs: &parts.rootfs,
             envd_binary: &self.envd_binary,
-            cgroups_path: self.cgroups_path(record),
+            cgroups_path: self.cgroups_path(sandbox),
             host_dirs: if host_userland { &self.host_dirs } else { &[] },
             host_userland,
             host_ids,
-            pids_limit: spec::pids_limit(self.pids_max, self.memory_bytes, record.resources.memory_bytes),
+            pids_limit: spec::pids_limit(self.pids_max, self.memory_bytes, sandbox.memory_bytes),
         };
-        let spec = spec::spec(record, &inputs)?;
+        let spec = spec::spec(sandbox, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
         // The spec holds the user's environment variables: the node's alone to read.
         write_private(&parts.bundle.join("config.json"), &json).map_err(|e| format!("writing config.json: {e}"))
@@ -548,31 +551,31 @@ impl Runtime for ContainerRuntime {
         }
     }
 
-    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError> {
+    fn start(&self, sandbox: &Sandbox<'_>, home: &Path) -> Result<u32, RuntimeError> {
         if !self.missing.is_empty() {
             return Err(start_error(
-                record,
+                sandbox,
                 format!(
                     "this host cannot isolate sandboxes: it lacks {}",
                     self.missing.join(", ")
                 ),
             ));
         }
-        if record.image.as_ref().is_some_and(|i| !i.host_userland) {
+        if sandbox.image.is_some_and(|i| !i.host_userland) {
             if let Some(why) = self.images_refused() {
-                return Err(start_error(record, format!("its template is an image, and {why}")));
+                return Err(start_error(sandbox, format!("its template is an image, and {why}")));
             }
         }
         let parts = parts(&self.run, home);
         // A container of this ID left from before (a restore over a dead copy) goes first; the
         // runtime keeps a folder per container under its root, so a new ID costs no call.
-        if self.cli.knows(&record.id) {
-            self.cli.delete(&record.id).map_err(|e| start_error(record, e))?;
+        if self.engine.knows(sandbox.id) {
+            self.engine.delete(sandbox.id).map_err(|e| start_error(sandbox, e))?;
         }
-        let ids = self.ids.claim(&record.id).map_err(|e| start_error(record, e))?;
+        let ids = self.ids.claim(sandbox.id).map_err(|e| start_error(sandbox, e))?;
         let started = (|| -> Result<u32, String> {
             rootfs::prepare_upper(home, &parts.work).map_err(|e| format!("writable layer: {e}"))?;
-            let lower = self.lower_dirs(record)?;
+            let lower = self.lower_dirs(sandbox)?;
             std::fs::create_dir_all(&parts.bundle).map_err(|e| format!("bundle: {e}"))?;
             close_bundle(&parts.bundle, ids.host_base).map_err(|e| format!("bundle: {e}"))?;
             rootfs::mount_overlay(
@@ -583,46 +586,55 @@ impl Runtime for ContainerRuntime {
                 ids.userns.as_ref().map(|fd| fd.as_fd()),
             )
             .map_err(|e| e.to_string())?;
-            self.write_spec(record, &parts, ids.host_base)?;
+            self.write_spec(sandbox, &parts, ids.host_base)?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
             // envd starts the start command when this pipe closes: after the network is up.
             let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
-            self.cli.run(
-                &record.id,
-                &parts.bundle,
-                &parts.pid_file,
-                &parts.log,
-                &[listener.as_fd(), boot_read.as_fd()],
-            )?;
+            self.engine
+                .run(
+                    sandbox.id,
+                    &parts.bundle,
+                    &parts.pid_file,
+                    &parts.log,
+                    &[listener.as_fd(), boot_read.as_fd()],
+                )
+                .map_err(|e| e.to_string())?;
             drop(boot_read);
             let pid = std::fs::read_to_string(&parts.pid_file).map_err(|e| format!("reading the pid file: {e}"))?;
             let pid = pid
                 .trim()
                 .parse::<u32>()
                 .map_err(|e| format!("pid file {pid:?}: {e}"))?;
-            let linked = self.network.attach(&record.id, pid, record.network.as_ref());
+            let linked = self.network.attach(sandbox.id, pid, sandbox.network);
             drop(boot_write);
             if let Err(e) = linked {
                 reap_when_dead(pid);
-                let _ = self.cli.delete(&record.id);
+                let _ = self.engine.delete(sandbox.id);
                 return Err(e.to_string());
             }
             Ok(pid)
         })();
         started.map_err(|e| {
             let _ = dismantle(&parts);
-            self.ids.release(&record.id);
-            start_error(record, e)
+            self.ids.release(sandbox.id);
+            start_error(sandbox, e)
         })
     }
 
-    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        self.cli.pause(&record.id).map_err(|e| control(record, "pause", e))
+    fn pause(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        self.engine.pause(sandbox.id).map_err(|e| control(sandbox, "pause", e))
     }
 
-    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        match self.cli.state(&record.id).map_err(|e| control(record, "resume", e))? {
-            Some(oci::Status::Paused) => self.cli.resume(&record.id).map_err(|e| control(record, "resume", e)),
+    fn resume(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        match self
+            .engine
+            .state(sandbox.id)
+            .map_err(|e| control(sandbox, "resume", e))?
+        {
+            Some(oci::Status::Paused) => self
+                .engine
+                .resume(sandbox.id)
+                .map_err(|e| control(sandbox, "resume", e)),
             Some(oci::Status::Running) => Ok(()),
             // Restored from a snapshot (or its container died): nothing to thaw; the host
             // starts it afresh.
@@ -630,26 +642,29 @@ impl Runtime for ContainerRuntime {
         }
     }
 
-    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        reap_when_dead(record.pgid);
-        self.cli.delete(&record.id).map_err(|e| control(record, "kill", e))?;
+    fn kill(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        reap_when_dead(sandbox.pgid);
+        self.engine
+            .delete(sandbox.id)
+            .map_err(|e| control(sandbox, "kill", e))?;
         // Then its link, by the host end's index (which the kernel does not hand out again
         // soon): its address is free for the next sandbox when this returns, not when the
         // kernel frees the namespace. Not before the delete: a kill that fails leaves the
         // sandbox running, and running with its network.
-        self.network.detach(&record.id);
+        self.network.detach(sandbox.id);
         // Every process of the sandbox is gone with its container: its ids may be reused.
-        self.ids.release(&record.id);
-        dismantle(&parts(&self.run, &self.dirs.home(&record.id))).map_err(|e| control(record, "kill", e))
+        self.ids.release(sandbox.id);
+        dismantle(&parts(&self.run, &layout::home_in(&self.sandboxes.join(sandbox.id))))
+            .map_err(|e| control(sandbox, "kill", e))
     }
 
-    fn memory_used(&self, record: &SandboxRecord) -> u64 {
-        self.cgroups.memory_usage(&record.id).unwrap_or(0)
+    fn memory_used(&self, sandbox: &Sandbox<'_>) -> u64 {
+        self.cgroups.memory_usage(sandbox.id).unwrap_or(0)
     }
 
-    fn alive(&self, record: &SandboxRecord) -> bool {
+    fn alive(&self, sandbox: &Sandbox<'_>) -> bool {
         matches!(
-            self.cli.state(&record.id),
+            self.engine.state(sandbox.id),
             Ok(Some(oci::Status::Running | oci::Status::Paused))
         )
     }
@@ -658,17 +673,17 @@ impl Runtime for ContainerRuntime {
     /// state` per sandbox every few seconds adds up). Gone or a zombie (the node, as the
     /// subreaper, inherits inits and reaps one only when it kills it): the runtime confirms,
     /// since a PID proves nothing either way once it may have been reused.
-    fn died(&self, record: &SandboxRecord) -> bool {
-        !init_runs(record.pgid) && !self.alive(record)
+    fn died(&self, sandbox: &Sandbox<'_>) -> bool {
+        !init_runs(sandbox.pgid) && !self.alive(sandbox)
     }
 
-    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError> {
-        self.ids.adopt(&record.id, record.pgid);
+    fn adopt(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
+        self.ids.adopt(sandbox.id, sandbox.pgid);
         // Its link, so its kill takes it down. Only while its container runs: a PID number
         // reused by some other process must not hand that process's link to this kill. (A
         // restored sandbox has no process yet: its start links it.)
-        if record.pgid > 1 && self.alive(record) {
-            self.network.adopt(&record.id, record.pgid);
+        if sandbox.pgid > 1 && self.alive(sandbox) {
+            self.network.adopt(sandbox.id, sandbox.pgid);
         }
         Ok(())
     }
@@ -678,14 +693,14 @@ impl Runtime for ContainerRuntime {
     }
 
     fn discard(&self, id: &str, home: &Path) {
-        if self.cli.knows(id) {
-            if let Err(err) = self.cli.delete(id) {
-                tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a record was not deleted");
+        if self.engine.knows(id) {
+            if let Err(err) = self.engine.delete(id) {
+                tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a sandbox was not deleted");
             }
         }
         self.network.detach(id);
         if let Err(err) = dismantle(&parts(&self.run, home)) {
-            tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a record was not unmounted");
+            tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a sandbox was not unmounted");
         }
         self.ids.release(id);
         self.cgroups.remove(id);
@@ -693,12 +708,12 @@ impl Runtime for ContainerRuntime {
 
     fn discard_unknown(&self, keep: &std::collections::HashSet<String>) -> Vec<String> {
         let mut gone = Vec::new();
-        for entry in std::fs::read_dir(self.cli.root()).into_iter().flatten().flatten() {
+        for entry in std::fs::read_dir(self.engine.root()).into_iter().flatten().flatten() {
             let id = entry.file_name().to_string_lossy().into_owned();
             if keep.contains(&id) {
                 continue;
             }
-            match self.cli.delete(&id) {
+            match self.engine.delete(&id) {
                 Ok(()) => {
                     self.network.detach(&id);
                     self.cgroups.remove(&id);
@@ -710,19 +725,19 @@ impl Runtime for ContainerRuntime {
         gone
     }
 
-    fn cpu_time_ns_of(&self, record: &SandboxRecord) -> Option<u64> {
-        self.cgroups.cpu_usage_ns(&record.id)
+    fn cpu_time_ns_of(&self, sandbox: &Sandbox<'_>) -> Option<u64> {
+        self.cgroups.cpu_usage_ns(sandbox.id)
     }
 
     fn enclose(
         &self,
-        record: &SandboxRecord,
+        sandbox: &Sandbox<'_>,
         _home: &Path,
         _cwd: &Path,
         _command: &mut std::process::Command,
     ) -> Result<(), RuntimeError> {
         Err(control(
-            record,
+            sandbox,
             "run a command in",
             "commands run through envd inside the container",
         ))
@@ -758,19 +773,19 @@ impl Runtime for ContainerRuntime {
 
     fn update_network(
         &self,
-        record: &SandboxRecord,
-        policy: &common::egress::NetworkPolicy,
+        sandbox: &Sandbox<'_>,
+        policy: &contracts::egress::NetworkPolicy,
     ) -> Result<(), RuntimeError> {
         self.network
-            .update(&record.id, record.pgid, policy)
+            .update(sandbox.id, sandbox.pgid, policy)
             .map(drop)
-            .map_err(|e| control(record, "change the network of", e))
+            .map_err(|e| control(sandbox, "change the network of", e))
     }
 
     /// Inside the sandbox's own network namespace: its `127.0.0.1:port`, so a server bound
     /// to loopback only is reachable too, and no route into the sandbox is needed.
-    fn connect_port(&self, record: &SandboxRecord, port: u16) -> io::Result<std::net::TcpStream> {
-        super::connect_in_namespace_of(record.pgid, port)
+    fn connect_port(&self, sandbox: &Sandbox<'_>, port: u16) -> io::Result<std::net::TcpStream> {
+        super::connect_in_namespace_of(sandbox.pgid, port)
     }
 
     /// Into `/home/user` of the sandbox's own layer, owned by its user (and `/home` as the

@@ -236,7 +236,7 @@ pub fn seed_user_files(upper: &Path, files: &Path) -> io::Result<()> {
         chown(&dir, Some(owner), Some(owner))?;
     }
     let home = upper.join("home/user");
-    crate::template::copy_tree(files, &home)?;
+    crate::layout::copy_tree(files, &home)?;
     own_tree(&home, user_id)
 }
 

@@ -9,15 +9,44 @@
 //!
 //! Every method may block (spawning, waiting for processes to go): call them from
 //! `spawn_blocking`.
+//!
+//! The node tells a runtime of a sandbox through [`Sandbox`], the parts of its record that
+//! decide how it runs; where the runtime keeps sandboxes on disk is [`layout`], and each
+//! sandbox's [`disk`] (a filesystem of its own, so the kernel holds it to its size) is the
+//! runtime's too. Nothing here knows of placement, fencing or the ledger: that is the node's.
 
 pub mod cgroup;
 pub mod container;
+pub mod disk;
+pub mod layout;
 pub mod process;
 pub mod sim;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::sandbox::SandboxRecord;
+use contracts::egress::NetworkPolicy;
+use contracts::template::Image;
+
+/// What a runtime is told of a sandbox: the node's record of it, seen only in the parts that
+/// decide how it runs (borrowed: the runtime is asked of every sandbox every few seconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Sandbox<'a> {
+    pub id: &'a str,
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+    /// Its env vars, which envd gives every process it starts.
+    pub env: &'a BTreeMap<String, String>,
+    /// The long-running command it starts with, if any (run by `sh -c`).
+    pub start_command: Option<&'a str>,
+    /// Where its traffic may go; `None`: loopback only.
+    pub network: Option<&'a NetworkPolicy>,
+    /// What its root filesystem is made of; `None`: the built-in base.
+    pub image: Option<&'a Image>,
+    /// Process group of its start command (the container's init, for containers); 0 when
+    /// none runs.
+    pub pgid: u32,
+}
 
 /// Why a runtime operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,20 +76,20 @@ pub trait Runtime: Send + Sync + 'static {
     fn features(&self) -> Features;
     /// Starts the sandbox's start command (if any) with `home` as its working directory;
     /// returns its process group (0 when nothing runs).
-    fn start(&self, record: &SandboxRecord, home: &Path) -> Result<u32, RuntimeError>;
+    fn start(&self, sandbox: &Sandbox<'_>, home: &Path) -> Result<u32, RuntimeError>;
     /// Stops every process of the sandbox where it stands.
-    fn pause(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    fn pause(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError>;
     /// Continues every process of the sandbox.
-    fn resume(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    fn resume(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError>;
     /// Kills every process of the sandbox and returns once none is left.
-    fn kill(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    fn kill(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError>;
     /// Memory the sandbox uses now, in bytes.
-    fn memory_used(&self, record: &SandboxRecord) -> u64;
+    fn memory_used(&self, sandbox: &Sandbox<'_>) -> u64;
     /// Whether the sandbox still has a live process (used to re-adopt after a restart).
-    fn alive(&self, record: &SandboxRecord) -> bool;
+    fn alive(&self, sandbox: &Sandbox<'_>) -> bool;
     /// Takes charge of a sandbox found in the state directory at start-up (recreating its
     /// cgroups where they are gone), without starting anything.
-    fn adopt(&self, record: &SandboxRecord) -> Result<(), RuntimeError>;
+    fn adopt(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError>;
     /// Reaps processes that ended by themselves (no zombies).
     fn reap(&self) {}
 
@@ -82,7 +111,7 @@ pub trait Runtime: Send + Sync + 'static {
         None
     }
     /// CPU time (ns) one sandbox has used so far, where the runtime measures it.
-    fn cpu_time_ns_of(&self, _record: &SandboxRecord) -> Option<u64> {
+    fn cpu_time_ns_of(&self, _record: &Sandbox<'_>) -> Option<u64> {
         None
     }
     /// Makes `command` run inside the sandbox: its cgroups, and (where the runtime has a mount
@@ -90,7 +119,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// working directory and `HOME`. The simulated runtime runs no processes and refuses.
     fn enclose(
         &self,
-        record: &SandboxRecord,
+        sandbox: &Sandbox<'_>,
         home: &Path,
         cwd: &Path,
         command: &mut std::process::Command,
@@ -109,13 +138,13 @@ pub trait Runtime: Send + Sync + 'static {
     /// Copies a template's `files/` into a new sandbox whose writable folder is `home`, where
     /// its user finds them (before [`Runtime::start`]).
     fn seed(&self, home: &Path, files: &Path) -> std::io::Result<()> {
-        crate::template::copy_tree(files, home)
+        layout::copy_tree(files, home)
     }
 
     /// Whether a running sandbox's processes are all gone (checked every few seconds for
     /// every sandbox: runtimes make it cheap where they can).
-    fn died(&self, record: &SandboxRecord) -> bool {
-        !self.alive(record)
+    fn died(&self, sandbox: &Sandbox<'_>) -> bool {
+        !self.alive(sandbox)
     }
 
     /// Whether every sandbox has envd running inside it (so always a process to start).
@@ -137,14 +166,10 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Replaces the network policy of a sandbox that runs (or is paused): its own rules, and a
     /// link out if it now needs one it did not have.
-    fn update_network(
-        &self,
-        record: &SandboxRecord,
-        policy: &common::egress::NetworkPolicy,
-    ) -> Result<(), RuntimeError> {
+    fn update_network(&self, sandbox: &Sandbox<'_>, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
         let _ = policy;
         Err(RuntimeError::Control {
-            sandbox: record.id.clone(),
+            sandbox: sandbox.id.to_string(),
             action: "change the network of",
             reason: format!("the {} runtime has no network of its own per sandbox", self.kind()),
         })
@@ -153,8 +178,8 @@ pub trait Runtime: Send + Sync + 'static {
     /// Opens a TCP connection to `port` of the sandbox, as a process inside it would reach
     /// its own `127.0.0.1:port`: the way in for the gateway's port routing. Refused where
     /// nothing listens.
-    fn connect_port(&self, record: &SandboxRecord, port: u16) -> std::io::Result<std::net::TcpStream> {
-        let _ = (record, port);
+    fn connect_port(&self, sandbox: &Sandbox<'_>, port: u16) -> std::io::Result<std::net::TcpStream> {
+        let _ = (sandbox, port);
         Err(std::io::Error::new(
             std::io::ErrorKind::Unsupported,
             format!("the {} runtime runs no processes to connect to", self.kind()),

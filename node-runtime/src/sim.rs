@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::{Features, Runtime, RuntimeError};
-use crate::sandbox::SandboxRecord;
+use crate::Sandbox;
 
 pub struct SimRuntime {
     /// Share of allocated memory each sandbox reports as used (0.0 to 1.0).
@@ -24,43 +24,43 @@ impl Runtime for SimRuntime {
         }
     }
 
-    fn start(&self, _: &SandboxRecord, _: &Path) -> Result<u32, RuntimeError> {
+    fn start(&self, _: &Sandbox<'_>, _: &Path) -> Result<u32, RuntimeError> {
         Ok(0)
     }
 
-    fn pause(&self, _: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn pause(&self, _: &Sandbox<'_>) -> Result<(), RuntimeError> {
         Ok(())
     }
 
-    fn resume(&self, _: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn resume(&self, _: &Sandbox<'_>) -> Result<(), RuntimeError> {
         Ok(())
     }
 
-    fn kill(&self, _: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn kill(&self, _: &Sandbox<'_>) -> Result<(), RuntimeError> {
         Ok(())
     }
 
-    fn memory_used(&self, record: &SandboxRecord) -> u64 {
-        (record.resources.memory_bytes as f64 * self.used_share.clamp(0.0, 1.0)) as u64
+    fn memory_used(&self, sandbox: &Sandbox<'_>) -> u64 {
+        (sandbox.memory_bytes as f64 * self.used_share.clamp(0.0, 1.0)) as u64
     }
 
-    fn alive(&self, _: &SandboxRecord) -> bool {
+    fn alive(&self, _: &Sandbox<'_>) -> bool {
         true
     }
 
-    fn adopt(&self, _: &SandboxRecord) -> Result<(), RuntimeError> {
+    fn adopt(&self, _: &Sandbox<'_>) -> Result<(), RuntimeError> {
         Ok(())
     }
 
     fn enclose(
         &self,
-        record: &SandboxRecord,
+        sandbox: &Sandbox<'_>,
         _: &Path,
         _: &Path,
         _: &mut std::process::Command,
     ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Start {
-            sandbox: record.id.clone(),
+            sandbox: sandbox.id.to_string(),
             reason: "the simulated runtime runs no processes".to_string(),
         })
     }

@@ -1,0 +1,170 @@
+//! Driving an OCI runtime: the verbs a sandbox needs, behind [`Engine`].
+//!
+//! Two engines speak them:
+//! - [`Jail`], the node's own runtime (the `jail` crate). Its `run` is a process of its own
+//!   (it clones the container from a small, single-threaded program); `state`, `pause`,
+//!   `resume` and `delete` are calls into the `jail` library in this process;
+//! - [`CommandLine`], any binary with runc's command line (runc, crun, runsc, Kata's
+//!   shim-less runtime): every verb a process.
+//!
+//! Both start `run --detach` the same way ([`Launcher`]): envd's listening socket and its boot
+//! pipe passed as fds 3 and 4 with `--preserve-fds 2`, the container's output to its log.
+
+mod command_line;
+mod jail;
+mod spawn;
+
+pub use command_line::CommandLine;
+pub use jail::Jail;
+
+use std::ffi::OsString;
+use std::os::fd::BorrowedFd;
+use std::path::{Path, PathBuf};
+
+/// What `state` says of a container.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Running,
+    Paused,
+    /// Created but not started, or stopped: nothing of it runs.
+    Stopped,
+}
+
+/// Why a verb failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("opening the container's log {path}: {source}")]
+    Log { path: PathBuf, source: std::io::Error },
+    #[error("running {runtime}: {source}")]
+    Spawn { runtime: String, source: std::io::Error },
+    /// The runtime ran and refused; `said` is the end of what it wrote (a sentence of another
+    /// program: shown, never matched).
+    #[error("{runtime} {verb} exited {status}: {said}")]
+    Refused {
+        runtime: String,
+        verb: &'static str,
+        status: String,
+        said: String,
+    },
+    #[error("{runtime} state {id} said {said:?}: {reason}")]
+    BadState {
+        runtime: String,
+        id: String,
+        said: String,
+        reason: String,
+    },
+    #[error(transparent)]
+    Jail(#[from] ::jail::container::ContainerError),
+}
+
+/// The verbs of an OCI runtime the node uses, on containers named by sandbox ID.
+pub trait Engine: Send + Sync {
+    /// The program and what it is called with, for logs and `NodeInfo`.
+    fn describe(&self) -> String;
+
+    /// The folder where the runtime keeps its containers' state (`--root`): runc-compatible
+    /// runtimes keep a folder per container there.
+    fn root(&self) -> &Path;
+
+    /// Whether the runtime may know container `id` (a stale folder is cleaned by `delete`), so
+    /// a new ID costs no call.
+    fn knows(&self, id: &str) -> bool {
+        self.root().join(id).exists()
+    }
+
+    /// Creates and starts container `id` from `bundle`; the container's output (and the
+    /// runtime's own errors) go to `log`; `passed` become the container's fds 3, 4, ...
+    fn run(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError>;
+
+    /// The container's status; `None` when the runtime does not know it.
+    fn state(&self, id: &str) -> Result<Option<Status>, EngineError>;
+
+    fn pause(&self, id: &str) -> Result<(), EngineError>;
+
+    fn resume(&self, id: &str) -> Result<(), EngineError>;
+
+    /// Kills everything of the container and forgets it; a container the runtime does not
+    /// know is already gone.
+    fn delete(&self, id: &str) -> Result<(), EngineError>;
+}
+
+/// How a runtime binary is invoked: `PROGRAM PREFIX... --root ROOT VERB ...`.
+#[derive(Clone, Debug)]
+pub struct Launcher {
+    program: PathBuf,
+    /// Arguments before runc's own (`jail` when the program is the node's multicall binary).
+    prefix: Vec<OsString>,
+    root: PathBuf,
+}
+
+impl Launcher {
+    pub fn new(program: PathBuf, prefix: Vec<OsString>, root: PathBuf) -> Self {
+        Self { program, prefix, root }
+    }
+
+    fn describe(&self) -> String {
+        let mut parts = vec![self.program.display().to_string()];
+        parts.extend(self.prefix.iter().map(|p| p.to_string_lossy().into_owned()));
+        parts.join(" ")
+    }
+
+    /// `run --detach`, which every engine starts as a process.
+    fn run(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|source| EngineError::Log {
+                path: log.to_path_buf(),
+                source,
+            })?;
+        let mut args: Vec<OsString> = self.prefix.clone();
+        args.extend(
+            [
+                "--root".as_ref(),
+                self.root.as_os_str(),
+                "run".as_ref(),
+                "--detach".as_ref(),
+                "--bundle".as_ref(),
+                bundle.as_os_str(),
+                "--pid-file".as_ref(),
+                pid_file.as_os_str(),
+                "--preserve-fds".as_ref(),
+                passed.len().to_string().as_ref(),
+                id.as_ref(),
+            ]
+            .map(OsString::from),
+        );
+        let status =
+            spawn::spawn_and_wait(&self.program, &args, &out, passed).map_err(|source| EngineError::Spawn {
+                runtime: self.describe(),
+                source,
+            })?;
+        if status.success() {
+            return Ok(());
+        }
+        let said = std::fs::read_to_string(log).unwrap_or_default();
+        let last: Vec<&str> = said.lines().rev().take(3).collect();
+        let said: Vec<&str> = last.into_iter().rev().collect();
+        Err(EngineError::Refused {
+            runtime: self.describe(),
+            verb: "run",
+            status: status.to_string(),
+            said: said.join(" / "),
+        })
+    }
+}
