@@ -106,8 +106,7 @@ pub async fn download(scope: &Scope<'_>, path: Option<&str>) -> Response {
 
 /// Gives `path` to `user` when envd runs as root and the user is someone else.
 pub(crate) fn own(path: &Path, user: &User) -> std::io::Result<()> {
-    // SAFETY: geteuid cannot fail and touches no memory.
-    if unsafe { libc::geteuid() } != 0 || user.uid == 0 {
+    if !rustix::process::geteuid().is_root() || user.uid == 0 {
         return Ok(());
     }
     std::os::unix::fs::lchown(path, Some(user.uid), Some(user.gid))

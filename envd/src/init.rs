@@ -14,7 +14,7 @@ pub fn become_init_if_pid1() -> io::Result<()> {
         return Ok(());
     }
     // SAFETY: called before any thread is started, so the child is a full copy of a
-    // single-threaded process.
+    // single-threaded process. (rustix has no fork: it is unsafe in any program with threads.)
     match unsafe { libc::fork() } {
         -1 => Err(io::Error::last_os_error()),
         0 => Ok(()),
@@ -25,19 +25,16 @@ pub fn become_init_if_pid1() -> io::Result<()> {
 /// Reaps every child, forever; exits as `server` did once it has ended.
 fn reap_until(server: libc::pid_t) -> ! {
     loop {
-        let mut status = 0;
-        // SAFETY: waitpid writes only to `status`.
-        let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
-        if pid == server {
-            let code = if libc::WIFEXITED(status) {
-                libc::WEXITSTATUS(status)
-            } else {
-                128 + libc::WTERMSIG(status)
-            };
-            std::process::exit(code);
-        }
-        if pid == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD) {
-            std::process::exit(1);
+        match rustix::process::wait(rustix::process::WaitOptions::empty()) {
+            Ok(Some((pid, status))) if pid.as_raw_nonzero().get() == server => {
+                let code = status
+                    .exit_status()
+                    .or_else(|| status.terminating_signal().map(|signal| 128 + signal))
+                    .unwrap_or(1);
+                std::process::exit(code);
+            }
+            Err(rustix::io::Errno::CHILD) => std::process::exit(1),
+            _ => {}
         }
     }
 }

@@ -207,8 +207,7 @@ fn boot(config: &Config) {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .process_group(0);
-    // SAFETY: geteuid cannot fail and touches no memory.
-    if unsafe { libc::geteuid() } == 0 && user.uid != 0 {
+    if rustix::process::geteuid().is_root() && user.uid != 0 {
         cmd.uid(user.uid).gid(user.gid);
     }
     match cmd.spawn() {
@@ -260,12 +259,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     // take envd's listening socket and answer the node's requests itself. The fork into init
     // and server keeps the flag; the commands envd starts are dumpable again from their exec,
     // so users still debug their own programs.
-    // SAFETY: PR_SET_DUMPABLE takes a number.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) } != 0 {
-        eprintln!(
-            "envd: cannot make itself non-dumpable: {}",
-            std::io::Error::last_os_error()
-        );
+    if let Err(err) = rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable) {
+        eprintln!("envd: cannot make itself non-dumpable: {err}");
         return ExitCode::FAILURE;
     }
     // The descriptors the node handed in (envd's listening socket, the boot pipe) arrive
@@ -279,9 +274,11 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
         config.boot_fd,
     ];
     for fd in handed_in.into_iter().flatten() {
-        // SAFETY: F_SETFD on a descriptor number changes only its flags.
-        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
-            eprintln!("envd: descriptor {fd}: {}", std::io::Error::last_os_error());
+        // SAFETY: the node handed this descriptor in, open, for envd alone; it is only
+        // borrowed for the one call that marks it.
+        let handed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        if let Err(err) = rustix::io::fcntl_setfd(handed, rustix::io::FdFlags::CLOEXEC) {
+            eprintln!("envd: descriptor {fd}: {err}");
             return ExitCode::FAILURE;
         }
     }

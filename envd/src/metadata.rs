@@ -35,7 +35,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -140,7 +140,7 @@ fn key_of(name: &[u8]) -> Option<&[u8]> {
 /// Whether `err` says the filesystem has no (user) extended attributes.
 pub fn is_unsupported(err: &io::Error) -> bool {
     // ENOTSUP and EOPNOTSUPP are one number on Linux; std maps it to no ErrorKind of its own.
-    err.raw_os_error() == Some(libc::ENOTSUP)
+    err.raw_os_error() == Some(rustix::io::Errno::NOTSUP.raw_os_error())
 }
 
 /// The metadata of the entry at `path`, not following a final symlink. Attributes removed
@@ -154,7 +154,7 @@ pub fn read(path: &Path) -> io::Result<Metadata> {
         let Some(key) = key_of(name) else { continue };
         let value = match at.get(&CString::new(name)?) {
             Ok(value) => value,
-            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => continue,
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NODATA.raw_os_error()) => continue,
             Err(e) => return Err(e),
         };
         metadata.insert(
@@ -180,7 +180,7 @@ pub fn replace(file: BorrowedFd<'_>, metadata: &Metadata) -> io::Result<()> {
         let kept = std::str::from_utf8(key).is_ok_and(|key| metadata.contains_key(key));
         if !kept {
             match at.remove(&CString::new(name)?) {
-                Err(e) if e.raw_os_error() != Some(libc::ENODATA) => return Err(e),
+                Err(e) if e.raw_os_error() != Some(rustix::io::Errno::NODATA.raw_os_error()) => return Err(e),
                 _ => {}
             }
         }
@@ -201,76 +201,65 @@ enum At<'a> {
 impl At<'_> {
     /// The raw, NUL-separated list of attribute names.
     fn list(&self) -> io::Result<Vec<u8>> {
-        sized(|buf, len| match self {
-            // SAFETY: a NUL-terminated path, and a buffer of `len` bytes (or null with 0).
-            At::Link(path) => unsafe { libc::llistxattr(path.as_ptr(), buf, len) },
-            // SAFETY: an open descriptor, and a buffer of `len` bytes (or null with 0).
-            At::Fd(fd) => unsafe { libc::flistxattr(fd.as_raw_fd(), buf, len) },
-        })
+        sized(
+            || match self {
+                At::Link(path) => rustix::fs::llistxattr_query(path.as_c_str()),
+                At::Fd(fd) => rustix::fs::flistxattr_query(fd),
+            },
+            |buf| match self {
+                At::Link(path) => rustix::fs::llistxattr(path.as_c_str(), buf),
+                At::Fd(fd) => rustix::fs::flistxattr(fd, buf),
+            },
+        )
     }
 
     fn get(&self, name: &CStr) -> io::Result<Vec<u8>> {
-        sized(|buf, len| match self {
-            // SAFETY: NUL-terminated path and name, and a buffer of `len` bytes (or null with 0).
-            At::Link(path) => unsafe { libc::lgetxattr(path.as_ptr(), name.as_ptr(), buf.cast(), len) },
-            // SAFETY: an open descriptor, a NUL-terminated name, a buffer of `len` bytes.
-            At::Fd(fd) => unsafe { libc::fgetxattr(fd.as_raw_fd(), name.as_ptr(), buf.cast(), len) },
-        })
+        sized(
+            || match self {
+                At::Link(path) => rustix::fs::lgetxattr_query(path.as_c_str(), name),
+                At::Fd(fd) => rustix::fs::fgetxattr_query(fd, name),
+            },
+            |buf| match self {
+                At::Link(path) => rustix::fs::lgetxattr(path.as_c_str(), name, buf),
+                At::Fd(fd) => rustix::fs::fgetxattr(fd, name, buf),
+            },
+        )
     }
 
     fn set(&self, name: &CStr, value: &[u8]) -> io::Result<()> {
-        let (ptr, len) = (value.as_ptr().cast(), value.len());
-        let done = match self {
-            // SAFETY: NUL-terminated path and name, and `len` readable bytes at `ptr`.
-            At::Link(path) => unsafe { libc::lsetxattr(path.as_ptr(), name.as_ptr(), ptr, len, 0) },
-            // SAFETY: an open descriptor, a NUL-terminated name, `len` readable bytes at `ptr`.
-            At::Fd(fd) => unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), ptr, len, 0) },
-        };
-        if done == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        let flags = rustix::fs::XattrFlags::empty();
+        Ok(match self {
+            At::Link(path) => rustix::fs::lsetxattr(path.as_c_str(), name, value, flags),
+            At::Fd(fd) => rustix::fs::fsetxattr(fd, name, value, flags),
+        }?)
     }
 
     fn remove(&self, name: &CStr) -> io::Result<()> {
-        let done = match self {
-            // SAFETY: NUL-terminated path and name.
-            At::Link(path) => unsafe { libc::lremovexattr(path.as_ptr(), name.as_ptr()) },
-            // SAFETY: an open descriptor and a NUL-terminated name.
-            At::Fd(fd) => unsafe { libc::fremovexattr(fd.as_raw_fd(), name.as_ptr()) },
-        };
-        if done == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        Ok(match self {
+            At::Link(path) => rustix::fs::lremovexattr(path.as_c_str(), name),
+            At::Fd(fd) => rustix::fs::fremovexattr(fd, name),
+        }?)
     }
 }
 
-/// Runs an xattr read the kernel's way: ask the size (a null buffer of length 0), then read
-/// into a buffer that big, again if the attributes grew in between (`ERANGE`).
-fn sized(mut call: impl FnMut(*mut libc::c_char, usize) -> libc::ssize_t) -> io::Result<Vec<u8>> {
+/// Runs an xattr read the kernel's way: ask the size, then read into a buffer that big,
+/// again if the attributes grew in between (`ERANGE`).
+fn sized(
+    query: impl Fn() -> rustix::io::Result<usize>,
+    mut read: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
+) -> io::Result<Vec<u8>> {
     for _ in 0..8 {
-        let needed = call(std::ptr::null_mut(), 0);
-        let Ok(needed) = usize::try_from(needed) else {
-            return Err(io::Error::last_os_error());
-        };
-        let mut buf = vec![0u8; needed];
-        if needed == 0 {
+        let mut buf = vec![0u8; query()?];
+        if buf.is_empty() {
             return Ok(buf);
         }
-        match usize::try_from(call(buf.as_mut_ptr().cast(), buf.len())) {
+        match read(&mut buf) {
             Ok(got) => {
                 buf.truncate(got);
                 return Ok(buf);
             }
-            Err(_) => {
-                let err = io::Error::last_os_error();
-                if err.raw_os_error() != Some(libc::ERANGE) {
-                    return Err(err);
-                }
-            }
+            Err(rustix::io::Errno::RANGE) => {}
+            Err(err) => return Err(err.into()),
         }
     }
     Err(io::Error::other("extended attributes kept growing while being read"))

@@ -367,10 +367,10 @@ impl Commands {
     /// Sends `signal` to the command's whole process group.
     pub async fn signal(&self, selector: &ProcessSelector, signal: &serde_json::Value) -> Result<(), RpcError> {
         let number = match signal {
-            serde_json::Value::String(s) if s == "SIGNAL_SIGKILL" => libc::SIGKILL,
-            serde_json::Value::String(s) if s == "SIGNAL_SIGTERM" => libc::SIGTERM,
-            serde_json::Value::Number(n) if n.as_i64() == Some(9) => libc::SIGKILL,
-            serde_json::Value::Number(n) if n.as_i64() == Some(15) => libc::SIGTERM,
+            serde_json::Value::String(s) if s == "SIGNAL_SIGKILL" => rustix::process::Signal::KILL,
+            serde_json::Value::String(s) if s == "SIGNAL_SIGTERM" => rustix::process::Signal::TERM,
+            serde_json::Value::Number(n) if n.as_i64() == Some(9) => rustix::process::Signal::KILL,
+            serde_json::Value::Number(n) if n.as_i64() == Some(15) => rustix::process::Signal::TERM,
             other => {
                 return Err(RpcError::new(
                     Code::InvalidArgument,
@@ -380,10 +380,11 @@ impl Commands {
         };
         let running = self.find(selector).await?;
         let pid = i32::try_from(running.info.pid).map_err(|_| RpcError::new(Code::Internal, "pid out of range"))?;
-        // SAFETY: kill has no memory-safety preconditions.
-        unsafe {
-            libc::kill(-pid, number);
-            libc::kill(pid, number);
+        if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+            // The group first, so what the command started dies with it; the command itself
+            // too, in case it left its group. Either may have gone already.
+            let _ = rustix::process::kill_process_group(pid, number);
+            let _ = rustix::process::kill_process(pid, number);
         }
         Ok(())
     }
@@ -463,8 +464,7 @@ impl Launch<'_> {
             .envs(self.env.iter().copied())
             .env("HOME", &self.user.home)
             .current_dir(self.cwd);
-        // SAFETY: geteuid cannot fail and touches no memory.
-        let me = unsafe { libc::geteuid() };
+        let me = rustix::process::geteuid().as_raw();
         if me == 0 && self.user.uid != 0 {
             cmd.ids(self.user.uid, self.user.gid);
         } else if me != self.user.uid {

@@ -7,10 +7,11 @@
 //! command gets its own copies as stdio. Once the command (and everything it started on the
 //! terminal) has exited, reading the master fails with EIO: that is the end of the output.
 
-use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
+use rustix::fs::{Mode, OFlags};
+use rustix::pty::OpenptFlags;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
@@ -24,35 +25,22 @@ pub struct PtyMaster {
 
 /// Opens a terminal of `cols` x `rows`; returns envd's side and the command's side.
 pub fn open(cols: u16, rows: u16) -> io::Result<(PtyMaster, OwnedFd)> {
-    // SAFETY: plain system calls; every descriptor returned is owned at once.
-    unsafe {
-        let master = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC | libc::O_NONBLOCK);
-        if master < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let master = OwnedFd::from_raw_fd(master);
-        if libc::grantpt(master.as_raw_fd()) != 0 || libc::unlockpt(master.as_raw_fd()) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut name = [0 as libc::c_char; 128];
-        if libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let slave = libc::open(
-            CStr::from_ptr(name.as_ptr()).as_ptr(),
-            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
-        );
-        if slave < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let slave = OwnedFd::from_raw_fd(slave);
-        // The OwnedFd stays open, and the same, for as long as the AsyncFd owns it.
-        let fd = AsyncFd::register_with_interest(master, Interest::READABLE | Interest::WRITABLE)
-            .map_err(|e| io::Error::other(e.to_string()))?;
-        let master = PtyMaster { fd };
-        master.resize(cols, rows)?;
-        Ok((master, slave))
-    }
+    let master = rustix::pty::openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+    rustix::io::ioctl_fionbio(&master, true)?;
+    rustix::pty::grantpt(&master)?;
+    rustix::pty::unlockpt(&master)?;
+    let name = rustix::pty::ptsname(&master, Vec::new())?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    // SAFETY: the OwnedFd stays open, and the same, for as long as the AsyncFd owns it.
+    let fd = unsafe { AsyncFd::register_with_interest(master, Interest::READABLE | Interest::WRITABLE) }
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    let master = PtyMaster { fd };
+    master.resize(cols, rows)?;
+    Ok((master, slave))
 }
 
 /// In the command's process, between fork and exec: a new session whose controlling terminal
@@ -60,27 +48,29 @@ pub fn open(cols: u16, rows: u16) -> io::Result<(PtyMaster, OwnedFd)> {
 /// cannot start a session; it then runs on the terminal without job control.
 ///
 /// # Safety
-/// Only async-signal-safe system calls; meant for `pre_exec`.
+/// Only async-signal-safe system calls (rustix's are the bare system calls: no allocation, no
+/// lock); meant for `pre_exec`.
 pub unsafe fn take_terminal() -> io::Result<()> {
-    // SAFETY: setsid takes no arguments and is async-signal-safe.
-    if unsafe { libc::setsid() } >= 0 {
-        // SAFETY: TIOCSCTTY on stdin with an integer argument; a stdin that is no terminal
-        // fails the call, harmlessly.
-        unsafe { libc::ioctl(0, libc::TIOCSCTTY as _, 0) };
+    if rustix::process::setsid().is_ok() {
+        // SAFETY: descriptor 0 is open for the whole call (stdio is set up before pre_exec
+        // runs); a stdin that is no terminal fails TIOCSCTTY, harmlessly.
+        let stdin = unsafe { BorrowedFd::borrow_raw(0) };
+        let _ = rustix::process::ioctl_tiocsctty(stdin);
     }
     Ok(())
 }
 
 impl PtyMaster {
-    /// Runs one non-blocking system call on the master (`call` returns what read or write
-    /// returned) once the master is ready for `interest`, retrying while it would block.
-    async fn ready_call(&self, interest: Interest, mut call: impl FnMut(i32) -> isize) -> io::Result<usize> {
+    /// Runs one non-blocking system call on the master once it is ready for `interest`,
+    /// retrying while it would block.
+    async fn ready_call(
+        &self,
+        interest: Interest,
+        mut call: impl FnMut(BorrowedFd<'_>) -> rustix::io::Result<usize>,
+    ) -> io::Result<usize> {
         loop {
             let mut ready = self.fd.ready(interest).await?;
-            let done = ready.try_io(|fd| match call(fd.as_raw_fd()) {
-                n if n < 0 => Err(io::Error::last_os_error()),
-                n => Ok(n as usize),
-            });
+            let done = ready.try_io(|fd| call(fd.get_ref().as_fd()).map_err(io::Error::from));
             if let Ok(result) = done {
                 return result;
             }
@@ -89,14 +79,11 @@ impl PtyMaster {
 
     /// Reads output; `Ok(0)` once the terminal's last user has gone.
     pub async fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
-        // SAFETY: reads into a buffer we own, of its length.
         let read = self
-            .ready_call(Interest::READABLE, |fd| unsafe {
-                libc::read(fd, buf.as_mut_ptr().cast(), buf.len())
-            })
+            .ready_call(Interest::READABLE, |fd| rustix::io::read(fd, &mut *buf))
             .await;
         match read {
-            Err(err) if err.raw_os_error() == Some(libc::EIO) => Ok(0),
+            Err(err) if err.raw_os_error() == Some(rustix::io::Errno::IO.raw_os_error()) => Ok(0),
             other => other,
         }
     }
@@ -104,11 +91,8 @@ impl PtyMaster {
     /// Writes all of `data` as typed input.
     pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
-            // SAFETY: writes from a buffer we own, of its length.
             let n = self
-                .ready_call(Interest::WRITABLE, |fd| unsafe {
-                    libc::write(fd, data.as_ptr().cast(), data.len())
-                })
+                .ready_call(Interest::WRITABLE, |fd| rustix::io::write(fd, data))
                 .await?;
             data = &data[n..];
         }
@@ -117,16 +101,12 @@ impl PtyMaster {
 
     /// Sets the terminal's size (the command gets SIGWINCH).
     pub fn resize(&self, cols: u16, rows: u16) -> io::Result<()> {
-        let size = libc::winsize {
+        let size = rustix::termios::Winsize {
             ws_row: rows,
             ws_col: cols,
             ws_xpixel: 0,
             ws_ypixel: 0,
         };
-        // SAFETY: TIOCSWINSZ reads one winsize we own.
-        if unsafe { libc::ioctl(self.fd.as_raw_fd(), libc::TIOCSWINSZ, &size) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        Ok(rustix::termios::tcsetwinsize(self.fd.get_ref(), size)?)
     }
 }

@@ -19,11 +19,16 @@
 //!
 //! The command's end is awaited on a pidfd, not through `SIGCHLD`: readable once the process
 //! has exited, then reaped by its PID, which stays ours until then.
+//!
+//! System calls go through rustix, but for the clone itself, the signal masks around it and
+//! everything the child does: rustix offers no `clone` with a stack of our choosing nor a
+//! thread's signal mask, and the child may not allocate, so those stay raw `libc` calls, each
+//! with its SAFETY note.
 
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -201,12 +206,10 @@ impl Command {
         // A child that changes its ids makes the memory it shares non-dumpable (the kernel
         // does that to the memory of whatever changes credentials), and that memory is envd's:
         // its dumpability is put back once the child has gone on its way.
-        // SAFETY: PR_GET_DUMPABLE takes no pointer.
-        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        let dumpable = rustix::process::dumpable_behavior();
         let cloned = clone_vfork(&plan);
-        if dumpable >= 0 {
-            // SAFETY: PR_SET_DUMPABLE takes a number.
-            unsafe { libc::prctl(libc::PR_SET_DUMPABLE, dumpable as libc::c_ulong) };
+        if let Ok(dumpable) = dumpable {
+            let _ = rustix::process::set_dumpable_behavior(dumpable);
         }
         let pid = cloned?;
         // The child has exec'd or ended: its ends of the streams are its own now, or unused.
@@ -219,8 +222,10 @@ impl Command {
         let pidfd = match watch(pid) {
             Ok(fd) => fd,
             Err(err) => {
-                // SAFETY: kill has no memory preconditions; the PID is our unreaped child.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // The PID is our unreaped child, so it names nothing else.
+                if let Some(child) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(child, rustix::process::Signal::KILL);
+                }
                 reap(pid);
                 return Err(err);
             }
@@ -259,19 +264,14 @@ impl Child {
 
 /// Waits until `pid` (our child, not reaped before) has ended, then reaps it.
 async fn reaped(pidfd: &AsyncFd<OwnedFd>, pid: libc::pid_t) -> io::Result<ExitStatus> {
+    let pid = rustix::process::Pid::from_raw(pid).ok_or_else(|| io::Error::other("no child has PID 0"))?;
     loop {
         let mut ready = pidfd.readable().await?;
-        let mut raw = 0;
-        // SAFETY: waitpid writes only `raw`.
-        match unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } {
-            0 => ready.clear_ready(),
-            -1 => {
-                let err = io::Error::last_os_error();
-                if err.kind() != io::ErrorKind::Interrupted {
-                    return Err(err);
-                }
-            }
-            _ => return Ok(ExitStatus::from_raw(raw)),
+        match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
+            Ok(None) => ready.clear_ready(),
+            Ok(Some((_, status))) => return Ok(ExitStatus::from_raw(status.as_raw())),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(err) => return Err(err.into()),
         }
     }
 }
@@ -314,13 +314,7 @@ fn stream(stdio: Stdio, direction: Direction) -> io::Result<(OwnedFd, Option<Own
             None,
         ),
         Stdio::Piped => {
-            let mut fds = [0; 2];
-            // SAFETY: pipe2 writes two descriptors into `fds`, which we then own.
-            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: both were just opened and are owned by nothing else.
-            let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+            let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
             match direction {
                 Direction::In => (read, Some(write)),
                 Direction::Out => (write, Some(read)),
@@ -330,13 +324,7 @@ fn stream(stdio: Stdio, direction: Direction) -> io::Result<(OwnedFd, Option<Own
     if child.as_raw_fd() > 2 {
         return Ok((child, ours));
     }
-    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor we then own.
-    let moved = unsafe { libc::fcntl(child.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
-    if moved < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: just returned by fcntl, owned by nothing else.
-    Ok((unsafe { OwnedFd::from_raw_fd(moved) }, ours))
+    Ok((rustix::io::fcntl_dupfd_cloexec(&child, 3)?, ours))
 }
 
 fn cstring(s: &OsStr) -> io::Result<CString> {
@@ -350,13 +338,8 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 
 /// A pidfd of `pid`, registered with the runtime: readable once the process has ended.
 fn watch(pid: libc::pid_t) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: pidfd_open takes a PID and flags, and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor, owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let pid = rustix::process::Pid::from_raw(pid).ok_or_else(|| io::Error::other("no child has PID 0"))?;
+    let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())?;
     // SAFETY: the OwnedFd stays open, and the same, for as long as the AsyncFd owns it.
     unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
         .map_err(|e| io::Error::other(e.to_string()))
@@ -364,11 +347,12 @@ fn watch(pid: libc::pid_t) -> io::Result<AsyncFd<OwnedFd>> {
 
 /// Reaps a child that has ended or will at once (it failed before exec, or was killed).
 fn reap(pid: libc::pid_t) {
-    let mut status = 0;
-    // SAFETY: waitpid writes only `status`.
-    while unsafe { libc::waitpid(pid, &mut status, 0) } == -1
-        && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
-    {}
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
+    while let Err(rustix::io::Errno::INTR) = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+    {
+    }
 }
 
 /// Everything the child needs, prepared by envd: pointers into memory that outlives the
@@ -673,15 +657,18 @@ mod tests {
         let mut cmd = Command::new("greet");
         cmd.args(["there"]).env("PATH", &path).ids(65534, 65534);
         let (out, code) = sh(&mut cmd, Stdio::Null, b"").await;
-        // SAFETY: PR_GET_DUMPABLE takes no pointer.
-        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        let dumpable = rustix::process::dumpable_behavior().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(
             (out.as_str(), code),
             ("anyone: there\n", Some(0)),
             "the one nobody may run is passed over"
         );
-        assert_eq!(dumpable, 1, "a child's change of ids made envd non-dumpable");
+        assert_eq!(
+            dumpable,
+            rustix::process::DumpableBehavior::Dumpable,
+            "a child's change of ids made envd non-dumpable"
+        );
     }
 
     #[tokio::test]

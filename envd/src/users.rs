@@ -100,10 +100,8 @@ impl Users {
         match &self.fallback_home {
             Some(home) if name == DEFAULT_USER => Ok(User {
                 name: name.to_string(),
-                // SAFETY: getuid/getgid cannot fail and touch no memory.
-                uid: unsafe { libc::getuid() },
-                // SAFETY: as getuid.
-                gid: unsafe { libc::getgid() },
+                uid: rustix::process::getuid().as_raw(),
+                gid: rustix::process::getgid().as_raw(),
                 home: home.clone(),
             }),
             _ => Err(RpcError::new(

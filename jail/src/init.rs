@@ -171,7 +171,7 @@ fn sys_err(what: &'static str) -> impl Fn(Errno) -> Failure<'static> {
 }
 
 fn cstr(s: &str, what: &'static str) -> Result<CString, InitError> {
-    CString::new(s).map_err(|_| InitError::Nul(what))
+    crate::sys::cstring(s).map_err(|_| InitError::Nul(what))
 }
 
 impl InitPlan {

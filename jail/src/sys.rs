@@ -150,6 +150,13 @@ impl<const N: usize> StackBuf<N> {
     }
 }
 
+/// The contents as text (a path or a message), for callers that may allocate.
+impl<const N: usize> fmt::Display for StackBuf<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&String::from_utf8_lossy(self.as_bytes()))
+    }
+}
+
 impl<const N: usize> Default for StackBuf<N> {
     fn default() -> Self {
         Self::new()
@@ -171,6 +178,14 @@ pub fn fd_path(fd: RawFd) -> StackBuf<32> {
     let mut buf = StackBuf::new();
     let _ = fmt::Write::write_fmt(&mut buf, format_args!("/proc/self/fd/{fd}"));
     buf
+}
+
+/// `s` as a C string for a system call: the one conversion of a path, an argument or an
+/// environment entry (anything with a NUL in it is refused), for the parent's side of the
+/// runtime and for the node; after `clone` nothing converts, so it may allocate.
+pub fn cstring(s: impl AsRef<std::ffi::OsStr>) -> Result<std::ffi::CString, std::ffi::NulError> {
+    use std::os::unix::ffi::OsStrExt as _;
+    std::ffi::CString::new(s.as_ref().as_bytes())
 }
 
 /// `openat2(2)` with the given `resolve` flags (`RESOLVE_IN_ROOT` and friends).

@@ -129,15 +129,8 @@ pub fn free_bytes(path: &Path) -> io::Result<u64> {
     Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
-fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
-    let c = cpath(path)?;
-    // SAFETY: statvfs writes only into `stat`, which outlives the call.
-    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and the live struct above to write into.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(stat)
+fn statvfs(path: &Path) -> io::Result<rustix::fs::StatVfs> {
+    Ok(rustix::fs::statvfs(path)?)
 }
 
 /// Held from a new disk's admission until its image exists, so two creates cannot both be
@@ -283,27 +276,21 @@ fn copy_sparse(from: &Path, to: &Path) -> io::Result<()> {
         .mode(0o600)
         .open(to)?;
     target.set_len(length)?;
-    let fd = source.as_raw_fd();
-    let seek = |at: u64, whence| -> io::Result<Option<u64>> {
-        let at = libc::off_t::try_from(at).map_err(io::Error::other)?;
-        // SAFETY: lseek on a descriptor we own; it moves only that descriptor's offset.
-        let found = unsafe { libc::lseek(fd, at, whence) };
-        if found < 0 {
-            let err = io::Error::last_os_error();
-            // ENXIO: no data past `at`.
-            return if err.raw_os_error() == Some(libc::ENXIO) {
-                Ok(None)
-            } else {
-                Err(err)
-            };
+    let seek = |to: rustix::fs::SeekFrom| -> io::Result<Option<u64>> {
+        match rustix::fs::seek(&source, to) {
+            Ok(found) => Ok(Some(found)),
+            // ENXIO: no data past where we asked.
+            Err(rustix::io::Errno::NXIO) => Ok(None),
+            Err(err) => Err(err.into()),
         }
-        Ok(Some(u64::try_from(found).map_err(io::Error::other)?))
     };
     let mut buffer = vec![0u8; 1 << 20];
     let mut at = 0;
     while at < length {
-        let Some(data) = seek(at, libc::SEEK_DATA)? else { break };
-        let end = seek(data, libc::SEEK_HOLE)?.unwrap_or(length).min(length);
+        let Some(data) = seek(rustix::fs::SeekFrom::Data(at))? else {
+            break;
+        };
+        let end = seek(rustix::fs::SeekFrom::Hole(data))?.unwrap_or(length).min(length);
         let mut offset = data;
         while offset < end {
             let want = usize::try_from((end - offset).min(buffer.len() as u64)).map_err(io::Error::other)?;
@@ -327,12 +314,7 @@ pub fn detach(dir: &Path) -> io::Result<()> {
     if !mounted(&mount) {
         return Ok(());
     }
-    let c = cpath(&mount)?;
-    // SAFETY: a valid NUL-terminated path.
-    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH)?)
 }
 
 /// Deletes a sandbox folder (or a scratch one) that may hold a mounted disk: unmounted first,
@@ -356,10 +338,6 @@ pub fn usage(dir: &Path) -> Option<(u64, u64)> {
     let total = stat.f_blocks.saturating_mul(stat.f_frsize);
     let free = stat.f_bfree.saturating_mul(stat.f_frsize);
     Some((total.saturating_sub(free), total))
-}
-
-fn cpath(path: &Path) -> io::Result<std::ffi::CString> {
-    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
 }
 
 /// Whether `path` is a folder something is mounted on (its device differs from its
@@ -427,6 +405,9 @@ fn check(fsck: &Path, image: &Path) -> io::Result<()> {
     }
 }
 
+// The loop devices' ioctls are the one place here that calls libc directly: rustix has no
+// loop-device calls, and LOOP_CTL_GET_FREE answers in the ioctl's return value, which
+// rustix's generic `ioctl` does not hand back.
 const LOOP_CONTROL: &str = "/dev/loop-control";
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
@@ -467,22 +448,10 @@ struct LoopConfig {
 fn mount_image(image: &Path, mount: &Path) -> io::Result<()> {
     let backing = std::fs::OpenOptions::new().read(true).write(true).open(image)?;
     let device = bind_loop(&backing)?;
-    let (source, target) = (cpath(&device.1)?, cpath(mount)?);
-    let (fstype, data) = (c"ext4", c"noinit_itable");
-    // SAFETY: valid NUL-terminated strings that outlive the call.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
+    let flags = rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV;
+    if let Err(err) = rustix::mount::mount(&device.1, mount, "ext4", flags, c"noinit_itable") {
         // The device frees itself when `device.0` closes (autoclear) only once mounted:
         // unbind it by hand.
-        let err = io::Error::last_os_error();
         // SAFETY: LOOP_CLR_FD takes no argument.
         unsafe { libc::ioctl(device.0.as_raw_fd(), LOOP_CLR_FD) };
         return Err(io::Error::other(format!("mounting {}: {err}", image.display())));
@@ -496,14 +465,18 @@ fn open_device(path: &Path, n: libc::c_int) -> io::Result<File> {
     let open = || std::fs::OpenOptions::new().read(true).write(true).open(path);
     match open() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let minor = libc::c_uint::try_from(n).map_err(io::Error::other)?;
-            let c = cpath(path)?;
-            // SAFETY: a valid NUL-terminated path; 7 is the loop devices' major number.
-            if unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, libc::makedev(7, minor)) } != 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() != io::ErrorKind::AlreadyExists {
-                    return Err(io::Error::other(format!("making {}: {err}", path.display())));
-                }
+            let minor = u32::try_from(n).map_err(io::Error::other)?;
+            // 7 is the loop devices' major number.
+            let made = rustix::fs::mknodat(
+                rustix::fs::CWD,
+                path,
+                rustix::fs::FileType::BlockDevice,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                rustix::fs::makedev(7, minor),
+            );
+            match made {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(err) => return Err(io::Error::other(format!("making {}: {err}", path.display()))),
             }
             open()
         }
@@ -633,18 +606,8 @@ mod tests {
     fn no_disk_is_promised_past_the_hosts_free_space() {
         let root = std::env::temp_dir().join(format!("disk-room-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&root).unwrap();
-        let c = cpath(&root).unwrap();
-        // SAFETY: valid NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                c.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                c"size=80m".as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "tmpfs: {}", io::Error::last_os_error());
+        rustix::mount::mount("tmpfs", &root, "tmpfs", rustix::mount::MountFlags::empty(), c"size=80m")
+            .expect("a tmpfs of 80 MiB");
         let disks = Disks::probe(true, 32 << 20).with_blanks(root.join("blanks"));
         let sandboxes = root.join("sandboxes");
         let [a, b, c] = ["a", "b", "c"].map(|id| sandboxes.join(id));
@@ -668,7 +631,7 @@ mod tests {
             });
             assert_eq!(
                 full.and_then(|e| e.raw_os_error()),
-                Some(libc::ENOSPC),
+                Some(rustix::io::Errno::NOSPC.raw_os_error()),
                 "{}",
                 dir.display()
             );
@@ -679,9 +642,7 @@ mod tests {
         for dir in [&a, &c] {
             remove_folder(dir).unwrap();
         }
-        let c = cpath(&root).unwrap();
-        // SAFETY: a valid NUL-terminated path.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        let _ = rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH);
         let _ = std::fs::remove_dir_all(&root);
     }
 

@@ -194,15 +194,16 @@ pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// on a thread that entered that namespace (a socket belongs to the namespace it was made in
 /// for its whole life), so the node's own threads never leave the host's.
 pub fn connect_in_namespace_of(pid: u32, port: u16) -> std::io::Result<std::net::TcpStream> {
-    use std::os::fd::AsRawFd as _;
+    use std::os::fd::AsFd as _;
     let netns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
     std::thread::scope(|scope| {
         scope
             .spawn(|| {
-                // SAFETY: setns affects only this thread, which ends right after.
-                if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                // This thread only, which ends right after.
+                rustix::thread::move_into_link_name_space(
+                    netns.as_fd(),
+                    Some(rustix::thread::LinkNameSpaceType::Network),
+                )?;
                 let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
                 std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
             })

@@ -30,6 +30,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use rustix::process::Signal;
+
 use super::cgroup::Cgroups;
 use super::{Features, Runtime, RuntimeError};
 use crate::Sandbox;
@@ -54,19 +56,21 @@ fn control(sandbox: &Sandbox<'_>, action: &'static str, reason: impl ToString) -
     }
 }
 
-/// Sends `signal` to a process group; `true` if any process received it.
-fn signal_group(pgid: u32, signal: i32) -> bool {
+/// Sends `signal` to a process group; `true` if any process received it (a stale group
+/// gives ESRCH).
+fn signal_group(pgid: u32, signal: Signal) -> bool {
     let Ok(pgid) = i32::try_from(pgid) else { return false };
-    if pgid <= 1 {
-        return false;
+    match rustix::process::Pid::from_raw(pgid) {
+        Some(group) if pgid > 1 => rustix::process::kill_process_group(group, signal).is_ok(),
+        _ => false,
     }
-    // SAFETY: killpg has no memory-safety preconditions; a stale group gives ESRCH.
-    unsafe { libc::killpg(pgid, signal) == 0 }
 }
 
-fn signal_pid(pid: i32, signal: i32) -> bool {
-    // SAFETY: as above.
-    pid > 1 && unsafe { libc::kill(pid, signal) == 0 }
+fn signal_pid(pid: i32, signal: Signal) -> bool {
+    match rustix::process::Pid::from_raw(pid) {
+        Some(process) if pid > 1 => rustix::process::kill_process(process, signal).is_ok(),
+        _ => false,
+    }
 }
 
 /// Processes whose process group is `pgid`, from /proc.
@@ -280,7 +284,7 @@ impl Runtime for ProcessRuntime {
         match self.cgroups.freeze(sandbox.id, true) {
             Ok(true) => Ok(()),
             Ok(false) => {
-                signal_group(sandbox.pgid, libc::SIGSTOP);
+                signal_group(sandbox.pgid, Signal::STOP);
                 Ok(())
             }
             Err(e) => Err(control(sandbox, "pause", e)),
@@ -291,7 +295,7 @@ impl Runtime for ProcessRuntime {
         match self.cgroups.freeze(sandbox.id, false) {
             Ok(true) => Ok(()),
             Ok(false) => {
-                signal_group(sandbox.pgid, libc::SIGCONT);
+                signal_group(sandbox.pgid, Signal::CONT);
                 Ok(())
             }
             Err(e) => Err(control(sandbox, "resume", e)),
@@ -301,13 +305,13 @@ impl Runtime for ProcessRuntime {
     fn kill(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            signal_group(sandbox.pgid, libc::SIGKILL);
+            signal_group(sandbox.pgid, Signal::KILL);
             for pid in self.cgroups.pids(sandbox.id) {
-                signal_pid(pid, libc::SIGKILL);
+                signal_pid(pid, Signal::KILL);
             }
             // A frozen process keeps its SIGKILL pending until thawed.
             let _ = self.cgroups.freeze(sandbox.id, false);
-            signal_group(sandbox.pgid, libc::SIGCONT);
+            signal_group(sandbox.pgid, Signal::CONT);
             self.reap_one(sandbox.id);
             if self.processes(sandbox, true).is_empty() {
                 break;
@@ -389,9 +393,7 @@ impl Runtime for ProcessRuntime {
                 }
                 if let Some((home, target, inside)) = &view {
                     enter_mount_namespace(home, target)?;
-                    if libc::chdir(inside.as_ptr()) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                    rustix::process::chdir(inside.as_c_str())?;
                 }
                 if let Some(ns) = &pid_ns {
                     enter_pid_namespace(ns)?;
@@ -412,34 +414,13 @@ const SANDBOX_HOME: &str = "/home/user";
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Result<()> {
-    // SAFETY: what the function promises its caller (above) holds for every call here.
-    unsafe {
-        if libc::unshare(libc::CLONE_NEWNS) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // Nothing mounted from here on may leak back to the host.
-        if libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        ) != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-        if libc::mount(
-            home.as_ptr(),
-            target.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND | libc::MS_REC,
-            std::ptr::null(),
-        ) != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    }
+    use rustix::mount::MountPropagationFlags;
+    // SAFETY: the flag unshares no descriptor table (only FILES could strand a descriptor).
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }?;
+    // Nothing mounted from here on may leak back to the host.
+    rustix::mount::mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
+    rustix::mount::mount_bind_recursive(home.as_c_str(), target.as_c_str())?;
+    Ok(())
 }
 
 /// Moves the calling process into a cgroup (`path` is its `cgroup.procs`).
@@ -447,18 +428,10 @@ unsafe fn enter_mount_namespace(home: &CString, target: &CString) -> std::io::Re
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn join_cgroup(path: &CString) -> std::io::Result<()> {
-    // SAFETY: what the function promises its caller (above) holds for every call here.
-    unsafe {
-        let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-        libc::close(fd);
-        if written != 1 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+    let procs = rustix::fs::open(path.as_c_str(), rustix::fs::OFlags::WRONLY, rustix::fs::Mode::empty())?;
+    match rustix::io::write(&procs, b"0")? {
+        1 => Ok(()),
+        _ => Err(std::io::ErrorKind::WriteZero.into()),
     }
 }
 
@@ -481,17 +454,16 @@ const REAPER_SCRIPT: &str = "while :; do sleep 3600 & wait $!; done";
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`.
 unsafe fn start_reaper() -> std::io::Result<()> {
+    // SAFETY: the flag unshares no descriptor table (only FILES could strand a descriptor).
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWPID) }?;
     // SAFETY: what the function promises its caller (above) holds for every call here.
     unsafe {
-        if libc::unshare(libc::CLONE_NEWPID) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         match libc::fork() {
             -1 => Err(std::io::Error::last_os_error()),
             0 => {
                 // PID 1 keeps only its standard descriptors (all /dev/null).
                 libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
-                libc::setsid();
+                let _ = rustix::process::setsid();
                 Ok(())
             }
             _ => {
@@ -509,35 +481,25 @@ unsafe fn start_reaper() -> std::io::Result<()> {
 /// # Safety
 /// Only async-signal-safe system calls; meant for `pre_exec`, after the mount namespace.
 unsafe fn enter_pid_namespace(ns: &CString) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(ns.as_c_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    rustix::thread::move_into_link_name_space(
+        std::os::fd::AsFd::as_fd(&fd),
+        Some(rustix::thread::LinkNameSpaceType::ProcessID),
+    )?;
+    drop(fd);
     // SAFETY: what the function promises its caller (above) holds for every call here.
     unsafe {
-        let fd = libc::open(ns.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let joined = libc::setns(fd, libc::CLONE_NEWPID);
-        libc::close(fd);
-        if joined != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         match libc::fork() {
             -1 => Err(std::io::Error::last_os_error()),
             0 => {
                 // The command: dies with its stand-in (a signal to the PID the SDK knows ends it).
                 // (Its parent is outside its namespace, so getppid() cannot check for a parent
                 // that died before this line; the stand-in only dies by a signal sent to it.)
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                let proc_ = c"proc";
-                if libc::mount(
-                    proc_.as_ptr(),
-                    c"/proc".as_ptr(),
-                    proc_.as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                    std::ptr::null(),
-                ) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                use rustix::mount::MountFlags;
+                let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+                rustix::mount::mount(c"proc", c"/proc", c"proc", flags, None)?;
                 Ok(())
             }
             child => {
@@ -589,12 +551,11 @@ fn is_reaper_part(pid: i32) -> bool {
 /// Whether sandboxes can get a PID namespace here: `true` run in a new one.
 fn probe_pid_namespace() -> bool {
     let mut probe = Command::new("/bin/true");
-    // SAFETY: one async-signal-safe system call.
+    // SAFETY: one async-signal-safe system call, which unshares no descriptor table (only
+    // FILES could strand a descriptor).
     unsafe {
         probe.pre_exec(|| {
-            if libc::unshare(libc::CLONE_NEWPID) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+            rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWPID)?;
             Ok(())
         });
     }

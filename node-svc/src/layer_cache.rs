@@ -373,7 +373,7 @@ impl LayerCache {
                 // A builder's layer on a disk of its own cannot move into the cache: the layer
                 // is unpacked from the store (through the same checks as any other) when a
                 // sandbox needs it.
-                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                Err(e) if e.kind() == std::io::ErrorKind::CrossesDevices => {
                     let _ = tokio::fs::remove_dir_all(upper).await;
                 }
                 Err(e) => return Err(publish(e.to_string())),

@@ -425,11 +425,12 @@ impl Internet {
         let path = format!("/run/netns/{name}");
         let listener = std::thread::spawn(move || {
             let ns = std::fs::File::open(&path).unwrap();
-            assert_eq!(
-                // SAFETY: an open namespace file, on this short-lived thread only.
-                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) },
-                0
-            );
+            // On this short-lived thread only.
+            rustix::thread::move_into_link_name_space(
+                std::os::fd::AsFd::as_fd(&ns),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .unwrap();
             TcpListener::bind(format!("{INTERNET}:0")).unwrap()
         })
         .join()
@@ -791,7 +792,10 @@ print(\"refused %d\" % ctypes.get_errno() if fd < 0 else \"open\")";
             let (out, code) = n.sh("uring", user, &format!("python3 -c '{SETUP}'")).await;
             assert_eq!(
                 (out.trim(), code),
-                (format!("refused {}", libc::EPERM).as_str(), 0),
+                (
+                    format!("refused {}", rustix::io::Errno::PERM.raw_os_error()).as_str(),
+                    0
+                ),
                 "{runtime:?} as {user}"
             );
         }
@@ -1548,11 +1552,7 @@ async fn a_node_at_start_removes_a_create_cut_short_and_keeps_the_rest() {
 
 /// Free bytes of the filesystem holding `path`, for an unprivileged writer.
 fn free_bytes(path: &std::path::Path) -> u64 {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: statvfs writes only into `stat`.
-    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and the live struct above to write into.
-    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) }, 0);
+    let stat = rustix::fs::statvfs(path).unwrap();
     stat.f_bavail * stat.f_frsize
 }
 
@@ -1726,8 +1726,9 @@ async fn a_sandbox_whose_envd_died_is_started_again() {
     assert_eq!(code, 0);
     let host = n.running().host();
     let before = host.get("fragile").await.expect("the sandbox").pgid;
-    // SAFETY: SIGKILL to the sandbox's envd (its init), a process of this test's host.
-    assert_eq!(unsafe { libc::kill(before as i32, libc::SIGKILL) }, 0);
+    // SIGKILL to the sandbox's envd (its init), a process of this test's host.
+    let envd = rustix::process::Pid::from_raw(before as i32).expect("envd's PID");
+    rustix::process::kill_process(envd, rustix::process::Signal::KILL).unwrap();
     let mut after = before;
     for _ in 0..200 {
         after = host.get("fragile").await.expect("still listed").pgid;

@@ -3,7 +3,6 @@
 //! device checked to exist, so the child ([`super::setup`]) only makes system calls.
 
 use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use libc::c_ulong;
@@ -72,7 +71,7 @@ pub struct RootfsPlan {
 }
 
 fn cstring(path: &Path) -> Result<CString, RootfsError> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| RootfsError::Nul(path.to_string_lossy().to_string()))
+    crate::sys::cstring(path).map_err(|_| RootfsError::Nul(path.to_string_lossy().to_string()))
 }
 
 /// Whether container gid `gid` is mapped by `maps` (devpts's `gid=` must name a mapped gid).

@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -253,25 +253,14 @@ extern "C" fn hold(_: *mut libc::c_void) -> libc::c_int {
 /// user namespace `userns` (storage ids as the sandbox's). Overlayfs takes it as a layer by
 /// its `/proc/self/fd/N` path.
 pub fn idmapped(path: &Path, userns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    let c = super::cstring(path)?;
-    // SAFETY: a valid NUL-terminated path; the call returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::other(format!(
-            "cloning the mount at {}: {}",
-            path.display(),
-            io::Error::last_os_error()
-        )));
-    }
-    // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    use rustix::mount::OpenTreeFlags;
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        path,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )
+    .map_err(|e| io::Error::other(format!("cloning the mount at {}: {e}", path.display())))?;
+    // mount_setattr is the one call here rustix does not offer.
     let attr = libc::mount_attr {
         attr_set: libc::MOUNT_ATTR_IDMAP,
         attr_clr: 0,
@@ -299,9 +288,10 @@ pub fn idmapped(path: &Path, userns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     Ok(tree)
 }
 
-/// The path by which overlayfs reaches a detached mount, `/proc/self/fd/N`.
+/// The path by which overlayfs reaches a detached mount, `/proc/self/fd/N` (the jail's
+/// allocation-free one, as text).
 pub fn fd_path(fd: &impl AsFd) -> String {
-    format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd())
+    jail::sys::fd_path(fd.as_fd().as_raw_fd()).to_string()
 }
 
 #[cfg(test)]

@@ -72,9 +72,10 @@ fn parts(run: &Path, home: &Path) -> Parts {
 /// `resolver` redirects their queries; here, so neither reaches into the other for it).
 pub const HOST_PREFIX: &str = "sbx";
 
-/// `s` as a C string for a system call (a path with a NUL in it is refused).
+/// `s` as a C string for a system call (a path with a NUL in it is refused): the jail's one
+/// conversion, its error as I/O's.
 pub(super) fn cstring(s: impl AsRef<std::ffi::OsStr>) -> std::io::Result<std::ffi::CString> {
-    std::ffi::CString::new(s.as_ref().as_encoded_bytes()).map_err(std::io::Error::other)
+    jail::sys::cstring(s).map_err(std::io::Error::other)
 }
 
 /// FNV-1a of `bytes`: a hash stable across builds and platforms (which `DefaultHasher` does
@@ -261,12 +262,12 @@ fn reap_when_dead(pid: u32) {
     if pid <= 1 {
         return;
     }
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
     let _ = std::thread::Builder::new().name("reap-init".into()).spawn(move || {
-        let mut status = 0;
-        // SAFETY: waitpid writes only to `status`.
-        while unsafe { libc::waitpid(pid, &mut status, 0) } == -1
-            && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
-        {}
+        let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+        while let Err(rustix::io::Errno::INTR) = wait() {}
     });
 }
 
@@ -323,8 +324,7 @@ fn probe_host() -> Vec<String> {
     if !filesystems.lines().any(|l| l.trim_end().ends_with("overlay")) {
         missing.push("overlayfs (not in /proc/filesystems)".to_string());
     }
-    // SAFETY: geteuid cannot fail and touches no memory.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         missing.push("root (the node maps user namespaces and mounts root filesystems)".to_string());
     }
     missing
@@ -389,9 +389,8 @@ impl ContainerRuntime {
         // the node inherits it and can reap it the moment it is killed (see `kill`). Left to
         // the host's PID 1, a killed sandbox stays a zombie in its cgroup for as long as that
         // init takes to reap (seconds, on these machines), and the kill waits.
-        // SAFETY: prctl with integer arguments only.
-        if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
-            degraded.push(format!("not a child subreaper: {}", io::Error::last_os_error()));
+        if let Err(err) = rustix::process::set_child_subreaper(Some(rustix::process::Pid::INIT)) {
+            degraded.push(format!("not a child subreaper: {err}"));
         }
         if !cgroups.has_memory() || !cgroups.has_freezer() {
             missing.push("memory and freezer cgroups".to_string());

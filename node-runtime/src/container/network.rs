@@ -250,13 +250,12 @@ fn run_nft(binary: &Path, rules: &str, netns: Option<&std::fs::File>) -> Result<
         .stderr(Stdio::piped());
     if let Some(ns) = netns {
         let fd = ns.as_raw_fd();
-        // SAFETY: setns is async-signal-safe and uses only an integer prepared before the
-        // fork.
+        // SAFETY: setns is one async-signal-safe system call on a descriptor number prepared
+        // before the fork, which `ns` keeps open until the command has started.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                let ns = std::os::fd::BorrowedFd::borrow_raw(fd);
+                rustix::thread::move_into_link_name_space(ns, Some(rustix::thread::LinkNameSpaceType::Network))?;
                 Ok(())
             });
         }
@@ -682,10 +681,11 @@ fn connect() -> Result<rtnetlink::Handle, NetworkError> {
 /// Moves this thread into the network namespace `netns_fd` and returns a netlink handle
 /// there. Only on [`on_netlink_thread`]'s threads, which end with their work.
 fn enter(netns_fd: std::os::fd::RawFd) -> Result<rtnetlink::Handle, NetworkError> {
-    // SAFETY: setns on this thread only; the thread never returns to a pool.
-    if unsafe { libc::setns(netns_fd, libc::CLONE_NEWNET) } != 0 {
-        return Err(NetworkError::Namespace(std::io::Error::last_os_error()));
-    }
+    // SAFETY: the caller keeps the namespace's descriptor open for this thread's work.
+    let netns = unsafe { std::os::fd::BorrowedFd::borrow_raw(netns_fd) };
+    // On this thread only; the thread never returns to a pool.
+    rustix::thread::move_into_link_name_space(netns, Some(rustix::thread::LinkNameSpaceType::Network))
+        .map_err(|e| NetworkError::Namespace(e.into()))?;
     connect()
 }
 

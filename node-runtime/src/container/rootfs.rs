@@ -15,7 +15,8 @@ use std::os::fd::{AsFd as _, OwnedFd};
 use std::os::unix::fs::{chown, lchown, symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::cstring;
+use rustix::mount::MountFlags;
+
 use super::spec::{HOST_ID_BASE, SANDBOX_USER_ID};
 
 /// Bumped whenever the generated layer changes, so nodes rebuild it.
@@ -263,23 +264,9 @@ pub fn prepare_upper(upper: &Path, work: &Path) -> io::Result<()> {
 }
 
 /// Mounts a new `fstype` file system (its source named as its type) at `target`.
-pub(super) fn mount_new(fstype: &str, target: &Path, flags: libc::c_ulong, data: &str) -> io::Result<()> {
-    let (fstype, target, data) = (cstring(fstype)?, cstring(target)?, cstring(data)?);
-    // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+pub(super) fn mount_new(fstype: &str, target: &Path, flags: MountFlags, data: &str) -> io::Result<()> {
+    let data = std::ffi::CString::new(data).map_err(|_| io::Error::other("a NUL byte in mount options"))?;
+    Ok(rustix::mount::mount(fstype, target, fstype, flags, data.as_c_str())?)
 }
 
 /// Mounts the overlay of `lower` layers (topmost first) under `upper` at `target`, unless
@@ -335,7 +322,7 @@ pub fn mount_overlay(
         }
     };
     let options = format!("lowerdir={},upperdir={upper},workdir={work}", lowers.join(":"));
-    let mounted = mount_new("overlay", target, libc::MS_NOSUID | libc::MS_NODEV, &options)
+    let mounted = mount_new("overlay", target, MountFlags::NOSUID | MountFlags::NODEV, &options)
         .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())));
     drop(held);
     mounted
@@ -346,12 +333,7 @@ pub fn unmount(target: &Path) -> io::Result<()> {
     if !crate::disk::mounted(target) {
         return Ok(());
     }
-    let c = cstring(target)?;
-    // SAFETY: a valid NUL-terminated path.
-    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(rustix::mount::unmount(target, rustix::mount::UnmountFlags::DETACH)?)
 }
 
 /// Mounts, under `scratch`, an overlay whose lower and upper layers are idmapped to slot 0's

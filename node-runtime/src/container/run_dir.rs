@@ -16,7 +16,6 @@
 //! directory, so a restarted node finds its containers' parts again and two nodes never share.
 
 use std::io;
-use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 
 /// The host's folder of node run directories.
@@ -36,14 +35,11 @@ pub fn run_dir(state_dir: &Path) -> PathBuf {
     Path::new(RUN_ROOT).join(format!("{hash:016x}"))
 }
 
+/// `TMPFS_MAGIC` of `<linux/magic.h>`: what `statfs` says of a tmpfs.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
 fn on_tmpfs(path: &Path) -> bool {
-    let Ok(c) = super::cstring(path) else {
-        return false;
-    };
-    // SAFETY: statfs writes only into `stat`, from a valid NUL-terminated path.
-    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and the live struct above to write into.
-    (unsafe { libc::statfs(c.as_ptr(), &mut stat) } == 0) && stat.f_type == libc::TMPFS_MAGIC
+    rustix::fs::statfs(path).is_ok_and(|stat| stat.f_type == TMPFS_MAGIC)
 }
 
 /// Makes [`RUN_ROOT`] a tmpfs unless it is on one already (under a lock: two nodes starting
@@ -59,12 +55,11 @@ pub fn prepare(dir: &Path) -> io::Result<()> {
             .truncate(false)
             .write(true)
             .open(root.with_extension("lock"))?;
-        // SAFETY: flock on a descriptor we own; released when `lock` closes.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // Released when `lock` closes.
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)?;
         if !on_tmpfs(root) {
-            let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            use rustix::mount::MountFlags;
+            let flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
             if let Err(e) = super::rootfs::mount_new("tmpfs", root, flags, TMPFS_OPTIONS) {
                 tracing::warn!(path = RUN_ROOT, %e, "no tmpfs for containers' run directories; they stay on disk");
             }

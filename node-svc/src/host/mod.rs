@@ -237,17 +237,10 @@ const DISK_WALK_BUDGET: usize = 200_000;
 
 /// Bytes the filesystem holding `path` has in all.
 fn disk_total(path: &std::path::Path) -> u64 {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return 0;
-    };
-    // SAFETY: statvfs writes only into `stat`, which outlives the call.
-    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and the live struct above to write into.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
-        return 0;
+    match rustix::fs::statvfs(path) {
+        Ok(stat) => stat.f_blocks.saturating_mul(stat.f_frsize),
+        Err(_) => 0,
     }
-    stat.f_blocks.saturating_mul(stat.f_frsize)
 }
 
 /// Runs blocking `work` on a `spawn_blocking` thread.

@@ -2,7 +2,7 @@
 //! descriptors placed by file actions.
 
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd as _, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::Path;
@@ -40,17 +40,7 @@ pub(super) fn spawn_and_wait(
     let lowest = libc::c_int::try_from(3 + MAX_PASSED).unwrap_or(16);
     let moved = passed
         .iter()
-        .map(|fd| {
-            // SAFETY: F_DUPFD_CLOEXEC on a descriptor the caller keeps open; the new one is
-            // owned here.
-            let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, lowest) };
-            if copy < 0 {
-                Err(std::io::Error::last_os_error())
-            } else {
-                // SAFETY: `copy` is a new descriptor nothing else owns.
-                Ok(unsafe { OwnedFd::from_raw_fd(copy) })
-            }
-        })
+        .map(|fd| rustix::io::fcntl_dupfd_cloexec(fd, lowest).map_err(std::io::Error::from))
         .collect::<std::io::Result<Vec<OwnedFd>>>()?;
 
     let null = std::fs::File::open("/dev/null")?;
@@ -91,15 +81,13 @@ pub(super) fn spawn_and_wait(
         posix_spawnp(path.as_c_str(), &actions, &attr, &argv, &envp)?
     };
     drop(moved);
-    let mut status = 0;
+    let child =
+        rustix::process::Pid::from_raw(child.as_raw()).ok_or_else(|| std::io::Error::other("no child has PID 0"))?;
     loop {
-        // SAFETY: waits for our own child and writes only `status`.
-        if unsafe { libc::waitpid(child.as_raw(), &mut status, 0) } >= 0 {
-            return Ok(ExitStatus::from_raw(status));
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
+        match rustix::process::waitpid(Some(child), rustix::process::WaitOptions::empty()) {
+            Ok(Some((_, status))) => return Ok(ExitStatus::from_raw(status.as_raw())),
+            Ok(None) | Err(rustix::io::Errno::INTR) => {}
+            Err(err) => return Err(err.into()),
         }
     }
 }
