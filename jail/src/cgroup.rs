@@ -33,13 +33,18 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Seek, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use rustix::event::{PollFd, PollFlags};
+
 use crate::sys::IoDisplay;
+
+/// `CGROUP2_SUPER_MAGIC` of `<linux/magic.h>`: what `statfs` says of a cgroup2 mount.
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
 /// Where cgroup hierarchies are mounted on a normal system.
 pub const DEFAULT_MOUNT: &str = "/sys/fs/cgroup";
@@ -109,12 +114,7 @@ impl Hierarchy {
     }
 
     pub fn detect_at(mount: &Path) -> Result<Self, CgroupError> {
-        let c = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes())
-            .map_err(|_| CgroupError::NoHierarchy(mount.to_path_buf()))?;
-        // SAFETY: statfs only writes into the zeroed struct we pass.
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: `c` is a valid C string and `st` a valid out-pointer.
-        if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 && st.f_type == libc::CGROUP2_SUPER_MAGIC {
+        if rustix::fs::statfs(mount).is_ok_and(|st| st.f_type == CGROUP2_SUPER_MAGIC) {
             return Ok(Hierarchy {
                 version: Version::V2,
                 mount: mount.to_path_buf(),
@@ -622,67 +622,54 @@ fn wait_events(events: &Path, want: &'static str, deadline: Instant) -> Result<(
                 want,
             });
         }
-        let mut pfd = libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLPRI,
-            revents: 0,
-        };
+        let mut pfd = [PollFd::new(&f, PollFlags::PRI)];
         // Cap each wait so a missed edge costs at most this long.
-        let ms = (deadline - now).min(Duration::from_millis(100)).as_millis() as libc::c_int;
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut pfd, 1, ms.max(1)) };
+        let wait = (deadline - now).clamp(Duration::from_millis(1), Duration::from_millis(100));
+        let _ = rustix::event::poll(&mut pfd, Some(&timespec(wait)));
     }
 }
 
 /// Opens a pidfd for `pid` and sends it SIGKILL; `None` if the process is already gone.
 fn pidfd_kill(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        // Pre-5.3 kernels lack pidfds: fall back to a plain kill.
-        // SAFETY: kill with a valid signal number.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        return None;
+    use rustix::process::{Pid, Signal};
+    let pid = Pid::from_raw(pid)?;
+    match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => {
+            let _ = rustix::process::pidfd_send_signal(&fd, Signal::KILL);
+            Some(fd)
+        }
+        Err(_) => {
+            // Pre-5.3 kernels lack pidfds: fall back to a plain kill.
+            let _ = rustix::process::kill_process(pid, Signal::KILL);
+            None
+        }
     }
-    // SAFETY: the kernel returned a fresh descriptor that we now own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    // SAFETY: pidfd_send_signal with a valid pidfd, signal, NULL info and no flags.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            fd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<u8>(),
-            0,
-        )
-    };
-    Some(fd)
+}
+
+/// `wait` as poll(2)'s timeout.
+fn timespec(wait: Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec {
+        tv_sec: wait.as_secs().try_into().unwrap_or(i64::MAX),
+        tv_nsec: wait.subsec_nanos().into(),
+    }
 }
 
 /// Waits until every pidfd is readable (its process exited) or the deadline passes.
 fn wait_pidfds(fds: &[OwnedFd], deadline: Instant) {
-    let mut pending: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|f| libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
+    let mut pending: Vec<PollFd<'_>> = fds.iter().map(|f| PollFd::new(f, PollFlags::IN)).collect();
     while !pending.is_empty() {
         let now = Instant::now();
         if now >= deadline {
             return;
         }
-        let ms = (deadline - now).as_millis().min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: `pending` is a valid array of pollfds of the given length.
-        let n = unsafe { libc::poll(pending.as_mut_ptr(), pending.len() as libc::nfds_t, ms.max(1)) };
-        if n < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return;
+        let wait = (deadline - now).max(Duration::from_millis(1));
+        match rustix::event::poll(&mut pending, Some(&timespec(wait))) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return,
         }
-        pending.retain(|p| p.revents == 0);
+        pending.retain(|p| p.revents().is_empty());
         for p in &mut pending {
-            p.revents = 0;
+            p.clear_revents();
         }
     }
 }

@@ -14,7 +14,7 @@
 //! `stopped`, the freezer decides `paused`.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -71,13 +71,8 @@ pub fn run(dir: &StateDir, log: &Logger, a: &RunArgs) -> Result<(), ContainerErr
         return Err(ContainerError::NotDetached);
     }
     // fds 3..3+N must be possible descriptor numbers; this also bounds the work the init does.
-    let mut nofile = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit into a valid struct.
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
-    if u64::from(a.preserve_fds) + 3 > nofile.rlim_cur.min(1 << 20) {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if u64::from(a.preserve_fds) + 3 > nofile.current.unwrap_or(u64::MAX).min(1 << 20) {
         return Err(ContainerError::TooManyFds(a.preserve_fds));
     }
     let bundle = std::fs::canonicalize(&a.bundle).map_err(|source| ContainerError::Bundle {
@@ -247,16 +242,13 @@ fn init_pidfd(st: &ContainerState) -> Option<OwnedFd> {
     if st.pid <= 0 {
         return None;
     }
-    // SAFETY: pidfd_open returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, st.pid, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: the kernel just gave us this descriptor.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let pid = rustix::process::Pid::from_raw(st.pid)?;
+    let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()?;
     state::init_alive(st.pid, st.pid_start_time).then_some(fd)
 }
 
+/// Signals the init through its pidfd. Raw: the signal is any number a caller names,
+/// realtime ones included, which rustix's `Signal` takes only unchecked.
 fn send(fd: &OwnedFd, sig: libc::c_int) -> Result<(), Errno> {
     // SAFETY: pidfd_send_signal with a valid pidfd, NULL siginfo and no flags.
     let rc = unsafe {

@@ -20,6 +20,7 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use oci_spec::runtime::PosixRlimitType;
+use rustix::process::{Resource, Rlimit};
 
 use crate::cgroup::{Cgroup, CgroupError};
 use crate::init::{self, InitError, InitFds, InitPlan};
@@ -71,36 +72,42 @@ struct ChildGuard {
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         if self.armed {
-            // SAFETY: signalling and reaping our own child.
-            unsafe {
-                libc::kill(self.pid, libc::SIGKILL);
-                let mut status = 0;
-                while libc::waitpid(self.pid, &mut status, 0) < 0 && Errno::last().0 == libc::EINTR {}
+            // Our own child, not reaped yet: the PID names nothing else.
+            if let Some(pid) = rustix::process::Pid::from_raw(self.pid) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+                while let Err(rustix::io::Errno::INTR) = wait() {}
             }
         }
     }
 }
 
-fn rlimit_resource(t: PosixRlimitType) -> libc::__rlimit_resource_t {
+fn rlimit_resource(t: PosixRlimitType) -> Resource {
     use PosixRlimitType::*;
     match t {
-        RlimitCpu => libc::RLIMIT_CPU,
-        RlimitFsize => libc::RLIMIT_FSIZE,
-        RlimitData => libc::RLIMIT_DATA,
-        RlimitStack => libc::RLIMIT_STACK,
-        RlimitCore => libc::RLIMIT_CORE,
-        RlimitRss => libc::RLIMIT_RSS,
-        RlimitNproc => libc::RLIMIT_NPROC,
-        RlimitNofile => libc::RLIMIT_NOFILE,
-        RlimitMemlock => libc::RLIMIT_MEMLOCK,
-        RlimitAs => libc::RLIMIT_AS,
-        RlimitLocks => libc::RLIMIT_LOCKS,
-        RlimitSigpending => libc::RLIMIT_SIGPENDING,
-        RlimitMsgqueue => libc::RLIMIT_MSGQUEUE,
-        RlimitNice => libc::RLIMIT_NICE,
-        RlimitRtprio => libc::RLIMIT_RTPRIO,
-        RlimitRttime => libc::RLIMIT_RTTIME,
+        RlimitCpu => Resource::Cpu,
+        RlimitFsize => Resource::Fsize,
+        RlimitData => Resource::Data,
+        RlimitStack => Resource::Stack,
+        RlimitCore => Resource::Core,
+        RlimitRss => Resource::Rss,
+        RlimitNproc => Resource::Nproc,
+        RlimitNofile => Resource::Nofile,
+        RlimitMemlock => Resource::Memlock,
+        RlimitAs => Resource::As,
+        RlimitLocks => Resource::Locks,
+        RlimitSigpending => Resource::Sigpending,
+        RlimitMsgqueue => Resource::Msgqueue,
+        RlimitNice => Resource::Nice,
+        RlimitRtprio => Resource::Rtprio,
+        RlimitRttime => Resource::Rttime,
     }
+}
+
+/// A limit as the kernel takes it: an OCI spec writes "unlimited" as `u64::MAX`
+/// (`RLIM_INFINITY`), rustix as `None`.
+fn finite(limit: u64) -> Option<u64> {
+    (limit != u64::MAX).then_some(limit)
 }
 
 /// Everything the parent does between the clone and releasing the init; returns the
@@ -119,15 +126,18 @@ fn prepare(
         cgroup.add_process(pid)?;
     }
     for r in config.process.rlimits().iter().flatten() {
-        let lim = libc::rlimit {
-            rlim_cur: r.soft(),
-            rlim_max: r.hard(),
+        let limit = Rlimit {
+            current: finite(r.soft()),
+            maximum: finite(r.hard()),
         };
-        // SAFETY: prlimit on our child with a valid new limit and no old-limit pointer.
-        if unsafe { libc::prlimit(pid, rlimit_resource(r.typ()), &lim, std::ptr::null_mut()) } != 0 {
+        let child = rustix::process::Pid::from_raw(pid).ok_or(ProcessError::Rlimit {
+            name: r.typ().to_string(),
+            errno: Errno(libc::ESRCH),
+        })?;
+        if let Err(errno) = rustix::process::prlimit(Some(child), rlimit_resource(r.typ()), limit) {
             return Err(ProcessError::Rlimit {
                 name: r.typ().to_string(),
-                errno: Errno::last(),
+                errno: errno.into(),
             });
         }
     }

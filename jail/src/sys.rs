@@ -11,6 +11,10 @@
 //! released. The child therefore only touches memory prepared before the clone, and
 //! everything here works on caller-provided buffers, borrowed C strings and raw file
 //! descriptors. Errors are plain [`Errno`] values whose `Display` formats into a stack buffer.
+//!
+//! The parent's side of the runtime (state, signals, cgroups, limits) calls the kernel through
+//! rustix where it offers the call; what runs after `clone` stays on these wrappers, which
+//! the child's rules are written for.
 
 use std::ffi::CStr;
 use std::fmt;
@@ -43,6 +47,13 @@ impl Errno {
     pub fn last() -> Self {
         // SAFETY: __errno_location always returns a valid pointer to this thread's errno.
         Errno(unsafe { *libc::__errno_location() })
+    }
+}
+
+/// rustix's errors, for the parent's side of the runtime, which calls the kernel through it.
+impl From<rustix::io::Errno> for Errno {
+    fn from(errno: rustix::io::Errno) -> Self {
+        Errno(errno.raw_os_error())
     }
 }
 
