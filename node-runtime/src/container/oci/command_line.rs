@@ -4,8 +4,6 @@
 //! a failure meant "no such container" is read from the runtime's root instead, where a
 //! runc-compatible runtime keeps a folder per container it knows.
 
-use std::os::fd::BorrowedFd;
-use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::{Engine, EngineError, Launcher, Status};
@@ -49,23 +47,8 @@ impl CommandLine {
 }
 
 impl Engine for CommandLine {
-    fn describe(&self) -> String {
-        self.launcher.describe()
-    }
-
-    fn root(&self) -> &Path {
-        &self.launcher.root
-    }
-
-    fn run(
-        &self,
-        id: &str,
-        bundle: &Path,
-        pid_file: &Path,
-        log: &Path,
-        passed: &[BorrowedFd<'_>],
-    ) -> Result<(), EngineError> {
-        self.launcher.run(id, bundle, pid_file, log, passed)
+    fn launcher(&self) -> &Launcher {
+        &self.launcher
     }
 
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError> {

@@ -7,9 +7,6 @@
 //! process for them cost more than the work (a spawn, an `exec` and the loader, about 2 ms,
 //! once per kill and twice per resume).
 
-use std::os::fd::BorrowedFd;
-use std::path::Path;
-
 use ::jail::container::{self, ContainerError};
 use ::jail::state::{self, StateDir, StateError};
 
@@ -33,23 +30,8 @@ fn unknown(e: &ContainerError) -> bool {
 }
 
 impl Engine for Jail {
-    fn describe(&self) -> String {
-        self.launcher.describe()
-    }
-
-    fn root(&self) -> &Path {
-        &self.launcher.root
-    }
-
-    fn run(
-        &self,
-        id: &str,
-        bundle: &Path,
-        pid_file: &Path,
-        log: &Path,
-        passed: &[BorrowedFd<'_>],
-    ) -> Result<(), EngineError> {
-        self.launcher.run(id, bundle, pid_file, log, passed)
+    fn launcher(&self) -> &Launcher {
+        &self.launcher
     }
 
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError> {

@@ -59,12 +59,19 @@ pub enum EngineError {
 
 /// The verbs of an OCI runtime the node uses, on containers named by sandbox ID.
 pub trait Engine: Send + Sync {
+    /// How the runtime's binary is invoked (every engine starts containers as a process).
+    fn launcher(&self) -> &Launcher;
+
     /// The program and what it is called with, for logs and `NodeInfo`.
-    fn describe(&self) -> String;
+    fn describe(&self) -> String {
+        self.launcher().describe()
+    }
 
     /// The folder where the runtime keeps its containers' state (`--root`): runc-compatible
     /// runtimes keep a folder per container there.
-    fn root(&self) -> &Path;
+    fn root(&self) -> &Path {
+        &self.launcher().root
+    }
 
     /// Whether the runtime may know container `id` (a stale folder is cleaned by `delete`), so
     /// a new ID costs no call.
@@ -81,7 +88,9 @@ pub trait Engine: Send + Sync {
         pid_file: &Path,
         log: &Path,
         passed: &[BorrowedFd<'_>],
-    ) -> Result<(), EngineError>;
+    ) -> Result<(), EngineError> {
+        self.launcher().run(id, bundle, pid_file, log, passed)
+    }
 
     /// The container's status; `None` when the runtime does not know it.
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError>;
