@@ -196,7 +196,8 @@ impl InitPlan {
                 .collect::<Result<_, _>>()?,
             userns: config.namespaces.user,
             cgroupns: config.namespaces.cgroup,
-            netns: config.namespaces.net,
+            // A joined network namespace is its maker's to set up, loopback included.
+            netns: config.namespaces.net && config.namespaces.join_net.is_none(),
             hostname: config.hostname.as_deref().map(|h| cstr(h, "hostname")).transpose()?,
             domainname: config
                 .domainname

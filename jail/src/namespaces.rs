@@ -56,6 +56,118 @@ pub enum NamespaceError {
     Loopback(Errno),
     #[error("unmask /proc in a mount namespace of our own: {what}: {errno}")]
     Unmask { what: &'static str, errno: Errno },
+    /// Opening or entering a namespace the spec names by path (parent side).
+    #[error("join the {kind} namespace {path}: {errno}")]
+    Join {
+        kind: &'static str,
+        path: PathBuf,
+        errno: Errno,
+    },
+}
+
+/// Namespaces the container joins rather than creates, opened by the parent before any
+/// process is made (a path that cannot be opened fails here, not in a child).
+pub struct Joins {
+    /// `(descriptor, CLONE_NEW* type, kind, path)`, user first: joining the user namespace
+    /// first is what lets the next join reach a network namespace that user namespace owns.
+    entries: Vec<(std::os::fd::OwnedFd, libc::c_int, &'static str, PathBuf)>,
+}
+
+impl Joins {
+    pub fn open(ns: &crate::spec::Namespaces) -> Result<Joins, NamespaceError> {
+        let mut entries = Vec::new();
+        for (path, kind, flag) in [
+            (&ns.join_user, "user", libc::CLONE_NEWUSER),
+            (&ns.join_net, "network", libc::CLONE_NEWNET),
+        ] {
+            let Some(path) = path else { continue };
+            let fd = fs::File::open(path).map_err(|e| NamespaceError::Join {
+                kind,
+                path: path.clone(),
+                errno: Errno(e.raw_os_error().unwrap_or(libc::EIO)),
+            })?;
+            entries.push((fd.into(), flag, kind, path.clone()));
+        }
+        Ok(Joins { entries })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Creates the container's init inside the namespaces of `joins` and new ones of `flags`.
+/// Returns the init's host PID in the parent and 0 in the init, like [`clone_process`].
+///
+/// A process can only create namespaces owned by the user namespace it is in, and the
+/// parent must stay in the host's (it writes cgroups, limits and maps for the init). So a
+/// short-lived joiner is forked: it enters each joined namespace (user first), then clones
+/// the init with `CLONE_PARENT`, which makes the init the parent's child rather than the
+/// joiner's (reaped, signalled and guarded exactly as a directly cloned init), reports the
+/// init's PID on a pipe and exits. runc's `nsexec` takes the same route.
+///
+/// The report pipe sits at `min_fd` or above, clear of the descriptors the init passes on
+/// (it closes at the init's exec).
+pub fn clone_joined(joins: &Joins, flags: libc::c_int, min_fd: i32) -> Result<libc::pid_t, NamespaceError> {
+    use std::os::fd::AsRawFd as _;
+    let (report_r, report_w) = crate::sys::pipe_above(min_fd).map_err(NamespaceError::Clone)?;
+    let joiner = clone_process(0)?;
+    if joiner == 0 {
+        // The joiner: raw system calls on what the parent prepared, then _exit. Its report
+        // is (step, value): (0, the init's PID), (N, errno) when joining entry N failed,
+        // (-1, errno) when the clone did.
+        drop(report_r);
+        let mut failed = (0, 0);
+        for (step, (fd, nstype, _, _)) in joins.entries.iter().enumerate() {
+            // SAFETY: setns on a namespace descriptor the parent opened; this process has one
+            // thread, as joining a user namespace requires.
+            if unsafe { libc::setns(fd.as_raw_fd(), *nstype) } != 0 {
+                failed = (step as i32 + 1, Errno::last().0);
+                break;
+            }
+        }
+        if failed.0 == 0 {
+            let flags = (flags | libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong;
+            // SAFETY: as in `clone_process`: no new stack and no CLONE_VM, so both processes
+            // go on on their own copy of this one.
+            let rc = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
+            match rc {
+                0 => return Ok(0),
+                -1 => failed = (-1, Errno::last().0),
+                init => failed = (0, init as i32),
+            }
+        }
+        let mut report = [0u8; 8];
+        report[..4].copy_from_slice(&failed.0.to_ne_bytes());
+        report[4..].copy_from_slice(&failed.1.to_ne_bytes());
+        let _ = crate::sys::write_all(report_w.as_raw_fd(), &report);
+        crate::sys::exit_now(0);
+    }
+    drop(report_w);
+    let mut report = [0u8; 8];
+    let read = crate::sys::read_full(report_r.as_raw_fd(), &mut report);
+    // The joiner exits right after its report: reap it, so it is no zombie of ours.
+    if let Some(pid) = rustix::process::Pid::from_raw(joiner) {
+        let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+        while let Err(rustix::io::Errno::INTR) = wait() {}
+    }
+    if read != Ok(8) {
+        return Err(NamespaceError::Clone(Errno(libc::EPIPE)));
+    }
+    let step = i32::from_ne_bytes([report[0], report[1], report[2], report[3]]);
+    let value = i32::from_ne_bytes([report[4], report[5], report[6], report[7]]);
+    match step {
+        0 => Ok(value),
+        -1 => Err(NamespaceError::Clone(Errno(value))),
+        step => {
+            let (_, _, kind, path) = &joins.entries[(step - 1) as usize];
+            Err(NamespaceError::Join {
+                kind,
+                path: path.clone(),
+                errno: Errno(value),
+            })
+        }
+    }
 }
 
 /// Mount points strictly under `/proc` or `/sys` in a `/proc/self/mountinfo` text, deepest

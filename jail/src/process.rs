@@ -119,7 +119,8 @@ fn prepare(
     add_to_cgroup: bool,
     sync_w: &OwnedFd,
 ) -> Result<u64, ProcessError> {
-    if config.namespaces.user {
+    // A joined user namespace has its maps already (they are written once, by its maker).
+    if config.namespaces.user && config.namespaces.join_user.is_none() {
         namespaces::write_id_maps(pid, &config.uid_mappings, &config.gid_mappings)?;
     }
     if add_to_cgroup {
@@ -184,7 +185,12 @@ pub fn spawn(
         },
     )?;
 
-    let pid = namespaces::clone_process(config.namespaces.clone_flags())?;
+    let joins = namespaces::Joins::open(&config.namespaces)?;
+    let pid = if joins.is_empty() {
+        namespaces::clone_process(config.namespaces.clone_flags())?
+    } else {
+        namespaces::clone_joined(&joins, config.namespaces.clone_flags(), min_fd)?
+    };
     if pid == 0 {
         init::run(&mut plan);
     }

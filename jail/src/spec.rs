@@ -48,8 +48,9 @@ fn invalid(what: impl Into<String>) -> SpecError {
     SpecError::Invalid(what.into())
 }
 
-/// Which new namespaces the container gets. Joining existing ones (`path`) is refused.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Which namespaces the container runs in: new ones, or (user and network only) existing
+/// ones it joins by path.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Namespaces {
     pub user: bool,
     pub pid: bool,
@@ -58,19 +59,25 @@ pub struct Namespaces {
     pub ipc: bool,
     pub uts: bool,
     pub cgroup: bool,
+    /// An existing user namespace to join (`path`) instead of making one: `user` is then
+    /// true too (the container runs in a user namespace), but none is created.
+    pub join_user: Option<PathBuf>,
+    /// An existing network namespace to join instead of making one (`net` is then true).
+    pub join_net: Option<PathBuf>,
 }
 
 impl Namespaces {
-    /// The `CLONE_NEW*` flags for `clone(2)`. The cgroup namespace is left out on purpose:
-    /// it captures the cgroup the process is in *when it is created*, so the child unshares
-    /// it only after it has been moved into the container's cgroup.
+    /// The `CLONE_NEW*` flags for `clone(2)`: the namespaces to create. The cgroup namespace
+    /// is left out on purpose: it captures the cgroup the process is in *when it is created*,
+    /// so the child unshares it only after it has been moved into the container's cgroup.
+    /// Joined namespaces are left out too: the init is cloned inside them.
     pub fn clone_flags(&self) -> libc::c_int {
         let mut f = 0;
         for (on, flag) in [
-            (self.user, libc::CLONE_NEWUSER),
+            (self.user && self.join_user.is_none(), libc::CLONE_NEWUSER),
             (self.pid, libc::CLONE_NEWPID),
             (self.mount, libc::CLONE_NEWNS),
-            (self.net, libc::CLONE_NEWNET),
+            (self.net && self.join_net.is_none(), libc::CLONE_NEWNET),
             (self.ipc, libc::CLONE_NEWIPC),
             (self.uts, libc::CLONE_NEWUTS),
         ] {
@@ -177,8 +184,22 @@ pub fn validate(spec: Spec, bundle: &Path, id: &str) -> Result<Config, SpecError
     };
     let mut ns = Namespaces::default();
     for n in linux.namespaces().iter().flatten() {
-        if n.path().is_some() {
-            return Err(unsupported(format!("joining an existing {} namespace (path)", n.typ())));
+        // A user and a network namespace may be joined (a node keeps them ready for its
+        // sandboxes); joining any other is refused.
+        if let Some(path) = n.path() {
+            let join = match n.typ() {
+                LinuxNamespaceType::User => &mut ns.join_user,
+                LinuxNamespaceType::Network => &mut ns.join_net,
+                other => return Err(unsupported(format!("joining an existing {other} namespace (path)"))),
+            };
+            if !path.is_absolute() {
+                return Err(invalid(format!(
+                    "the {} namespace's path {} is not absolute",
+                    n.typ(),
+                    path.display()
+                )));
+            }
+            *join = Some(path.clone());
         }
         let slot = match n.typ() {
             LinuxNamespaceType::User => &mut ns.user,

@@ -1109,3 +1109,169 @@ fn static_envd_serves_from_a_root_without_any_c_library() {
         "{listed}"
     );
 }
+
+/// A user namespace mapped as the tests' containers are (0 -> [`HOST_UID`]) and a network
+/// namespace made inside it with a veth pair up, one end at 192.0.2.7, kept by a process that only
+/// sleeps: what a node keeps ready for its sandboxes. Killed (and so released) on drop.
+struct KeptNamespaces {
+    pid: i32,
+}
+
+impl KeptNamespaces {
+    fn new() -> KeptNamespaces {
+        use std::ffi::CString;
+        let (go_r, go_w) = pipe();
+        let (ready_r, ready_w) = pipe();
+        let sh = CString::new("/bin/sh").unwrap();
+        let script = CString::new(
+            "ip link set lo up && ip link add probe0 type veth peer name probe1 && ip addr add 192.0.2.7/24 dev probe0 \
+             && ip link set probe1 up && ip link set probe0 up && echo ready && exec sleep 600",
+        )
+        .unwrap();
+        let argv = [sh.as_ptr(), c"-c".as_ptr(), script.as_ptr(), std::ptr::null()];
+        let envp = [c"PATH=/usr/sbin:/usr/bin:/sbin:/bin".as_ptr(), std::ptr::null()];
+        let (go, ready) = (go_r.as_raw_fd(), ready_w.as_raw_fd());
+        // SAFETY: the child makes only async-signal-safe system calls on data prepared above,
+        // then execs or exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            // SAFETY: as above.
+            unsafe {
+                let mut byte = 0u8;
+                if libc::unshare(libc::CLONE_NEWUSER) != 0
+                    || libc::write(ready, b"u".as_ptr().cast(), 1) != 1
+                    || libc::read(go, (&mut byte as *mut u8).cast(), 1) != 1
+                    || libc::setresgid(0, 0, 0) != 0
+                    || libc::setresuid(0, 0, 0) != 0
+                    || libc::unshare(libc::CLONE_NEWNET) != 0
+                    || libc::dup2(ready, 1) < 0
+                {
+                    libc::_exit(1);
+                }
+                libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                libc::_exit(1);
+            }
+        }
+        drop(go_r);
+        drop(ready_w);
+        let mut ready_r = ready_r;
+        let mut first = [0u8; 1];
+        ready_r
+            .read_exact(&mut first)
+            .expect("the keeper made its user namespace");
+        for file in ["uid_map", "gid_map"] {
+            fs::write(format!("/proc/{pid}/{file}"), format!("0 {HOST_UID} 65536\n")).unwrap();
+        }
+        let mut go_w = fs::File::from(go_w);
+        go_w.write_all(b"g").unwrap();
+        let mut said = String::new();
+        let mut byte = [0u8; 1];
+        while !said.ends_with('\n') && ready_r.read(&mut byte).unwrap() == 1 {
+            said.push(byte[0] as char);
+        }
+        assert_eq!(said, "ready\n", "the keeper set up its network namespace");
+        KeptNamespaces { pid }
+    }
+
+    fn path(&self, kind: &str) -> String {
+        format!("/proc/{}/ns/{kind}", self.pid)
+    }
+
+    fn inode(&self, kind: &str) -> u64 {
+        fs::metadata(self.path(kind)).unwrap().ino()
+    }
+}
+
+impl Drop for KeptNamespaces {
+    fn drop(&mut self) {
+        // SAFETY: our own child.
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        reap(self.pid);
+    }
+}
+
+/// A container may join a user and a network namespace that outlive it (`path` in the
+/// spec), as a node's pool of ready network slots needs: it runs in exactly those, with new
+/// PID, mount, IPC and UTS namespaces owned by the joined user namespace (so it mounts its
+/// own sysfs, which shows the joined network), cannot reconfigure the network it was given,
+/// and a second container joins the same pair after the first is gone.
+#[test]
+fn joins_a_kept_user_and_network_namespace() {
+    require_root!();
+    let kept = KeptNamespaces::new();
+    let script = r#"exec >&3 2>/dev/null
+echo "pid=$$"
+echo "userns=$(stat -L -c %i /proc/self/ns/user)"
+echo "netns=$(stat -L -c %i /proc/self/ns/net)"
+echo "uid=$(id -u)"
+echo "probe=$(cat /sys/class/net/probe0/operstate)"
+ip link set probe0 down 2>/dev/null && echo netadmin=allowed || echo netadmin=refused
+ip addr add 192.0.2.8/24 dev probe0 2>/dev/null && echo addr=added || echo addr=refused
+echo "host=$(hostname)"
+echo done=1
+"#;
+    for round in ["first", "second"] {
+        let mut b = Bundle::new(&format!("joined-{round}"), script);
+        b.spec["linux"]["namespaces"] = json!([
+            {"type": "user", "path": kept.path("user")},
+            {"type": "pid"}, {"type": "mount"},
+            {"type": "network", "path": kept.path("net")},
+            {"type": "ipc"}, {"type": "uts"}, {"type": "cgroup"}
+        ]);
+        b.spec["mounts"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                         "options": ["nosuid", "noexec", "nodev", "ro"]}));
+        let (pid, r) = b.start();
+        let rep = report(r);
+        assert_eq!(field(&rep, "done"), "1", "{round}: {rep}");
+        assert_eq!(field(&rep, "pid"), "1", "{round}: a PID namespace of its own");
+        assert_eq!(
+            field(&rep, "userns"),
+            kept.inode("user").to_string(),
+            "{round}: the kept user namespace"
+        );
+        assert_eq!(
+            field(&rep, "netns"),
+            kept.inode("net").to_string(),
+            "{round}: the kept network namespace"
+        );
+        assert_eq!(
+            field(&rep, "uid"),
+            "0",
+            "{round}: root inside, by the kept namespace's map"
+        );
+        assert_eq!(
+            field(&rep, "probe"),
+            "up",
+            "{round}: its own sysfs shows the kept network"
+        );
+        assert_eq!(field(&rep, "netadmin"), "refused", "{round}: no CAP_NET_ADMIN");
+        assert_eq!(field(&rep, "addr"), "refused", "{round}");
+        assert_eq!(field(&rep, "host"), "jailtest", "{round}: a UTS namespace of its own");
+        reap(pid);
+        let out = b.jail(&["delete", &b.id]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    // The kept network is as it was: the containers changed nothing of it.
+    let state = fs::read_to_string(format!("/proc/{}/net/dev", kept.pid)).unwrap();
+    assert!(state.contains("probe0"), "{state}");
+}
+
+/// A namespace path that names nothing is refused before any process is made, naming it.
+#[test]
+fn joining_a_namespace_that_is_not_there_fails_cleanly() {
+    require_root!();
+    let mut b = Bundle::new("join-missing", "exit 0");
+    b.spec["linux"]["namespaces"][3] = json!({"type": "network", "path": "/proc/self/ns/no-such"});
+    let (out, _r) = b.run();
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("join the network namespace /proc/self/ns/no-such"),
+        "{said}"
+    );
+    assert_nothing_left(&b);
+}
