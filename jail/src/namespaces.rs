@@ -11,11 +11,16 @@
 //! namespaces in question.
 //!
 //! runc needs a second fork because a process cannot enter a PID namespace it unshared
-//! (only its children do) and because it must also join existing namespaces by path. We
-//! only create new namespaces, so the process `clone` returns is already PID 1 of its new
-//! PID namespace: one process less, one round trip less, and the parent learns the host PID
-//! directly from `clone`. When `jail` exits, the container is reparented to the nearest
+//! (only its children do) and because it must also join existing namespaces by path. When
+//! a container only creates namespaces, the process `clone` returns is already PID 1 of its
+//! new PID namespace: one process less, one round trip less, and the parent learns the host
+//! PID directly from `clone`. When `jail` exits, the container is reparented to the nearest
 //! subreaper (the node), exactly as with runc's intermediate process.
+//!
+//! **Joining.** A user and a network namespace may instead be joined by path (a node keeps
+//! them ready, with the network set up, so a sandbox's start creates no link). The parent
+//! must stay in the host's user namespace, so a short-lived joiner enters them and clones
+//! the init, the init's parent set to ours with `CLONE_PARENT` ([`clone_joined`]).
 //!
 //! **Id maps.** A process in a new user namespace has no uid until `/proc/PID/uid_map` and
 //! `gid_map` are written, and only once. The parent (host root) writes them while the child
