@@ -3,7 +3,9 @@
 //! (`true`) through envd from the node's endpoint; every sandbox answering at once (density);
 //! Debian's runc creating the same sandboxes in the same run, for comparison; and moving a
 //! sandbox holding 100 MB of files from one node-svc to another (snapshot streamed into
-//! restore).
+//! restore); and a burst of linked sandboxes killed at once, beside the rate at which this
+//! host deletes veth pairs one by one (the kernel serialises both on one lock, RTNL), with
+//! the creates made during the burst.
 
 use std::time::{Duration, Instant};
 
@@ -29,19 +31,125 @@ pub struct Args {
     /// The runc binary compared against.
     #[arg(long, default_value = "/usr/sbin/runc")]
     runc: std::path::PathBuf,
+    /// Sandboxes with a link out killed at once (0: no burst).
+    #[arg(long, default_value_t = 500)]
+    kill_burst: usize,
+    /// veth pairs made, then deleted one by one, for the host's own deletion rate.
+    #[arg(long, default_value_t = 200)]
+    veth_pairs: usize,
 }
 
+/// What the kill burst measured.
+struct Burst {
+    kills_per_sec: f64,
+    /// Loopback-only creates made while the burst's kills ran, one after another.
+    creates_during: Vec<Duration>,
+}
+
+/// Creates `count` sandboxes with a link out on the node behind `client`, then kills them
+/// all at once while one client keeps creating (and killing) loopback-only sandboxes.
+async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize) -> anyhow::Result<Burst> {
+    let mut c = client.clone();
+    for i in 0..count {
+        let mut request = create_request(i, &format!("kb{i}"));
+        request.operation_id = format!("kb{i}");
+        request.network = Some(pb::NetworkPolicy {
+            internet: true,
+            ..Default::default()
+        });
+        c.create(request).await.context("a linked sandbox for the burst")?;
+    }
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let creating = {
+        let (mut c, done) = (client.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let mut i = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let id = format!("kbc{i}");
+                let started = Instant::now();
+                c.create(create_request(100_000 + i, &id)).await?;
+                samples.push(started.elapsed());
+                c.kill(lifecycle(&id, format!("kbck{i}"))).await?;
+                i += 1;
+            }
+            anyhow::Ok(samples)
+        })
+    };
+    let started = Instant::now();
+    let kills: Vec<_> = (0..count)
+        .map(|i| {
+            let mut c = client.clone();
+            tokio::spawn(async move { c.kill(lifecycle(&format!("kb{i}"), format!("kbk{i}"))).await })
+        })
+        .collect();
+    for kill in kills {
+        kill.await??;
+    }
+    let elapsed = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let creates_during = creating.await??;
+    Ok(Burst {
+        kills_per_sec: count as f64 / elapsed.as_secs_f64(),
+        creates_during,
+    })
+}
+
+/// Deletions per second of `pairs` veth pairs made on the host and then deleted one by one,
+/// each its own netlink request (one `ip -batch` process, so no process start is counted):
+/// the rate a kill path that deletes each sandbox's link is held to.
+fn veth_delete_rate(pairs: usize) -> anyhow::Result<f64> {
+    use std::io::Write as _;
+    let batch = |lines: String| -> anyhow::Result<Duration> {
+        let mut ip = std::process::Command::new("ip")
+            .args(["-batch", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .context("running ip (iproute2)")?;
+        let started = Instant::now();
+        ip.stdin.take().context("ip's stdin")?.write_all(lines.as_bytes())?;
+        let status = ip.wait()?;
+        anyhow::ensure!(status.success(), "ip -batch failed: {status}");
+        Ok(started.elapsed())
+    };
+    let name = |i: usize| format!("vbench{}-{i}", std::process::id() % 10_000);
+    batch(
+        (0..pairs)
+            .map(|i| {
+                format!(
+                    "link add {} numtxqueues 1 numrxqueues 1 type veth peer name {}p\n",
+                    name(i),
+                    name(i)
+                )
+            })
+            .collect(),
+    )?;
+    let took = batch((0..pairs).map(|i| format!("link del {}\n", name(i))).collect())?;
+    Ok(pairs as f64 / took.as_secs_f64())
+}
+
+/// A node of the benchmark's own and its state directory. Dropped, it leaves nothing behind:
+/// a run that fails half-way (a create refused) would otherwise leave every container it
+/// made, with its root and its disk mounted, and the next run would find the host's disk
+/// promised to them.
 struct Scratch {
-    node: RunningNode,
+    running: Option<RunningNode>,
     dir: std::path::PathBuf,
     id: String,
+    oci_runtime: Option<std::path::PathBuf>,
 }
 
 async fn node(tag: &str, oci_runtime: Option<std::path::PathBuf>) -> anyhow::Result<Scratch> {
     let id = format!("bench-{tag}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let dir = std::env::temp_dir().join(&id);
     let mut config = NodeConfig::new("127.0.0.1:0".parse()?, &id, &dir);
-    config.runtime = RuntimeKind::Container { oci_runtime };
+    config.runtime = RuntimeKind::Container {
+        oci_runtime: oci_runtime.clone(),
+    };
+    // 100 sandboxes hold 100 disks of 2 GiB at once, sparse and all but empty: more than a
+    // small free disk may promise (every create past free / 2 GiB was refused for room). The
+    // benchmark promises knowingly, as `up --disk-overcommit` lets an operator.
+    config.host.disk_overcommit = 1_000.0;
     let node = node_svc::server::start(config).await?;
     let features = node.host().features();
     anyhow::ensure!(
@@ -49,7 +157,12 @@ async fn node(tag: &str, oci_runtime: Option<std::path::PathBuf>) -> anyhow::Res
         "this host cannot isolate sandboxes: {:?}",
         features.degraded
     );
-    Ok(Scratch { node, dir, id })
+    Ok(Scratch {
+        running: Some(node),
+        dir,
+        id,
+        oci_runtime,
+    })
 }
 
 fn create_request(i: usize, id: &str) -> pb::CreateRequest {
@@ -87,8 +200,21 @@ fn own_rss() -> u64 {
 }
 
 impl Scratch {
-    async fn remove(self) {
-        self.node.stop().await;
+    fn node(&self) -> &RunningNode {
+        self.running.as_ref().expect("a node until removed")
+    }
+
+    /// Stops the node; its containers and folder go when `self` is dropped, here.
+    async fn remove(mut self) {
+        if let Some(node) = self.running.take() {
+            node.stop().await;
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        node_svc::runtime::container::destroy_all(&self.dir, self.oci_runtime.as_deref());
         let _ = std::fs::remove_dir_all(&self.dir);
         node_svc::runtime::cgroup::remove_parents(&self.id);
     }
@@ -159,8 +285,8 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             .await?;
         anyhow::Ok(NodeClient::new(channel))
     };
-    let mut ca = client(a.node.endpoint()).await?;
-    let mut cb = client(b.node.endpoint()).await?;
+    let mut ca = client(a.node().endpoint()).await?;
+    let mut cb = client(b.node().endpoint()).await?;
 
     let (mut create, mut pause, mut resume, mut kill) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let rss_before = own_rss();
@@ -190,7 +316,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     // Every sandbox idle at once: each answers a command, and costs what its memory cgroup
     // (envd and the kernel objects charged to it) and the node's own growth say.
     let http = reqwest::Client::new();
-    let envd = a.node.envd_endpoint();
+    let envd = a.node().envd_endpoint();
     let (mut exec, mut answering) = (Vec::new(), 0usize);
     for i in 0..args.sandboxes {
         let started = Instant::now();
@@ -216,14 +342,14 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         anyhow::ensure!(status.success(), "true failed: {status}");
         spawn_true.push(started.elapsed());
     }
-    let listed = a.node.host().list().await;
+    let listed = a.node().host().list().await;
     let charged: u64 = listed.iter().map(|(_, used)| *used).sum();
     let node_growth = own_rss().saturating_sub(rss_before);
     let idle_mib = (charged + node_growth) as f64 / listed.len().max(1) as f64 / f64::from(1 << 20);
 
     // The same sandboxes with runc, in the same run.
     let runc_node = node("runc", Some(args.runc.clone())).await?;
-    let mut cr = client(runc_node.node.endpoint()).await?;
+    let mut cr = client(runc_node.node().endpoint()).await?;
     let mut runc_create = Vec::new();
     for i in 0..args.runc_sandboxes {
         let started = Instant::now();
@@ -234,6 +360,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         cr.kill(lifecycle(&format!("r{i}"), format!("rk{i}"))).await?;
     }
     runc_node.remove().await;
+    let burst = if args.kill_burst > 0 {
+        Some(kill_burst(&ca, args.kill_burst).await?)
+    } else {
+        None
+    };
+    let veth_delete_per_sec = if args.veth_pairs > 0 {
+        veth_delete_rate(args.veth_pairs)?
+    } else {
+        0.0
+    };
     for (label, samples, method) in [("p", &mut pause, 0), ("r", &mut resume, 1), ("k", &mut kill, 2)] {
         for i in 0..args.sandboxes {
             let req = lifecycle(&format!("s{i}"), format!("{label}{i}"));
@@ -261,7 +397,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         ..Default::default()
     })
     .await?;
-    let home = a.node.host().home("big");
+    let home = a.node().host().home("big");
     let block: Vec<u8> = (0..1 << 20)
         .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -288,7 +424,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     });
     cb.restore(restore).await?;
     let moved = started.elapsed();
-    let moved_home = b.node.host().home("big");
+    let moved_home = b.node().host().home("big");
     anyhow::ensure!(
         std::fs::read(moved_home.join("data-000.bin"))? == block,
         "the restored files differ"
@@ -370,5 +506,36 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             round2(moved.as_secs_f64() * 1_000.0),
             &format!("ms for {} MB", args.snapshot_mb),
         );
+    if let Some(mut burst) = burst {
+        report
+            .figure(
+                "kill_burst_per_sec",
+                burst.kills_per_sec.round(),
+                &format!("kills/s, {} sandboxes with a link out killed at once", args.kill_burst),
+            )
+            .figure(
+                "create_during_kill_burst_p50_ms",
+                round2(percentile(&mut burst.creates_during, 0.5)),
+                &format!(
+                    "ms, {} loopback-only creates made during the burst",
+                    burst.creates_during.len()
+                ),
+            )
+            .figure(
+                "create_during_kill_burst_p99_ms",
+                round2(percentile(&mut burst.creates_during, 0.99)),
+                "ms",
+            );
+    }
+    if args.veth_pairs > 0 {
+        report.figure(
+            "veth_delete_per_sec",
+            veth_delete_per_sec.round(),
+            &format!(
+                "deletions/s, {} veth pairs deleted one by one on this host",
+                args.veth_pairs
+            ),
+        );
+    }
     Ok(report)
 }
