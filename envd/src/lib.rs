@@ -78,6 +78,15 @@ fn listen_at(path: &std::path::Path) -> std::io::Result<tokio::net::UnixListener
     Ok(listener)
 }
 
+/// A descriptor number given on the command line: a number, and not negative (`-1` is no
+/// descriptor, and borrowing it would panic).
+fn descriptor(flag: &str, value: &str) -> Result<i32, String> {
+    match value.parse::<i32>() {
+        Ok(fd) if fd >= 0 => Ok(fd),
+        _ => Err(format!("{flag} {value:?} is not a descriptor number")),
+    }
+}
+
 const USAGE: &str = "usage: envd (--listen-fd N | --listen PATH) [--boot-fd N] [--passwd FILE] [--fallback-home DIR]
   The sandbox's ID and env vars come from ENVD_SANDBOX_ID and ENVD_VARS (a JSON object).";
 
@@ -93,14 +102,12 @@ pub fn config(args: impl IntoIterator<Item = OsString>) -> Result<Config, String
         match arg.as_str() {
             "--listen-fd" => {
                 let fd = value()?;
-                listen = Some(Listen::Fd(
-                    fd.parse().map_err(|_| format!("--listen-fd {fd:?} is not a number"))?,
-                ));
+                listen = Some(Listen::Fd(descriptor("--listen-fd", &fd)?));
             }
             "--listen" => listen = Some(Listen::Path(value()?.into())),
             "--boot-fd" => {
                 let fd = value()?;
-                boot_fd = Some(fd.parse().map_err(|_| format!("--boot-fd {fd:?} is not a number"))?);
+                boot_fd = Some(descriptor("--boot-fd", &fd)?);
             }
             "--passwd" => passwd = value()?.into(),
             "--fallback-home" => fallback_home = Some(PathBuf::from(value()?)),

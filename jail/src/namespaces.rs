@@ -68,6 +68,17 @@ pub enum NamespaceError {
         path: PathBuf,
         errno: Errno,
     },
+    /// A joined network namespace that the joined user namespace does not own: the sandbox
+    /// would run in a network its root has no say over (or the host's own).
+    #[error("the network namespace {net} is not owned by the user namespace {user}")]
+    NotOwned { net: PathBuf, user: PathBuf },
+    /// A joined user namespace whose maps are not the spec's.
+    #[error("the joined user namespace's {file} is {found:?}, the spec's is {want:?}")]
+    JoinedMaps {
+        file: &'static str,
+        found: Vec<[u64; 3]>,
+        want: Vec<[u64; 3]>,
+    },
 }
 
 /// Namespaces the container joins rather than creates, opened by the parent before any
@@ -79,19 +90,39 @@ pub struct Joins {
 }
 
 impl Joins {
-    pub fn open(ns: &crate::spec::Namespaces) -> Result<Joins, NamespaceError> {
+    /// Opens what `ns` joins, each at `min_fd` or above (clear of the descriptors the init
+    /// passes on, which it would otherwise keep open past its exec), without blocking on a
+    /// path that names a FIFO. A joined network namespace must be owned by the joined user
+    /// namespace (the spec validation already asks for both together).
+    pub fn open(ns: &crate::spec::Namespaces, min_fd: i32) -> Result<Joins, NamespaceError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
         let mut entries = Vec::new();
         for (path, kind, flag) in [
             (&ns.join_user, "user", libc::CLONE_NEWUSER),
             (&ns.join_net, "network", libc::CLONE_NEWNET),
         ] {
             let Some(path) = path else { continue };
-            let fd = fs::File::open(path).map_err(|e| NamespaceError::Join {
+            let fail = |errno| NamespaceError::Join {
                 kind,
                 path: path.clone(),
-                errno: Errno(e.raw_os_error().unwrap_or(libc::EIO)),
-            })?;
-            entries.push((fd.into(), flag, kind, path.clone()));
+                errno,
+            };
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(path)
+                .map_err(|e| fail(Errno(e.raw_os_error().unwrap_or(libc::EIO))))?;
+            let fd = crate::sys::move_above(file.into(), min_fd).map_err(fail)?;
+            entries.push((fd, flag, kind, path.clone()));
+        }
+        if let (Some(user), Some(net)) = (&ns.join_user, &ns.join_net) {
+            let (user_fd, net_fd) = (&entries[0].0, &entries[1].0);
+            if !owns(user_fd, net_fd) {
+                return Err(NamespaceError::NotOwned {
+                    net: net.clone(),
+                    user: user.clone(),
+                });
+            }
         }
         Ok(Joins { entries })
     }
@@ -99,6 +130,30 @@ impl Joins {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+}
+
+/// Whether the user namespace `user` owns the namespace `other`: `NS_GET_USERNS` on `other`
+/// opens its owner, compared with `user` by device and inode.
+fn owns(user: &std::os::fd::OwnedFd, other: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+    use std::os::unix::fs::MetadataExt as _;
+    /// `NS_GET_USERNS` of `<linux/nsfs.h>`: `_IO(0xb7, 0x1)`.
+    const NS_GET_USERNS: libc::c_ulong = 0xb701;
+    // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor or -1.
+    let owner = unsafe { libc::ioctl(other.as_raw_fd(), NS_GET_USERNS) };
+    if owner < 0 {
+        return false;
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
+    let owner = unsafe { fs::File::from_raw_fd(owner) };
+    let same = |a: &fs::File, b: &std::os::fd::OwnedFd| {
+        let b = b.try_clone().map(fs::File::from);
+        match (a.metadata(), b.and_then(|b| b.metadata())) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    };
+    same(&owner, user)
 }
 
 /// Creates the container's init inside the namespaces of `joins` and new ones of `flags`.
@@ -259,6 +314,38 @@ pub fn id_map_text(maps: &[LinuxIdMapping]) -> String {
         let _ = writeln!(s, "{} {} {}", m.container_id(), m.host_id(), m.size());
     }
     s
+}
+
+/// The ranges of an id map as `/proc/PID/uid_map` shows them (columns padded with spaces).
+fn parsed_id_map(text: &str) -> Vec<[u64; 3]> {
+    text.lines()
+        .filter_map(|line| {
+            let mut n = line.split_whitespace().map(|v| v.parse::<u64>());
+            match (n.next(), n.next(), n.next()) {
+                (Some(Ok(a)), Some(Ok(b)), Some(Ok(c))) => Some([a, b, c]),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// Checks that the child (in a joined user namespace) has exactly the spec's uid and gid
+/// maps (parent side).
+pub fn check_id_maps(pid: libc::pid_t, uids: &[LinuxIdMapping], gids: &[LinuxIdMapping]) -> Result<(), NamespaceError> {
+    for (file, maps) in [("uid_map", uids), ("gid_map", gids)] {
+        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+        let found = fs::read_to_string(&path).map_err(|source| NamespaceError::IdMap {
+            path: path.clone(),
+            source,
+        })?;
+        let (mut found, mut want) = (parsed_id_map(&found), parsed_id_map(&id_map_text(maps)));
+        found.sort_unstable();
+        want.sort_unstable();
+        if found != want {
+            return Err(NamespaceError::JoinedMaps { file, found, want });
+        }
+    }
+    Ok(())
 }
 
 /// Writes the child's uid and gid maps (parent side; each file takes one write).

@@ -119,8 +119,12 @@ fn prepare(
     add_to_cgroup: bool,
     sync_w: &OwnedFd,
 ) -> Result<u64, ProcessError> {
-    // A joined user namespace has its maps already (they are written once, by its maker).
-    if config.namespaces.user && config.namespaces.join_user.is_none() {
+    // A joined user namespace has its maps already (they are written once, by its maker):
+    // they must be the spec's, which the rest of the set-up trusts (a wrong or reused path
+    // would otherwise run the container as whoever that namespace maps).
+    if config.namespaces.join_user.is_some() {
+        namespaces::check_id_maps(pid, &config.uid_mappings, &config.gid_mappings)?;
+    } else if config.namespaces.user {
         namespaces::write_id_maps(pid, &config.uid_mappings, &config.gid_mappings)?;
     }
     if add_to_cgroup {
@@ -131,7 +135,7 @@ fn prepare(
             current: finite(r.soft()),
             maximum: finite(r.hard()),
         };
-        let child = rustix::process::Pid::from_raw(pid).ok_or(ProcessError::Rlimit {
+        let child = rustix::process::Pid::from_raw(pid).ok_or_else(|| ProcessError::Rlimit {
             name: r.typ().to_string(),
             errno: Errno(libc::ESRCH),
         })?;
@@ -185,7 +189,7 @@ pub fn spawn(
         },
     )?;
 
-    let joins = namespaces::Joins::open(&config.namespaces)?;
+    let joins = namespaces::Joins::open(&config.namespaces, min_fd)?;
     let pid = if joins.is_empty() {
         namespaces::clone_process(config.namespaces.clone_flags())?
     } else {

@@ -215,6 +215,13 @@ pub fn validate(spec: Spec, bundle: &Path, id: &str) -> Result<Config, SpecError
             return Err(invalid(format!("namespace {} listed twice", n.typ())));
         }
     }
+    if ns.join_net.is_some() && ns.join_user.is_none() {
+        // Joined by host root, any network namespace could be named (the host's own among
+        // them); joined from inside a joined user namespace, only one that namespace owns.
+        return Err(unsupported(
+            "joining a network namespace without joining the user namespace that owns it",
+        ));
+    }
     if !ns.mount {
         // Without a private mount namespace the rootfs mounts would land on the host.
         return Err(unsupported("a container without a mount namespace"));
@@ -524,6 +531,13 @@ pub(crate) mod tests {
         let mut v = base();
         v["linux"]["namespaces"][1] = json!({"type": "pid", "path": "/proc/1/ns/pid"});
         refused(v, "joining an existing pid namespace");
+
+        let mut v = base();
+        v["linux"]["namespaces"][3] = json!({"type": "network", "path": "/proc/1/ns/net"});
+        refused(
+            v,
+            "joining a network namespace without joining the user namespace that owns it",
+        );
 
         let mut v = base();
         v["hooks"] = json!({"prestart": [{"path": "/bin/true"}]});

@@ -1260,18 +1260,49 @@ echo done=1
     assert!(state.contains("probe0"), "{state}");
 }
 
-/// A namespace path that names nothing is refused before any process is made, naming it.
+/// A namespace path that names nothing is refused before any process is made, naming it;
+/// so is a network namespace the joined user namespace does not own (here the jail's own, the host's),
+/// and a joined user namespace whose maps are not the spec's.
 #[test]
-fn joining_a_namespace_that_is_not_there_fails_cleanly() {
+fn joining_a_namespace_that_is_not_there_or_not_ours_fails_cleanly() {
     require_root!();
-    let mut b = Bundle::new("join-missing", "exit 0");
-    b.spec["linux"]["namespaces"][3] = json!({"type": "network", "path": "/proc/self/ns/no-such"});
-    let (out, _r) = b.run();
-    assert!(!out.status.success());
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        said.contains("join the network namespace /proc/self/ns/no-such"),
-        "{said}"
-    );
-    assert_nothing_left(&b);
+    let kept = KeptNamespaces::new();
+    let missing = "/proc/self/ns/no-such".to_string();
+    let other_maps = json!([{"containerID": 0, "hostID": 200_000, "size": 65536}]);
+    let refusals = [
+        (
+            "join-missing",
+            missing.clone(),
+            kept.path("net"),
+            None,
+            "join the user namespace /proc/self/ns/no-such",
+        ),
+        (
+            "join-host-net",
+            kept.path("user"),
+            "/proc/self/ns/net".to_string(),
+            None,
+            "is not owned by the user namespace",
+        ),
+        (
+            "join-other-maps",
+            kept.path("user"),
+            kept.path("net"),
+            Some(other_maps),
+            "uid_map is",
+        ),
+    ];
+    for (id, user, net, maps, said) in refusals {
+        let mut b = Bundle::new(id, "exit 0");
+        b.spec["linux"]["namespaces"][0] = json!({"type": "user", "path": user});
+        b.spec["linux"]["namespaces"][3] = json!({"type": "network", "path": net});
+        if let Some(maps) = maps {
+            b.spec["linux"]["uidMappings"] = maps;
+        }
+        let (out, _r) = b.run();
+        assert!(!out.status.success(), "{id} started");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{id}: {stderr}");
+        assert_nothing_left(&b);
+    }
 }

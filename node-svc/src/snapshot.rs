@@ -113,14 +113,22 @@ const XATTR_VALUE_MAX: usize = 64 * 1024;
 /// files' metadata (E2B's file metadata), which a move must carry. The list of names is as
 /// long as the file's attributes make it (a tenant may set many), asked of the kernel first.
 fn user_xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut names = match rustix::fs::llistxattr_query(path) {
-        Ok(0) | Err(_) => return Vec::new(),
-        Ok(size) => vec![0u8; size],
-    };
-    match rustix::fs::llistxattr(path, &mut names) {
-        Ok(n) => names.truncate(n),
-        // Grown since the query (ERANGE) or gone: read as none, as before a file exists.
-        Err(_) => return Vec::new(),
+    let mut names = Vec::new();
+    // Asked again when the list grew between the query and the read (ERANGE).
+    for _ in 0..8 {
+        names = match rustix::fs::llistxattr_query(path) {
+            Ok(0) | Err(_) => return Vec::new(),
+            Ok(size) => vec![0u8; size],
+        };
+        match rustix::fs::llistxattr(path, &mut names) {
+            Ok(n) => {
+                names.truncate(n);
+                break;
+            }
+            Err(rustix::io::Errno::RANGE) => names.clear(),
+            // Gone: read as none, as a file that is not there has none.
+            Err(_) => return Vec::new(),
+        }
     }
     let mut found = Vec::new();
     let mut value = vec![0u8; XATTR_VALUE_MAX];

@@ -389,6 +389,8 @@ impl ContainerRuntime {
         // the node inherits it and can reap it the moment it is killed (see `kill`). Left to
         // the host's PID 1, a killed sandbox stays a zombie in its cgroup for as long as that
         // init takes to reap (seconds, on these machines), and the kill waits.
+        // `Some(..)` turns the flag on (the kernel takes any non-zero value); it names no
+        // process.
         if let Err(err) = rustix::process::set_child_subreaper(Some(rustix::process::Pid::INIT)) {
             degraded.push(format!("not a child subreaper: {err}"));
         }
