@@ -135,8 +135,7 @@ impl Joins {
 /// Whether the user namespace `user` owns the namespace `other`: `NS_GET_USERNS` on `other`
 /// opens its owner, compared with `user` by device and inode.
 fn owns(user: &std::os::fd::OwnedFd, other: &std::os::fd::OwnedFd) -> bool {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _};
-    use std::os::unix::fs::MetadataExt as _;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
     /// `NS_GET_USERNS` of `<linux/nsfs.h>`: `_IO(0xb7, 0x1)`.
     const NS_GET_USERNS: libc::c_ulong = 0xb701;
     // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor or -1.
@@ -145,15 +144,11 @@ fn owns(user: &std::os::fd::OwnedFd, other: &std::os::fd::OwnedFd) -> bool {
         return false;
     }
     // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
-    let owner = unsafe { fs::File::from_raw_fd(owner) };
-    let same = |a: &fs::File, b: &std::os::fd::OwnedFd| {
-        let b = b.try_clone().map(fs::File::from);
-        match (a.metadata(), b.and_then(|b| b.metadata())) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
-        }
-    };
-    same(&owner, user)
+    let owner = unsafe { OwnedFd::from_raw_fd(owner) };
+    match (rustix::fs::fstat(&owner), rustix::fs::fstat(user)) {
+        (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
+        _ => false,
+    }
 }
 
 /// Creates the container's init inside the namespaces of `joins` and new ones of `flags`.
@@ -207,10 +202,7 @@ pub fn clone_joined(joins: &Joins, flags: libc::c_int, min_fd: i32) -> Result<li
     let mut report = [0u8; 8];
     let read = crate::sys::read_full(report_r.as_raw_fd(), &mut report);
     // The joiner exits right after its report: reap it, so it is no zombie of ours.
-    if let Some(pid) = rustix::process::Pid::from_raw(joiner) {
-        let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
-        while let Err(rustix::io::Errno::INTR) = wait() {}
-    }
+    crate::sys::reap(joiner);
     if read != Ok(8) {
         return Err(NamespaceError::Clone(Errno(libc::EPIPE)));
     }
@@ -338,7 +330,11 @@ pub fn check_id_maps(pid: libc::pid_t, uids: &[LinuxIdMapping], gids: &[LinuxIdM
             path: path.clone(),
             source,
         })?;
-        let (mut found, mut want) = (parsed_id_map(&found), parsed_id_map(&id_map_text(maps)));
+        let mut found = parsed_id_map(&found);
+        let mut want: Vec<[u64; 3]> = maps
+            .iter()
+            .map(|m| [m.container_id(), m.host_id(), m.size()].map(u64::from))
+            .collect();
         found.sort_unstable();
         want.sort_unstable();
         if found != want {

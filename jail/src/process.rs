@@ -75,9 +75,8 @@ impl Drop for ChildGuard {
             // Our own child, not reaped yet: the PID names nothing else.
             if let Some(pid) = rustix::process::Pid::from_raw(self.pid) {
                 let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-                let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
-                while let Err(rustix::io::Errno::INTR) = wait() {}
             }
+            sys::reap(self.pid);
         }
     }
 }

@@ -297,6 +297,17 @@ pub fn move_above(fd: OwnedFd, min_fd: RawFd) -> Result<OwnedFd, Errno> {
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
+/// Waits for child `pid` to end and reaps it, through interruptions; returns at once for a
+/// PID that is no child of ours (or not a PID). Not for the child between clone and exec.
+pub fn reap(pid: libc::pid_t) {
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
+    while let Err(rustix::io::Errno::INTR) = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+    {
+    }
+}
+
 /// Terminates the calling process immediately, without running atexit handlers or flushing
 /// Rust's stdout buffer (which belongs to the parent's copy of the process).
 pub fn exit_now(code: i32) -> ! {

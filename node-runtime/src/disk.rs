@@ -125,12 +125,8 @@ pub fn promised(sandboxes: &Path) -> io::Result<Promised> {
 
 /// Bytes an unprivileged writer may still write on the filesystem holding `path`.
 pub fn free_bytes(path: &Path) -> io::Result<u64> {
-    let stat = statvfs(path)?;
+    let stat = rustix::fs::statvfs(path)?;
     Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
-}
-
-fn statvfs(path: &Path) -> io::Result<rustix::fs::StatVfs> {
-    Ok(rustix::fs::statvfs(path)?)
 }
 
 /// Held from a new disk's admission until its image exists, so two creates cannot both be
@@ -334,7 +330,7 @@ pub fn usage(dir: &Path) -> Option<(u64, u64)> {
     if !mounted(&mount) {
         return None;
     }
-    let stat = statvfs(&mount).ok()?;
+    let stat = rustix::fs::statvfs(&mount).ok()?;
     let total = stat.f_blocks.saturating_mul(stat.f_frsize);
     let free = stat.f_bfree.saturating_mul(stat.f_frsize);
     Some((total.saturating_sub(free), total))

@@ -262,13 +262,9 @@ fn reap_when_dead(pid: u32) {
     if pid <= 1 {
         return;
     }
-    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
-        return;
-    };
-    let _ = std::thread::Builder::new().name("reap-init".into()).spawn(move || {
-        let wait = || rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
-        while let Err(rustix::io::Errno::INTR) = wait() {}
-    });
+    let _ = std::thread::Builder::new()
+        .name("reap-init".into())
+        .spawn(move || jail::sys::reap(pid));
 }
 
 /// Whether process `pid` exists and is not a zombie (`/proc/PID/stat`'s state, after the
