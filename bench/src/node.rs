@@ -245,7 +245,7 @@ fn overlay_mounts(state_dir: &std::path::Path, rounds: usize) -> anyhow::Result<
     if let Some(why) = ranges.shared() {
         anyhow::bail!("{why}");
     }
-    let ids = ranges.claim("overlay-bench")?;
+    let ids = ranges.claim("overlay-bench", &[], false)?;
     let lower = [base_dir(state_dir)];
     let (mut plain, mut idmapped) = (Vec::new(), Vec::new());
     for i in 0..rounds {

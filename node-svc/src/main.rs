@@ -65,6 +65,14 @@ struct Args {
     /// the host routes to.
     #[arg(long, env = "NODE_SANDBOX_NETWORK", default_value = node_svc::runtime::container::network::DEFAULT_POOL)]
     sandbox_network: common::egress::Cidr,
+    /// Network slots kept ready beyond those in use (a namespace with its link, made ahead of
+    /// the sandboxes that reach out, so their creates make no link and their kills delete none).
+    #[arg(long, env = "NODE_NETWORK_SLOTS", default_value_t = 16, value_parser = clap::value_parser!(u64).range(0..=4096))]
+    network_slots: u64,
+    /// How long a killed sandbox's network slot waits (for packets in flight to die) before it
+    /// is cleaned and used again, in milliseconds.
+    #[arg(long, env = "NODE_SLOT_COOLDOWN_MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    slot_cooldown_ms: u64,
     /// Blocks no sandbox may reach, whatever its allowOut (comma-separated; default: private,
     /// link-local, shared, loopback, multicast and reserved ranges). The host's own addresses
     /// and other sandboxes are always out of reach.
@@ -176,6 +184,8 @@ async fn serve() -> anyhow::Result<()> {
         },
     };
     config.network.pool = args.sandbox_network;
+    config.network.slots.ready = args.network_slots as usize;
+    config.network.slots.cooldown = Duration::from_millis(args.slot_cooldown_ms);
     config.envd_binary = args.envd_binary;
     config.pids_max = args.pids_max;
     config.network.resolvers = args.sandbox_dns;

@@ -399,7 +399,11 @@ struct Internet {
     name: String,
     host_end: String,
     port: u16,
+    /// One internet at a time: each gives the host 198.51.100.1, and two would split its route.
+    _alone: std::sync::MutexGuard<'static, ()>,
 }
+
+static ONE_INTERNET: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const INTERNET: &str = "198.51.100.2";
 
@@ -410,6 +414,7 @@ fn ip(args: &[&str]) {
 
 impl Internet {
     fn start() -> Internet {
+        let alone = ONE_INTERNET.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let name = format!("inet-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let host_end = format!("i{}", &name[5..]);
         ip(&["netns", "add", &name]);
@@ -442,7 +447,12 @@ impl Internet {
                 let _ = std::io::Write::write_all(&mut &stream, format!("from {peer}\n").as_bytes());
             }
         });
-        Internet { name, host_end, port }
+        Internet {
+            name,
+            host_end,
+            port,
+            _alone: alone,
+        }
     }
 
     /// A shell line that connects to the internet's listener and prints what it says.
@@ -971,51 +981,225 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
     }
 }
 
-/// A killed sandbox's link is gone when the kill returns, not when the kernel gets round to
-/// freeing its namespace: with one address in the pool, the next sandbox gets it at once. The
-/// node takes the link down itself, so it goes even while something else holds the sandbox's
-/// namespace (here the test, with the namespace open across the kill; a leaked descriptor or
-/// an operator's tool would do the same), and also for a sandbox the node re-adopted after a
-/// restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_sandboxs_address_is_free_when_the_kill_returns() {
-    let pool: common::egress::Cidr = "10.201.250.0/30".parse().unwrap();
-    let host_end = node_svc::runtime::container::network::slot(&pool, 0)
-        .unwrap()
-        .host_interface;
-    let linked = || std::path::Path::new("/sys/class/net").join(&host_end).exists();
-    let configure = |config: &mut NodeConfig| config.network.pool = pool;
-    let mut n = node_configured(None, configure).await;
-    for round in 0..4 {
-        let sandbox = format!("relinked-{round}");
-        n.create_with(&sandbox, 128 << 20, internet()).await;
-        assert!(linked(), "round {round}: the sandbox has no link");
-        // One queue each way, from creation (see `link_up`): not one per CPU cut down later.
-        let shown = std::process::Command::new("ip")
-            .args(["-d", "-o", "link", "show", "dev", &host_end])
-            .output()
-            .expect("ip (iproute2)");
-        let shown = String::from_utf8_lossy(&shown.stdout);
-        assert!(shown.contains("numtxqueues 1 numrxqueues 1 "), "round {round}: {shown}");
-        if round == 3 {
-            // The last sandbox is killed by a node that found it at start.
-            let (dir, id) = (n.dir.clone(), n.id.clone());
-            if let Some(running) = n.node.take() {
-                running.stop().await;
+/// A UDP peer on the test's internet: it answers `hello` with `hi` and `probe` with `fresh`,
+/// each to whoever sent it, and on demand sends `stale` to whoever said `hello` last: a
+/// packet of an old flow arriving after its sandbox is gone.
+struct UdpPeer {
+    socket: std::net::UdpSocket,
+    said_hello: std::sync::Arc<std::sync::Mutex<Option<std::net::SocketAddr>>>,
+}
+
+impl Internet {
+    fn udp(&self) -> UdpPeer {
+        let path = format!("/run/netns/{}", self.name);
+        let socket = std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // On this short-lived thread only.
+            rustix::thread::move_into_link_name_space(
+                std::os::fd::AsFd::as_fd(&ns),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .unwrap();
+            std::net::UdpSocket::bind(format!("{INTERNET}:0")).unwrap()
+        })
+        .join()
+        .unwrap();
+        let said_hello = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (answering, last) = (socket.try_clone().unwrap(), said_hello.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            while let Ok((len, peer)) = answering.recv_from(&mut buf) {
+                let answer: &[u8] = match &buf[..len] {
+                    b"hello" => {
+                        *last.lock().unwrap() = Some(peer);
+                        b"hi"
+                    }
+                    b"probe" => b"fresh",
+                    _ => continue,
+                };
+                let _ = answering.send_to(answer, peer);
             }
-            let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
-            config.runtime = RuntimeKind::Container { oci_runtime: None };
-            configure(&mut config);
-            n.node = Some(node_svc::server::start(config).await.unwrap());
+        });
+        UdpPeer { socket, said_hello }
+    }
+}
+
+impl UdpPeer {
+    fn port(&self) -> u16 {
+        self.socket.local_addr().unwrap().port()
+    }
+
+    /// Sends `stale` to the last sandbox that said hello, as the host translated it.
+    fn send_stale(&self) {
+        let to = self.said_hello.lock().unwrap().expect("a sandbox said hello");
+        self.socket.send_to(b"stale", to).unwrap();
+    }
+}
+
+/// The interface index of host link `name`.
+fn ifindex(name: &str) -> String {
+    std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .trim()
+        .to_string()
+}
+
+/// A killed sandbox's network slot goes to the next sandbox, clean, and no link is made or
+/// deleted for either: with one address in the pool, four sandboxes in turn get it through the
+/// same host link (its index never changes), the last one killed by a node that found it
+/// running at start. Nothing of one reaches the next: the rules it had are gone, and a packet
+/// of its flow sent after its kill (here a UDP peer answering late to the address the host had
+/// translated its flow to) never reaches the next sandbox on the same address and port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sandboxs_slot_goes_to_the_next_sandbox_clean() {
+    let world = Internet::start();
+    let peer = world.udp();
+    let pool: common::egress::Cidr = "10.201.250.0/30".parse().unwrap();
+    let slot = node_svc::runtime::container::network::slot(&pool, 0).unwrap();
+    let configure = |config: &mut NodeConfig| {
+        config.network.pool = pool;
+        config.network.slots.ready = 1;
+        config.network.slots.cooldown = Duration::from_millis(100);
+    };
+    for runtime in runtimes() {
+        let mut n = node_configured(runtime.clone(), configure).await;
+        let mut index = None;
+        for round in 0..4 {
+            let sandbox = format!("slotted-{round}");
+            let policy = pb::NetworkPolicy {
+                internet: true,
+                // The first has rules of its own; the next must not inherit them.
+                deny_out: if round == 0 {
+                    vec!["203.0.113.0/24".into()]
+                } else {
+                    vec![]
+                },
+                ..Default::default()
+            };
+            n.create_with(&sandbox, 128 << 20, Some(policy)).await;
+            let (out, _) = n.sh(&sandbox, "root", "ip -4 -o addr show eth0").await;
+            assert!(
+                out.contains(&format!("{}/30", slot.address)),
+                "{runtime:?} round {round}: {out}"
+            );
+            let now = ifindex(&slot.host_interface);
+            assert_eq!(
+                *index.get_or_insert(now.clone()),
+                now,
+                "{runtime:?} round {round}: the link was made again"
+            );
+            let net = std::fs::read_dir(node_svc::runtime::container::run_dir(&n.dir).join("slots"))
+                .unwrap()
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "net"))
+                .expect("the slot's namespace file");
+            let tables = std::process::Command::new("nsenter")
+                .arg(format!("--net={}", net.display()))
+                .args(["nft", "list", "tables"])
+                .output()
+                .expect("nsenter (util-linux)");
+            let tables = String::from_utf8_lossy(&tables.stdout);
+            assert_eq!(
+                tables.contains("egress"),
+                round == 0,
+                "{runtime:?} round {round}: {tables}"
+            );
+            // Bound before the late packet is sent, so it would be seen if it came.
+            let script = format!(
+                "python3 -c \"
+import socket, os, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(('0.0.0.0', 40000))
+s.settimeout(5)
+open('/tmp/bound', 'w').close()
+deadline = time.time() + 20
+while {round} > 0 and not os.path.exists('/tmp/go') and time.time() < deadline:
+    time.sleep(0.01)
+if {round} > 0:
+    s.sendto(b'probe', ('{INTERNET}', {port}))
+    print(s.recv(64).decode())
+s.sendto(b'hello', ('{INTERNET}', {port}))
+print(s.recv(64).decode())
+\" > /tmp/said 2>&1; touch /tmp/done",
+                port = peer.port()
+            );
+            n.sh(
+                &sandbox,
+                "root",
+                &format!("nohup sh -c '{}' >/dev/null 2>&1 &", script.replace('\'', "'\\''")),
+            )
+            .await;
+            let wait_for = |file: &'static str| {
+                let (n, sandbox) = (&n, sandbox.clone());
+                async move {
+                    for _ in 0..400 {
+                        if n.sh(&sandbox, "root", &format!("test -e /tmp/{file}")).await.1 == 0 {
+                            return;
+                        }
+                    }
+                    panic!("{sandbox}: /tmp/{file} never appeared");
+                }
+            };
+            wait_for("bound").await;
+            if round > 0 {
+                peer.send_stale();
+                n.sh(&sandbox, "root", "touch /tmp/go").await;
+            }
+            wait_for("done").await;
+            let (said, _) = n.sh(&sandbox, "root", "cat /tmp/said").await;
+            let expected = if round > 0 { "fresh\nhi\n" } else { "hi\n" };
+            assert_eq!(
+                said, expected,
+                "{runtime:?} round {round}: the last sandbox's flow reached this one"
+            );
+            if round == 3 {
+                // The last sandbox is killed by a node that found it at start.
+                let (dir, id) = (n.dir.clone(), n.id.clone());
+                if let Some(running) = n.node.take() {
+                    running.stop().await;
+                }
+                let mut config = NodeConfig::new("127.0.0.1:0".parse().unwrap(), &id, &dir);
+                config.runtime = RuntimeKind::Container {
+                    oci_runtime: runtime.clone(),
+                };
+                configure(&mut config);
+                n.node = Some(node_svc::server::start(config).await.unwrap());
+            }
+            n.lifecycle(&sandbox, "kill").await;
         }
-        let pid = n.running().host().get(&sandbox).await.expect("a record").pgid;
-        let held = std::fs::File::open(format!("/proc/{pid}/ns/net")).expect("the sandbox's namespace");
-        n.lifecycle(&sandbox, "kill").await;
-        assert!(
-            !linked(),
-            "round {round}: the link outlived its sandbox's kill (its namespace held)"
-        );
-        drop(held);
+        assert_eq!(index.as_deref(), Some(ifindex(&slot.host_interface).as_str()));
+        n.stop().await;
+    }
+}
+
+/// Sandboxes created and killed at once, over and over, never share a network slot: at every
+/// point the running ones have addresses and network namespaces of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sandboxes_never_share_a_network_slot() {
+    let configure = |config: &mut NodeConfig| {
+        config.network.pool = "10.201.248.0/28".parse().unwrap();
+        config.network.slots.ready = 2;
+        config.network.slots.cooldown = Duration::from_millis(50);
+    };
+    let n = node_configured(None, configure).await;
+    for round in 0..3 {
+        let names: Vec<String> = (0..4).map(|i| format!("crowd-{round}-{i}")).collect();
+        futures::future::join_all(names.iter().map(|s| n.create_with(s, 64 << 20, internet()))).await;
+        let mut seen = std::collections::HashSet::new();
+        for sandbox in &names {
+            let (out, _) = n
+                .sh(
+                    sandbox,
+                    "root",
+                    "ip -4 -o addr show eth0 | awk '{print $4}'; stat -L -c %i /proc/self/ns/net",
+                )
+                .await;
+            for line in out.lines() {
+                assert!(seen.insert(line.to_string()), "round {round}: {sandbox} shares {line}");
+            }
+        }
+        futures::future::join_all(names.iter().map(|s| n.lifecycle(s, "kill"))).await;
     }
     n.stop().await;
 }

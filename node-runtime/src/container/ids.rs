@@ -66,16 +66,19 @@ struct Slots {
 
 impl Slots {
     fn lowest_free(&self) -> Option<u32> {
+        self.free().next()
+    }
+
+    /// The slots no sandbox holds, lowest first.
+    fn free(&self) -> impl Iterator<Item = u32> + '_ {
         let mut taken: Vec<u32> = self.held.values().copied().collect();
         taken.sort_unstable();
-        let mut next = 0;
-        for slot in taken {
-            if slot > next {
-                break;
-            }
-            next = next.max(slot + 1);
-        }
-        (next < SLOTS).then_some(next)
+        taken.dedup();
+        let mut taken = taken.into_iter().peekable();
+        (0..SLOTS).filter(move |slot| {
+            while taken.next_if(|t| t < slot).is_some() {}
+            taken.peek() != Some(slot)
+        })
     }
 }
 
@@ -116,8 +119,10 @@ impl IdRanges {
     }
 
     /// The ids for sandbox `id`: the slot it holds already (a start over its own dead copy),
-    /// or the lowest free one.
-    pub fn claim(&self, id: &str) -> Result<Ids, IdError> {
+    /// else, for a sandbox that reaches out (`linked`), the first free one whose range is
+    /// among `ready` (host ids of root: ranges with a network slot ready for them), else the
+    /// lowest free one not among `ready` (left for sandboxes that need them), else any.
+    pub fn claim(&self, id: &str, ready: &[u32], linked: bool) -> Result<Ids, IdError> {
         if self.shared.is_some() {
             return Ok(Ids {
                 host_base: HOST_ID_BASE,
@@ -129,7 +134,19 @@ impl IdRanges {
         // another's init) is kept by neither on a new start.
         let slot = match slots.held.get(id) {
             Some(slot) if slots.held.values().filter(|s| *s == slot).count() == 1 => *slot,
-            _ => slots.lowest_free().ok_or(IdError::Exhausted)?,
+            _ => {
+                let ready: Vec<u32> = ready.iter().filter_map(|host| slot_of_host(*host)).collect();
+                let free_ready = ready
+                    .iter()
+                    .copied()
+                    .find(|slot| !slots.held.values().any(|h| h == slot));
+                linked
+                    .then_some(free_ready)
+                    .flatten()
+                    .or_else(|| slots.free().take(ready.len() + 1).find(|slot| !ready.contains(slot)))
+                    .or_else(|| slots.lowest_free())
+                    .ok_or(IdError::Exhausted)?
+            }
         };
         let host = host_base(slot);
         let userns = match slots.namespaces.get(&slot) {
@@ -146,6 +163,16 @@ impl IdRanges {
             host_base: host,
             userns: Some(userns),
         })
+    }
+
+    /// The host ids of root in the `count` ranges the next sandboxes will be given, lowest
+    /// first (all the storage range on a host that shares it): what a pool of namespaces
+    /// made ahead of need should be made for.
+    pub fn next_free(&self, count: usize) -> Vec<u32> {
+        if self.shared.is_some() {
+            return vec![HOST_ID_BASE; count];
+        }
+        self.slots().free().take(count).map(host_base).collect()
     }
 
     /// Gives back `id`'s slot (its sandbox's processes are gone).
@@ -171,9 +198,19 @@ impl IdRanges {
 /// The slot whose range a `uid_map` maps root to, if it is one of the slots.
 fn slot_of_map(map: &str) -> Option<u32> {
     let line = map.lines().find(|l| l.split_whitespace().next() == Some("0"))?;
-    let host: u32 = line.split_whitespace().nth(1)?.parse().ok()?;
+    slot_of_host(line.split_whitespace().nth(1)?.parse().ok()?)
+}
+
+/// The slot whose range starts at host id `host`, if it is one of the slots.
+fn slot_of_host(host: u32) -> Option<u32> {
     let offset = host.checked_sub(RUN_ID_BASE)?;
     (offset % ID_RANGE == 0 && offset / ID_RANGE < SLOTS).then_some(offset / ID_RANGE)
+}
+
+/// The `uid_map` (and `gid_map`) text of a sandbox's own user namespace when root inside is
+/// host id `host`: its whole range, nothing else.
+pub fn sandbox_map_text(host: u32) -> String {
+    format!("0 {host} {ID_RANGE}\n")
 }
 
 /// The `uid_map` (and `gid_map`) text of the namespace that idmaps layers for the range at
@@ -183,18 +220,25 @@ fn mapping_text(host: u32) -> String {
     format!("0 0 1\n{HOST_ID_BASE} {host} {ID_RANGE}\n")
 }
 
-/// A user namespace whose maps are [`mapping_text`]`(host)`, held by a descriptor: made by a
-/// child cloned into a new user namespace, which waits only until its maps are written and
-/// its namespace opened.
+/// A user namespace whose maps are [`mapping_text`]`(host)`, held by a descriptor.
+pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
+    hold_namespaces(&mapping_text(host), false).map(|(user, _)| user)
+}
+
+/// A new user namespace whose uid and gid maps are `maps` and, with `network`, a network
+/// namespace it owns, held by descriptors: made by a child cloned into them, which waits only
+/// until its maps are written and its namespaces opened. (Cloned with both flags at once, the
+/// kernel makes the user namespace first and gives it the network one.)
 ///
 /// The child shares the node's memory (`CLONE_VM`) and runs on a small stack of its own. A
 /// fork-like clone would copy the page tables of the whole node, a large threaded process,
 /// and then pay copy-on-write faults and TLB shootdowns on every CPU: 3 ms or more a slot,
 /// most of a sandbox's create wherever it needed a fresh slot.
-pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
+pub(super) fn hold_namespaces(maps: &str, network: bool) -> io::Result<(OwnedFd, Option<OwnedFd>)> {
     let mut stack = vec![0u8; HOLDER_STACK];
     // The stack grows down from its end, 16-byte aligned as the ABI wants.
     let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+    let flags = libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD | if network { libc::CLONE_NEWNET } else { 0 };
     // SAFETY: the signal sets are plain values on this stack. `hold` runs on `stack`, which
     // outlives the child (it is reaped below, before `stack` is dropped), and touches no
     // memory besides it. The child starts with every signal blocked, so no handler of the
@@ -204,34 +248,28 @@ pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
         let mut before: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut before);
-        let pid = libc::clone(
-            hold,
-            top as *mut libc::c_void,
-            libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD,
-            std::ptr::null_mut(),
-        );
+        let pid = libc::clone(hold, top as *mut libc::c_void, flags, std::ptr::null_mut());
         let cloned = io::Error::last_os_error();
         libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
         (pid, cloned)
     };
     if pid < 0 {
-        return Err(io::Error::other(format!(
-            "cloning a user namespace for idmapped mounts: {cloned}"
-        )));
+        return Err(io::Error::other(format!("cloning a user namespace: {cloned}")));
     }
     let opened = (|| {
-        let text = mapping_text(host);
-        std::fs::write(format!("/proc/{pid}/uid_map"), &text)?;
-        std::fs::write(format!("/proc/{pid}/gid_map"), &text)?;
-        std::fs::File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from)
+        std::fs::write(format!("/proc/{pid}/uid_map"), maps)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), maps)?;
+        let user = std::fs::File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from)?;
+        let net = if network {
+            Some(std::fs::File::open(format!("/proc/{pid}/ns/net")).map(OwnedFd::from)?)
+        } else {
+            None
+        };
+        Ok((user, net))
     })();
-    // SAFETY: signalling and reaping our own child.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-        while libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL) < 0
-            && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
-        {}
-    }
+    // SAFETY: signalling our own child; reaping it.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    jail::sys::reap(pid);
     drop(stack);
     opened
 }
@@ -345,8 +383,9 @@ mod tests {
             shared: Some("no idmapping".into()),
             inner: Mutex::default(),
         };
-        let ids = r.claim("a").unwrap();
+        let ids = r.claim("a", &[], false).unwrap();
         assert_eq!(ids.host_base, HOST_ID_BASE);
+        assert_eq!(r.next_free(2), vec![HOST_ID_BASE; 2]);
         assert!(ids.userns.is_none());
         assert!(r.slots().held.is_empty());
     }
@@ -354,19 +393,26 @@ mod tests {
     #[test]
     fn sandboxes_get_ranges_of_their_own_and_a_released_one_is_reused() {
         let r = ranges();
-        let a = r.claim("a").expect("a user namespace (run as root)");
-        let b = r.claim("b").unwrap();
+        let a = r.claim("a", &[], false).expect("a user namespace (run as root)");
+        let b = r.claim("b", &[], true).unwrap();
         assert_eq!((a.host_base, b.host_base), (host_base(0), host_base(1)));
+        assert_eq!(r.next_free(2), vec![host_base(2), host_base(3)]);
         assert_eq!(
-            r.claim("a").unwrap().host_base,
+            r.claim("a", &[host_base(5)], true).unwrap().host_base,
             a.host_base,
             "a start over its own dead copy"
         );
         r.release("a");
-        assert_eq!(r.claim("c").unwrap().host_base, host_base(0));
+        assert_eq!(r.next_free(2), vec![host_base(0), host_base(2)]);
+        assert_eq!(r.claim("c", &[], false).unwrap().host_base, host_base(0));
         // "d" adopted with "c"'s slot (its init's PID reused): its next start gets one alone.
         r.slots().held.insert("d".into(), 0);
-        assert_eq!(r.claim("d").unwrap().host_base, host_base(2));
+        assert_eq!(r.claim("d", &[], false).unwrap().host_base, host_base(2));
+        // A ready range is taken by a linked sandbox when free (skipped when held or not a
+        // range at all), and left alone by one that is not linked.
+        let ready = [host_base(1), 7, host_base(6), host_base(3)];
+        assert_eq!(r.claim("e", &ready, true).unwrap().host_base, host_base(6));
+        assert_eq!(r.claim("f", &ready, false).unwrap().host_base, host_base(4));
         // The slot's namespace maps as it says.
         let ns = a.userns.expect("a namespace");
         let fd = format!("/proc/self/fd/{}", ns.as_raw_fd());

@@ -20,12 +20,14 @@
 //! node's [`run_dir`] (in memory), holds `config.json` (the spec), `container.pid`,
 //! `envd.sock` and `rootfs/` (the mounted root).
 
+pub mod conntrack;
 pub mod ids;
 pub mod network;
 pub mod oci;
 pub mod resolver;
 pub mod rootfs;
 pub mod run_dir;
+pub mod slots;
 pub mod spec;
 
 pub use run_dir::run_dir;
@@ -205,7 +207,9 @@ pub struct ContainerRuntime {
     /// Links out, and the host's floor.
     network: network::Network,
     /// Which host ids each sandbox runs as.
-    ids: ids::IdRanges,
+    ids: std::sync::Arc<ids::IdRanges>,
+    /// Networks made ahead of sandboxes ([`slots`]); none where sandboxes cannot reach out.
+    slots: Option<slots::SlotPool>,
     /// Processes all sandboxes may have together, and the memory they share them by.
     pids_max: u64,
     memory_bytes: u64,
@@ -246,6 +250,7 @@ pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
         }
         let _ = dismantle(&parts(&run, &layout::home_in(&sandboxes.join(&id))));
     }
+    slots::delete_all(&run);
     let _ = std::fs::remove_dir_all(&run);
     // Then every sandbox's disk, so the folder can be deleted.
     for entry in std::fs::read_dir(&sandboxes).into_iter().flatten().flatten() {
@@ -435,13 +440,28 @@ impl ContainerRuntime {
                 PathBuf::from("/nonexistent/envd")
             }),
         };
-        let ids = ids::IdRanges::new(rootfs::probe_idmapped_overlay(&root));
+        let ids = std::sync::Arc::new(ids::IdRanges::new(rootfs::probe_idmapped_overlay(&root)));
         if let Some(shared) = ids.shared() {
             degraded.push(shared.to_string());
         }
         let network = network::Network::new(config.network.clone());
+        let mut slots = None;
         if let Some(problem) = network.problem() {
             degraded.push(format!("sandboxes that need a network are refused: {problem}"));
+        } else {
+            let next = ids.clone();
+            match slots::SlotPool::start(
+                &run,
+                network.config().clone(),
+                network.nft().map(Path::to_path_buf),
+                config.network.slots.clone(),
+                Box::new(move |n| next.next_free(n)),
+            ) {
+                Ok(pool) => slots = Some(pool),
+                Err(e) => degraded.push(format!(
+                    "no network slots (every linked sandbox makes its own link): {e}"
+                )),
+            }
         }
         if !missing.is_empty() {
             degraded.push(format!("sandboxes refused: this host lacks {}", missing.join(", ")));
@@ -463,6 +483,7 @@ impl ContainerRuntime {
             cgroups,
             network,
             ids,
+            slots,
             pids_max,
             memory_bytes: config.memory_bytes,
             missing,
@@ -496,7 +517,13 @@ impl ContainerRuntime {
         Ok(lower)
     }
 
-    fn write_spec(&self, sandbox: &Sandbox<'_>, parts: &Parts, host_ids: u32) -> Result<(), String> {
+    fn write_spec(
+        &self,
+        sandbox: &Sandbox<'_>,
+        parts: &Parts,
+        host_ids: u32,
+        joins: Option<&(PathBuf, PathBuf)>,
+    ) -> Result<(), String> {
         let host_userland = sandbox.image.is_none_or(|i| i.host_userland);
         let inputs = spec::Inputs {
             rootfs: &parts.rootfs,
@@ -506,11 +533,37 @@ impl ContainerRuntime {
             host_userland,
             host_ids,
             pids_limit: spec::pids_limit(self.pids_max, self.memory_bytes, sandbox.memory_bytes),
+            joins: joins.map(|(user, net)| (user.as_path(), net.as_path())),
         };
         let spec = spec::spec(sandbox, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
         // The spec holds the user's environment variables: the node's alone to read.
         write_private(&parts.bundle.join("config.json"), &json).map_err(|e| format!("writing config.json: {e}"))
+    }
+
+    /// Takes a network slot for `sandbox` of range `host_ids` and sets its own rules in it
+    /// (before its first process runs): the namespace paths its spec joins.
+    fn join_slot(
+        &self,
+        slots: &slots::SlotPool,
+        sandbox: &str,
+        host_ids: u32,
+        policy: &contracts::egress::NetworkPolicy,
+    ) -> Result<(PathBuf, PathBuf), String> {
+        let slots::NetSlotView { user, net, link } = slots.take(sandbox, host_ids).map_err(|e| e.to_string())?;
+        let netns = std::fs::File::open(&net).map_err(|e| format!("the network slot {}: {e}", net.display()))?;
+        if network::set_rules(self.network.nft(), &netns, policy).map_err(|e| e.to_string())? {
+            slots.mark_rules(sandbox);
+        }
+        tracing::debug!(sandbox_id = sandbox, interface = %link.host_interface, address = %link.address, "sandbox takes a network slot");
+        Ok((user, net))
+    }
+
+    /// Gives back `sandbox`'s network slot, if it holds one.
+    fn give_back_slot(&self, sandbox: &str) {
+        if let Some(slots) = &self.slots {
+            slots.give_back(sandbox);
+        }
     }
 
     fn bind_socket(parts: &Parts) -> io::Result<std::os::unix::net::UnixListener> {
@@ -569,8 +622,22 @@ impl Runtime for ContainerRuntime {
         if self.engine.knows(sandbox.id) {
             self.engine.delete(sandbox.id).map_err(|e| start_error(sandbox, e))?;
         }
-        let ids = self.ids.claim(sandbox.id).map_err(|e| start_error(sandbox, e))?;
+        // A sandbox that reaches out takes a network slot: its id range one with a slot ready.
+        let pool = self.slots.as_ref().zip(sandbox.network.filter(|p| p.needs_link()));
+        let ready = self
+            .slots
+            .as_ref()
+            .map(slots::SlotPool::ready_ranges)
+            .unwrap_or_default();
+        let ids = self
+            .ids
+            .claim(sandbox.id, &ready, pool.is_some())
+            .map_err(|e| start_error(sandbox, e))?;
         let started = (|| -> Result<u32, String> {
+            let joins = match pool {
+                Some((slots, policy)) => Some(self.join_slot(slots, sandbox.id, ids.host_base, policy)?),
+                None => None,
+            };
             rootfs::prepare_upper(home, &parts.work).map_err(|e| format!("writable layer: {e}"))?;
             let lower = self.lower_dirs(sandbox)?;
             std::fs::create_dir_all(&parts.bundle).map_err(|e| format!("bundle: {e}"))?;
@@ -583,7 +650,7 @@ impl Runtime for ContainerRuntime {
                 ids.userns.as_ref().map(|fd| fd.as_fd()),
             )
             .map_err(|e| e.to_string())?;
-            self.write_spec(sandbox, &parts, ids.host_base)?;
+            self.write_spec(sandbox, &parts, ids.host_base, joins.as_ref())?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
             // envd starts the start command when this pipe closes: after the network is up.
             let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
@@ -602,7 +669,10 @@ impl Runtime for ContainerRuntime {
                 .trim()
                 .parse::<u32>()
                 .map_err(|e| format!("pid file {pid:?}: {e}"))?;
-            let linked = self.network.attach(sandbox.id, pid, sandbox.network);
+            let linked = match joins {
+                Some(_) => Ok(None),
+                None => self.network.attach(sandbox.id, pid, sandbox.network),
+            };
             drop(boot_write);
             if let Err(e) = linked {
                 reap_when_dead(pid);
@@ -613,6 +683,7 @@ impl Runtime for ContainerRuntime {
         })();
         started.map_err(|e| {
             let _ = dismantle(&parts);
+            self.give_back_slot(sandbox.id);
             self.ids.release(sandbox.id);
             start_error(sandbox, e)
         })
@@ -649,7 +720,9 @@ impl Runtime for ContainerRuntime {
         // kernel frees the namespace. Not before the delete: a kill that fails leaves the
         // sandbox running, and running with its network.
         self.network.detach(sandbox.id);
-        // Every process of the sandbox is gone with its container: its ids may be reused.
+        // Every process of the sandbox is gone with its container: its ids may be reused, and
+        // its network slot, once cooled and cleaned.
+        self.give_back_slot(sandbox.id);
         self.ids.release(sandbox.id);
         dismantle(&parts(&self.run, &layout::home_in(&self.sandboxes.join(sandbox.id))))
             .map_err(|e| control(sandbox, "kill", e))
@@ -676,11 +749,18 @@ impl Runtime for ContainerRuntime {
 
     fn adopt(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
         self.ids.adopt(sandbox.id, sandbox.pgid);
-        // Its link, so its kill takes it down. Only while its container runs: a PID number
-        // reused by some other process must not hand that process's link to this kill. (A
-        // restored sandbox has no process yet: its start links it.)
+        // Its network slot, or its own link, so its kill gives back or takes down what it has.
+        // Only while its container runs: a PID number reused by some other process must not
+        // hand that process's network to this kill. (A restored sandbox has no process yet:
+        // its start links it.)
         if sandbox.pgid > 1 && self.alive(sandbox) {
-            self.network.adopt(sandbox.id, sandbox.pgid);
+            let in_slot = self
+                .slots
+                .as_ref()
+                .is_some_and(|slots| slots.claim_found(sandbox.id, sandbox.pgid));
+            if !in_slot {
+                self.network.adopt(sandbox.id, sandbox.pgid);
+            }
         }
         Ok(())
     }
@@ -696,6 +776,7 @@ impl Runtime for ContainerRuntime {
             }
         }
         self.network.detach(id);
+        self.give_back_slot(id);
         if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a sandbox was not unmounted");
         }
@@ -713,11 +794,16 @@ impl Runtime for ContainerRuntime {
             match self.engine.delete(&id) {
                 Ok(()) => {
                     self.network.detach(&id);
+                    self.give_back_slot(&id);
                     self.cgroups.remove(&id);
                     gone.push(id);
                 }
                 Err(err) => tracing::warn!(sandbox_id = %id, %err, "an unknown container was not deleted"),
             }
+        }
+        // Every sandbox found is adopted by now: the slots none runs in are free.
+        if let Some(slots) = &self.slots {
+            slots.settle();
         }
         gone
     }
@@ -773,6 +859,10 @@ impl Runtime for ContainerRuntime {
         sandbox: &Sandbox<'_>,
         policy: &contracts::egress::NetworkPolicy,
     ) -> Result<(), RuntimeError> {
+        if let Some(slots) = &self.slots {
+            // Rules it may now have are cleaned out of its slot when it is given back.
+            slots.mark_rules(sandbox.id);
+        }
         self.network
             .update(sandbox.id, sandbox.pgid, policy)
             .map(drop)

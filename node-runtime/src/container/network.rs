@@ -1,11 +1,14 @@
 //! A sandbox's way out, and the walls around it.
 //!
-//! Every sandbox has its own network namespace (the runtime makes it with the container). A
-//! sandbox that may reach anything beyond itself ([`NetworkPolicy::needs_link`]) gets one
-//! veth pair: `eth0` inside, with the second address of a /30 taken from the node's pool, and
-//! `sbx<hex of the host address>` on the host with the first, which is the sandbox's default
-//! gateway. The host masquerades what leaves. A sandbox with no internet and nothing allowed
-//! gets no link at all: loopback only, nothing to get wrong.
+//! Every sandbox has its own network namespace. A sandbox that may reach anything beyond
+//! itself ([`NetworkPolicy::needs_link`]) gets one veth pair: `eth0` inside, with the second
+//! address of a /30 taken from the node's pool, and `sbx<hex of the host address>` on the host
+//! with the first, which is the sandbox's default gateway. The host masquerades what leaves.
+//! Such a sandbox joins a namespace made before it with its link already up, a network slot
+//! ([`super::slots`]), so no link is made on its create or deleted on its kill; one that gains
+//! a link later ([`Network::update`]) gets a pair made into its own namespace
+//! ([`Network::attach`]). A sandbox with no internet and nothing allowed gets no link at all:
+//! loopback only, nothing to get wrong.
 //!
 //! **Why veth and NAT** rather than a userspace stack (slirp4netns, pasta): the kernel does
 //! the work with no process per sandbox (an idle sandbox must cost under 5 MiB; a pasta
@@ -31,10 +34,10 @@
 //! change them, because the container's capability set has no `CAP_NET_ADMIN`. They protect
 //! the sandbox's owner from their own code; the floor, on the host, protects everyone else.
 //!
-//! **Slots.** The interface name is derived from the address, and the kernel refuses a second
-//! interface of one name, so creating the host end *is* the allocation: atomic across every
-//! node on the host, with nothing to leak. When the sandbox's namespace goes, its `eth0` goes
-//! and takes the host end with it.
+//! **Addresses.** The interface name is derived from the address, and the kernel refuses a
+//! second interface of one name, so creating the host end *is* the allocation: atomic across
+//! every node on the host. When a namespace goes, its `eth0` goes and takes the host end with
+//! it.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -80,6 +83,8 @@ pub struct NetworkConfig {
     /// The resolvers sandboxes' names are asked of ([`super::resolver`]); empty: the host's
     /// own, from its `/etc/resolv.conf`.
     pub resolvers: Vec<std::net::SocketAddr>,
+    /// Networks made ahead of sandboxes ([`super::slots`]).
+    pub slots: super::slots::SlotSettings,
 }
 
 impl Default for NetworkConfig {
@@ -88,6 +93,7 @@ impl Default for NetworkConfig {
             pool: DEFAULT_POOL.parse().unwrap_or(Cidr::ANY),
             floor: DEFAULT_FLOOR.iter().filter_map(|c| c.parse().ok()).collect(),
             resolvers: Vec::new(),
+            slots: Default::default(),
         }
     }
 }
@@ -133,7 +139,7 @@ pub fn slots(pool: &Cidr) -> u64 {
 
 /// Where a sandbox starts looking for a free slot: spread by its ID, so nodes sharing a host
 /// rarely try the same one.
-fn first_slot(sandbox: &str, count: u64) -> u64 {
+pub(super) fn first_slot(sandbox: &str, count: u64) -> u64 {
     if count == 0 {
         0
     } else {
@@ -456,6 +462,15 @@ impl Network {
         }
     }
 
+    /// The nft binary, when installed.
+    pub fn nft(&self) -> Option<&Path> {
+        self.nft.as_deref()
+    }
+
+    pub fn config(&self) -> &NetworkConfig {
+        &self.config
+    }
+
     /// Why sandboxes cannot reach out here, if they cannot.
     pub fn problem(&self) -> Option<&str> {
         self.problem.as_deref()
@@ -656,7 +671,31 @@ async fn link_up(
         .execute()
         .await
         .map_err(netlink)?;
+    // A slot's namespace is made without a container, which brings loopback up itself in a
+    // namespace it makes (and finds it up in one it joins).
+    let lo = index_of(&inside, "lo").await?;
+    inside
+        .link()
+        .set(LinkUnspec::new_with_index(lo).up().build())
+        .execute()
+        .await
+        .map_err(netlink)?;
     Ok((link, host_index))
+}
+
+/// The index of interface `name` (`handle`'s namespace).
+async fn index_of(handle: &rtnetlink::Handle, name: &str) -> Result<u32, NetworkError> {
+    use futures::TryStreamExt as _;
+    let found = handle
+        .link()
+        .get()
+        .match_name(name.to_string())
+        .execute()
+        .try_next()
+        .await
+        .map_err(netlink)?
+        .ok_or_else(|| NetworkError::Netlink(format!("no interface {name}")))?;
+    Ok(found.header.index)
 }
 
 /// `link` asking for one queue each way at creation: a veth otherwise gets one per CPU and is
@@ -743,6 +782,107 @@ async fn eth0_and_peer(inside: &rtnetlink::Handle) -> Result<(u32, u32), Network
         })
         .ok_or_else(|| NetworkError::Netlink("eth0 names no peer".into()))?;
     Ok((eth0.header.index, peer))
+}
+
+/// A network slot's link: a veth pair between the host and the namespace `netns`, its
+/// addresses the first free /30 of the pool from a place `seed` spreads; the link and the host
+/// end's index.
+pub(super) fn slot_link(
+    config: &NetworkConfig,
+    seed: &str,
+    netns: &std::os::fd::OwnedFd,
+) -> Result<(Link, u32), NetworkError> {
+    let pool = config.pool;
+    let count = slots(&pool);
+    let start = first_slot(seed, count);
+    let netns_fd = netns.as_raw_fd();
+    on_netlink_thread(move || link_up(pool, start, count, netns_fd))
+}
+
+/// The name and index of the host end of the link of the namespace open at `netns`.
+pub(super) fn host_end(netns: &std::fs::File) -> Result<(String, u32), NetworkError> {
+    let netns_fd = netns.as_raw_fd();
+    on_netlink_thread(move || host_end_of(netns_fd)).map(|end| (end.name, end.index))
+}
+
+/// Deletes the host interface of index `index` (both ends of its pair go); `name` is for the
+/// log. One already gone is no error.
+pub(super) fn delete_link(index: u32, name: &str) {
+    let deleted = on_netlink_thread(move || async move {
+        let host = connect()?;
+        match host.link().del(index).execute().await {
+            Err(e) if no_such_device(&e) => Ok(()),
+            done => done.map_err(netlink),
+        }
+    });
+    if let Err(err) = deleted {
+        tracing::warn!(interface = name, %err, "a link was not deleted");
+    }
+}
+
+/// Deletes the host interface called `name`, if it is a sandbox link (by its prefix) and
+/// there.
+pub(super) fn delete_link_named(name: &str) {
+    if !name.starts_with(HOST_PREFIX) {
+        return;
+    }
+    let owned = name.to_string();
+    let index = on_netlink_thread(move || async move {
+        let host = connect()?;
+        index_of(&host, &owned).await
+    });
+    if let Ok(index) = index {
+        delete_link(index, name);
+    }
+}
+
+/// Sets `policy`'s own rules in the namespace open at `netns` (none: whatever was there goes).
+pub(super) fn set_rules(
+    nft: Option<&Path>,
+    netns: &std::fs::File,
+    policy: &NetworkPolicy,
+) -> Result<bool, NetworkError> {
+    match (sandbox_ruleset(policy), nft) {
+        (Some(rules), Some(binary)) => run_nft(binary, &replacing(&rules), Some(netns)).map(|()| true),
+        (Some(_), None) => Err(NetworkError::Unavailable("nft (nftables) is not installed".into())),
+        (None, _) => Ok(false),
+    }
+}
+
+/// Removes a sandbox's own rules from the namespace open at `netns`.
+pub(super) fn clear_rules(nft: Option<&Path>, netns: &std::fs::File) -> Result<(), NetworkError> {
+    match nft {
+        Some(binary) => run_nft(binary, &replacing(""), Some(netns)),
+        None => Ok(()),
+    }
+}
+
+/// How many TCP sockets the namespace open at `netns` still holds (a connection closed by a
+/// process that is gone stays in `TIME_WAIT` or `FIN_WAIT` a while). UDP and raw sockets die
+/// with their last descriptor, and so with the sandbox's processes.
+pub(super) fn sockets_in(netns: &std::fs::File) -> Result<usize, NetworkError> {
+    let netns_fd = netns.as_raw_fd();
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                // SAFETY: `netns` stays open until this scoped thread is joined.
+                let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(netns_fd) };
+                // On this short-lived thread only: /proc/thread-self/net is its namespace's.
+                rustix::thread::move_into_link_name_space(ns, Some(rustix::thread::LinkNameSpaceType::Network))
+                    .map_err(|e| NetworkError::Namespace(e.into()))?;
+                let mut count = 0;
+                for table in ["tcp", "tcp6"] {
+                    match std::fs::read_to_string(format!("/proc/thread-self/net/{table}")) {
+                        Ok(text) => count += text.lines().skip(1).filter(|l| !l.trim().is_empty()).count(),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(NetworkError::Namespace(e)),
+                    }
+                }
+                Ok(count)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(NetworkError::Netlink("the socket count panicked".into())))
+    })
 }
 
 /// Starts the DNS forwarder of the node's pool and the redirect to it.

@@ -77,6 +77,9 @@ pub struct Inputs<'a> {
     pub host_ids: u32,
     /// Processes it may have at once ([`pids_limit`]).
     pub pids_limit: i64,
+    /// A network slot's user and network namespaces to join (`super::slots`), instead of new
+    /// ones; the user namespace is mapped as `host_ids` says.
+    pub joins: Option<(&'a Path, &'a Path)>,
 }
 
 const CAPABILITIES: [&str; 14] = [
@@ -191,6 +194,16 @@ pub fn spec(sandbox: &Sandbox<'_>, inputs: &Inputs) -> Result<Spec, String> {
         );
     }
     mounts.push(json!({"destination": ENVD_PATH, "type": "bind", "source": inputs.envd_binary, "options": ["bind", "ro", "nosuid", "nodev"]}));
+    let (user, network) = match inputs.joins {
+        Some((user, net)) => (
+            json!({"type": "user", "path": user}),
+            json!({"type": "network", "path": net}),
+        ),
+        None => (json!({"type": "user"}), json!({"type": "network"})),
+    };
+    let namespaces = json!([
+        user, {"type": "pid"}, network, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}
+    ]);
     let value: Value = json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -211,10 +224,7 @@ pub fn spec(sandbox: &Sandbox<'_>, inputs: &Inputs) -> Result<Spec, String> {
         "hostname": sandbox.id,
         "mounts": mounts,
         "linux": {
-            "namespaces": [
-                {"type": "user"}, {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
-                {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}
-            ],
+            "namespaces": namespaces,
             "uidMappings": [{"containerID": 0, "hostID": inputs.host_ids, "size": ID_RANGE}],
             "gidMappings": [{"containerID": 0, "hostID": inputs.host_ids, "size": ID_RANGE}],
             "cgroupsPath": inputs.cgroups_path,
@@ -268,6 +278,34 @@ mod tests {
     }
 
     #[test]
+    fn a_sandbox_with_a_network_slot_joins_its_user_and_network_namespaces_and_makes_the_rest() {
+        let inputs = Inputs {
+            rootfs: Path::new("/state/sbx1/rootfs"),
+            envd_binary: Path::new("/bin/node-svc"),
+            cgroups_path: "/sandboxsched-n1/sbx1".into(),
+            host_dirs: &[],
+            host_userland: true,
+            host_ids: 1 << 24,
+            pids_limit: 300,
+            joins: Some((Path::new("/run/s/slots/a.user"), Path::new("/run/s/slots/a.net"))),
+        };
+        let json = serde_json::to_value(spec(&sandbox(&env(), None), &inputs).unwrap()).unwrap();
+        let namespaces = json["linux"]["namespaces"].as_array().unwrap();
+        let path_of = |kind: &str| {
+            namespaces
+                .iter()
+                .find(|n| n["type"] == kind)
+                .map(|n| n["path"].as_str().unwrap_or_default().to_string())
+        };
+        assert_eq!(path_of("user").as_deref(), Some("/run/s/slots/a.user"));
+        assert_eq!(path_of("network").as_deref(), Some("/run/s/slots/a.net"));
+        for kind in ["pid", "ipc", "uts", "mount", "cgroup"] {
+            assert_eq!(path_of(kind).as_deref(), Some(""), "{kind} is new");
+        }
+        assert_eq!(json["linux"]["uidMappings"][0]["hostID"], 1 << 24, "the slot's map");
+    }
+
+    #[test]
     fn a_sandbox_is_namespaced_mapped_limited_and_filtered() {
         let inputs = Inputs {
             rootfs: Path::new("/state/sbx1/rootfs"),
@@ -277,6 +315,7 @@ mod tests {
             host_userland: true,
             host_ids: 1 << 24,
             pids_limit: 300,
+            joins: None,
         };
         let spec = spec(&sandbox(&env(), None), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
@@ -340,6 +379,7 @@ mod tests {
             host_userland: false,
             host_ids: HOST_ID_BASE,
             pids_limit: PIDS_LIMIT,
+            joins: None,
         };
         let image = contracts::template::Image {
             user: "root".into(),
