@@ -1088,14 +1088,9 @@ async fn a_killed_sandboxs_slot_goes_to_the_next_sandbox_clean() {
                 now,
                 "{runtime:?} round {round}: the link was made again"
             );
-            let net = std::fs::read_dir(node_svc::runtime::container::run_dir(&n.dir).join("slots"))
-                .unwrap()
-                .flatten()
-                .map(|e| e.path())
-                .find(|p| p.extension().is_some_and(|x| x == "net"))
-                .expect("the slot's namespace file");
+            let pid = n.running().host().get(&sandbox).await.expect("a record").pgid;
             let tables = std::process::Command::new("nsenter")
-                .arg(format!("--net={}", net.display()))
+                .arg(format!("--net=/proc/{pid}/ns/net"))
                 .args(["nft", "list", "tables"])
                 .output()
                 .expect("nsenter (util-linux)");

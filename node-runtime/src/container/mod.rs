@@ -20,7 +20,7 @@
 //! node's [`run_dir`] (in memory), holds `config.json` (the spec), `container.pid`,
 //! `envd.sock` and `rootfs/` (the mounted root).
 
-pub mod conntrack;
+pub mod forget;
 pub mod ids;
 pub mod network;
 pub mod oci;
@@ -250,7 +250,6 @@ pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
         }
         let _ = dismantle(&parts(&run, &layout::home_in(&sandboxes.join(&id))));
     }
-    slots::delete_all(&run);
     let _ = std::fs::remove_dir_all(&run);
     // Then every sandbox's disk, so the folder can be deleted.
     for entry in std::fs::read_dir(&sandboxes).into_iter().flatten().flatten() {
@@ -451,7 +450,6 @@ impl ContainerRuntime {
         } else {
             let next = ids.clone();
             match slots::SlotPool::start(
-                &run,
                 network.config().clone(),
                 network.nft().map(Path::to_path_buf),
                 config.network.slots.clone(),
@@ -757,7 +755,7 @@ impl Runtime for ContainerRuntime {
             let in_slot = self
                 .slots
                 .as_ref()
-                .is_some_and(|slots| slots.claim_found(sandbox.id, sandbox.pgid));
+                .is_some_and(|slots| slots.adopt(sandbox.id, sandbox.pgid));
             if !in_slot {
                 self.network.adopt(sandbox.id, sandbox.pgid);
             }
@@ -800,10 +798,6 @@ impl Runtime for ContainerRuntime {
                 }
                 Err(err) => tracing::warn!(sandbox_id = %id, %err, "an unknown container was not deleted"),
             }
-        }
-        // Every sandbox found is adopted by now: the slots none runs in are free.
-        if let Some(slots) = &self.slots {
-            slots.settle();
         }
         gone
     }

@@ -820,22 +820,6 @@ pub(super) fn delete_link(index: u32, name: &str) {
     }
 }
 
-/// Deletes the host interface called `name`, if it is a sandbox link (by its prefix) and
-/// there.
-pub(super) fn delete_link_named(name: &str) {
-    if !name.starts_with(HOST_PREFIX) {
-        return;
-    }
-    let owned = name.to_string();
-    let index = on_netlink_thread(move || async move {
-        let host = connect()?;
-        index_of(&host, &owned).await
-    });
-    if let Ok(index) = index {
-        delete_link(index, name);
-    }
-}
-
 /// Sets `policy`'s own rules in the namespace open at `netns` (none: whatever was there goes).
 pub(super) fn set_rules(
     nft: Option<&Path>,
@@ -857,31 +841,22 @@ pub(super) fn clear_rules(nft: Option<&Path>, netns: &std::fs::File) -> Result<(
     }
 }
 
-/// How many TCP sockets the namespace open at `netns` still holds (a connection closed by a
-/// process that is gone stays in `TIME_WAIT` or `FIN_WAIT` a while). UDP and raw sockets die
-/// with their last descriptor, and so with the sandbox's processes.
-pub(super) fn sockets_in(netns: &std::fs::File) -> Result<usize, NetworkError> {
-    let netns_fd = netns.as_raw_fd();
+/// Runs `work` on a short-lived thread moved into the network namespace open at `netns`
+/// (what it opens, it opens there; `/proc/thread-self/net` is that namespace's).
+pub(super) fn in_namespace<T: Send>(
+    netns: &std::fs::File,
+    work: impl FnOnce() -> std::io::Result<T> + Send,
+) -> std::io::Result<T> {
+    let netns = std::os::fd::AsFd::as_fd(netns);
     std::thread::scope(|scope| {
         scope
             .spawn(move || {
-                // SAFETY: `netns` stays open until this scoped thread is joined.
-                let ns = unsafe { std::os::fd::BorrowedFd::borrow_raw(netns_fd) };
-                // On this short-lived thread only: /proc/thread-self/net is its namespace's.
-                rustix::thread::move_into_link_name_space(ns, Some(rustix::thread::LinkNameSpaceType::Network))
-                    .map_err(|e| NetworkError::Namespace(e.into()))?;
-                let mut count = 0;
-                for table in ["tcp", "tcp6"] {
-                    match std::fs::read_to_string(format!("/proc/thread-self/net/{table}")) {
-                        Ok(text) => count += text.lines().skip(1).filter(|l| !l.trim().is_empty()).count(),
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(NetworkError::Namespace(e)),
-                    }
-                }
-                Ok(count)
+                // On this thread only, which ends with the work.
+                rustix::thread::move_into_link_name_space(netns, Some(rustix::thread::LinkNameSpaceType::Network))?;
+                work()
             })
             .join()
-            .unwrap_or_else(|_| Err(NetworkError::Netlink("the socket count panicked".into())))
+            .unwrap_or_else(|_| Err(std::io::Error::other("a thread in a network namespace panicked")))
     })
 }
 

@@ -1,6 +1,8 @@
-//! Forgetting a sandbox's connections: the host's connection-tracking entries of an address.
+//! Forgetting a sandbox's connections, before its network slot goes to the next sandbox: the
+//! host's connection-tracking entries of its address ([`conntrack`]) and what the slot's
+//! namespace learnt of its peers ([`tcp_metrics`]).
 //!
-//! The host masquerades what a sandbox sends, and remembers each flow in its connection
+//! **Conntrack.** The host masquerades what a sandbox sends, and remembers each flow in its connection
 //! tracking table (conntrack) so replies find their way back. That memory outlives the sandbox:
 //! an established TCP flow is kept for days. A network slot handed to the next sandbox keeps
 //! its address, so a reply to the old sandbox's flow (or a peer still sending on it) would be
@@ -13,16 +15,29 @@
 //! entries filtered here, each matching one deleted by its original tuple, which is sent back
 //! exactly as the kernel gave it. A few message layouts of `<linux/netfilter/nfnetlink.h>`
 //! and `nfnetlink_conntrack.h` are all it takes; no conntrack tool needs to be installed.
+//!
+//! **TCP metrics.** A network namespace caches, per peer address, what TCP learnt of the path
+//! (round-trip time, congestion window, Fast Open cookies), and any process inside may list it
+//! (`ip tcp_metrics`: reading needs no privilege). Left in a slot, the next sandbox would read
+//! which addresses the last one talked to. The cache is flushed whole, over generic netlink.
 
 use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 
-/// `NFNL_SUBSYS_CTNETLINK`: conntrack's subsystem, the high byte of a message type.
-const SUBSYS_CTNETLINK: u16 = 1;
-/// `IPCTNL_MSG_CT_GET` and `IPCTNL_MSG_CT_DELETE`.
-const MSG_GET: u16 = 1;
-const MSG_DELETE: u16 = 2;
+/// `IPCTNL_MSG_CT_GET` and `IPCTNL_MSG_CT_DELETE` of conntrack's subsystem
+/// (`NFNL_SUBSYS_CTNETLINK`, the high byte).
+const CTNETLINK_GET: u16 = 1 << 8 | 1;
+const CTNETLINK_DELETE: u16 = 1 << 8 | 2;
+/// `nfgenmsg` for IPv4: family, version (`NFNETLINK_V0`), resource id (unused).
+const IPV4: [u8; NFGEN] = [libc::AF_INET as u8, 0, 0, 0];
+/// The generic netlink controller, its `CTRL_CMD_GETFAMILY` and attributes.
+const GENL_ID_CTRL: u16 = 0x10;
+const CTRL_CMD_GETFAMILY: u8 = 3;
+const CTRL_ATTR_FAMILY_ID: u16 = 1;
+const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+/// `TCP_METRICS_CMD_DEL` of `<linux/tcp_metrics.h>`.
+const TCP_METRICS_CMD_DEL: u8 = 2;
 /// `CTA_TUPLE_ORIG` and `CTA_ZONE`: an entry's original direction and its zone.
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_ZONE: u16 = 18;
@@ -41,17 +56,19 @@ const NLA_TYPE_MASK: u16 = 0x3fff;
 /// `nlmsghdr` and `nfgenmsg`.
 const HEADER: usize = 16;
 const NFGEN: usize = 4;
+/// `genlmsghdr`.
+const GENL: usize = 4;
 
 /// Deletes every IPv4 conntrack entry of this thread's network namespace whose original
 /// direction has one of `addresses` as its source or destination; how many went.
-pub fn forget(addresses: &[Ipv4Addr]) -> io::Result<usize> {
+pub fn conntrack(addresses: &[Ipv4Addr]) -> io::Result<usize> {
     if addresses.is_empty() {
         return Ok(0);
     }
-    let socket = open()?;
+    let socket = open(rustix::net::netlink::NETFILTER)?;
     let mut doomed = Vec::new();
     let mut seq = 1;
-    request(&socket, MSG_GET, NLM_F_REQUEST | NLM_F_DUMP, seq, &[])?;
+    request(&socket, CTNETLINK_GET, NLM_F_REQUEST | NLM_F_DUMP, seq, &IPV4)?;
     let mut buffer = vec![0u8; 64 * 1024];
     'dump: loop {
         let len = rustix::net::recv(&socket, &mut buffer[..], rustix::net::RecvFlags::empty())?.0;
@@ -78,44 +95,111 @@ pub fn forget(addresses: &[Ipv4Addr]) -> io::Result<usize> {
     let mut gone = 0;
     for entry in doomed {
         seq += 1;
-        request(&socket, MSG_DELETE, NLM_F_REQUEST | NLM_F_ACK, seq, &entry)?;
-        let len = rustix::net::recv(&socket, &mut buffer[..], rustix::net::RecvFlags::empty())?.0;
-        match messages(&buffer[..len]).find(|(kind, _)| *kind == NLMSG_ERROR) {
-            Some((_, body)) => match -error_code(body) {
-                0 => gone += 1,
-                // Expired or deleted by someone else since the dump.
-                libc::ENOENT => {}
-                errno => return Err(io::Error::from_raw_os_error(errno)),
-            },
-            None => return Err(io::Error::other("conntrack: no answer to a delete")),
+        request(
+            &socket,
+            CTNETLINK_DELETE,
+            NLM_F_REQUEST | NLM_F_ACK,
+            seq,
+            &[&IPV4[..], &entry].concat(),
+        )?;
+        match acknowledged(&socket, &mut buffer) {
+            Ok(()) => gone += 1,
+            // Expired or deleted by someone else since the dump.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(gone)
 }
 
-fn open() -> io::Result<OwnedFd> {
+/// Flushes the TCP metrics cache of this thread's network namespace.
+pub fn tcp_metrics() -> io::Result<()> {
+    let socket = open(rustix::net::netlink::GENERIC)?;
+    let mut buffer = vec![0u8; 8 * 1024];
+    // The family's number, asked of the generic netlink controller by name.
+    let name = attr(CTRL_ATTR_FAMILY_NAME, b"tcp_metrics\0");
+    request(
+        &socket,
+        GENL_ID_CTRL,
+        NLM_F_REQUEST,
+        1,
+        &[&genl(CTRL_CMD_GETFAMILY)[..], &name].concat(),
+    )?;
+    let len = rustix::net::recv(&socket, &mut buffer[..], rustix::net::RecvFlags::empty())?.0;
+    let (kind, body) = messages(&buffer[..len])
+        .next()
+        .ok_or_else(|| io::Error::other("generic netlink: no answer"))?;
+    if kind == NLMSG_ERROR {
+        // No such family: a kernel without TCP metrics has nothing to flush.
+        return match -error_code(body) {
+            libc::ENOENT => Ok(()),
+            errno => Err(io::Error::from_raw_os_error(errno)),
+        };
+    }
+    let family = body
+        .get(GENL..)
+        .and_then(|attrs| attributes(attrs).find(|(kind, _, _)| *kind == CTRL_ATTR_FAMILY_ID))
+        .and_then(|(_, _, id)| <[u8; 2]>::try_from(id).ok())
+        .map(u16::from_ne_bytes)
+        .ok_or_else(|| io::Error::other("generic netlink: tcp_metrics has no family number"))?;
+    // A delete naming no address flushes them all.
+    request(
+        &socket,
+        family,
+        NLM_F_REQUEST | NLM_F_ACK,
+        2,
+        &genl(TCP_METRICS_CMD_DEL),
+    )?;
+    acknowledged(&socket, &mut buffer)
+}
+
+/// The answer to a request sent with `NLM_F_ACK`: its error, if it has one.
+fn acknowledged(socket: &OwnedFd, buffer: &mut [u8]) -> io::Result<()> {
+    let len = rustix::net::recv(socket, &mut *buffer, rustix::net::RecvFlags::empty())?.0;
+    match messages(&buffer[..len]).find(|(kind, _)| *kind == NLMSG_ERROR) {
+        Some((_, body)) => match -error_code(body) {
+            0 => Ok(()),
+            errno => Err(io::Error::from_raw_os_error(errno)),
+        },
+        None => Err(io::Error::other("netlink: no acknowledgement")),
+    }
+}
+
+/// A generic netlink header for `cmd`, version 1.
+fn genl(cmd: u8) -> [u8; GENL] {
+    [cmd, 1, 0, 0]
+}
+
+fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(align(4 + payload.len()));
+    out.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(payload);
+    out.resize(align(out.len()), 0);
+    out
+}
+
+fn open(protocol: rustix::net::Protocol) -> io::Result<OwnedFd> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     let socket = rustix::net::socket_with(
         AddressFamily::NETLINK,
         SocketType::RAW,
         SocketFlags::CLOEXEC,
-        Some(rustix::net::netlink::NETFILTER),
+        Some(protocol),
     )?;
     Ok(socket)
 }
 
-/// Sends one ctnetlink message of `kind` about IPv4 with `attrs` after its header.
-fn request(socket: &OwnedFd, kind: u16, flags: u16, seq: u32, attrs: &[u8]) -> io::Result<()> {
-    let len = HEADER + NFGEN + attrs.len();
+/// Sends one netlink message of type `kind` to the kernel, `payload` after its header.
+fn request(socket: &OwnedFd, kind: u16, flags: u16, seq: u32, payload: &[u8]) -> io::Result<()> {
+    let len = HEADER + payload.len();
     let mut message = Vec::with_capacity(len);
     message.extend_from_slice(&(len as u32).to_ne_bytes());
-    message.extend_from_slice(&((SUBSYS_CTNETLINK << 8) | kind).to_ne_bytes());
+    message.extend_from_slice(&kind.to_ne_bytes());
     message.extend_from_slice(&flags.to_ne_bytes());
     message.extend_from_slice(&seq.to_ne_bytes());
     message.extend_from_slice(&0u32.to_ne_bytes());
-    // nfgenmsg: family, version (NFNETLINK_V0), resource id (big-endian, unused).
-    message.extend_from_slice(&[libc::AF_INET as u8, 0, 0, 0]);
-    message.extend_from_slice(attrs);
+    message.extend_from_slice(payload);
     let sent = rustix::net::send(socket, &message, rustix::net::SendFlags::empty())?;
     if sent != message.len() {
         return Err(io::Error::other("conntrack: a request was cut short"));
@@ -211,15 +295,6 @@ fn ends(tuple: &[u8]) -> [Option<Ipv4Addr>; 2] {
 mod tests {
     use super::*;
 
-    fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
-        out.extend_from_slice(&kind.to_ne_bytes());
-        out.extend_from_slice(payload);
-        out.resize(align(out.len()), 0);
-        out
-    }
-
     fn tuple(src: [u8; 4], dst: [u8; 4]) -> Vec<u8> {
         let ip = [attr(CTA_IP_V4_SRC, &src), attr(CTA_IP_V4_DST, &dst)].concat();
         // Nested, as the kernel marks it.
@@ -248,10 +323,16 @@ mod tests {
     #[test]
     fn an_address_with_no_connections_loses_nothing() {
         assert_eq!(
-            forget(&[Ipv4Addr::new(192, 0, 2, 254)]).expect("ctnetlink (run as root)"),
+            conntrack(&[Ipv4Addr::new(192, 0, 2, 254)]).expect("ctnetlink (run as root)"),
             0
         );
-        assert_eq!(forget(&[]).unwrap(), 0);
+        assert_eq!(conntrack(&[]).unwrap(), 0);
+    }
+
+    /// The family is found by name and the flush acknowledged (root, as the node runs).
+    #[test]
+    fn the_tcp_metrics_cache_is_flushed() {
+        tcp_metrics().expect("generic netlink (run as root)");
     }
 
     #[test]
