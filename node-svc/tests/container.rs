@@ -1139,6 +1139,11 @@ print(s.recv(64).decode())
             wait_for("bound").await;
             if round > 0 {
                 peer.send_stale();
+                // Nor does the host open anything to a sandbox (an answer of its own sent late,
+                // after the flow it answered was forgotten, would otherwise get through).
+                let host = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+                // (Dropped on its way out: the send itself fails with EPERM.)
+                let _ = host.send_to(b"host", (slot.address, 40000));
                 n.sh(&sandbox, "root", "touch /tmp/go").await;
             }
             wait_for("done").await;

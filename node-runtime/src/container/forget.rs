@@ -58,6 +58,8 @@ const HEADER: usize = 16;
 const NFGEN: usize = 4;
 /// `genlmsghdr`.
 const GENL: usize = 4;
+/// How long an answer from the kernel is waited for.
+const RECV_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Deletes every IPv4 conntrack entry of this thread's network namespace whose original
 /// direction has one of `addresses` as its source or destination; how many went.
@@ -74,11 +76,15 @@ pub fn conntrack(addresses: &[Ipv4Addr]) -> io::Result<usize> {
         let len = rustix::net::recv(&socket, &mut buffer[..], rustix::net::RecvFlags::empty())?.0;
         for (kind, body) in messages(&buffer[..len]) {
             match kind {
-                NLMSG_DONE => break 'dump,
+                // A dump cut short says so in its end's error code.
+                NLMSG_DONE => match error_code(body) {
+                    code if code < 0 && body.len() >= 4 => return Err(errno_of(code)),
+                    _ => break 'dump,
+                },
                 NLMSG_ERROR => {
                     let code = error_code(body);
                     if code != 0 {
-                        return Err(io::Error::from_raw_os_error(-code));
+                        return Err(errno_of(code));
                     }
                 }
                 _ => {
@@ -131,9 +137,11 @@ pub fn tcp_metrics() -> io::Result<()> {
         .ok_or_else(|| io::Error::other("generic netlink: no answer"))?;
     if kind == NLMSG_ERROR {
         // No such family: a kernel without TCP metrics has nothing to flush.
-        return match -error_code(body) {
-            libc::ENOENT => Ok(()),
-            errno => Err(io::Error::from_raw_os_error(errno)),
+        let code = error_code(body);
+        return if code == -libc::ENOENT {
+            Ok(())
+        } else {
+            Err(errno_of(code))
         };
     }
     let family = body
@@ -157,9 +165,9 @@ pub fn tcp_metrics() -> io::Result<()> {
 fn acknowledged(socket: &OwnedFd, buffer: &mut [u8]) -> io::Result<()> {
     let len = rustix::net::recv(socket, &mut *buffer, rustix::net::RecvFlags::empty())?.0;
     match messages(&buffer[..len]).find(|(kind, _)| *kind == NLMSG_ERROR) {
-        Some((_, body)) => match -error_code(body) {
+        Some((_, body)) => match error_code(body) {
             0 => Ok(()),
-            errno => Err(io::Error::from_raw_os_error(errno)),
+            code => Err(errno_of(code)),
         },
         None => Err(io::Error::other("netlink: no acknowledgement")),
     }
@@ -187,6 +195,8 @@ fn open(protocol: rustix::net::Protocol) -> io::Result<OwnedFd> {
         SocketFlags::CLOEXEC,
         Some(protocol),
     )?;
+    // A kernel that never answers must not hold the slots' worker (and a node's stop) forever.
+    rustix::net::sockopt::set_socket_timeout(&socket, rustix::net::sockopt::Timeout::Recv, Some(RECV_TIMEOUT))?;
     Ok(socket)
 }
 
@@ -223,7 +233,12 @@ fn messages(buffer: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     })
 }
 
-/// The (negative) errno of an `NLMSG_ERROR` body; 0 acknowledges.
+/// The error of a negative netlink error code.
+fn errno_of(code: i32) -> io::Error {
+    io::Error::from_raw_os_error(code.checked_neg().unwrap_or(libc::EIO))
+}
+
+/// The (negative) errno of an `NLMSG_ERROR` body (or of an `NLMSG_DONE` one); 0 acknowledges.
 fn error_code(body: &[u8]) -> i32 {
     body.get(..4)
         .and_then(|b| b.try_into().ok())

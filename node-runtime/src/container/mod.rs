@@ -547,14 +547,30 @@ impl ContainerRuntime {
         sandbox: &str,
         host_ids: u32,
         policy: &contracts::egress::NetworkPolicy,
-    ) -> Result<(PathBuf, PathBuf), String> {
-        let slots::NetSlotView { user, net, link } = slots.take(sandbox, host_ids).map_err(|e| e.to_string())?;
-        let netns = std::fs::File::open(&net).map_err(|e| format!("the network slot {}: {e}", net.display()))?;
+    ) -> Result<slots::NetSlotView, String> {
+        let view = slots.take(sandbox, host_ids).map_err(|e| e.to_string())?;
+        let netns = view.net_file().map_err(|e| format!("the network slot: {e}"))?;
         if network::set_rules(self.network.nft(), &netns, policy).map_err(|e| e.to_string())? {
             slots.mark_rules(sandbox);
         }
-        tracing::debug!(sandbox_id = sandbox, interface = %link.host_interface, address = %link.address, "sandbox takes a network slot");
-        Ok((user, net))
+        tracing::debug!(sandbox_id = sandbox, interface = %view.link.host_interface, address = %view.link.address, "sandbox takes a network slot");
+        Ok(view)
+    }
+
+    /// Whether nothing is left of `sandbox`'s container: none was there, or it is deleted
+    /// now. One that could not be deleted keeps its ids and its network slot held (a slot two
+    /// tenants shared would give each the other's traffic).
+    fn gone(&self, sandbox: &str) -> bool {
+        if !self.engine.knows(sandbox) {
+            return true;
+        }
+        match self.engine.delete(sandbox) {
+            Ok(()) => true,
+            Err(err) => {
+                tracing::error!(sandbox_id = sandbox, %err, "its container was not deleted: its ids and network slot stay held");
+                false
+            }
+        }
     }
 
     /// Gives back `sandbox`'s network slot, if it holds one.
@@ -648,7 +664,8 @@ impl Runtime for ContainerRuntime {
                 ids.userns.as_ref().map(|fd| fd.as_fd()),
             )
             .map_err(|e| e.to_string())?;
-            self.write_spec(sandbox, &parts, ids.host_base, joins.as_ref())?;
+            let paths = joins.as_ref().map(slots::NetSlotView::paths);
+            self.write_spec(sandbox, &parts, ids.host_base, paths.as_ref())?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
             // envd starts the start command when this pipe closes: after the network is up.
             let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
@@ -667,6 +684,7 @@ impl Runtime for ContainerRuntime {
                 .trim()
                 .parse::<u32>()
                 .map_err(|e| format!("pid file {pid:?}: {e}"))?;
+            // The runtime has joined the slot's namespaces: the view's descriptors may close.
             let linked = match joins {
                 Some(_) => Ok(None),
                 None => self.network.attach(sandbox.id, pid, sandbox.network),
@@ -680,9 +698,13 @@ impl Runtime for ContainerRuntime {
             Ok(pid)
         })();
         started.map_err(|e| {
+            // Its ids and its network slot are free only once nothing of its container is left
+            // (a start that failed after the runtime's `run` may have left one running).
+            if self.gone(sandbox.id) {
+                self.give_back_slot(sandbox.id);
+                self.ids.release(sandbox.id);
+            }
             let _ = dismantle(&parts);
-            self.give_back_slot(sandbox.id);
-            self.ids.release(sandbox.id);
             start_error(sandbox, e)
         })
     }
@@ -752,12 +774,13 @@ impl Runtime for ContainerRuntime {
         // hand that process's network to this kill. (A restored sandbox has no process yet:
         // its start links it.)
         if sandbox.pgid > 1 && self.alive(sandbox) {
-            let in_slot = self
-                .slots
-                .as_ref()
-                .is_some_and(|slots| slots.adopt(sandbox.id, sandbox.pgid));
-            if !in_slot {
-                self.network.adopt(sandbox.id, sandbox.pgid);
+            let adopted = self.slots.as_ref().map(|slots| slots.adopt(sandbox.id, sandbox.pgid));
+            match adopted {
+                Some(slots::Adopted::Slot) => {}
+                // Another sandbox's record names the same process (a PID reused): neither the
+                // slot nor its link becomes this one's to give back or take down.
+                Some(slots::Adopted::HeldByAnother) => {}
+                Some(slots::Adopted::NoSlot) | None => self.network.adopt(sandbox.id, sandbox.pgid),
             }
         }
         Ok(())
@@ -768,17 +791,14 @@ impl Runtime for ContainerRuntime {
     }
 
     fn discard(&self, id: &str, home: &Path) {
-        if self.engine.knows(id) {
-            if let Err(err) = self.engine.delete(id) {
-                tracing::warn!(sandbox_id = %id, %err, "the container of a sandbox without a sandbox was not deleted");
-            }
+        if self.gone(id) {
+            self.network.detach(id);
+            self.give_back_slot(id);
+            self.ids.release(id);
         }
-        self.network.detach(id);
-        self.give_back_slot(id);
         if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a sandbox was not unmounted");
         }
-        self.ids.release(id);
         self.cgroups.remove(id);
     }
 

@@ -23,7 +23,9 @@
 //!   The one exception is what the node's DNS forwarder was redirected to answer: a
 //!   sandbox's queries to [`super::resolver::RESOLVER`] port 53;
 //! - no sandbox reaches another (`forward`, sandbox link to sandbox link), nothing outside
-//!   opens a connection to a sandbox, and no sandbox sends IPv6 beyond its link;
+//!   opens a connection to a sandbox, nor does the host itself (`output`: so an answer the
+//!   host sends late, after the flow it answers was forgotten with its sandbox, reaches no
+//!   next sandbox on that address), and no sandbox sends IPv6 beyond its link;
 //! - the operator's `--egress-deny` blocks (by default private, link-local, shared and
 //!   multicast ranges: the control plane's network and cloud metadata) are refused to all;
 //! - a packet whose source address is not the one its link was given is dropped (a sandbox
@@ -185,6 +187,10 @@ table inet {TABLE} {{
     oifname \"{p}*\" drop
     iifname \"{p}*\" meta nfproto ipv6 drop
     iifname \"{p}*\" ip daddr @floor reject with icmpx type admin-prohibited
+  }}
+  chain output {{
+    type filter hook output priority -10; policy accept;
+    oifname \"{p}*\" ct state new drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -607,7 +613,7 @@ async fn link_up(
 
     let host = connect()?;
     let mut chosen = None;
-    for step in 0..count.min(4096) {
+    for step in 0..count {
         let Some(link) = slot(&pool, (start + step) % count) else {
             continue;
         };
@@ -919,6 +925,10 @@ mod tests {
         assert!(rules.contains("iifname \"sbx*\" oifname \"sbx*\" reject"));
         assert!(rules.contains("fib saddr . iif oif missing drop"));
         assert!(rules.contains("masquerade"));
+        assert!(
+            rules.contains("oifname \"sbx*\" ct state new drop"),
+            "the host opens nothing to a sandbox"
+        );
         assert!(
             !host_ruleset(&[]).contains("elements"),
             "an empty set has no elements clause"

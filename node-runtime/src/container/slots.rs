@@ -88,22 +88,44 @@ enum Taken {
     Made(NetSlot),
 }
 
-/// What a sandbox's start needs of its slot, copied out from under the ledger's lock: the
-/// namespace files its spec joins, and its link.
+/// What a sandbox's start needs of its slot, taken out from under the ledger's lock: copies
+/// of the namespaces' descriptors (so the numbers its spec names stay theirs until the runtime
+/// has joined them, whatever happens to the slot meanwhile), and its link.
 pub struct NetSlotView {
-    pub user: PathBuf,
-    pub net: PathBuf,
+    user: OwnedFd,
+    net: OwnedFd,
     pub link: Link,
 }
 
 impl NetSlotView {
-    fn of(slot: &NetSlot) -> NetSlotView {
-        NetSlotView {
-            user: NetSlot::path_of(&slot.user),
-            net: NetSlot::path_of(&slot.net),
+    fn of(slot: &NetSlot) -> io::Result<NetSlotView> {
+        Ok(NetSlotView {
+            user: slot.user.try_clone()?,
+            net: slot.net.try_clone()?,
             link: slot.link.clone(),
-        }
+        })
     }
+
+    /// The user and network namespaces' paths, for the spec.
+    pub fn paths(&self) -> (PathBuf, PathBuf) {
+        (NetSlot::path_of(&self.user), NetSlot::path_of(&self.net))
+    }
+
+    /// The network namespace, open.
+    pub fn net_file(&self) -> io::Result<std::fs::File> {
+        self.net.try_clone().map(std::fs::File::from)
+    }
+}
+
+/// What re-adopting a running sandbox's network found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Adopted {
+    /// Its namespaces are its slot now.
+    Slot,
+    /// Not a slot's (no link, or not mapped as one sandbox range).
+    NoSlot,
+    /// The slot of another sandbox the node holds already (two records naming one process).
+    HeldByAnother,
 }
 
 /// A slot as the [`Ledger`] sees it: which range it serves.
@@ -127,6 +149,8 @@ pub struct Ledger<S> {
     held: HashMap<String, (S, bool)>,
     /// Ranges a slot is being made for right now.
     making: Vec<u32>,
+    /// Slots out being cleaned.
+    cleaning: usize,
 }
 
 impl<S> Default for Ledger<S> {
@@ -136,22 +160,37 @@ impl<S> Default for Ledger<S> {
             cooling: VecDeque::new(),
             held: HashMap::new(),
             making: Vec::new(),
+            cleaning: 0,
         }
     }
 }
 
 impl<S: Keyed> Ledger<S> {
-    /// A ready slot of range `host_ids`, now `sandbox`'s.
-    pub fn take(&mut self, sandbox: &str, host_ids: u32) -> Option<&S> {
+    /// A slot of range `host_ids` for `sandbox`: the one it holds already (a start over its
+    /// own dead copy), else a ready one, now its.
+    pub fn take(&mut self, sandbox: &str, host_ids: u32, due: Instant) -> Option<&S> {
+        if self.held(sandbox).is_some_and(|s| s.host_ids() == host_ids) {
+            return self.held(sandbox);
+        }
         let at = self.ready.iter().position(|s| s.host_ids() == host_ids)?;
         let slot = self.ready.swap_remove(at);
-        self.hold(sandbox, slot, false)
+        self.hold(sandbox, slot, false, due)
     }
 
-    /// Records `slot` as `sandbox`'s (made for it on the spot, or found running it).
-    pub fn hold(&mut self, sandbox: &str, slot: S, rules: bool) -> Option<&S> {
-        self.held.insert(sandbox.to_string(), (slot, rules));
+    /// Records `slot` as `sandbox`'s (made for it on the spot, or found running it); a slot
+    /// it held before goes cooling until `due`, never to be lost or held twice.
+    pub fn hold(&mut self, sandbox: &str, slot: S, rules: bool, due: Instant) -> Option<&S> {
+        if let Some((before, rules)) = self.held.insert(sandbox.to_string(), (slot, rules)) {
+            self.cooling.push_back((due, before, rules));
+        }
         self.held.get(sandbox).map(|(s, _)| s)
+    }
+
+    /// Whether a slot `is_it` picks is held (by anyone) or free in the pool.
+    pub fn knows(&self, is_it: impl Fn(&S) -> bool) -> bool {
+        self.held.values().map(|(s, _)| s).any(&is_it)
+            || self.ready.iter().any(&is_it)
+            || self.cooling.iter().map(|(_, s, _)| s).any(&is_it)
     }
 
     /// The slot `sandbox` holds.
@@ -189,7 +228,13 @@ impl<S: Keyed> Ledger<S> {
             }
         }
         self.cooling = keep;
+        self.cleaning += due.len();
         due
+    }
+
+    /// A slot [`Ledger::due`] gave out is back (ready or cooling again) or deleted.
+    pub fn cleaned(&mut self) {
+        self.cleaning = self.cleaning.saturating_sub(1);
     }
 
     /// When the next cooling slot is due.
@@ -239,7 +284,7 @@ impl<S: Keyed> Ledger<S> {
 
     /// Whether any slot is cooling or being made: one to wait for when no other can be made.
     pub fn anything_coming(&self) -> bool {
-        !self.making.is_empty() || !self.cooling.is_empty()
+        !self.making.is_empty() || !self.cooling.is_empty() || self.cleaning > 0
     }
 
     /// Ranges with a ready slot, for the id ranges to prefer.
@@ -382,13 +427,14 @@ impl SlotPool {
     /// made on the address of a ready slot of another range. What its start needs of it.
     pub fn take(&self, sandbox: &str, host_ids: u32) -> Result<NetSlotView, NetworkError> {
         self.shared.demand.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(slot) = self.shared.ledger().take(sandbox, host_ids).map(NetSlotView::of) {
+        let due = self.due();
+        if let Some(slot) = self.shared.ledger().take(sandbox, host_ids, due).map(NetSlotView::of) {
             metrics::counter!("node_network_slot_claims_total", "from" => "pool").increment(1);
-            return Ok(slot);
+            return slot.map_err(NetworkError::Namespace);
         }
         // The worker starts keeping slots ready now, if it did not already.
         self.shared.changed.notify_all();
-        let made = match self.shared.maker.make(host_ids) {
+        let made = match self.make(host_ids) {
             Err(NetworkError::PoolExhausted(pool)) => match self.when_exhausted(sandbox, host_ids, pool)? {
                 Taken::Ready(slot) => return Ok(slot),
                 Taken::Made(slot) => slot,
@@ -397,15 +443,31 @@ impl SlotPool {
         };
         metrics::counter!("node_network_slot_claims_total", "from" => "made").increment(1);
         let mut ledger = self.shared.ledger();
-        let taken = ledger.hold(sandbox, made, false).map(NetSlotView::of);
+        let taken = ledger.hold(sandbox, made, false, due).map(NetSlotView::of);
         self.shared.gauges(&ledger);
-        taken.ok_or_else(|| NetworkError::Netlink("a slot vanished".into()))
+        taken
+            .ok_or_else(|| NetworkError::Netlink("a slot vanished".into()))?
+            .map_err(NetworkError::Namespace)
+    }
+
+    /// When a slot given back now may be cleaned.
+    fn due(&self) -> Instant {
+        Instant::now() + self.shared.settings.cooldown
+    }
+
+    /// A slot made for range `host_ids`, counted as coming while it is made.
+    fn make(&self, host_ids: u32) -> Result<NetSlot, NetworkError> {
+        self.shared.ledger().start_making(host_ids);
+        let made = self.shared.maker.make(host_ids);
+        self.shared.ledger().done_making(host_ids);
+        self.shared.changed.notify_all();
+        made
     }
 
     /// Every address of the pool is in a slot: the first slot of range `host_ids` to come
-    /// back from cooling or out of the making, or the address of a ready slot of another range
-    /// (deleted, and one of this range made on it), whichever comes first; bounded by the
-    /// cooldown and some.
+    /// back from cooling, cleaning or the making, or the address of a ready slot of another
+    /// range (deleted, and one of this range made on it), whichever comes first; bounded by
+    /// the cooldown and some.
     fn when_exhausted(
         &self,
         sandbox: &str,
@@ -415,15 +477,15 @@ impl SlotPool {
         let deadline = Instant::now() + self.shared.settings.cooldown + Duration::from_secs(10);
         let mut ledger = self.shared.ledger();
         loop {
-            if let Some(slot) = ledger.take(sandbox, host_ids) {
+            if let Some(slot) = ledger.take(sandbox, host_ids, self.due()) {
                 metrics::counter!("node_network_slot_claims_total", "from" => "waited").increment(1);
-                return Ok(Taken::Ready(NetSlotView::of(slot)));
+                return NetSlotView::of(slot).map(Taken::Ready).map_err(NetworkError::Namespace);
             }
             if let Some(other) = ledger.evict(host_ids) {
                 drop(ledger);
                 self.shared.maker.delete(other);
                 metrics::counter!("node_network_slots_evicted_total").increment(1);
-                match self.shared.maker.make(host_ids) {
+                match self.make(host_ids) {
                     Ok(slot) => return Ok(Taken::Made(slot)),
                     Err(NetworkError::PoolExhausted(_)) => {}
                     Err(e) => return Err(e),
@@ -452,8 +514,9 @@ impl SlotPool {
     /// Takes back `sandbox`'s slot, if it has one (its processes are gone): it cools, then is
     /// cleaned and ready again. Whether it had one.
     pub fn give_back(&self, sandbox: &str) -> bool {
+        let due = self.due();
         let mut ledger = self.shared.ledger();
-        let had = ledger.give_back(sandbox, Instant::now() + self.shared.settings.cooldown);
+        let had = ledger.give_back(sandbox, due);
         if had {
             self.shared.gauges(&ledger);
             drop(ledger);
@@ -465,23 +528,33 @@ impl SlotPool {
     /// Takes charge of the network of `sandbox`, found running with init `pid` after a node
     /// restart, as its slot: its user and network namespaces, taken from its init, held
     /// until its kill gives them back. Only a namespace pair a slot could be: a user namespace
-    /// mapped as one sandbox range exactly, and an `eth0` whose peer is a host link. Whether
-    /// it is one now.
-    pub fn adopt(&self, sandbox: &str, pid: u32) -> bool {
-        match adopted(pid) {
-            Ok(slot) => {
-                tracing::debug!(sandbox_id = sandbox, interface = %slot.link.host_interface, "sandbox's network adopted as its slot");
-                let mut ledger = self.shared.ledger();
-                ledger.hold(sandbox, slot, true);
-                self.shared.gauges(&ledger);
-                true
-            }
+    /// mapped as one sandbox range exactly, and an `eth0` whose peer is a host link; and only
+    /// one the node holds for no other sandbox.
+    pub fn adopt(&self, sandbox: &str, pid: u32) -> Adopted {
+        let slot = match adopted(pid) {
+            Ok(slot) => slot,
             Err(why) => {
                 tracing::debug!(sandbox_id = sandbox, %why, "sandbox's network is no slot");
-                false
+                return Adopted::NoSlot;
             }
+        };
+        let key = identity(&slot.net);
+        let due = self.due();
+        let mut ledger = self.shared.ledger();
+        if ledger.knows(|other| identity(&other.net) == key) {
+            tracing::warn!(sandbox_id = sandbox, interface = %slot.link.host_interface, "sandbox's network is another sandbox's slot: not adopted");
+            return Adopted::HeldByAnother;
         }
+        tracing::debug!(sandbox_id = sandbox, interface = %slot.link.host_interface, "sandbox's network adopted as its slot");
+        ledger.hold(sandbox, slot, true, due);
+        self.shared.gauges(&ledger);
+        Adopted::Slot
     }
+}
+
+/// A namespace's identity: its file's device and inode.
+fn identity(ns: &OwnedFd) -> Option<(u64, u64)> {
+    rustix::fs::fstat(ns).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
 /// The slot the running sandbox with init `pid` is in.
@@ -543,7 +616,10 @@ impl Drop for SlotPool {
     /// Stops the worker and deletes every slot no sandbox holds: those held stay with their
     /// sandboxes, for the next node to find.
     fn drop(&mut self) {
+        // Under the ledger's lock: the worker checks the flag under it before it waits.
+        let ledger = self.shared.ledger();
         self.shared.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(ledger);
         self.shared.changed.notify_all();
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
@@ -622,37 +698,67 @@ fn wait(shared: &Shared, until: Option<Instant>) {
     let _ = shared.changed.wait_timeout(ledger, timeout);
 }
 
-/// Cleans `due` slots: their rules removed, the host's connections to their addresses
-/// forgotten (in one pass over the table), and each ready again, or cooling on while its
-/// namespace holds sockets, or deleted.
+/// Cleans `due` slots, in an order that leaves nothing able to make new state once a slot
+/// is cleaned: a slot whose namespace still holds TCP sockets (which could yet write metrics
+/// or make conntrack entries) cools on and is looked at again; one without is rid of its
+/// sandbox's rules, of what its namespace learnt of peers and, in one pass over the host's
+/// table for all of them, of the host's conntrack entries of its address; then, unless some
+/// process is in its network namespace after all (a container that outlived its kill), it is
+/// ready. A slot that cannot be cleaned is deleted.
 fn clean(shared: &Shared, due: Vec<(NetSlot, bool)>) {
-    let addresses: Vec<Ipv4Addr> = due.iter().map(|(s, _)| s.link.address).collect();
-    if let Err(err) = super::forget::conntrack(&addresses) {
-        // Not reused without that: a reply to an old connection would reach the next sandbox.
-        tracing::warn!(%err, "the host's connections to returned slots could not be forgotten; deleting them");
-        for (slot, _) in due {
-            shared.maker.delete(slot);
-        }
-        return;
-    }
     let now = Instant::now();
+    let mut clean = Vec::new();
+    let done = |shared: &Shared, slot: Option<NetSlot>, ready: bool| {
+        let mut ledger = shared.ledger();
+        ledger.cleaned();
+        match slot {
+            Some(slot) if ready => ledger.ready(slot),
+            Some(slot) => ledger.cool(slot, now + RECHECK, false),
+            None => {}
+        }
+    };
     for (mut slot, rules) in due {
         match shared.maker.clean(&slot, rules) {
             Ok(0) => {
                 slot.sockets_since = None;
-                shared.ledger().ready(slot);
+                clean.push(slot);
             }
             Ok(sockets) if now.duration_since(*slot.sockets_since.get_or_insert(now)) < MAX_COOLING => {
                 tracing::debug!(interface = %slot.link.host_interface, sockets, "slot cools on: sockets left");
-                shared.ledger().cool(slot, now + RECHECK, false);
+                done(shared, Some(slot), false);
             }
             Ok(sockets) => {
                 tracing::info!(interface = %slot.link.host_interface, sockets, "slot deleted: its sockets outlived cooling");
                 shared.maker.delete(slot);
+                done(shared, None, false);
             }
             Err(err) => {
                 tracing::warn!(interface = %slot.link.host_interface, %err, "slot deleted: it could not be cleaned");
                 shared.maker.delete(slot);
+                done(shared, None, false);
+            }
+        }
+    }
+    let addresses: Vec<Ipv4Addr> = clean.iter().map(|s| s.link.address).collect();
+    let forgotten = super::forget::conntrack(&addresses);
+    let occupied = occupied_namespaces();
+    for slot in clean {
+        let problem = match (&forgotten, &occupied) {
+            // Not reused without it: a reply to an old connection would reach the next sandbox.
+            (Err(err), _) => Some(format!("the host's connections to it could not be forgotten: {err}")),
+            (_, Err(err)) => Some(format!("who is in its namespace could not be told: {err}")),
+            (_, Ok(occupied)) if identity(&slot.net).is_some_and(|id| occupied.contains(&id)) => {
+                Some("a process is in its network namespace".to_string())
+            }
+            _ => None,
+        };
+        match problem {
+            None => done(shared, Some(slot), true),
+            Some(why) => {
+                tracing::error!(interface = %slot.link.host_interface, %why, "slot deleted, not reused");
+                metrics::counter!("node_network_slots_refused_total").increment(1);
+                shared.maker.delete(slot);
+                done(shared, None, false);
             }
         }
     }
@@ -660,6 +766,23 @@ fn clean(shared: &Shared, due: Vec<(NetSlot, bool)>) {
     shared.gauges(&ledger);
     drop(ledger);
     shared.changed.notify_all();
+}
+
+/// The network namespaces some process of the host is in (each process's, by its main
+/// thread): one pass over `/proc`.
+fn occupied_namespaces() -> io::Result<std::collections::HashSet<(u64, u64)>> {
+    let mut occupied = std::collections::HashSet::new();
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            continue;
+        }
+        // A process that ends meanwhile is in no namespace.
+        if let Ok(st) = rustix::fs::stat(entry.path().join("ns/net")) {
+            occupied.insert((st.st_dev, st.st_ino));
+        }
+    }
+    Ok(occupied)
 }
 
 impl Maker {
@@ -680,18 +803,30 @@ impl Maker {
         })
     }
 
-    /// Cleans a returned slot: its sandbox's rules and what its namespace learnt of peers;
-    /// the TCP sockets it still holds.
+    /// Cleans a returned slot unless its namespace still holds TCP sockets: its sandbox's
+    /// rules go, and what the namespace learnt of peers (TCP metrics, the route cache, its own
+    /// conntrack entries, should anything have turned conntrack on in it). The TCP sockets
+    /// left, cleaning nothing while there are any.
     fn clean(&self, slot: &NetSlot, rules: bool) -> Result<usize, NetworkError> {
         let net = std::fs::File::from(slot.net.try_clone().map_err(NetworkError::Namespace)?);
-        if rules {
+        let address = slot.link.address;
+        let sockets = network::in_namespace(&net, || {
+            let sockets = tcp_sockets()?;
+            if sockets == 0 {
+                super::forget::tcp_metrics()?;
+                super::forget::conntrack(&[address])?;
+                // Cached path MTUs to the last sandbox's peers (`ip route show cache`). /proc/sys/net
+                // is the namespace of the thread that opens it. Where /proc/sys is read-only (a node
+                // in a container) they are left to expire (ten minutes): a peer's address, no data.
+                let _ = std::fs::write("/proc/sys/net/ipv4/route/flush", "1");
+            }
+            Ok(sockets)
+        })
+        .map_err(NetworkError::Namespace)?;
+        if sockets == 0 && rules {
             network::clear_rules(self.nft.as_deref(), &net)?;
         }
-        network::in_namespace(&net, || {
-            super::forget::tcp_metrics()?;
-            tcp_sockets()
-        })
-        .map_err(NetworkError::Namespace)
+        Ok(sockets)
     }
 
     /// Deletes a slot: its link (which takes the namespace's end with it); its namespaces go
@@ -735,9 +870,15 @@ mod tests {
         l.ready(S(7, 1));
         l.ready(S(9, 2));
         assert_eq!(l.ready_ranges(), vec![7, 9]);
-        assert_eq!(l.take("a", 8), None, "no slot of that range");
-        assert_eq!(l.take("a", 7), Some(&S(7, 1)));
-        assert_eq!(l.take("b", 7), None, "a taken slot is nobody else's");
+        assert_eq!(l.take("a", 8, t0), None, "no slot of that range");
+        assert_eq!(l.take("a", 7, t0), Some(&S(7, 1)));
+        assert_eq!(l.take("b", 7, t0), None, "a taken slot is nobody else's");
+        assert_eq!(
+            l.take("a", 7, t0),
+            Some(&S(7, 1)),
+            "a start over its own dead copy keeps it"
+        );
+        assert!(l.knows(|s| s.1 == 1) && l.knows(|s| s.1 == 2) && !l.knows(|s| s.1 == 3));
         l.mark_rules("a");
         assert!(l.give_back("a", t0 + Duration::from_secs(2)));
         assert!(!l.give_back("a", t0), "given back once");
@@ -747,10 +888,24 @@ mod tests {
         assert_eq!(l.next_due(), Some(t0 + Duration::from_secs(2)));
         let due = l.due(t0 + Duration::from_secs(2));
         assert_eq!(due, vec![(S(7, 1), true)], "cleaned with its rules");
+        l.cleaned();
         assert_eq!(l.counts(), (1, 0, 0));
         assert!(!l.anything_coming());
         assert_eq!(l.evict(9), None, "only other ranges give up their address");
         assert_eq!(l.evict(7), Some(S(9, 2)));
+    }
+
+    #[test]
+    fn a_sandbox_given_a_second_slot_sends_the_first_to_cooling() {
+        let t0 = Instant::now();
+        let mut l = Ledger::default();
+        l.hold("a", S(1, 1), true, t0);
+        l.hold("a", S(2, 2), false, t0);
+        assert_eq!(l.held("a"), Some(&S(2, 2)));
+        assert_eq!(l.due(t0), vec![(S(1, 1), true)], "not lost, not held twice");
+        assert!(l.anything_coming(), "being cleaned");
+        l.cleaned();
+        assert!(!l.anything_coming());
     }
 
     #[test]
