@@ -37,6 +37,10 @@ pub struct Args {
     /// veth pairs made, then deleted one by one, for the host's own deletion rate.
     #[arg(long, default_value_t = 200)]
     veth_pairs: usize,
+    /// The sandboxes kept alive (those of the latency and density figures) each with E2B's
+    /// default network, a link out, rather than loopback only.
+    #[arg(long)]
+    linked: bool,
 }
 
 /// What the kill burst measured.
@@ -295,8 +299,15 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let mut linked = Vec::new();
     for i in 0..args.sandboxes {
         let id = format!("s{i}");
+        let mut request = create_request(i, &id);
+        if args.linked {
+            request.network = Some(pb::NetworkPolicy {
+                internet: true,
+                ..Default::default()
+            });
+        }
         let started = Instant::now();
-        ca.create(create_request(i, &id)).await?;
+        ca.create(request).await?;
         create.push(started.elapsed());
         if i % 2 == 0 {
             let mut request = create_request(i, &format!("n{i}"));
@@ -493,7 +504,16 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         .figure(
             "density",
             answering as u64,
-            &format!("of {} idle sandboxes answering", args.sandboxes),
+            &format!(
+                "of {} idle sandboxes answering{}",
+                args.sandboxes,
+                if args.linked { ", each with a link out" } else { "" }
+            ),
+        )
+        .figure(
+            "node_rss_per_sandbox_kib",
+            (node_growth as f64 / listed.len().max(1) as f64 / 1024.0).round(),
+            "KiB the node's own memory grew by per idle sandbox",
         )
         .figure("pause_p50_ms", round2(percentile(&mut pause, 0.5)), "ms")
         .figure("pause_p99_ms", round2(percentile(&mut pause, 0.99)), "ms")

@@ -654,23 +654,14 @@ async fn link_up(
         .execute()
         .await
         .map_err(netlink)?;
-    host.link()
-        .set(LinkUnspec::new_with_index(host_index).up().build())
-        .execute()
-        .await
-        .map_err(netlink)?;
+    set_up(&host, host_index).await?;
     inside
         .address()
         .add(eth0, link.address.into(), 30)
         .execute()
         .await
         .map_err(netlink)?;
-    inside
-        .link()
-        .set(LinkUnspec::new_with_index(eth0).up().build())
-        .execute()
-        .await
-        .map_err(netlink)?;
+    set_up(&inside, eth0).await?;
     inside
         .route()
         .add(RouteMessageBuilder::<Ipv4Addr>::new().gateway(link.gateway).build())
@@ -679,14 +670,18 @@ async fn link_up(
         .map_err(netlink)?;
     // A slot's namespace is made without a container, which brings loopback up itself in a
     // namespace it makes (and finds it up in one it joins).
-    let lo = index_of(&inside, "lo").await?;
-    inside
+    set_up(&inside, index_of(&inside, "lo").await?).await?;
+    Ok((link, host_index))
+}
+
+/// Brings up the interface of index `index` (`handle`'s namespace).
+async fn set_up(handle: &rtnetlink::Handle, index: u32) -> Result<(), NetworkError> {
+    handle
         .link()
-        .set(LinkUnspec::new_with_index(lo).up().build())
+        .set(rtnetlink::LinkUnspec::new_with_index(index).up().build())
         .execute()
         .await
-        .map_err(netlink)?;
-    Ok((link, host_index))
+        .map_err(netlink)
 }
 
 /// The index of interface `name` (`handle`'s namespace).

@@ -277,9 +277,9 @@ mod tests {
         [("A".to_string(), "1".to_string())].into()
     }
 
-    #[test]
-    fn a_sandbox_with_a_network_slot_joins_its_user_and_network_namespaces_and_makes_the_rest() {
-        let inputs = Inputs {
+    /// A sandbox's inputs on the host's userland, in the first id range.
+    fn inputs() -> Inputs<'static> {
+        Inputs {
             rootfs: Path::new("/state/sbx1/rootfs"),
             envd_binary: Path::new("/bin/node-svc"),
             cgroups_path: "/sandboxsched-n1/sbx1".into(),
@@ -287,7 +287,15 @@ mod tests {
             host_userland: true,
             host_ids: 1 << 24,
             pids_limit: 300,
+            joins: None,
+        }
+    }
+
+    #[test]
+    fn a_sandbox_with_a_network_slot_joins_its_user_and_network_namespaces_and_makes_the_rest() {
+        let inputs = Inputs {
             joins: Some((Path::new("/run/s/slots/a.user"), Path::new("/run/s/slots/a.net"))),
+            ..inputs()
         };
         let json = serde_json::to_value(spec(&sandbox(&env(), None), &inputs).unwrap()).unwrap();
         let namespaces = json["linux"]["namespaces"].as_array().unwrap();
@@ -307,16 +315,7 @@ mod tests {
 
     #[test]
     fn a_sandbox_is_namespaced_mapped_limited_and_filtered() {
-        let inputs = Inputs {
-            rootfs: Path::new("/state/sbx1/rootfs"),
-            envd_binary: Path::new("/bin/node-svc"),
-            cgroups_path: "/sandboxsched-n1/sbx1".into(),
-            host_dirs: &[],
-            host_userland: true,
-            host_ids: 1 << 24,
-            pids_limit: 300,
-            joins: None,
-        };
+        let inputs = inputs();
         let spec = spec(&sandbox(&env(), None), &inputs).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
         let kinds: Vec<&str> = json["linux"]["namespaces"]
