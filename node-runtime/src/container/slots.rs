@@ -336,6 +336,20 @@ impl Default for SlotSettings {
     }
 }
 
+/// The most slots kept ready by demand.
+const MAX_READY: usize = 4096;
+
+/// How many slots to keep ready: none before any sandbox took one; then the setting, or as
+/// many as sandboxes took over the last cooldown (and a second) when that is more, since
+/// that many are out cooling when the next ones come.
+pub fn ready_wanted(setting: usize, taken_lately: usize, ever_taken: bool) -> usize {
+    if ever_taken {
+        setting.max(taken_lately).min(MAX_READY)
+    } else {
+        0
+    }
+}
+
 /// Which ranges the next `n` sandboxes will run as: the id ranges' answer.
 pub type NextRanges = Box<dyn Fn(usize) -> Vec<u32> + Send + Sync>;
 
@@ -353,9 +367,12 @@ struct Shared {
     settings: SlotSettings,
     next_ranges: NextRanges,
     stopping: std::sync::atomic::AtomicBool,
-    /// Set by the first sandbox that takes a slot: a node none of whose sandboxes reaches out
-    /// keeps no slots ready.
-    demand: std::sync::atomic::AtomicBool,
+    /// When sandboxes took slots, over the last cooldown and a second: a node none of whose
+    /// sandboxes reaches out keeps no slots ready, and one whose sandboxes come and go faster
+    /// than their slots cool keeps as many ready as that window took.
+    demand: Mutex<VecDeque<Instant>>,
+    /// Whether any sandbox ever took a slot here.
+    demand_seen: std::sync::atomic::AtomicBool,
 }
 
 /// What making, cleaning and deleting slots needs.
@@ -370,6 +387,32 @@ struct Maker {
 impl Shared {
     fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger<NetSlot>> {
         self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn demand(&self) -> std::sync::MutexGuard<'_, VecDeque<Instant>> {
+        self.demand.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Notes a slot taken at `now`.
+    fn took(&self, now: Instant) {
+        self.demand_seen.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut demand = self.demand();
+        demand.push_back(now);
+        // Not more than a window's worth is kept (the oldest are what `wanted` drops anyway).
+        while demand.len() > MAX_READY {
+            demand.pop_front();
+        }
+    }
+
+    /// How many slots to keep ready at `now` ([`ready_wanted`]).
+    fn wanted(&self, now: Instant) -> usize {
+        let mut demand = self.demand();
+        let window = self.settings.cooldown + Duration::from_secs(1);
+        while demand.front().is_some_and(|t| now.duration_since(*t) > window) {
+            demand.pop_front();
+        }
+        let ever = self.demand_seen.load(std::sync::atomic::Ordering::Relaxed);
+        ready_wanted(self.settings.ready, demand.len(), ever)
     }
 
     fn gauges(&self, ledger: &Ledger<NetSlot>) {
@@ -404,6 +447,7 @@ impl SlotPool {
             next_ranges,
             stopping: Default::default(),
             demand: Default::default(),
+            demand_seen: Default::default(),
         });
         let worker = {
             let shared = shared.clone();
@@ -426,7 +470,7 @@ impl SlotPool {
     /// else (every address taken) the first of its range to come back from cooling, else one
     /// made on the address of a ready slot of another range. What its start needs of it.
     pub fn take(&self, sandbox: &str, host_ids: u32) -> Result<NetSlotView, NetworkError> {
-        self.shared.demand.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.shared.took(Instant::now());
         let due = self.due();
         if let Some(slot) = self.shared.ledger().take(sandbox, host_ids, due).map(NetSlotView::of) {
             metrics::counter!("node_network_slot_claims_total", "from" => "pool").increment(1);
@@ -652,10 +696,9 @@ fn work(shared: &Shared) {
             clean(shared, due);
             continue;
         }
-        let wanted = if shared.demand.load(std::sync::atomic::Ordering::Relaxed) {
-            (shared.next_ranges)(shared.settings.ready)
-        } else {
-            Vec::new()
+        let wanted = match shared.wanted(Instant::now()) {
+            0 => Vec::new(),
+            n => (shared.next_ranges)(n),
         };
         let lacking = {
             let mut ledger = shared.ledger();
@@ -930,6 +973,18 @@ mod tests {
         assert!(l.anything_coming(), "being cleaned");
         l.cleaned();
         assert!(!l.anything_coming());
+    }
+
+    #[test]
+    fn slots_are_kept_ready_once_asked_for_and_as_many_as_a_cooldown_took() {
+        assert_eq!(
+            ready_wanted(16, 0, false),
+            0,
+            "a node whose sandboxes never reached out"
+        );
+        assert_eq!(ready_wanted(16, 0, true), 16);
+        assert_eq!(ready_wanted(16, 100, true), 100, "50 creates/s with 2 s of cooling");
+        assert_eq!(ready_wanted(16, 1 << 20, true), MAX_READY);
     }
 
     #[test]
