@@ -53,6 +53,8 @@ use super::network::{self, Link, NetworkConfig, NetworkError};
 /// How long a cleaned slot may keep sockets of its last sandbox before it is deleted
 /// instead: a little longer than TCP's `TIME_WAIT`.
 pub const MAX_COOLING: Duration = Duration::from_secs(90);
+/// How long the first slot due for cleaning waits for others to be cleaned with it.
+const CLEAN_BATCH: Duration = Duration::from_millis(250);
 /// How many slots a stopping node deletes at once.
 const DELETE_LANES: usize = 8;
 /// How often a slot whose namespace still holds sockets is looked at again.
@@ -691,7 +693,16 @@ fn work(shared: &Shared) {
         if shared.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
-        let due = shared.ledger().due(Instant::now());
+        // Cleaning is done in batches: what became due over the last CLEAN_BATCH together,
+        // since a batch pays one pass over the host's conntrack table and over /proc.
+        let now = Instant::now();
+        let due = {
+            let mut ledger = shared.ledger();
+            match ledger.next_due() {
+                Some(first) if now >= first + CLEAN_BATCH => ledger.due(now),
+                _ => Vec::new(),
+            }
+        };
         if !due.is_empty() {
             clean(shared, due);
             continue;
@@ -727,7 +738,7 @@ fn work(shared: &Shared) {
             continue;
         }
         let next = shared.ledger().next_due();
-        wait(shared, next);
+        wait(shared, next.map(|first| first + CLEAN_BATCH));
     }
 }
 
