@@ -86,7 +86,7 @@ pub struct NetworkConfig {
     /// own, from its `/etc/resolv.conf`.
     pub resolvers: Vec<std::net::SocketAddr>,
     /// Networks made ahead of sandboxes ([`super::slots`]).
-    pub slots: super::slots::SlotSettings,
+    pub slots: SlotSettings,
 }
 
 impl Default for NetworkConfig {
@@ -96,6 +96,25 @@ impl Default for NetworkConfig {
             floor: DEFAULT_FLOOR.iter().filter_map(|c| c.parse().ok()).collect(),
             resolvers: Vec::new(),
             slots: Default::default(),
+        }
+    }
+}
+
+/// How many network slots ([`super::slots`]) to keep ready, and how long a returned one
+/// cools.
+#[derive(Clone, Debug)]
+pub struct SlotSettings {
+    /// Slots kept ready beyond those in use (for the ranges the next sandboxes get).
+    pub ready: usize,
+    /// How long a killed sandbox's slot waits before it is cleaned and reused.
+    pub cooldown: Duration,
+}
+
+impl Default for SlotSettings {
+    fn default() -> Self {
+        SlotSettings {
+            ready: 16,
+            cooldown: Duration::from_secs(2),
         }
     }
 }

@@ -320,23 +320,7 @@ impl<S: Keyed> Ledger<S> {
     }
 }
 
-/// How many slots to keep ready, and how long a returned one cools.
-#[derive(Clone, Debug)]
-pub struct SlotSettings {
-    /// Slots kept ready beyond those in use (for the ranges the next sandboxes get).
-    pub ready: usize,
-    /// How long a killed sandbox's slot waits before it is cleaned and reused.
-    pub cooldown: Duration,
-}
-
-impl Default for SlotSettings {
-    fn default() -> Self {
-        SlotSettings {
-            ready: 16,
-            cooldown: Duration::from_secs(2),
-        }
-    }
-}
+pub use super::network::SlotSettings;
 
 /// The most slots kept ready by demand.
 const MAX_READY: usize = 4096;
