@@ -1047,8 +1047,9 @@ fn ifindex(name: &str) -> String {
 /// A killed sandbox's network slot goes to the next sandbox, clean, and no link is made or
 /// deleted for either: with one address in the pool, four sandboxes in turn get it through the
 /// same host link (its index never changes), the last one killed by a node that found it
-/// running at start. Nothing of one reaches the next: the rules it had are gone, and a packet
-/// of its flow sent after its kill (here a UDP peer answering late to the address the host had
+/// running at start. Nothing of one reaches the next: the rules it had are gone, so is what
+/// TCP learnt of its peers, the host sends it nothing of its own, and a packet of its flow
+/// sent after its kill (here a UDP peer answering late to the address the host had
 /// translated its flow to) never reaches the next sandbox on the same address and port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_sandboxs_slot_goes_to_the_next_sandbox_clean() {
@@ -1100,6 +1101,25 @@ async fn a_killed_sandboxs_slot_goes_to_the_next_sandbox_clean() {
                 round == 0,
                 "{runtime:?} round {round}: {tables}"
             );
+            // What TCP learnt of the last sandbox's peers, which anyone inside may list, is gone.
+            let (peers, _) = n.sh(&sandbox, "user", "ip tcp_metrics show").await;
+            assert!(!peers.contains(INTERNET), "{runtime:?} round {round}: {peers}");
+            if round == 0 {
+                let (out, code) = n.sh(&sandbox, "user", &world.probe()).await;
+                assert_eq!((out.trim(), code), ("from 198.51.100.1", 0), "{runtime:?}");
+                // Saved when the connection's last ACK arrives, a moment after the probe ends.
+                let mut peers = String::new();
+                for _ in 0..100 {
+                    peers = n.sh(&sandbox, "user", "ip tcp_metrics show").await.0;
+                    if peers.contains(INTERNET) {
+                        break;
+                    }
+                }
+                assert!(
+                    peers.contains(INTERNET),
+                    "{runtime:?}: TCP keeps what it learnt: {peers}"
+                );
+            }
             // Bound before the late packet is sent, so it would be seen if it came.
             let script = format!(
                 "python3 -c \"
