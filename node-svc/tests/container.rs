@@ -412,6 +412,26 @@ fn ip(args: &[&str]) {
     assert!(status.success(), "ip {args:?}");
 }
 
+/// What `make` returns, made inside the named network namespace `name`: a socket keeps the
+/// namespace it was made in, so it is made there, on a short-lived thread of its own.
+fn inside<T: Send>(name: &str, make: impl FnOnce() -> T + Send) -> T {
+    let path = format!("/run/netns/{name}");
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                let ns = std::fs::File::open(&path).unwrap();
+                rustix::thread::move_into_link_name_space(
+                    std::os::fd::AsFd::as_fd(&ns),
+                    Some(rustix::thread::LinkNameSpaceType::Network),
+                )
+                .unwrap();
+                make()
+            })
+            .join()
+            .unwrap()
+    })
+}
+
 impl Internet {
     fn start() -> Internet {
         let alone = ONE_INTERNET.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -426,20 +446,7 @@ impl Internet {
         ip(&["-n", &name, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
         ip(&["-n", &name, "link", "set", "eth0", "up"]);
         ip(&["-n", &name, "route", "add", "default", "via", "198.51.100.1"]);
-        // A socket keeps the namespace it was made in: make it there on a thread of its own.
-        let path = format!("/run/netns/{name}");
-        let listener = std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).unwrap();
-            // On this short-lived thread only.
-            rustix::thread::move_into_link_name_space(
-                std::os::fd::AsFd::as_fd(&ns),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .unwrap();
-            TcpListener::bind(format!("{INTERNET}:0")).unwrap()
-        })
-        .join()
-        .unwrap();
+        let listener = inside(&name, || TcpListener::bind(format!("{INTERNET}:0")).unwrap());
         let port = listener.local_addr().unwrap().port();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -991,19 +998,9 @@ struct UdpPeer {
 
 impl Internet {
     fn udp(&self) -> UdpPeer {
-        let path = format!("/run/netns/{}", self.name);
-        let socket = std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).unwrap();
-            // On this short-lived thread only.
-            rustix::thread::move_into_link_name_space(
-                std::os::fd::AsFd::as_fd(&ns),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .unwrap();
+        let socket = inside(&self.name, || {
             std::net::UdpSocket::bind(format!("{INTERNET}:0")).unwrap()
-        })
-        .join()
-        .unwrap();
+        });
         let said_hello = std::sync::Arc::new(std::sync::Mutex::new(None));
         let (answering, last) = (socket.try_clone().unwrap(), said_hello.clone());
         std::thread::spawn(move || {
