@@ -4,7 +4,9 @@
 //!   SendInput, StreamInput, SendSignal, CloseStdin, Update to resize a terminal);
 //! - `filesystem.Filesystem` over Connect (Stat, MakeDir, Move, ListDir, Remove, WatchDir,
 //!   CreateWatcher, GetWatcherEvents, RemoveWatcher);
-//! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`.
+//! - `GET /files`, `POST /files`, `GET /envs`, `GET /health`;
+//! - `POST /init` (E2B's, for the node alone: the node never forwards it from outside): env
+//!   vars added to every later command's, as when a pooled sandbox is claimed.
 //!
 //! No route checks an access token: envd listens only on a socket the node opened and handed
 //! in, which nothing inside the sandbox can connect to by a path and nothing outside reaches
@@ -31,7 +33,9 @@ use crate::{files, filesystem, watch, wire};
 /// What every handler needs.
 #[derive(Clone)]
 pub struct Envd {
-    sandbox: Arc<SandboxEnv>,
+    /// Replaced whole by `/init` (a claim's env vars); each command takes the one current
+    /// when it starts.
+    sandbox: Arc<std::sync::RwLock<Arc<SandboxEnv>>>,
     users: Arc<Users>,
     commands: Arc<Commands>,
     watchers: Arc<watch::Watchers>,
@@ -50,7 +54,7 @@ impl Envd {
     /// envd inside its sandbox.
     pub fn new(sandbox: SandboxEnv, users: Users) -> Self {
         Self {
-            sandbox: Arc::new(sandbox),
+            sandbox: Arc::new(std::sync::RwLock::new(Arc::new(sandbox))),
             users: Arc::new(users),
             commands: Arc::new(Commands::default()),
             watchers: Arc::new(watch::Watchers::default()),
@@ -72,6 +76,7 @@ impl Envd {
         Router::new()
             .route("/health", get(health))
             .route("/envs", get(envs))
+            .route("/init", post(init))
             .route("/files", get(download).post(upload))
             .route("/process.Process/StreamInput", post(stream_input))
             .route("/process.Process/{method}", post(process_rpc))
@@ -90,6 +95,15 @@ impl Envd {
         }
     }
 
+    /// The sandbox's env as it is now (a poisoned lock still holds a whole value: it is only
+    /// ever replaced, never edited in place).
+    fn sandbox(&self) -> Arc<SandboxEnv> {
+        match self.sandbox.read() {
+            Ok(current) => current.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
     fn scope<'a>(&'a self, user: &'a User) -> Scope<'a> {
         Scope {
             user,
@@ -104,7 +118,36 @@ async fn health() -> Response {
 }
 
 async fn envs(State(envd): State<Envd>) -> Response {
-    axum::Json(envd.sandbox.vars.clone()).into_response()
+    axum::Json(envd.sandbox().vars.clone()).into_response()
+}
+
+/// E2B's `/init` body; of it this envd takes the env vars (the node checks tokens, and the
+/// sandbox's clock is the host's).
+#[derive(serde::Deserialize)]
+struct Init {
+    #[serde(rename = "envVars", default)]
+    env_vars: std::collections::BTreeMap<String, String>,
+}
+
+/// `POST /init`: adds the body's env vars over the sandbox's (E2B's envd merges them too).
+async fn init(State(envd): State<Envd>, body: Bytes) -> Response {
+    let init: Init = match serde_json::from_slice(&body) {
+        Ok(init) => init,
+        Err(err) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(serde_json::json!({"code": 400, "message": format!("invalid /init body: {err}")})),
+            )
+                .into_response()
+        }
+    };
+    let mut next = (*envd.sandbox()).clone();
+    next.vars.extend(init.env_vars);
+    match envd.sandbox.write() {
+        Ok(mut current) => *current = Arc::new(next),
+        Err(poisoned) => *poisoned.into_inner() = Arc::new(next),
+    }
+    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn download(State(envd): State<Envd>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
@@ -167,7 +210,7 @@ async fn process_rpc(
                 let req = stream_request(&body)?;
                 let user = envd.user(&headers, None)?;
                 let enclose = envd.hosted.as_ref().map(|h| &h.enclose);
-                commands.start(&envd.sandbox, &envd.scope(&user), enclose, req).await
+                commands.start(&envd.sandbox(), &envd.scope(&user), enclose, req).await
             }
             .await;
             match started {

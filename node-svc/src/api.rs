@@ -154,6 +154,24 @@ impl pb::node_server::Node for NodeApi {
         Ok(Response::new(info_to_pb(&record, 0)))
     }
 
+    async fn claim(&self, request: Request<pb::ClaimRequest>) -> Result<Response<pb::SandboxInfo>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("claim", sandbox_id = %req.sandbox_id);
+        let claim = crate::host::Claim {
+            env: req.env_vars.into_iter().collect(),
+            metadata: req.metadata.into_iter().collect(),
+            access_token: Some(req.access_token),
+            traffic_access_token: Some(req.traffic_access_token),
+        };
+        let record = self
+            .host
+            .claim(&req.operation_id, req.epoch, &req.sandbox_id, claim)
+            .instrument(span)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(info_to_pb(&record, 0)))
+    }
+
     async fn metrics(&self, request: Request<pb::MetricsRequest>) -> Result<Response<pb::MetricsResponse>, Status> {
         let req = request.into_inner();
         let end = if req.end_unix_ms == 0 {

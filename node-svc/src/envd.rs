@@ -45,10 +45,13 @@ use crate::sandbox::{SandboxRecord, State as SandboxState};
 #[derive(Clone)]
 pub struct Envd {
     host: Arc<Host>,
-    /// Each sandbox's envd, with the creation time of the sandbox it serves (a sandbox ID
-    /// reused after a kill gets a fresh one).
-    hosted: Arc<Mutex<HashMap<String, (u64, envd::Envd)>>>,
+    /// Each sandbox's envd.
+    hosted: Arc<Mutex<HashMap<String, HostedEnvd>>>,
 }
+
+/// A hosted envd with what it was made for: the creation time of the sandbox it serves (a
+/// sandbox ID reused after a kill gets a fresh one) and its env vars (a claim changes them).
+type HostedEnvd = (u64, std::collections::BTreeMap<String, String>, envd::Envd);
 
 impl Envd {
     pub fn new(host: Arc<Host>) -> Self {
@@ -92,8 +95,9 @@ impl Envd {
     /// node are dropped then too (with the commands they still track).
     async fn instance(&self, record: &SandboxRecord) -> envd::Envd {
         let mut hosted = self.hosted.lock().await;
-        if let Some((created, instance)) = hosted.get(&record.id) {
-            if *created == record.created_at_unix_ms {
+        if let Some((created, env, instance)) = hosted.get(&record.id) {
+            // A claim changes the env vars: the instance is made again with them.
+            if *created == record.created_at_unix_ms && *env == record.env {
                 return instance.clone();
             }
         }
@@ -116,10 +120,16 @@ impl Envd {
                 }),
             },
         );
-        hosted.insert(record.id.clone(), (record.created_at_unix_ms, instance.clone()));
+        hosted.insert(
+            record.id.clone(),
+            (record.created_at_unix_ms, record.env.clone(), instance.clone()),
+        );
         instance
     }
 }
+
+/// envd's `/init`: the node calls it over the sandbox's socket; it is never forwarded.
+const INIT_PATH: &str = "/init";
 
 /// Whether a request changes the sandbox's files (and so must not overlap a pause). Streams
 /// (watches) are not held: a watch may last for ever.
@@ -211,6 +221,17 @@ async fn forward(State(envd): State<Envd>, request: Request) -> Response {
     let health = path == access::HEALTH_PATH;
     if health && !request.headers().contains_key(envd_wire::headers::SANDBOX_ID) {
         return StatusCode::NO_CONTENT.into_response();
+    }
+    if path == INIT_PATH {
+        // The node's own call (a claim's env vars): a request from outside would let whoever
+        // holds the token change what every later command of the sandbox starts with.
+        return refusal(
+            &path,
+            RpcError::new(
+                Code::PermissionDenied,
+                "/init is the node's, not reachable from outside",
+            ),
+        );
     }
     let record = match envd.running(request.headers()).await {
         Ok(record) => record,

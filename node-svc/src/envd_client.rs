@@ -63,13 +63,7 @@ pub async fn run(
     mut on_line: impl FnMut(bool, &str) + Send,
 ) -> Result<Exit, EnvdError> {
     let run = async {
-        let stream = tokio::net::UnixStream::connect(socket)
-            .await
-            .map_err(|e| EnvdError::Connect(e.to_string()))?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| EnvdError::Connect(e.to_string()))?;
-        tokio::spawn(connection);
+        let mut sender = connect(socket).await?;
         let mut process = serde_json::json!({
             "cmd": "/bin/sh",
             "args": ["-c", command.script],
@@ -87,7 +81,7 @@ pub async fn run(
             request = request.header("authorization", format!("Basic {basic}"));
         }
         let request = request
-            .body(http_body_util::Full::new(bytes::Bytes::from(envelope(body.as_bytes()))))
+            .body(Full::new(bytes::Bytes::from(envelope(body.as_bytes()))))
             .map_err(|e| EnvdError::Protocol(e.to_string()))?;
         let response = sender
             .send_request(request)
@@ -148,6 +142,55 @@ pub async fn run(
         exit.ok_or_else(|| EnvdError::Protocol("the stream ended without the command's end".into()))
     };
     tokio::time::timeout(deadline, run)
+        .await
+        .map_err(|_| EnvdError::Timeout(deadline))?
+}
+
+/// One HTTP/1.1 connection to the envd listening on `socket`.
+async fn connect(socket: &Path) -> Result<hyper::client::conn::http1::SendRequest<Full>, EnvdError> {
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| EnvdError::Connect(e.to_string()))?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| EnvdError::Connect(e.to_string()))?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+type Full = http_body_util::Full<bytes::Bytes>;
+
+/// Adds `env` to the env vars every later command of the sandbox gets (envd's `/init`, as a
+/// claim of a pooled sandbox does), within `deadline`.
+pub async fn init(socket: &Path, env: &BTreeMap<String, String>, deadline: Duration) -> Result<(), EnvdError> {
+    let call = async {
+        let mut sender = connect(socket).await?;
+        let body = serde_json::json!({ "envVars": env }).to_string();
+        let request = hyper::Request::post("http://sandbox/init")
+            .header("content-type", "application/json")
+            .header("host", "sandbox")
+            .body(Full::new(bytes::Bytes::from(body)))
+            .map_err(|e| EnvdError::Protocol(e.to_string()))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| EnvdError::Connect(e.to_string()))?;
+        if response.status().is_success() {
+            return Ok(());
+        }
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        Err(EnvdError::Refused(format!(
+            "{status}: {}",
+            String::from_utf8_lossy(&body)
+        )))
+    };
+    tokio::time::timeout(deadline, call)
         .await
         .map_err(|_| EnvdError::Timeout(deadline))?
 }

@@ -72,6 +72,7 @@ pub const POLICY: mtls::Policy = mtls::Policy {
                 "Pause",
                 "Resume",
                 "UpdateNetwork",
+                "Claim",
                 "Snapshot",
                 "Restore",
                 "Build",

@@ -385,6 +385,16 @@ impl Node for NodeProxy {
         self.faults.reply("UpdateNetwork", result)
     }
 
+    async fn claim(&self, request: Request<npb::ClaimRequest>) -> Result<Response<npb::SandboxInfo>, Status> {
+        self.faults.gate("Claim")?;
+        let (mut upstream, request) = (self.upstream.clone(), request.into_inner());
+        let result = self
+            .faults
+            .deliver("Claim", async move { upstream.claim(request).await })
+            .await;
+        self.faults.reply("Claim", result)
+    }
+
     type SnapshotStream = Chunks;
     type BuildStream = BuildEvents;
 

@@ -61,6 +61,7 @@ use crate::state_dir::StateDir;
 use crate::template::{self, Template, TemplateError};
 use crate::usage::CpuRate;
 
+mod claim;
 mod create;
 mod lifecycle;
 mod migrate;
@@ -68,6 +69,7 @@ mod picture;
 mod readopt;
 mod registry;
 
+pub use claim::Claim;
 use create::validate_id;
 use picture::{measure, own_rss, picture_of, Measured};
 use readopt::{has_process, readopt, sweep};
@@ -451,6 +453,20 @@ impl Host {
         let shared = self.shared.clone();
         let (operation_id, sandbox_id) = (operation_id.to_string(), sandbox_id.to_string());
         to_completion(async move { shared.update_network(&operation_id, epoch, &sandbox_id, policy).await }).await
+    }
+
+    /// Hands a running sandbox of a warm pool to the create that claimed it, fenced like a
+    /// lifecycle move (see [`Claim`]).
+    pub async fn claim(
+        &self,
+        operation_id: &str,
+        epoch: u64,
+        sandbox_id: &str,
+        claim: Claim,
+    ) -> Result<SandboxRecord, NodeError> {
+        let shared = self.shared.clone();
+        let (operation_id, sandbox_id) = (operation_id.to_string(), sandbox_id.to_string());
+        to_completion(async move { shared.claim(&operation_id, epoch, &sandbox_id, claim).await }).await
     }
 
     /// Starts again every running sandbox whose envd died under it (the OOM killer took it, a
