@@ -5,7 +5,7 @@
 //! (if placement and the node assumed a default memory estimate that the balancer never saw,
 //! the balancer would skip every sandbox and move nothing).
 
-pub use contracts::{docs, egress, fit, ids, resources, template};
+pub use contracts::{docs, egress, fit, ids, pool, resources, template};
 
 pub mod clock;
 pub mod config;

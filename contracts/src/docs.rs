@@ -188,4 +188,8 @@ pub struct SandboxDoc {
     /// the gateway (the archive waits in the blob store; this says which archive is its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hibernation: Option<String>,
+    /// Set while it waits in a template's warm pool, unclaimed: it has no team yet, and no
+    /// request reaches it (see `crate::pool`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<crate::pool::Pooled>,
 }

@@ -8,6 +8,7 @@
 //! - [`template`]: a template's image and the grammar of its names and steps.
 //! - [`envd`]: the variables a sandbox's settings reach its envd by.
 //! - [`ids`]: the sandbox-ID rule the gateway, the node and the jail each check.
+//! - [`pool`]: warm pools, the documents that say how many ready sandboxes a template keeps.
 //! - [`resources`]: the defaults a create assumes when it states nothing (512 MiB, ...).
 //!
 //! `common` re-exports each module under its old path (`common::docs`, ...).
@@ -17,5 +18,6 @@ pub mod egress;
 pub mod envd;
 pub mod fit;
 pub mod ids;
+pub mod pool;
 pub mod resources;
 pub mod template;

@@ -7,7 +7,7 @@
 //! fails and the one place failures become E2B's error shape; [`ids`] checks IDs at the edge;
 //! [`routes`] is where each sandbox runs, by the ledger's watch; [`sandboxes`] drives ledger,
 //! placement and nodes (and undoes failed creates); [`templates`] is the template registry
-//! and build driver; [`api`] is the REST layer (its `templates` the template routes); [`proxy`] routes envd
+//! and build driver; [`pools`] keeps templates' warm pools full; [`api`] is the REST layer (its `templates` the template routes); [`proxy`] routes envd
 //! traffic; [`server`] wires them.
 
 pub mod api;
@@ -15,6 +15,7 @@ pub mod error;
 pub mod ids;
 pub mod intent;
 pub mod node_http;
+pub mod pools;
 pub mod proxy;
 pub mod routes;
 pub mod sandboxes;

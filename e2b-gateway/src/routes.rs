@@ -35,8 +35,11 @@ pub struct Route {
     pub(crate) auto_resume: Option<(Arc<str>, u64)>,
 }
 
+/// A sandbox's route; none for one that runs nowhere yet, or that waits unclaimed in a warm
+/// pool (nobody's requests reach it).
 fn route_of(doc: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Option<Route> {
-    (!doc.envd_address.is_empty() || doc.lifecycle_owner.is_some()).then(|| Route {
+    let routable = !doc.envd_address.is_empty() || doc.lifecycle_owner.is_some();
+    (routable && doc.pool.is_none()).then(|| Route {
         node_id: doc.node_id.clone(),
         envd: doc.envd_address.clone(),
         running: doc.phase == SandboxPhase::Running,

@@ -179,7 +179,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         .collect();
     let seeding = templates.clone();
     let (interpreter_state, interpreter_watch) = crate::templates::code_interpreter::availability();
+    let keeper = crate::pools::Keeper::new(ledger.clone(), sandboxes.clone(), templates.clone());
     let gateway = Gateway {
+        pools: Arc::new(crate::pools::Pools::new(ledger.clone(), sandboxes.clone())),
         sandboxes: sandboxes.clone(),
         keys: Arc::new(config.keys.clone()),
         builder: Arc::new(Builder {
@@ -232,6 +234,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         )
         .route("/v2/templates/{id}", axum::routing::patch(api::templates::update))
         .route("/templates/{id}/tags", get(api::templates::tags))
+        .route("/templates/{id}/pool", get(api::pools::get).put(api::pools::set))
+        .route("/pools", get(api::pools::list))
         .route("/templates/{id}/files/{hash}", get(api::templates::file_link))
         .route(
             "/templates/{id}/files/{hash}/upload",
@@ -286,6 +290,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             interpreter_state,
         )));
     }
+    serving.background(tokio::spawn(keeper.run()));
     let reaper = sandboxes.clone();
     let interval = config.reap_interval;
     serving.background(tokio::spawn(async move {

@@ -2,7 +2,7 @@
 //!
 //! The per-RPC policy lets the gateway, placement and the balancer call `Compare`, but each
 //! of them owns only some kinds: placement publishes node documents, the balancer its plans,
-//! leases and observations, the gateway templates and idempotency records, and manifests are
+//! leases and observations, the gateway templates, warm pools and idempotency records, and manifests are
 //! the gateway's and the balancer's (a move switches where a sandbox runs). A compromised
 //! service therefore rewrites only what it already owns: placement cannot point a manifest
 //! at a node of its choosing, the gateway cannot forge a balance plan. A kind no rule names
@@ -25,6 +25,8 @@ pub const WRITERS: &[(&str, &[Role])] = &[
     ("template", &[Role::Gateway]),
     ("template-name", &[Role::Gateway]),
     ("template-build", &[Role::Gateway]),
+    ("pool", &[Role::Gateway]),
+    ("pool-slot", &[Role::Gateway]),
     ("node", &[Role::Placement]),
     ("balance-plan", &[Role::Balance]),
     ("balance-lease", &[Role::Balance]),

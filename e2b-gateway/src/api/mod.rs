@@ -4,7 +4,8 @@
 //! Here: what every handler shares (the `Gateway` state, the caller's team or operator
 //! role, JSON bodies, times, the framework's refusals reshaped); the routes are in
 //! `sandboxes`, `observe` (metrics and logs) and `nodes`, and the template routes in
-//! `templates` (named, not merged: their `list`, `get` and `delete` are templates').
+//! `templates` (named, not merged: their `list`, `get` and `delete` are templates'), and
+//! `pools` the warm pools' routes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use common::template::split_name;
 
 mod nodes;
 mod observe;
+pub mod pools;
 mod sandboxes;
 pub mod templates;
 
@@ -47,6 +49,8 @@ pub struct Gateway {
     pub keys: Arc<HashMap<String, String>>,
     /// The template registry.
     pub templates: Arc<crate::templates::Templates>,
+    /// Templates' warm pools.
+    pub pools: Arc<crate::pools::Pools>,
     /// Runs template builds.
     pub builder: Arc<crate::templates::build::Builder>,
     /// The domain under which sandboxes' ports are reachable (`domain` in answers; empty:

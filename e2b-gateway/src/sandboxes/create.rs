@@ -16,7 +16,12 @@ const CREATE_ATTEMPTS: usize = 3;
 
 impl Sandboxes {
     /// Creates a sandbox: manifest first, then place, then create on the node, then running.
+    /// A template with a warm pool is claimed from it when a pooled sandbox fits the request
+    /// (see `pool`); otherwise, or when every claim fails, it is created cold.
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        if let Some(doc) = self.claim_pooled(team, &intent).await? {
+            return Ok(doc);
+        }
         self.create_traced(team, intent, new_sandbox_id()).await
     }
 
@@ -34,15 +39,11 @@ impl Sandboxes {
         self.create_as(team, intent, sandbox_id).instrument(span).await
     }
 
-    pub(super) async fn create_as(
-        &self,
-        team: &str,
-        intent: CreateIntent,
-        sandbox_id: String,
-    ) -> Result<SandboxDoc, Failure> {
-        let now = now_ms();
-        let mut doc = SandboxDoc {
-            sandbox_id: sandbox_id.clone(),
+    /// The manifest of a new sandbox `sandbox_id` of `team` from `intent`, as it is written
+    /// before anything is placed (phase `creating`, on no node, epoch 1).
+    pub(super) fn new_manifest(&self, team: &str, intent: &CreateIntent, sandbox_id: &str, now: u64) -> SandboxDoc {
+        SandboxDoc {
+            sandbox_id: sandbox_id.to_string(),
             team_id: team.to_string(),
             template: intent.template.clone(),
             vcpus: intent.vcpus,
@@ -50,7 +51,7 @@ impl Sandboxes {
             memory_source: intent.memory_source,
             // Tenants put their API keys here: the ledger keeps them sealed.
             env_vars: Default::default(),
-            sealed_env: self.tokens.seal_env(&sandbox_id, &intent.env_vars),
+            sealed_env: self.tokens.seal_env(sandbox_id, &intent.env_vars),
             metadata: intent.metadata.clone(),
             phase: SandboxPhase::Creating,
             node_id: String::new(),
@@ -75,7 +76,36 @@ impl Sandboxes {
             trace_context: common::trace::traceparent(),
             disk_bytes: self.disk_bytes,
             hibernation: None,
-        };
+            pool: None,
+        }
+    }
+
+    pub(super) async fn create_as(
+        &self,
+        team: &str,
+        intent: CreateIntent,
+        sandbox_id: String,
+    ) -> Result<SandboxDoc, Failure> {
+        self.create_with(team, intent, sandbox_id, None).await
+    }
+
+    /// Creates sandbox `sandbox_id`; `pool` set, for a template's warm pool (no team, no end:
+    /// it waits for a create to claim it).
+    pub(super) async fn create_with(
+        &self,
+        team: &str,
+        intent: CreateIntent,
+        sandbox_id: String,
+        pool: Option<common::pool::Pooled>,
+    ) -> Result<SandboxDoc, Failure> {
+        let now = now_ms();
+        let mut doc = self.new_manifest(team, &intent, &sandbox_id, now);
+        if pool.is_some() {
+            // Not the reaper's until claimed: the claim gives it its end.
+            doc.end_at_unix_ms = u64::MAX;
+            doc.timeout_secs = 0;
+            doc.pool = pool;
+        }
         // A lost reply is resolved by reading back; only a ledger that stays unreadable
         // leaves this create's outcome unknown (a 503; nothing was started).
         let version = self
@@ -114,6 +144,9 @@ impl Sandboxes {
         doc.node_address = placed.node_address.clone();
         doc.envd_address = placed.envd_address;
         doc.phase = SandboxPhase::Running;
+        if let Some(pool) = doc.pool.as_mut() {
+            pool.ready_at_unix_ms = now_ms();
+        }
         let saved = self
             .save(&Versioned {
                 key: ledger_client::DocKey::new(SANDBOX_KIND, &sandbox_id),
@@ -302,7 +335,7 @@ impl Sandboxes {
 }
 
 /// A new sandbox ID: `i` and 19 hex digits.
-pub(super) fn new_sandbox_id() -> String {
+pub fn new_sandbox_id() -> String {
     format!("i{}", random_id(19))
 }
 

@@ -7,7 +7,7 @@
 //! a sandbox paused without memory off its node and brings them back; `reaper` ends
 //! sandboxes whose time is up; `idempotency` makes a create with an `Idempotency-Key` happen
 //! once; `capture` takes a sandbox's files as an image (snapshots and forks); `nodes` pools the
-//! gateway's node clients.
+//! gateway's node clients; `pool` starts, claims and retires the sandboxes of warm pools.
 
 mod capture;
 mod claim;
@@ -16,8 +16,11 @@ mod hibernation;
 pub mod idempotency;
 mod lifecycle;
 mod nodes;
+mod pool;
 mod reaper;
 pub use claim::DEFAULT_CLAIM_TTL;
+pub use create::new_sandbox_id;
+pub use pool::PoolIndex;
 pub use reaper::{Patience, DEFAULT_ABANDONED_CREATE_AFTER};
 
 use crate::error::from_status;
@@ -57,6 +60,10 @@ pub struct Sandboxes {
     pub tokens: crate::tokens::Tokens,
     /// Each new sandbox's disk.
     pub disk_bytes: u64,
+    /// Ready pooled sandboxes by template, kept by the pool keeper (`crate::pools`).
+    pub pools: Arc<PoolIndex>,
+    /// Templates that have a pool.
+    pool_templates: std::sync::RwLock<std::collections::HashSet<String>>,
 }
 
 impl Sandboxes {
@@ -84,6 +91,8 @@ impl Sandboxes {
             placement: PlacementClient::new(common::trace::traced(channel)),
             nodes: nodes::Nodes::new(security.clone()),
             disk_bytes: common::resources::DEFAULT_DISK_BYTES,
+            pools: Arc::default(),
+            pool_templates: Default::default(),
         })
     }
 

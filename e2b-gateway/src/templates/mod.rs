@@ -156,6 +156,15 @@ impl Templates {
         Ok(self.named(name).await?.filter(|doc| doc.value.visible_to(team)))
     }
 
+    /// The template with this ID or name, whoever owns it (for operators).
+    pub async fn find_any(&self, id_or_name: &str) -> Result<Option<Versioned<TemplateDoc>>, Failure> {
+        let (name, _) = split_name(id_or_name);
+        if let Some(doc) = self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, name).await? {
+            return Ok(Some(doc));
+        }
+        self.named(name).await
+    }
+
     /// Whether a name is taken: `Some(true)` by a template `team` may see, `Some(false)` by
     /// another team's.
     pub async fn name_taken(&self, team: &str, name: &str) -> Result<Option<(bool, TemplateDoc)>, Failure> {

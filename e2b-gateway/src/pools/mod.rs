@@ -1,0 +1,459 @@
+//! Warm pools: the keeper that keeps each template's pool full, and what an operator or a
+//! team asks of a pool.
+//!
+//! Every gateway runs a keeper. Each round it reads the pools, their slots and each slot's
+//! manifest, asks [`plan`] what to do, and does it: a slot is taken by creating its document
+//! (so two keepers never fill one slot), then a pooled sandbox is started in it through the
+//! ordinary create path (placement, the node, the template's ready command); a claimed slot
+//! is freed and filled again; a sandbox its pool no longer wants is retired. A round runs
+//! when a manifest changes (the routing table's watch) and at least every
+//! [`ROUND_EVERY`], and refreshes the index creates claim from (`Sandboxes::pools`).
+//!
+//! The sandboxes of a pool are ordinary sandboxes to placement and the balancer: they take
+//! the memory they ask for on their node, and moves may take them like any other.
+
+pub mod plan;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::clock::now_ms;
+use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::pool::{PoolDoc, PoolSlotDoc, Pooled, MAX_POOL_SIZE, POOL_KIND, POOL_SLOT_KIND};
+use common::template::{TemplateDoc, DEFAULT_TAG, TEMPLATE_KIND};
+use ledger_client::{LedgerClient, LedgerError, Txn};
+
+use crate::intent::{self, NewSandbox};
+use crate::sandboxes::{Failure, Sandboxes};
+use crate::templates::Templates;
+use plan::{Action, Observed, SlotSandbox, SlotView, TemplateNow};
+
+/// The longest a keeper waits between rounds when no manifest changes.
+pub const ROUND_EVERY: Duration = Duration::from_secs(2);
+/// How long a taken slot may stay without a manifest before it is freed.
+const SLOT_GRACE: Duration = Duration::from_secs(30);
+/// Pooled sandboxes one keeper starts at once.
+const FILLS_AT_ONCE: usize = 4;
+/// How long a template whose pooled create failed waits before the next try (doubling up to
+/// [`MAX_BACKOFF`]).
+const FIRST_BACKOFF: Duration = Duration::from_secs(2);
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// Keeps every template's pool full.
+pub struct Keeper {
+    ledger: LedgerClient,
+    sandboxes: Arc<Sandboxes>,
+    templates: Arc<Templates>,
+    /// Slots this keeper is filling now.
+    filling: Mutex<HashSet<String>>,
+    /// Templates whose last pooled create failed: not before this instant, and the next wait.
+    backoff: Mutex<HashMap<String, (Instant, Duration)>>,
+}
+
+impl Keeper {
+    pub fn new(ledger: LedgerClient, sandboxes: Arc<Sandboxes>, templates: Arc<Templates>) -> Arc<Self> {
+        Arc::new(Self {
+            ledger,
+            sandboxes,
+            templates,
+            filling: Mutex::default(),
+            backoff: Mutex::default(),
+        })
+    }
+
+    /// Runs rounds for ever: on every manifest change, and at least every [`ROUND_EVERY`].
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            let changed = self.sandboxes.routes.changed();
+            if let Err(err) = self.round().await {
+                tracing::debug!(%err, "pool keeper round failed");
+            }
+            let _ = tokio::time::timeout(ROUND_EVERY, changed).await;
+        }
+    }
+
+    /// One round: observe, plan, act.
+    pub async fn round(self: &Arc<Self>) -> Result<(), Failure> {
+        let (observed, resolved) = self.observe().await?;
+        self.publish(&observed);
+        for action in plan::plan(&observed, now_ms(), SLOT_GRACE.as_millis() as u64) {
+            match action {
+                Action::Fill {
+                    template_id,
+                    slot,
+                    build_id,
+                } => {
+                    if let Some(resolved) = resolved.get(&template_id) {
+                        self.fill(&template_id, slot, &build_id, resolved);
+                    }
+                }
+                Action::Free { id, version } => self.delete_slot(&id, version).await,
+                Action::Retire {
+                    id,
+                    version,
+                    sandbox_id,
+                } => {
+                    match self.sandboxes.retire_pooled(&sandbox_id).await {
+                        // Gone already, or claimed between the read and the kill.
+                        Ok(()) | Err(Failure::NotFound(_)) => self.delete_slot(&id, version).await,
+                        Err(err) => tracing::warn!(%sandbox_id, %err, "could not retire a pooled sandbox"),
+                    }
+                    metrics::counter!("gateway_pool_retired_total").increment(1);
+                }
+                Action::Drop { template_id, version } => {
+                    let txn = Txn::new().delete(POOL_KIND, &template_id, version);
+                    if let Err(err) = self.ledger.compare(txn).await {
+                        tracing::debug!(%template_id, %err, "a gone template's pool was not dropped");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn delete_slot(&self, id: &str, version: u64) {
+        if let Err(err) = self
+            .ledger
+            .compare(Txn::new().delete(POOL_SLOT_KIND, id, version))
+            .await
+        {
+            tracing::debug!(slot = %id, %err, "pool slot not freed (another keeper was first?)");
+        }
+    }
+
+    /// Reads pools, slots, each slot's manifest and each pool's template.
+    async fn observe(&self) -> Result<(Observed, HashMap<String, crate::templates::Resolved>), Failure> {
+        let (pools, _) = self.ledger.list::<PoolDoc>(POOL_KIND, "").await?;
+        let (slots, _) = self.ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?;
+        let mut observed = Observed {
+            pools: pools.into_iter().map(|p| (p.version, p.value)).collect(),
+            ..Observed::default()
+        };
+        let mut resolved = HashMap::new();
+        for (_, pool) in &observed.pools {
+            let now = self.template_now(&pool.template_id, &mut resolved).await;
+            observed.templates.insert(pool.template_id.clone(), now);
+        }
+        for slot in slots {
+            let doc = self
+                .ledger
+                .get::<SandboxDoc>(SANDBOX_KIND, &slot.value.sandbox_id)
+                .await?;
+            observed.slots.push(SlotView {
+                id: slot.key.id.clone(),
+                version: slot.version,
+                sandbox: slot_sandbox(doc.as_ref().map(|d| &d.value), &slot.value),
+                doc: slot.value,
+            });
+        }
+        Ok((observed, resolved))
+    }
+
+    async fn template_now(
+        &self,
+        template_id: &str,
+        resolved: &mut HashMap<String, crate::templates::Resolved>,
+    ) -> TemplateNow {
+        let doc = match self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, template_id).await {
+            Ok(Some(doc)) => doc.value,
+            Ok(None) => return TemplateNow::Gone,
+            Err(_) => return TemplateNow::Unknown,
+        };
+        let reference = format!("{template_id}:{DEFAULT_TAG}");
+        match self.templates.resolve(&doc.team_id, &reference).await {
+            Ok(Some(r)) => {
+                let build = r.image.build_id.clone();
+                resolved.insert(template_id.to_string(), r);
+                TemplateNow::Build(build)
+            }
+            _ => TemplateNow::Unknown,
+        }
+    }
+
+    /// Refreshes the index creates claim from, and the pools' gauges.
+    fn publish(&self, observed: &Observed) {
+        let mut ready: HashMap<String, Vec<String>> = HashMap::new();
+        for slot in observed.slots.iter().filter(|s| s.sandbox == SlotSandbox::Ready) {
+            ready
+                .entry(slot.doc.template_id.clone())
+                .or_default()
+                .push(slot.doc.sandbox_id.clone());
+        }
+        for (_, pool) in &observed.pools {
+            let n = ready.get(&pool.template_id).map_or(0, Vec::len);
+            metrics::gauge!("gateway_pool_ready", "template" => pool.template_id.clone()).set(n as f64);
+            metrics::gauge!("gateway_pool_size", "template" => pool.template_id.clone()).set(f64::from(pool.size));
+        }
+        self.sandboxes.set_pool_templates(
+            observed
+                .pools
+                .iter()
+                .filter(|(_, p)| p.size > 0)
+                .map(|(_, p)| p.template_id.clone())
+                .collect(),
+        );
+        self.sandboxes.pools.replace(ready);
+    }
+
+    /// Takes slot `slot` and starts its sandbox in the background.
+    fn fill(self: &Arc<Self>, template_id: &str, slot: u32, build_id: &str, resolved: &crate::templates::Resolved) {
+        let slot_id = common::pool::slot_id(template_id, slot);
+        {
+            let Ok(mut filling) = self.filling.lock() else { return };
+            if filling.len() >= FILLS_AT_ONCE || filling.contains(&slot_id) {
+                return;
+            }
+            if let Ok(backoff) = self.backoff.lock() {
+                if backoff
+                    .get(template_id)
+                    .is_some_and(|(until, _)| Instant::now() < *until)
+                {
+                    return;
+                }
+            }
+            filling.insert(slot_id.clone());
+        }
+        let keeper = self.clone();
+        let (template_id, build_id, resolved) = (template_id.to_string(), build_id.to_string(), resolved.clone());
+        tokio::spawn(async move {
+            let outcome = keeper.fill_now(&slot_id, &template_id, slot, &build_id, resolved).await;
+            if let Ok(mut backoff) = keeper.backoff.lock() {
+                match outcome {
+                    Ok(()) => {
+                        backoff.remove(&template_id);
+                    }
+                    Err(_) => {
+                        let wait = backoff
+                            .get(&template_id)
+                            .map_or(FIRST_BACKOFF, |(_, w)| (*w * 2).min(MAX_BACKOFF));
+                        backoff.insert(template_id.clone(), (Instant::now() + wait, wait));
+                    }
+                }
+            }
+            if let Ok(mut filling) = keeper.filling.lock() {
+                filling.remove(&slot_id);
+            }
+        });
+    }
+
+    async fn fill_now(
+        &self,
+        slot_id: &str,
+        template_id: &str,
+        slot: u32,
+        build_id: &str,
+        resolved: crate::templates::Resolved,
+    ) -> Result<(), Failure> {
+        let started = Instant::now();
+        let sandbox_id = crate::sandboxes::new_sandbox_id();
+        let doc = PoolSlotDoc {
+            template_id: template_id.to_string(),
+            slot,
+            sandbox_id: sandbox_id.clone(),
+            build_id: build_id.to_string(),
+            since_unix_ms: now_ms(),
+        };
+        let version = match self
+            .ledger
+            .compare(Txn::new().create(POOL_SLOT_KIND, slot_id, &doc)?)
+            .await
+        {
+            Ok(done) => done.versions.first().copied().unwrap_or(1),
+            // Another keeper took it.
+            Err(LedgerError::Conflict { .. }) => return Ok(()),
+            Err(err) => return Err(err.into()),
+        };
+        let template = intent::Template {
+            name: resolved.template.template_id.clone(),
+            vcpus: Some(resolved.template.vcpus).filter(|v| *v > 0),
+            memory_mb: Some(resolved.template.memory_mb).filter(|m| *m > 0),
+            image: resolved.image,
+        };
+        let request = NewSandbox {
+            template_id: template_id.to_string(),
+            ..NewSandbox::default()
+        };
+        let pooled = Pooled {
+            template_id: template_id.to_string(),
+            build_id: build_id.to_string(),
+            slot,
+            ready_at_unix_ms: 0,
+        };
+        let created = match intent::normalise(request, Some(&template)) {
+            Ok(intent) => self.sandboxes.create_pooled(intent, sandbox_id.clone(), pooled).await,
+            Err(refusal) => Err(Failure::Invalid(refusal.to_string())),
+        };
+        match created {
+            Ok(_) => {
+                metrics::histogram!("gateway_pool_refill_seconds").record(started.elapsed().as_secs_f64());
+                metrics::counter!("gateway_pool_fills_total", "result" => "ok").increment(1);
+                tracing::info!(%sandbox_id, template_id, slot, "pooled sandbox ready");
+                Ok(())
+            }
+            Err(err) => {
+                metrics::counter!("gateway_pool_fills_total", "result" => "failed").increment(1);
+                tracing::warn!(%sandbox_id, template_id, slot, %err, "pooled sandbox could not be started");
+                // A create of unknown outcome keeps its manifest for the reaper; the slot is
+                // freed after the grace either way.
+                if !matches!(err, Failure::Unknown(_)) {
+                    self.delete_slot(slot_id, version).await;
+                }
+                Err(err)
+            }
+        }
+    }
+}
+
+/// What a slot's sandbox is, from its manifest (`None`: there is none).
+fn slot_sandbox(doc: Option<&SandboxDoc>, slot: &PoolSlotDoc) -> SlotSandbox {
+    let Some(doc) = doc else {
+        return SlotSandbox::Absent;
+    };
+    let Some(pool) = &doc.pool else {
+        return SlotSandbox::Claimed;
+    };
+    if pool.template_id != slot.template_id || pool.slot != slot.slot {
+        // Not this slot's sandbox (an ID cannot be drawn twice; a document edited by hand).
+        return SlotSandbox::Claimed;
+    }
+    match doc.phase {
+        SandboxPhase::Running if doc.lifecycle_owner.is_none() => SlotSandbox::Ready,
+        _ => SlotSandbox::Busy,
+    }
+}
+
+/// A pool as the API shows it.
+#[derive(Clone, Debug)]
+pub struct PoolView {
+    pub template_id: String,
+    pub size: u32,
+    /// Pooled sandboxes ready to be claimed, as this gateway's keeper last saw them.
+    pub ready: usize,
+    /// `operator`, or the team that set it; empty when none was ever set.
+    pub set_by: String,
+    /// 0 when none was ever set.
+    pub updated_at_unix_ms: u64,
+}
+
+/// Who asks for a pool change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Asker {
+    Operator,
+    Team(String),
+}
+
+/// Reads and sets pool sizes.
+pub struct Pools {
+    ledger: LedgerClient,
+    sandboxes: Arc<Sandboxes>,
+}
+
+impl Pools {
+    pub fn new(ledger: LedgerClient, sandboxes: Arc<Sandboxes>) -> Self {
+        Self { ledger, sandboxes }
+    }
+
+    /// The pool of `template` (size 0 when none was set).
+    pub async fn get(&self, template: &TemplateDoc) -> Result<PoolView, Failure> {
+        let doc = self.ledger.get::<PoolDoc>(POOL_KIND, &template.template_id).await?;
+        Ok(self.view(&template.template_id, doc.map(|d| d.value)))
+    }
+
+    /// Every pool (for operators).
+    pub async fn list(&self) -> Result<Vec<PoolView>, Failure> {
+        let (pools, _) = self.ledger.list::<PoolDoc>(POOL_KIND, "").await?;
+        Ok(pools
+            .into_iter()
+            .map(|p| self.view(&p.value.template_id.clone(), Some(p.value)))
+            .collect())
+    }
+
+    fn view(&self, template_id: &str, doc: Option<PoolDoc>) -> PoolView {
+        let doc = doc.unwrap_or_default();
+        PoolView {
+            template_id: template_id.to_string(),
+            size: doc.size,
+            ready: self.sandboxes.pools.ready(template_id),
+            set_by: doc.set_by,
+            updated_at_unix_ms: doc.updated_at_unix_ms,
+        }
+    }
+
+    /// Sets `template`'s pool to `size`: an operator for any template, a team for its own.
+    pub async fn set(&self, asker: &Asker, template: &TemplateDoc, size: u32) -> Result<PoolView, Failure> {
+        if size > MAX_POOL_SIZE {
+            return Err(Failure::Invalid(format!(
+                "size {size} exceeds the largest pool, {MAX_POOL_SIZE}"
+            )));
+        }
+        let set_by = match asker {
+            Asker::Operator => "operator".to_string(),
+            Asker::Team(team) if *team == template.team_id && !template.team_id.is_empty() => team.clone(),
+            Asker::Team(_) => {
+                return Err(Failure::Forbidden(format!(
+                    "template {} is not your team's: only its team or an operator sets its pool",
+                    template.template_id
+                )))
+            }
+        };
+        let doc = PoolDoc {
+            template_id: template.template_id.clone(),
+            size,
+            set_by,
+            updated_at_unix_ms: now_ms(),
+        };
+        loop {
+            let current = self.ledger.get::<PoolDoc>(POOL_KIND, &template.template_id).await?;
+            let txn = match &current {
+                Some(current) => Txn::new().update_read(current, &doc)?,
+                None => Txn::new().create(POOL_KIND, &template.template_id, &doc)?,
+            };
+            match self.ledger.compare(txn).await {
+                Ok(_) => break,
+                Err(LedgerError::Conflict { .. }) => continue,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        tracing::info!(template_id = %template.template_id, size, "pool size set");
+        Ok(self.view(&template.template_id, Some(doc)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slots_sandbox_is_read_from_its_manifest() {
+        let slot = PoolSlotDoc {
+            template_id: "t".into(),
+            slot: 1,
+            sandbox_id: "s".into(),
+            ..PoolSlotDoc::default()
+        };
+        let pooled = SandboxDoc {
+            phase: SandboxPhase::Running,
+            pool: Some(Pooled {
+                template_id: "t".into(),
+                slot: 1,
+                ..Pooled::default()
+            }),
+            ..SandboxDoc::default()
+        };
+        assert_eq!(slot_sandbox(None, &slot), SlotSandbox::Absent);
+        assert_eq!(slot_sandbox(Some(&pooled), &slot), SlotSandbox::Ready);
+        let creating = SandboxDoc {
+            phase: SandboxPhase::Creating,
+            ..pooled.clone()
+        };
+        assert_eq!(slot_sandbox(Some(&creating), &slot), SlotSandbox::Busy);
+        let moving = SandboxDoc {
+            lifecycle_owner: Some("plan.1".into()),
+            ..pooled.clone()
+        };
+        assert_eq!(slot_sandbox(Some(&moving), &slot), SlotSandbox::Busy);
+        let claimed = SandboxDoc { pool: None, ..pooled };
+        assert_eq!(slot_sandbox(Some(&claimed), &slot), SlotSandbox::Claimed);
+    }
+}

@@ -1,0 +1,270 @@
+//! What the pool keeper does next, decided from what it observed: which slots to fill, free
+//! or retire. Pure: no I/O, no clock but the `now` it is given.
+//!
+//! A slot is *filled* when its pool wants it (slot number below the pool's size) and no slot
+//! document holds it; *freed* (its document deleted, to be filled again) when its sandbox was
+//! claimed, or when nothing was started for it within the grace (a gateway died between
+//! taking the slot and writing the manifest, or the create failed); *retired* (its sandbox
+//! killed, then its document deleted) when the pool no longer wants it: the pool shrank, the
+//! template was rebuilt since the sandbox started, or the template is gone.
+
+use std::collections::{BTreeMap, HashSet};
+
+use common::pool::{PoolDoc, PoolSlotDoc};
+
+/// Where a pool's template stands now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TemplateNow {
+    /// Its default tag points at this ready build.
+    Build(String),
+    /// Deleted: its pool is emptied, then dropped.
+    Gone,
+    /// No ready build (yet), or it could not be read: nothing is filled or retired for it.
+    Unknown,
+}
+
+/// What a slot's sandbox is, by its manifest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotSandbox {
+    /// Running, unclaimed, owned by no operation: claimable.
+    Ready,
+    /// Being created, or owned by an operation (a move, a retirement): left alone this round.
+    Busy,
+    /// Claimed by a create: the slot is free to fill again.
+    Claimed,
+    /// No manifest.
+    Absent,
+}
+
+/// One slot document and what its sandbox is.
+#[derive(Clone, Debug)]
+pub struct SlotView {
+    pub id: String,
+    pub version: u64,
+    pub doc: PoolSlotDoc,
+    pub sandbox: SlotSandbox,
+}
+
+/// What the keeper saw: pools, their slots, and each pool's template.
+#[derive(Clone, Debug, Default)]
+pub struct Observed {
+    pub pools: Vec<(u64, PoolDoc)>,
+    pub slots: Vec<SlotView>,
+    pub templates: BTreeMap<String, TemplateNow>,
+}
+
+/// One step of the keeper.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Take slot `slot` of `template_id`'s pool and start a sandbox of `build_id` in it.
+    Fill {
+        template_id: String,
+        slot: u32,
+        build_id: String,
+    },
+    /// Delete slot document `id` (at `version`): its sandbox is claimed or never came.
+    Free { id: String, version: u64 },
+    /// Kill `sandbox_id`, then delete slot document `id` (at `version`).
+    Retire {
+        id: String,
+        version: u64,
+        sandbox_id: String,
+    },
+    /// Delete the pool document of a template that is gone, once its slots are.
+    Drop { template_id: String, version: u64 },
+}
+
+/// The keeper's next steps for `observed` at `now` (unix ms); a slot with no sandbox is freed
+/// once `grace_ms` have passed since it was taken.
+pub fn plan(observed: &Observed, now: u64, grace_ms: u64) -> Vec<Action> {
+    let size_of = |template: &str| {
+        observed
+            .pools
+            .iter()
+            .find(|(_, p)| p.template_id == template)
+            .map_or(0, |(_, p)| p.size)
+    };
+    let mut actions = Vec::new();
+    let mut held: HashSet<(&str, u32)> = HashSet::new();
+    for slot in &observed.slots {
+        let template = slot.doc.template_id.as_str();
+        held.insert((template, slot.doc.slot));
+        let now_template = observed.templates.get(template).unwrap_or(&TemplateNow::Unknown);
+        let free = Action::Free {
+            id: slot.id.clone(),
+            version: slot.version,
+        };
+        match slot.sandbox {
+            SlotSandbox::Claimed => actions.push(free),
+            SlotSandbox::Absent if slot.doc.since_unix_ms.saturating_add(grace_ms) <= now => actions.push(free),
+            SlotSandbox::Absent | SlotSandbox::Busy => {}
+            SlotSandbox::Ready => {
+                let unwanted = slot.doc.slot >= size_of(template)
+                    || *now_template == TemplateNow::Gone
+                    || matches!(now_template, TemplateNow::Build(b) if *b != slot.doc.build_id);
+                if unwanted {
+                    actions.push(Action::Retire {
+                        id: slot.id.clone(),
+                        version: slot.version,
+                        sandbox_id: slot.doc.sandbox_id.clone(),
+                    });
+                }
+            }
+        }
+    }
+    for (version, pool) in &observed.pools {
+        match observed.templates.get(&pool.template_id) {
+            Some(TemplateNow::Build(build_id)) => {
+                for slot in 0..pool.size {
+                    if !held.contains(&(pool.template_id.as_str(), slot)) {
+                        actions.push(Action::Fill {
+                            template_id: pool.template_id.clone(),
+                            slot,
+                            build_id: build_id.clone(),
+                        });
+                    }
+                }
+            }
+            Some(TemplateNow::Gone) if !held.iter().any(|(t, _)| *t == pool.template_id) => {
+                actions.push(Action::Drop {
+                    template_id: pool.template_id.clone(),
+                    version: *version,
+                });
+            }
+            _ => {}
+        }
+    }
+    actions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(template: &str, size: u32) -> (u64, PoolDoc) {
+        (
+            7,
+            PoolDoc {
+                template_id: template.into(),
+                size,
+                ..PoolDoc::default()
+            },
+        )
+    }
+
+    fn slot(template: &str, k: u32, build: &str, sandbox: SlotSandbox, since: u64) -> SlotView {
+        SlotView {
+            id: common::pool::slot_id(template, k),
+            version: 1,
+            doc: PoolSlotDoc {
+                template_id: template.into(),
+                slot: k,
+                sandbox_id: format!("s{k}"),
+                build_id: build.into(),
+                since_unix_ms: since,
+            },
+            sandbox,
+        }
+    }
+
+    fn observed(pools: Vec<(u64, PoolDoc)>, slots: Vec<SlotView>, template: TemplateNow) -> Observed {
+        Observed {
+            pools,
+            slots,
+            templates: [("t".to_string(), template)].into(),
+        }
+    }
+
+    fn build(b: &str) -> TemplateNow {
+        TemplateNow::Build(b.into())
+    }
+
+    #[test]
+    fn an_empty_pool_is_filled_slot_by_slot() {
+        let o = observed(
+            vec![pool("t", 3)],
+            vec![slot("t", 1, "b", SlotSandbox::Ready, 0)],
+            build("b"),
+        );
+        let fills: Vec<u32> = plan(&o, 0, 1000)
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Fill { slot, .. } => Some(slot),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fills, vec![0, 2]);
+    }
+
+    #[test]
+    fn a_claimed_slot_is_freed_and_a_stale_empty_one_after_the_grace() {
+        let o = observed(
+            vec![pool("t", 3)],
+            vec![
+                slot("t", 0, "b", SlotSandbox::Claimed, 0),
+                slot("t", 1, "b", SlotSandbox::Absent, 500),
+                slot("t", 2, "b", SlotSandbox::Busy, 0),
+            ],
+            build("b"),
+        );
+        let actions = plan(&o, 1000, 1000);
+        assert_eq!(
+            actions,
+            vec![Action::Free {
+                id: common::pool::slot_id("t", 0),
+                version: 1
+            }],
+            "slot 1 is within its grace; slot 2 is being created"
+        );
+        assert!(plan(&o, 1500, 1000).contains(&Action::Free {
+            id: common::pool::slot_id("t", 1),
+            version: 1
+        }));
+    }
+
+    #[test]
+    fn a_shrunk_pool_or_a_rebuilt_template_retires_ready_sandboxes() {
+        let slots = vec![
+            slot("t", 0, "old", SlotSandbox::Ready, 0),
+            slot("t", 1, "new", SlotSandbox::Ready, 0),
+            slot("t", 2, "new", SlotSandbox::Ready, 0),
+        ];
+        let retired = |o: &Observed| -> Vec<String> {
+            plan(o, 0, 1000)
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::Retire { sandbox_id, .. } => Some(sandbox_id),
+                    _ => None,
+                })
+                .collect()
+        };
+        let o = observed(vec![pool("t", 2)], slots.clone(), build("new"));
+        assert_eq!(retired(&o), vec!["s0", "s2"]);
+        // Not known where the template stands: only the size decides.
+        let o = observed(vec![pool("t", 2)], slots.clone(), TemplateNow::Unknown);
+        assert_eq!(retired(&o), vec!["s2"]);
+        assert!(!plan(&o, 0, 1000).iter().any(|a| matches!(a, Action::Fill { .. })));
+        // No pool document at all: everything goes.
+        let o = observed(vec![], slots, build("new"));
+        assert_eq!(retired(&o).len(), 3);
+    }
+
+    #[test]
+    fn a_deleted_templates_pool_is_emptied_then_dropped() {
+        let o = observed(
+            vec![pool("t", 2)],
+            vec![slot("t", 0, "b", SlotSandbox::Ready, 0)],
+            TemplateNow::Gone,
+        );
+        let actions = plan(&o, 0, 1000);
+        assert!(matches!(&actions[..], [Action::Retire { .. }]), "{actions:?}");
+        let o = observed(vec![pool("t", 2)], vec![], TemplateNow::Gone);
+        assert_eq!(
+            plan(&o, 0, 1000),
+            vec![Action::Drop {
+                template_id: "t".into(),
+                version: 7
+            }]
+        );
+    }
+}

@@ -1,0 +1,373 @@
+//! Warm pools, the sandboxes' side: starting a pooled sandbox, claiming one for a create, and
+//! retiring one (see `common::pool` for the documents, and `crate::pools` for the keeper that
+//! fills and empties pools).
+//!
+//! A claim rewrites the pooled sandbox's manifest in one compare-and-swap: the team, its
+//! metadata, sealed env vars, fresh access tokens and its end replace the pool's, under a new
+//! epoch and phase `creating`. Two creates racing for one pooled sandbox both read the same
+//! version and only one write lands; the other tries the next candidate, and a create that
+//! finds none left is created cold. The node is then told (`Claim`): the pool's token stops
+//! working, envd adds the env vars. A claim that fails on the node kills the sandbox rather
+//! than hand it out half claimed, and the create goes on cold. A gateway that dies between the
+//! two leaves a `creating` manifest that the reaper ends like any abandoned create.
+//!
+//! A pooled sandbox has never run a request's code: its start command ran, nothing else. What
+//! the claim changes is everything a request gives a sandbox; its ID (and so its hostname)
+//! was drawn at random when the pool started it, as a cold create draws one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::RwLock;
+
+use common::clock::now_ms;
+use common::docs::{SandboxDoc, SandboxPhase};
+use ledger_client::{LedgerError, Txn, Versioned};
+use proto::node::v1 as node_pb;
+
+use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
+use crate::intent::CreateIntent;
+
+/// Which pooled sandboxes are ready, by template: candidates for claims, refreshed by the
+/// keeper. Only a hint: the claim's compare-and-swap on the manifest is the truth.
+#[derive(Default)]
+pub struct PoolIndex {
+    ready: RwLock<HashMap<String, Vec<String>>>,
+    /// Where the next claim starts in a template's list, so concurrent claims spread over
+    /// the candidates rather than all racing for the first.
+    turn: AtomicUsize,
+}
+
+impl PoolIndex {
+    /// Replaces the whole index (template → ready sandbox IDs).
+    pub fn replace(&self, ready: HashMap<String, Vec<String>>) {
+        match self.ready.write() {
+            Ok(mut current) => *current = ready,
+            Err(poisoned) => *poisoned.into_inner() = ready,
+        }
+    }
+
+    /// Takes `id` out (claimed or retired by this gateway) until the next refresh.
+    pub fn remove(&self, template: &str, id: &str) {
+        let mut ready = match self.ready.write() {
+            Ok(ready) => ready,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if let Some(ids) = ready.get_mut(template) {
+            ids.retain(|i| i != id);
+        }
+    }
+
+    /// The ready sandboxes of `template`, starting at a different one each call.
+    pub fn candidates(&self, template: &str) -> Vec<String> {
+        let ready = match self.ready.read() {
+            Ok(ready) => ready,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let Some(ids) = ready.get(template).filter(|ids| !ids.is_empty()) else {
+            return Vec::new();
+        };
+        let start = self.turn.fetch_add(1, Ordering::Relaxed) % ids.len();
+        ids[start..].iter().chain(&ids[..start]).cloned().collect()
+    }
+
+    /// How many of `template`'s are ready, as last refreshed.
+    pub fn ready(&self, template: &str) -> usize {
+        match self.ready.read() {
+            Ok(ready) => ready.get(template).map_or(0, Vec::len),
+            Err(poisoned) => poisoned.into_inner().get(template).map_or(0, Vec::len),
+        }
+    }
+}
+
+/// Whether pooled sandbox `doc` can become the sandbox `intent` asks for: unclaimed, running,
+/// owned by no operation, of the same build, size and network. (Env vars, metadata, timeout,
+/// tokens and whether its ports are public are the claim's to give.)
+pub fn fits(doc: &SandboxDoc, intent: &CreateIntent) -> bool {
+    let Some(pool) = &doc.pool else { return false };
+    doc.phase == SandboxPhase::Running
+        && doc.lifecycle_owner.is_none()
+        && doc.team_id.is_empty()
+        && pool.build_id == intent.image.build_id
+        && doc.template == intent.template
+        && doc.vcpus == intent.vcpus
+        && doc.memory_bytes == intent.memory_bytes
+        && doc.network.as_ref() == Some(&intent.network)
+}
+
+/// `pooled` as the create of `team` for `intent` makes it: `fresh` is the manifest a cold
+/// create would write (its tokens, seals, end); where it runs and its epoch (raised) are the
+/// pooled sandbox's.
+pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
+    SandboxDoc {
+        phase: SandboxPhase::Creating,
+        node_id: pooled.node_id.clone(),
+        node_address: pooled.node_address.clone(),
+        envd_address: pooled.envd_address.clone(),
+        epoch: pooled.epoch + 1,
+        disk_bytes: pooled.disk_bytes,
+        last_moved_unix_ms: pooled.last_moved_unix_ms,
+        pool: None,
+        ..fresh
+    }
+}
+
+impl Sandboxes {
+    /// A pooled sandbox of `intent`'s template, claimed for `team`; `None` when the template
+    /// has no pool, none fits or every claim failed (the create then goes cold).
+    pub(super) async fn claim_pooled(&self, team: &str, intent: &CreateIntent) -> Result<Option<SandboxDoc>, Failure> {
+        let candidates = self.pools.candidates(&intent.template);
+        if candidates.is_empty() {
+            if self.pools_known(&intent.template) {
+                metrics::counter!("gateway_pool_claims_total", "result" => "miss").increment(1);
+            }
+            return Ok(None);
+        }
+        for id in candidates {
+            let Some(pooled) = self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await? else {
+                self.pools.remove(&intent.template, &id);
+                continue;
+            };
+            if !fits(&pooled.value, intent) {
+                continue;
+            }
+            use tracing::Instrument;
+            let span = tracing::info_span!("claim", sandbox_id = %id, template = %intent.template);
+            match self.claim_one(team, intent, pooled).instrument(span).await {
+                Ok(Some(doc)) => {
+                    metrics::counter!("gateway_pool_claims_total", "result" => "hit").increment(1);
+                    return Ok(Some(doc));
+                }
+                Ok(None) => continue,
+                Err(err) => return Err(err),
+            }
+        }
+        metrics::counter!("gateway_pool_claims_total", "result" => "miss").increment(1);
+        Ok(None)
+    }
+
+    /// Whether `template` has a pool this gateway knows of (a miss is counted only then).
+    fn pools_known(&self, template: &str) -> bool {
+        self.pool_templates
+            .read()
+            .map(|t| t.contains(template))
+            .unwrap_or(false)
+    }
+
+    /// Claims `pooled` for `team`: `None` when another create took it first or its node
+    /// would not hand it over (the sandbox is then killed).
+    async fn claim_one(
+        &self,
+        team: &str,
+        intent: &CreateIntent,
+        pooled: Versioned<SandboxDoc>,
+    ) -> Result<Option<SandboxDoc>, Failure> {
+        let id = pooled.value.sandbox_id.clone();
+        let template = pooled.value.template.clone();
+        let fresh = self.new_manifest(team, intent, &id, now_ms());
+        let mut doc = claimed_manifest(&pooled.value, fresh);
+        let txn = Txn::new().update_read(&pooled, &doc)?;
+        let version = match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
+            Ok(done) => done.versions.first().copied().unwrap_or(pooled.version + 1),
+            // Another create (or the keeper retiring it, or a move) was first.
+            Err(LedgerError::Conflict { .. }) => {
+                self.pools.remove(&template, &id);
+                return Ok(None);
+            }
+            Err(err) => return Err(err.into()),
+        };
+        self.pools.remove(&template, &id);
+        let versioned = |version, value: SandboxDoc| Versioned {
+            key: ledger_client::DocKey::new(common::docs::SANDBOX_KIND, &id),
+            version,
+            create_revision: 0,
+            mod_revision: 0,
+            value,
+        };
+        if let Err(err) = self.tell_node_claimed(&doc, intent).await {
+            tracing::warn!(sandbox_id = %id, %err, "the node did not hand the pooled sandbox over; killing it");
+            self.end_claimed(&versioned(version, doc)).await;
+            return Ok(None);
+        }
+        doc.phase = SandboxPhase::Running;
+        match self.save(&versioned(version, doc.clone())).await {
+            Ok(_) => {
+                tracing::info!(sandbox_id = %id, node_id = %doc.node_id, "pooled sandbox claimed");
+                Ok(Some(doc))
+            }
+            // The running write may have landed: the caller is told to look, nothing is undone.
+            Err(err @ Failure::Unknown(_)) => Err(err),
+            Err(err) => {
+                tracing::warn!(sandbox_id = %id, %err, "a claimed sandbox's running write failed; killing it");
+                self.end_claimed(&versioned(version, doc)).await;
+                Ok(None)
+            }
+        }
+    }
+
+    async fn tell_node_claimed(&self, doc: &SandboxDoc, intent: &CreateIntent) -> Result<(), Failure> {
+        let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
+        node.claim(node_pb::ClaimRequest {
+            operation_id: format!("claim-{}-{}", doc.sandbox_id, doc.epoch),
+            epoch: doc.epoch,
+            sandbox_id: doc.sandbox_id.clone(),
+            env_vars: intent.env_vars.clone().into_iter().collect(),
+            metadata: doc.metadata.clone().into_iter().collect(),
+            access_token: self.tokens.envd(doc).unwrap_or_default(),
+            traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
+        })
+        .await
+        .map(drop)
+        .map_err(|s| super::from_status("node claim", s))
+    }
+
+    /// Undoes a claim that could not finish: the sandbox off its node, out of placement, its
+    /// manifest deleted (a failure is logged; the reaper ends what is left, as it ends any
+    /// abandoned create).
+    async fn end_claimed(&self, doc: &Versioned<SandboxDoc>) {
+        self.stop_on_node(&doc.value).await;
+        let txn = Txn::new().delete(common::docs::SANDBOX_KIND, &doc.value.sandbox_id, doc.version);
+        if let Err(err) = self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
+            tracing::warn!(sandbox_id = %doc.value.sandbox_id, %err, "a failed claim's manifest stays for the reaper");
+        }
+    }
+
+    /// Starts pooled sandbox `sandbox_id` for slot `pool` from `intent` (no team: nobody's
+    /// until claimed).
+    pub async fn create_pooled(
+        &self,
+        intent: CreateIntent,
+        sandbox_id: String,
+        pool: common::pool::Pooled,
+    ) -> Result<SandboxDoc, Failure> {
+        use tracing::Instrument;
+        let span =
+            tracing::info_span!("pool_fill", sandbox_id = %sandbox_id, template = %pool.template_id, slot = pool.slot);
+        self.create_with("", intent, sandbox_id, Some(pool))
+            .instrument(span)
+            .await
+    }
+
+    /// Ends pooled sandbox `id` (its pool shrank, or its template was rebuilt or deleted),
+    /// unless a create claimed it first: a claim and a retirement each write the manifest
+    /// under the version they read, so one of them fails.
+    pub async fn retire_pooled(&self, id: &str) -> Result<(), Failure> {
+        self.kill("", id).await
+    }
+
+    /// Tells which templates have pools (a create of one of them that finds none ready is
+    /// counted a miss).
+    pub fn set_pool_templates(&self, templates: std::collections::HashSet<String>) {
+        match self.pool_templates.write() {
+            Ok(mut current) => *current = templates,
+            Err(poisoned) => *poisoned.into_inner() = templates,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use common::egress::NetworkPolicy;
+    use common::pool::Pooled;
+
+    fn intent() -> CreateIntent {
+        CreateIntent {
+            template: "t1".into(),
+            image: common::template::Image {
+                build_id: "b1".into(),
+                ..Default::default()
+            },
+            vcpus: 2,
+            memory_bytes: 512 << 20,
+            memory_source: Default::default(),
+            timeout_secs: 300,
+            auto_pause: false,
+            auto_pause_memory: true,
+            auto_resume: false,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            network: NetworkPolicy::default(),
+            public_traffic: true,
+        }
+    }
+
+    fn pooled() -> SandboxDoc {
+        SandboxDoc {
+            sandbox_id: "ipooled".into(),
+            template: "t1".into(),
+            vcpus: 2,
+            memory_bytes: 512 << 20,
+            phase: SandboxPhase::Running,
+            network: Some(NetworkPolicy::default()),
+            node_id: "n1".into(),
+            node_address: "http://n1".into(),
+            envd_address: "http://n1:1".into(),
+            epoch: 3,
+            pool: Some(Pooled {
+                template_id: "t1".into(),
+                build_id: "b1".into(),
+                slot: 0,
+                ready_at_unix_ms: 1,
+            }),
+            ..SandboxDoc::default()
+        }
+    }
+
+    #[test]
+    fn a_pooled_sandbox_fits_only_a_create_of_its_build_size_and_network() {
+        assert!(fits(&pooled(), &intent()));
+        let mut other = intent();
+        other.image.build_id = "b2".into();
+        assert!(!fits(&pooled(), &other), "a rebuilt template's create");
+        let mut bigger = intent();
+        bigger.memory_bytes *= 2;
+        assert!(!fits(&pooled(), &bigger));
+        let mut closed = intent();
+        closed.network.internet = !closed.network.internet;
+        assert!(!fits(&pooled(), &closed));
+        let claimed = SandboxDoc {
+            team_id: "team".into(),
+            ..pooled()
+        };
+        assert!(!fits(&claimed, &intent()), "a claimed one (it has a team)");
+        let moving = SandboxDoc {
+            lifecycle_owner: Some("plan.1".into()),
+            ..pooled()
+        };
+        assert!(!fits(&moving, &intent()), "one a move owns");
+        let unpooled = SandboxDoc { pool: None, ..pooled() };
+        assert!(!fits(&unpooled, &intent()));
+    }
+
+    #[test]
+    fn a_claimed_manifest_is_the_requests_on_the_pooled_sandboxs_node() {
+        let fresh = SandboxDoc {
+            sandbox_id: "ipooled".into(),
+            team_id: "team".into(),
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            envd_access_token: Some("fresh-seal".into()),
+            end_at_unix_ms: 99,
+            epoch: 1,
+            ..SandboxDoc::default()
+        };
+        let doc = claimed_manifest(&pooled(), fresh);
+        assert_eq!(doc.team_id, "team");
+        assert_eq!(doc.envd_access_token.as_deref(), Some("fresh-seal"));
+        assert_eq!(doc.end_at_unix_ms, 99);
+        assert_eq!((doc.node_id.as_str(), doc.epoch), ("n1", 4), "its node, a raised epoch");
+        assert_eq!(doc.phase, SandboxPhase::Creating);
+        assert!(doc.pool.is_none());
+    }
+
+    #[test]
+    fn the_index_hands_out_candidates_from_a_different_start_each_time() {
+        let index = PoolIndex::default();
+        index.replace([("t".to_string(), vec!["a".into(), "b".into(), "c".into()])].into());
+        let firsts: std::collections::HashSet<String> = (0..3).map(|_| index.candidates("t")[0].clone()).collect();
+        assert_eq!(firsts.len(), 3);
+        assert_eq!(index.candidates("t").len(), 3);
+        index.remove("t", "b");
+        assert_eq!(index.ready("t"), 2);
+        assert!(index.candidates("other").is_empty());
+    }
+}

@@ -1,0 +1,187 @@
+//! Warm pools through the REST API with a real ledger, placement and container node: who may
+//! size a pool, a create that takes a ready sandbox as its own (env vars, metadata, token),
+//! concurrent creates that never share one, refill, and a pool emptied.
+
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::pool::{PoolSlotDoc, POOL_SLOT_KIND};
+use serde_json::Value;
+use support::{assert_e2b_error, stack, ADMIN_TOKEN};
+
+async fn as_operator(s: &support::Stack, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .request(method.parse().unwrap(), format!("{}{path}", s.url()))
+        .header("X-Admin-Token", ADMIN_TOKEN);
+    if let Some(body) = body {
+        req = req.header("Content-Type", "application/json").body(body.to_string());
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The sandboxes the pool's slots hold, once `n` are ready (as the gateway reports them).
+async fn ready(s: &support::Stack, template: &str, n: u64) -> HashSet<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let (status, pool) = as_operator(s, "GET", &format!("/templates/{template}/pool"), None).await;
+        assert_eq!(status, 200, "{pool}");
+        if pool["ready"] == n {
+            let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+            return slots.into_iter().map(|d| d.value.sandbox_id).collect();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pool of {template} never had {n} ready: {pool}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn envs(s: &support::Stack, id: &str, token: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .get(format!("{}/envs", s.url()))
+        .header("E2b-Sandbox-Id", id)
+        .header("X-Access-Token", token)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_takes_a_ready_pooled_sandbox_as_its_own_and_the_pool_refills() {
+    let s = stack(8192).await;
+    // A public built-in is the operators' to pool, never a team's.
+    assert_e2b_error(
+        &s.call("PUT", "/templates/base/pool", Some("key-a"), Some(r#"{"size": 2}"#))
+            .await,
+        403,
+    );
+    assert_e2b_error(&s.call("GET", "/pools", Some("key-a"), None).await, 401);
+    for bad in [
+        r#"{"size": 65}"#,
+        r#"{"size": -1}"#,
+        r#"{"size": "2"}"#,
+        r#"{}"#,
+        r#"{"size": 1, "x": 1}"#,
+    ] {
+        assert_e2b_error(&as_operator(&s, "PUT", "/templates/base/pool", Some(bad)).await, 400);
+    }
+    assert_e2b_error(
+        &as_operator(&s, "PUT", "/templates/no-such/pool", Some(r#"{"size": 1}"#)).await,
+        404,
+    );
+    let (status, set) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 2}"#)).await;
+    assert_eq!(status, 200, "{set}");
+    assert_eq!(
+        (set["size"].as_u64(), set["setBy"].as_str()),
+        (Some(2), Some("operator"))
+    );
+
+    let pooled = ready(&s, "base", 2).await;
+    assert_eq!(pooled.len(), 2);
+    // Nobody's yet: no team lists, reads or reaches a pooled sandbox.
+    let (_, listed) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
+    assert_eq!(listed, serde_json::json!([]), "{listed}");
+    for id in &pooled {
+        assert_eq!(
+            s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await.0,
+            404
+        );
+        let (status, _) = envs(&s, id, "0".repeat(32).as_str()).await;
+        assert!(
+            status == 401 || status == 404 || status == 502,
+            "a pooled sandbox answered: {status}"
+        );
+    }
+
+    let body = r#"{"templateID": "base", "envVars": {"POOL_TEST": "mine"}, "metadata": {"who": "a"}}"#;
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    assert!(pooled.contains(&id), "{id} was not taken from the pool {pooled:?}");
+    let (status, env) = envs(&s, &id, &token).await;
+    assert_eq!(status, 200, "{env}");
+    assert_eq!(
+        env["POOL_TEST"], "mine",
+        "envd did not take the claim's env vars: {env}"
+    );
+    let (status, detail) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(status, 200, "{detail}");
+    assert_eq!(detail["metadata"]["who"], "a");
+    assert_eq!(
+        s.call("GET", &format!("/sandboxes/{id}"), Some("key-b"), None).await.0,
+        404
+    );
+
+    // The pool fills again with sandboxes of its own, and the claimed one is the team's.
+    let refilled = ready(&s, "base", 2).await;
+    assert!(!refilled.contains(&id), "{refilled:?}");
+    let (status, pools) = as_operator(&s, "GET", "/pools", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(pools[0]["templateID"], "base", "{pools}");
+
+    // Emptied: its sandboxes go, the claimed one stays.
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 0}"#)).await;
+    assert_eq!(status, 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+        let live: Vec<String> = s.node().host().list_ids().await;
+        if slots.is_empty() && live == vec![id.clone()] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pool not emptied: {slots:?} {live:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, env) = envs(&s, &id, &token).await;
+    assert_eq!(status, 200, "{env}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_never_share_a_pooled_sandbox() {
+    let s = stack(8192).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 3}"#)).await;
+    assert_eq!(status, 200);
+    let pooled = ready(&s, "base", 3).await;
+    let creates = (0..6).map(|i| {
+        let s = &s;
+        async move {
+            let body = format!(r#"{{"templateID": "base", "envVars": {{"N": "{i}"}}}}"#);
+            let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(&body)).await;
+            assert_eq!(status, 201, "{created}");
+            (
+                i,
+                created["sandboxID"].as_str().unwrap().to_string(),
+                created["envdAccessToken"].as_str().unwrap().to_string(),
+            )
+        }
+    });
+    let created = futures::future::join_all(creates).await;
+    let ids: HashSet<&String> = created.iter().map(|(_, id, _)| id).collect();
+    assert_eq!(ids.len(), 6, "two creates got one sandbox: {created:?}");
+    assert_eq!(
+        created.iter().filter(|(_, id, _)| pooled.contains(id)).count(),
+        3,
+        "every ready sandbox goes to exactly one create: {created:?} from {pooled:?}"
+    );
+    for (i, id, token) in &created {
+        let (status, env) = envs(&s, id, token).await;
+        assert_eq!(status, 200, "{env}");
+        assert_eq!(env["N"], i.to_string(), "{id} has another create's env vars: {env}");
+    }
+    // One create's token opens no other's sandbox.
+    let (status, _) = envs(&s, &created[0].1, &created[1].2).await;
+    assert_eq!(status, 401);
+    s.stop().await;
+}
