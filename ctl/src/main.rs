@@ -4,6 +4,7 @@
 //! local stack's ports and have environment twins.
 
 mod history;
+mod pools;
 mod table;
 
 use std::time::Duration;
@@ -166,6 +167,14 @@ enum Command {
     Balancing {
         #[arg(value_parser = ["pause", "resume"])]
         action: String,
+    },
+    /// Warm pools: each template's pool size and the slots taken.
+    Pools,
+    /// Set how many ready sandboxes a template keeps (0 empties its pool).
+    Pool {
+        /// The template's ID or name.
+        template: String,
+        size: u32,
     },
     /// Confirm that a move's target node is gone for good (stop its host first), so a
     /// rollback waiting for that target to confirm its copy stopped resumes the source. A
@@ -334,6 +343,8 @@ async fn main() -> anyhow::Result<()> {
             t.print(cli.json);
         }
         Command::Sandbox { sandbox_id } => sandbox_story(&cluster, cli.json, &sandbox_id).await?,
+        Command::Pools => pools::list(&cluster.ledger()?, cli.json).await?,
+        Command::Pool { template, size } => pools::set(&cluster.ledger()?, &template, size).await?,
         Command::Explain { vcpus, memory_mb } => {
             let mut placement = cluster.placement().await?;
             let answer = placement
