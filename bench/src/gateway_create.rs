@@ -30,6 +30,10 @@ pub struct Args {
     /// The node gives sandboxes no disk of their own, to see what making one costs a create.
     #[arg(long)]
     no_disks: bool,
+    /// Creates claimed from a warm pool of `base`, one at a time (the pool refilled between
+    /// them, out of the timing).
+    #[arg(long, default_value_t = 50)]
+    warm_creates: usize,
 }
 
 /// E2B's default create: the sandbox may reach the internet, so it gets a link out.
@@ -109,6 +113,7 @@ struct Figures {
     p99_ms: f64,
     linked: Throughput,
     unlinked: Throughput,
+    warm: Warm,
 }
 
 /// What the concurrent phase of one kind of create measures.
@@ -155,12 +160,103 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
     // The same load without the link out, in the same run: what the veth pair, its addresses
     // and routes (and their removal) cost, as a ratio this machine's noise does not swamp.
     let unlinked = throughput(&http, &url, args, UNLINKED).await?;
+    let warm = warm(stack, &http, &url, args.warm_creates).await?;
     Ok(Figures {
         p50_ms,
         p99_ms,
         linked,
         unlinked,
+        warm,
     })
+}
+
+/// Creates claimed from a warm pool of `base` (size 1: each create waits for the refill
+/// before it starts, so each finds one ready): their latencies, and how many were claims.
+async fn warm(stack: &stack::Stack, http: &reqwest::Client, url: &str, creates: usize) -> anyhow::Result<Warm> {
+    use common::pool::{PoolDoc, PoolSlotDoc, POOL_KIND, POOL_SLOT_KIND};
+    anyhow::ensure!(creates > 0, "--warm-creates must be at least 1");
+    let pool = PoolDoc {
+        template_id: "base".into(),
+        size: 1,
+        set_by: "operator".into(),
+        updated_at_unix_ms: common::clock::now_ms(),
+    };
+    let ledger = &stack.ledger_client;
+    ledger
+        .compare(ledger_client::Txn::new().create(POOL_KIND, "base", &pool)?)
+        .await?;
+    let mut latencies = Vec::with_capacity(creates);
+    let mut hits = 0;
+    for _ in 0..creates {
+        // The pool's one sandbox, once ready.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let pooled = loop {
+            let r: serde_json::Value = http
+                .get(format!("{url}/templates/base/pool"))
+                .header("X-API-Key", "bench")
+                .send()
+                .await?
+                .json()
+                .await?;
+            if r["ready"] == 1 {
+                let (slots, _) = ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?;
+                break slots.into_iter().map(|s| s.value.sandbox_id).collect::<Vec<_>>();
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the warm pool was not refilled within 30 s: {r}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let started = Instant::now();
+        let r = http
+            .post(format!("{url}/sandboxes"))
+            .header("X-API-Key", "bench")
+            .header("Content-Type", "application/json")
+            .body(LINKED)
+            .send()
+            .await?;
+        anyhow::ensure!(r.status().as_u16() == 201, "warm create answered {}", r.status());
+        latencies.push(started.elapsed());
+        let body: serde_json::Value = r.json().await?;
+        let id = body["sandboxID"].as_str().context("sandboxID")?.to_string();
+        hits += usize::from(pooled.contains(&id));
+        http.delete(format!("{url}/sandboxes/{id}"))
+            .header("X-API-Key", "bench")
+            .send()
+            .await?;
+    }
+    // Emptied, so no pooled sandbox outlives the run.
+    let current = ledger
+        .get::<PoolDoc>(POOL_KIND, "base")
+        .await?
+        .context("the pool document")?;
+    let empty = PoolDoc { size: 0, ..pool };
+    ledger
+        .compare(ledger_client::Txn::new().update_read(&current, &empty)?)
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?.0.is_empty() {
+        anyhow::ensure!(Instant::now() < deadline, "the warm pool was not emptied within 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    latencies.sort();
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
+    Ok(Warm {
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        hits,
+        creates,
+    })
+}
+
+/// What the warm phase measures.
+struct Warm {
+    p50_ms: f64,
+    p99_ms: f64,
+    /// Creates that were claims (the sandbox was the pool's).
+    hits: usize,
+    creates: usize,
 }
 
 fn report(args: &Args, figures: Figures) -> Report {
@@ -198,6 +294,21 @@ fn report(args: &Args, figures: Figures) -> Report {
             "unlinked_cpu_ms_per_create",
             round(figures.unlinked.cpu_ms),
             "ms of host CPU per create and kill without the link out",
+        )
+        .figure(
+            "warm_create_p50_ms",
+            round(figures.warm.p50_ms),
+            "ms (claimed from a warm pool)",
+        )
+        .figure(
+            "warm_create_p99_ms",
+            round(figures.warm.p99_ms),
+            "ms (claimed from a warm pool)",
+        )
+        .figure(
+            "warm_hits",
+            format!("{}/{}", figures.warm.hits, figures.warm.creates),
+            "warm creates that were claims",
         );
     report
 }

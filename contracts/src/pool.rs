@@ -11,8 +11,9 @@
 //!   slot, and neither needs a lease to know it.
 //! - the pooled sandbox's own manifest, with [`SandboxDoc::pool`](crate::docs::SandboxDoc)
 //!   set and no team: no team lists it, reaches it or is billed for it. A create claims it
-//!   by rewriting that manifest (compare-and-swap on its version), so one pooled sandbox goes
-//!   to one create, whatever races.
+//!   by rewriting that manifest (compare-and-swap on its version) and deleting its slot's
+//!   document in the same transaction, so one pooled sandbox goes to one create whatever
+//!   races, and its slot is free to fill again the moment it is claimed.
 
 use serde::{Deserialize, Serialize};
 

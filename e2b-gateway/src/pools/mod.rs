@@ -4,10 +4,10 @@
 //! Every gateway runs a keeper. Each round it reads the pools, their slots and each slot's
 //! manifest, asks [`plan`] what to do, and does it: a slot is taken by creating its document
 //! (so two keepers never fill one slot), then a pooled sandbox is started in it through the
-//! ordinary create path (placement, the node, the template's ready command); a claimed slot
-//! is freed and filled again; a sandbox its pool no longer wants is retired. A round runs
-//! when a manifest changes (the routing table's watch) and at least every
-//! [`ROUND_EVERY`], and refreshes the index creates claim from (`Sandboxes::pools`).
+//! ordinary create path (placement, the node, the template's ready command); a claim deletes
+//! its slot's document with the manifest's rewrite, and the slot is filled again; a sandbox its pool no longer wants is retired. While pools
+//! exist a round runs when a manifest changes (the routing table's watch), and at least every
+//! [`ROUND_EVERY`]; it refreshes the index creates claim from (`Sandboxes::pools`).
 //!
 //! The sandboxes of a pool are ordinary sandboxes to placement and the balancer: they take
 //! the memory they ask for on their node, and moves may take them like any other.
@@ -25,12 +25,14 @@ use common::template::{TemplateDoc, DEFAULT_TAG, TEMPLATE_KIND};
 use ledger_client::{LedgerClient, LedgerError, Txn};
 
 use crate::intent::{self, NewSandbox};
-use crate::sandboxes::{Failure, Sandboxes};
+use crate::sandboxes::{Candidate, Failure, Sandboxes};
 use crate::templates::Templates;
 use plan::{Action, Observed, SlotSandbox, SlotView, TemplateNow};
 
 /// The longest a keeper waits between rounds when no manifest changes.
 pub const ROUND_EVERY: Duration = Duration::from_secs(2);
+/// The shortest time between two rounds.
+const ROUND_GAP: Duration = Duration::from_millis(50);
 /// How long a taken slot may stay without a manifest before it is freed.
 const SLOT_GRACE: Duration = Duration::from_secs(30);
 /// Pooled sandboxes one keeper starts at once.
@@ -62,19 +64,30 @@ impl Keeper {
         })
     }
 
-    /// Runs rounds for ever: on every manifest change, and at least every [`ROUND_EVERY`].
+    /// Runs rounds for ever: at least every [`ROUND_EVERY`], and while any pool exists also
+    /// on manifest changes (a claim frees a slot), at most one round per [`ROUND_GAP`]. With
+    /// no pool, a busy cluster's manifest changes cost the ledger nothing here.
     pub async fn run(self: Arc<Self>) {
         loop {
             let changed = self.sandboxes.routes.changed();
-            if let Err(err) = self.round().await {
-                tracing::debug!(%err, "pool keeper round failed");
+            let pools = match self.round().await {
+                Ok(pools) => pools,
+                Err(err) => {
+                    tracing::debug!(%err, "pool keeper round failed");
+                    0
+                }
+            };
+            if pools == 0 {
+                tokio::time::sleep(ROUND_EVERY).await;
+                continue;
             }
             let _ = tokio::time::timeout(ROUND_EVERY, changed).await;
+            tokio::time::sleep(ROUND_GAP).await;
         }
     }
 
-    /// One round: observe, plan, act.
-    pub async fn round(self: &Arc<Self>) -> Result<(), Failure> {
+    /// One round: observe, plan, act. Returns how many pools there are.
+    pub async fn round(self: &Arc<Self>) -> Result<usize, Failure> {
         let (observed, resolved) = self.observe().await?;
         self.publish(&observed);
         for action in plan::plan(&observed, now_ms(), SLOT_GRACE.as_millis() as u64) {
@@ -109,7 +122,7 @@ impl Keeper {
                 }
             }
         }
-        Ok(())
+        Ok(observed.pools.len().max(usize::from(!observed.slots.is_empty())))
     }
 
     async fn delete_slot(&self, id: &str, version: u64) {
@@ -173,12 +186,13 @@ impl Keeper {
 
     /// Refreshes the index creates claim from, and the pools' gauges.
     fn publish(&self, observed: &Observed) {
-        let mut ready: HashMap<String, Vec<String>> = HashMap::new();
+        let mut ready: HashMap<String, Vec<Candidate>> = HashMap::new();
         for slot in observed.slots.iter().filter(|s| s.sandbox == SlotSandbox::Ready) {
-            ready
-                .entry(slot.doc.template_id.clone())
-                .or_default()
-                .push(slot.doc.sandbox_id.clone());
+            ready.entry(slot.doc.template_id.clone()).or_default().push(Candidate {
+                sandbox_id: slot.doc.sandbox_id.clone(),
+                slot_id: slot.id.clone(),
+                slot_version: slot.version,
+            });
         }
         for (_, pool) in &observed.pools {
             let n = ready.get(&pool.template_id).map_or(0, Vec::len);

@@ -20,7 +20,7 @@ mod pool;
 mod reaper;
 pub use claim::DEFAULT_CLAIM_TTL;
 pub use create::new_sandbox_id;
-pub use pool::PoolIndex;
+pub use pool::{Candidate, PoolIndex};
 pub use reaper::{Patience, DEFAULT_ABANDONED_CREATE_AFTER};
 
 use crate::error::from_status;

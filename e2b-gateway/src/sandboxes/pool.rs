@@ -4,7 +4,8 @@
 //!
 //! A claim rewrites the pooled sandbox's manifest in one compare-and-swap: the team, its
 //! metadata, sealed env vars, fresh access tokens and its end replace the pool's, under a new
-//! epoch and phase `creating`. Two creates racing for one pooled sandbox both read the same
+//! epoch and phase `creating` (no route yet: nobody's requests reach it before it is written
+//! running); its slot's document is deleted in the same transaction. Two creates racing for one pooled sandbox both read the same
 //! version and only one write lands; the other tries the next candidate, and a create that
 //! finds none left is created cold. The node is then told (`Claim`): the pool's token stops
 //! working, envd adds the env vars. A claim that fails on the node kills the sandbox rather
@@ -27,19 +28,28 @@ use proto::node::v1 as node_pb;
 use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 use crate::intent::CreateIntent;
 
+/// A ready pooled sandbox and the slot document that holds it: a claim deletes that document
+/// in the same transaction as it rewrites the manifest, so the slot is free to fill at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub sandbox_id: String,
+    pub slot_id: String,
+    pub slot_version: u64,
+}
+
 /// Which pooled sandboxes are ready, by template: candidates for claims, refreshed by the
 /// keeper. Only a hint: the claim's compare-and-swap on the manifest is the truth.
 #[derive(Default)]
 pub struct PoolIndex {
-    ready: RwLock<HashMap<String, Vec<String>>>,
+    ready: RwLock<HashMap<String, Vec<Candidate>>>,
     /// Where the next claim starts in a template's list, so concurrent claims spread over
     /// the candidates rather than all racing for the first.
     turn: AtomicUsize,
 }
 
 impl PoolIndex {
-    /// Replaces the whole index (template → ready sandbox IDs).
-    pub fn replace(&self, ready: HashMap<String, Vec<String>>) {
+    /// Replaces the whole index (template → ready sandboxes).
+    pub fn replace(&self, ready: HashMap<String, Vec<Candidate>>) {
         match self.ready.write() {
             Ok(mut current) => *current = ready,
             Err(poisoned) => *poisoned.into_inner() = ready,
@@ -53,12 +63,12 @@ impl PoolIndex {
             Err(poisoned) => poisoned.into_inner(),
         };
         if let Some(ids) = ready.get_mut(template) {
-            ids.retain(|i| i != id);
+            ids.retain(|c| c.sandbox_id != id);
         }
     }
 
     /// The ready sandboxes of `template`, starting at a different one each call.
-    pub fn candidates(&self, template: &str) -> Vec<String> {
+    pub fn candidates(&self, template: &str) -> Vec<Candidate> {
         let ready = match self.ready.read() {
             Ok(ready) => ready,
             Err(poisoned) => poisoned.into_inner(),
@@ -122,7 +132,8 @@ impl Sandboxes {
             }
             return Ok(None);
         }
-        for id in candidates {
+        for candidate in candidates {
+            let id = candidate.sandbox_id.clone();
             let Some(pooled) = self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await? else {
                 self.pools.remove(&intent.template, &id);
                 continue;
@@ -132,7 +143,7 @@ impl Sandboxes {
             }
             use tracing::Instrument;
             let span = tracing::info_span!("claim", sandbox_id = %id, template = %intent.template);
-            match self.claim_one(team, intent, pooled).instrument(span).await {
+            match self.claim_one(team, intent, pooled, &candidate).instrument(span).await {
                 Ok(Some(doc)) => {
                     metrics::counter!("gateway_pool_claims_total", "result" => "hit").increment(1);
                     return Ok(Some(doc));
@@ -160,15 +171,21 @@ impl Sandboxes {
         team: &str,
         intent: &CreateIntent,
         pooled: Versioned<SandboxDoc>,
+        candidate: &Candidate,
     ) -> Result<Option<SandboxDoc>, Failure> {
         let id = pooled.value.sandbox_id.clone();
         let template = pooled.value.template.clone();
         let fresh = self.new_manifest(team, intent, &id, now_ms());
         let mut doc = claimed_manifest(&pooled.value, fresh);
-        let txn = Txn::new().update_read(&pooled, &doc)?;
+        let txn = Txn::new().update_read(&pooled, &doc)?.delete(
+            common::pool::POOL_SLOT_KIND,
+            &candidate.slot_id,
+            candidate.slot_version,
+        );
         let version = match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
             Ok(done) => done.versions.first().copied().unwrap_or(pooled.version + 1),
-            // Another create (or the keeper retiring it, or a move) was first.
+            // Another create (or the keeper retiring it, or a move) was first, or the slot
+            // changed since the index was made.
             Err(LedgerError::Conflict { .. }) => {
                 self.pools.remove(&template, &id);
                 return Ok(None);
@@ -362,8 +379,14 @@ mod tests {
     #[test]
     fn the_index_hands_out_candidates_from_a_different_start_each_time() {
         let index = PoolIndex::default();
-        index.replace([("t".to_string(), vec!["a".into(), "b".into(), "c".into()])].into());
-        let firsts: std::collections::HashSet<String> = (0..3).map(|_| index.candidates("t")[0].clone()).collect();
+        let candidate = |id: &str| Candidate {
+            sandbox_id: id.into(),
+            slot_id: format!("t#{id}"),
+            slot_version: 1,
+        };
+        index.replace([("t".to_string(), vec![candidate("a"), candidate("b"), candidate("c")])].into());
+        let firsts: std::collections::HashSet<String> =
+            (0..3).map(|_| index.candidates("t")[0].sandbox_id.clone()).collect();
         assert_eq!(firsts.len(), 3);
         assert_eq!(index.candidates("t").len(), 3);
         index.remove("t", "b");

@@ -54,14 +54,21 @@ impl Shared {
                 )));
             }
             let next = claimed(&record, claim.clone(), fence(&record, epoch)?);
-            // envd first: a claim that fails here leaves the record as it was, and the caller
-            // kills the sandbox rather than hand it out half claimed.
-            if let Some(socket) = self.runtime.envd_socket(&self.dir.home(sandbox_id)) {
-                crate::envd_client::init(&socket, &claim.env, INIT_DEADLINE)
-                    .await
-                    .map_err(|e| NodeError::Runtime(format!("envd did not take the claim's env vars: {e}")))?;
-            }
-            self.persist(&next).await?;
+            // envd told and the record written at once (each waits on its own I/O). Either
+            // failing fails the claim, and the caller kills the sandbox rather than hand it out
+            // half claimed.
+            let socket = self.runtime.envd_socket(&self.dir.home(sandbox_id));
+            let told = async {
+                match socket {
+                    Some(socket) => crate::envd_client::init(&socket, &claim.env, INIT_DEADLINE)
+                        .await
+                        .map_err(|e| NodeError::Runtime(format!("envd did not take the claim's env vars: {e}"))),
+                    None => Ok(()),
+                }
+            };
+            let (told, persisted) = tokio::join!(told, self.persist(&next));
+            told?;
+            persisted?;
             turn.commit(Some(next.clone()));
             tracing::info!(sandbox_id, "pooled sandbox claimed");
             self.note(sandbox_id, "pooled sandbox claimed");
