@@ -8,9 +8,9 @@
 //! - how long after the kernel prints a line the client has it (the line's own timestamp,
 //!   taken in the sandbox on the host's clock, against the arrival);
 //! - the memory an idle code-interpreter sandbox (server and kernel) holds, as the node
-//!   samples it.
-//!
-//! There is no warm pool yet: every figure here is cold.
+//!   samples it;
+//! - the same creates claimed from a warm pool of the template (size 1, refilled between
+//!   them out of the timing): the first answer of a sandbox whose kernel is already up.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -164,6 +164,23 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         client.kill(&id).await;
     }
 
+    // Claimed from a warm pool, each to its first answer.
+    let ledger = &stack.ledger_client;
+    let template_id = crate::warm_pool::template_id(ledger, NAME).await?;
+    crate::warm_pool::size(ledger, &template_id, 1).await?;
+    let (mut warm_to_first_result, mut warm_hits) = (Vec::new(), 0);
+    for _ in 0..args.creates {
+        let pooled = crate::warm_pool::ready(&client.http, &client.url, KEY, ledger, &template_id, 1).await?;
+        let t0 = Instant::now();
+        let (id, token) = client.create(NAME).await?;
+        let first = client.execute((&id, &token), "1+1").await?;
+        warm_to_first_result.push(t0.elapsed());
+        anyhow::ensure!(first.main_text() == Some("2"), "1+1 answered {:?}", first.main_text());
+        warm_hits += usize::from(pooled.contains(&id));
+        client.kill(&id).await;
+    }
+    crate::warm_pool::empty(ledger, &template_id).await?;
+
     // Round trips and streams on one sandbox.
     let (id, token) = client.create(NAME).await?;
     let mut round_trips = Vec::with_capacity(args.round_trips);
@@ -209,6 +226,10 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         percentile(&mut to_first_result, 0.5),
         percentile(&mut to_first_result, 0.99),
     );
+    let (warm50, warm99) = (
+        percentile(&mut warm_to_first_result, 0.5),
+        percentile(&mut warm_to_first_result, 0.99),
+    );
     let create_p50 = percentile(&mut interpreter_creates, 0.5);
     let base_p50 = percentile(&mut base_creates, 0.5);
     let (rt50, rt99) = (percentile(&mut round_trips, 0.5), percentile(&mut round_trips, 0.99));
@@ -218,7 +239,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     );
     let idle_mib = idle_bytes as f64 / (1024.0 * 1024.0);
     let mut report = Report::new(format!(
-        "code-interpreter: {} cold creates of {NAME} (and of base), {} round trips, {} streamed lines; no warm pool",
+        "code-interpreter: {} cold creates of {NAME} (and of base), as many claimed from a warm pool, {} round trips, {} streamed lines",
         args.creates, args.round_trips, args.streams
     ));
     report
@@ -230,6 +251,21 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         )
         .figure("create_to_first_result_p50_ms", ms(p50), "ms")
         .figure("create_to_first_result_p99_ms", ms(p99), "ms")
+        .figure(
+            "warm_create_to_first_result_p50_ms",
+            ms(warm50),
+            "ms (claimed from a warm pool)",
+        )
+        .figure(
+            "warm_create_to_first_result_p99_ms",
+            ms(warm99),
+            "ms (claimed from a warm pool)",
+        )
+        .figure(
+            "warm_hits",
+            format!("{warm_hits}/{}", args.creates),
+            "warm creates that were claims",
+        )
         .figure("interpreter_create_p50_ms", ms(create_p50), "ms")
         .figure("base_create_p50_ms", ms(base_p50), "ms")
         .figure("run_code_roundtrip_p50_ms", ms(rt50), "ms")

@@ -173,41 +173,13 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
 /// Creates claimed from a warm pool of `base` (size 1: each create waits for the refill
 /// before it starts, so each finds one ready): their latencies, and how many were claims.
 async fn warm(stack: &stack::Stack, http: &reqwest::Client, url: &str, creates: usize) -> anyhow::Result<Warm> {
-    use common::pool::{PoolDoc, PoolSlotDoc, POOL_KIND, POOL_SLOT_KIND};
     anyhow::ensure!(creates > 0, "--warm-creates must be at least 1");
-    let pool = PoolDoc {
-        template_id: "base".into(),
-        size: 1,
-        set_by: "operator".into(),
-        updated_at_unix_ms: common::clock::now_ms(),
-    };
     let ledger = &stack.ledger_client;
-    ledger
-        .compare(ledger_client::Txn::new().create(POOL_KIND, "base", &pool)?)
-        .await?;
+    crate::warm_pool::size(ledger, "base", 1).await?;
     let mut latencies = Vec::with_capacity(creates);
     let mut hits = 0;
     for _ in 0..creates {
-        // The pool's one sandbox, once ready.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let pooled = loop {
-            let r: serde_json::Value = http
-                .get(format!("{url}/templates/base/pool"))
-                .header("X-API-Key", "bench")
-                .send()
-                .await?
-                .json()
-                .await?;
-            if r["ready"] == 1 {
-                let (slots, _) = ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?;
-                break slots.into_iter().map(|s| s.value.sandbox_id).collect::<Vec<_>>();
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the warm pool was not refilled within 30 s: {r}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let pooled = crate::warm_pool::ready(http, url, "bench", ledger, "base", 1).await?;
         let started = Instant::now();
         let r = http
             .post(format!("{url}/sandboxes"))
@@ -226,20 +198,7 @@ async fn warm(stack: &stack::Stack, http: &reqwest::Client, url: &str, creates: 
             .send()
             .await?;
     }
-    // Emptied, so no pooled sandbox outlives the run.
-    let current = ledger
-        .get::<PoolDoc>(POOL_KIND, "base")
-        .await?
-        .context("the pool document")?;
-    let empty = PoolDoc { size: 0, ..pool };
-    ledger
-        .compare(ledger_client::Txn::new().update_read(&current, &empty)?)
-        .await?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?.0.is_empty() {
-        anyhow::ensure!(Instant::now() < deadline, "the warm pool was not emptied within 30 s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    crate::warm_pool::empty(ledger, "base").await?;
     latencies.sort();
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1000.0;
     Ok(Warm {

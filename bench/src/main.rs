@@ -20,6 +20,7 @@ mod proxy;
 mod report;
 mod soak;
 mod template_build;
+mod warm_pool;
 
 use clap::{Parser, Subcommand};
 

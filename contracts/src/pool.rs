@@ -23,6 +23,9 @@ pub const POOL_KIND: &str = "pool";
 pub const POOL_SLOT_KIND: &str = "pool-slot";
 /// The most sandboxes one template's pool may keep.
 pub const MAX_POOL_SIZE: u32 = 64;
+/// The most pooled sandboxes one team may keep across its templates' pools (an operator's
+/// pools are not counted): pooled sandboxes run before anyone is billed for them.
+pub const MAX_TEAM_POOL_SLOTS: u32 = 16;
 
 /// How many ready sandboxes to keep of one template.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,10 +33,21 @@ pub struct PoolDoc {
     pub template_id: String,
     /// Sandboxes kept ready; 0 empties the pool.
     pub size: u32,
-    /// Who set it: `operator`, or the team that owns the template.
+    /// Who set it: `operator`, or the team that owns the template. A size an operator set
+    /// is the operator's to change.
     pub set_by: String,
     pub updated_at_unix_ms: u64,
 }
+
+impl PoolDoc {
+    /// Whether an operator set it.
+    pub fn by_operator(&self) -> bool {
+        self.set_by == OPERATOR
+    }
+}
+
+/// [`PoolDoc::set_by`] of a size an operator set.
+pub const OPERATOR: &str = "operator";
 
 /// One slot of a pool and the sandbox that fills it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -51,20 +51,22 @@ pub async fn set(ledger: &LedgerClient, template: &str, size: u32) -> anyhow::Re
     let doc = PoolDoc {
         template_id: template_id.clone(),
         size,
-        set_by: "operator".into(),
+        set_by: common::pool::OPERATOR.into(),
         updated_at_unix_ms: common::clock::now_ms(),
     };
-    loop {
+    for _ in 0..5 {
         let txn = match ledger.get::<PoolDoc>(POOL_KIND, &template_id).await? {
             Some(current) => Txn::new().update_read(&current, &doc)?,
             None => Txn::new().create(POOL_KIND, &template_id, &doc)?,
         };
         match ledger.compare(txn).await {
-            Ok(_) => break,
+            Ok(_) => {
+                println!("pool of {template_id}: {size}");
+                return Ok(());
+            }
             Err(LedgerError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
         }
     }
-    println!("pool of {template_id}: {size}");
-    Ok(())
+    anyhow::bail!("the pool of {template_id} kept changing; try again")
 }

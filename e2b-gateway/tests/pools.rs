@@ -1,6 +1,7 @@
 //! Warm pools through the REST API with a real ledger, placement and container node: who may
 //! size a pool, a create that takes a ready sandbox as its own (env vars, metadata, token),
-//! concurrent creates that never share one, refill, and a pool emptied.
+//! concurrent creates that never share one, refill, a pool emptied, and pooled sandboxes
+//! evicted before a create is refused for room.
 
 mod support;
 
@@ -183,5 +184,183 @@ async fn concurrent_creates_never_share_a_pooled_sandbox() {
     // One create's token opens no other's sandbox.
     let (status, _) = envs(&s, &created[0].1, &created[1].2).await;
     assert_eq!(status, 401);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_refused_for_room_evicts_a_pooled_sandbox_first() {
+    // 2 GiB: three pooled sandboxes of 512 MiB leave 512 MiB, not the 1 GiB asked below.
+    let s = stack(2048).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 3}"#)).await;
+    assert_eq!(status, 200);
+    let pooled = ready(&s, "base", 3).await;
+    // A shape no pooled sandbox fits: created cold, in the room one of them gives up.
+    let body = r#"{"templateID": "base", "memoryMB": 1024}"#;
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert!(!pooled.contains(&id));
+    let live: Vec<String> = s.node().host().list_ids().await;
+    assert_eq!(live.len(), 3, "one pooled sandbox should have made way: {live:?}");
+    assert_eq!(live.iter().filter(|l| pooled.contains(*l)).count(), 2, "{live:?}");
+    // With no pooled sandbox left to give way, a create is refused as before.
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 0}"#)).await;
+    assert_eq!(status, 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while s.node().host().list_ids().await != vec![id.clone()] {
+        assert!(tokio::time::Instant::now() < deadline, "pool not emptied");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, other) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    let (status, again) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
+    assert_e2b_error(&(status, again.clone()), 503);
+    s.call(
+        "DELETE",
+        &format!("/sandboxes/{}", other["sandboxID"].as_str().unwrap_or("")),
+        Some("key-a"),
+        None,
+    )
+    .await;
+    s.stop().await;
+}
+
+/// Builds `name` (tag `default`) from base with one ENV step; returns (template ID, build ID).
+async fn build(s: &support::Stack, name: &str, version: &str) -> (String, String) {
+    let (status, made) = s
+        .call(
+            "POST",
+            "/v3/templates",
+            Some("key-a"),
+            Some(&format!(r#"{{"name": "{name}"}}"#)),
+        )
+        .await;
+    assert_eq!(status, 202, "{made}");
+    let (template, build) = (
+        made["templateID"].as_str().unwrap().to_string(),
+        made["buildID"].as_str().unwrap().to_string(),
+    );
+    let steps = serde_json::json!({
+        "fromTemplate": "base",
+        "steps": [{"type": "ENV", "args": ["VERSION", version], "force": false}],
+    })
+    .to_string();
+    let start = format!("/v2/templates/{template}/builds/{build}");
+    assert_eq!(s.call("POST", &start, Some("key-a"), Some(&steps)).await.0, 202);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let path = format!("/templates/{template}/builds/{build}/status");
+        let (_, answer) = s.call("GET", &path, Some("key-a"), None).await;
+        match answer["status"].as_str() {
+            Some("ready") => return (template, build),
+            Some("error") => panic!("the build failed: {answer}"),
+            _ => {}
+        }
+        assert!(tokio::time::Instant::now() < deadline, "build never ended: {answer}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The pool's slots, once every one holds a sandbox of `build`.
+async fn slots_of(s: &support::Stack, build: &str, n: usize) -> Vec<PoolSlotDoc> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+        let slots: Vec<PoolSlotDoc> = slots.into_iter().map(|d| d.value).collect();
+        if slots.len() == n && slots.iter().all(|d| d.build_id == build) {
+            return slots;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "slots never all of {build}: {slots:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_template_gets_a_new_pool_and_a_deleted_one_none() {
+    let s = stack(8192).await;
+    let (template, first) = build(&s, "pooled-app", "v1").await;
+    // Another team may not size it (for it the template does not exist); its own team may.
+    assert_e2b_error(
+        &s.call(
+            "PUT",
+            &format!("/templates/{template}/pool"),
+            Some("key-b"),
+            Some(r#"{"size": 1}"#),
+        )
+        .await,
+        404,
+    );
+    // A team's pooled sandboxes run before anyone is billed: its pools have a budget.
+    let over = format!(r#"{{"size": {}}}"#, common::pool::MAX_TEAM_POOL_SLOTS + 1);
+    assert_e2b_error(
+        &s.call("PUT", "/templates/pooled-app/pool", Some("key-a"), Some(&over))
+            .await,
+        400,
+    );
+    let (status, set) = s
+        .call(
+            "PUT",
+            "/templates/pooled-app/pool",
+            Some("key-a"),
+            Some(r#"{"size": 1}"#),
+        )
+        .await;
+    assert_eq!((status, set["setBy"].as_str()), (200, Some("team-a")), "{set}");
+    let old = slots_of(&s, &first, 1).await;
+
+    // Rebuilt: the default tag moves, the pooled sandbox of the old build is replaced.
+    let (_, second) = build(&s, "pooled-app", "v2").await;
+    assert_ne!(first, second);
+    let new = slots_of(&s, &second, 1).await;
+    assert_ne!(old[0].sandbox_id, new[0].sandbox_id);
+    ready(&s, &template, 1).await;
+    let (status, created) = s
+        .call(
+            "POST",
+            "/sandboxes",
+            Some("key-a"),
+            Some(r#"{"templateID": "pooled-app"}"#),
+        )
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap();
+    assert_eq!(
+        id, new[0].sandbox_id,
+        "the create did not take the new build's pooled sandbox"
+    );
+    let (status, env) = envs(&s, id, created["envdAccessToken"].as_str().unwrap()).await;
+    assert_eq!((status, env["VERSION"].as_str()), (200, Some("v2")), "{env}");
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+
+    // A size an operator set is the operator's: the team may no longer change it.
+    let path = format!("/templates/{template}/pool");
+    assert_eq!(as_operator(&s, "PUT", &path, Some(r#"{"size": 1}"#)).await.0, 200);
+    assert_e2b_error(&s.call("PUT", &path, Some("key-a"), Some(r#"{"size": 5}"#)).await, 403);
+
+    // Deleted: its pool is emptied and dropped.
+    ready(&s, &template, 1).await;
+    let (status, _) = s
+        .call("DELETE", &format!("/templates/{template}"), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+        let (pools, _) = s
+            .ledger_client
+            .list::<common::pool::PoolDoc>(common::pool::POOL_KIND, "")
+            .await
+            .unwrap();
+        if slots.is_empty() && pools.is_empty() && s.node().host().list_ids().await.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pool of a deleted template left: {slots:?} {pools:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     s.stop().await;
 }

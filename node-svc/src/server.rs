@@ -72,7 +72,6 @@ pub const POLICY: mtls::Policy = mtls::Policy {
                 "Pause",
                 "Resume",
                 "UpdateNetwork",
-                "Claim",
                 "Snapshot",
                 "Restore",
                 "Build",
@@ -80,6 +79,8 @@ pub const POLICY: mtls::Policy = mtls::Policy {
             ],
             &[Role::Gateway, Role::Balance],
         ),
+        // Only a create hands a pooled sandbox over.
+        (&["Claim"], &[Role::Gateway]),
         (
             &["List", "Info", "Metrics", "Logs"],
             &[Role::Gateway, Role::Balance, Role::Operator],

@@ -5,7 +5,8 @@
 //!   `{"templateID", "size", "ready", "setBy", "updatedAt"}`.
 //! - `PUT /templates/{templateID}/pool` with `{"size": N}`: sets it (0 empties it). An
 //!   operator (`X-Admin-Token`) may set any template's; a team (`X-API-Key`) its own
-//!   templates' only, never a public built-in's.
+//!   templates' only, never a public built-in's nor a size an operator set, and at most
+//!   `MAX_TEAM_POOL_SLOTS` pooled sandboxes across its templates.
 //! - `GET /pools`: every pool, for operators.
 
 use axum::body::Bytes;
@@ -64,7 +65,11 @@ async fn template(g: &Gateway, asker: &Asker, id: &str) -> Result<common::templa
 pub async fn get(State(g): State<Gateway>, headers: HeaderMap, Path(id): Path<String>) -> Result<Response, ApiError> {
     let asker = asker(&g, &headers)?;
     let template = template(&g, &asker, &id).await?;
-    let view = g.pools.get(&template).await?;
+    let mut view = g.pools.get(&template).await?;
+    // Who set it names a team: another team using a public template is not told which.
+    if matches!(&asker, Asker::Team(team) if *team != template.team_id) && view.set_by != common::pool::OPERATOR {
+        view.set_by.clear();
+    }
     Ok(Json(pool_json(&view)).into_response())
 }
 

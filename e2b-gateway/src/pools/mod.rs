@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
-use common::pool::{PoolDoc, PoolSlotDoc, Pooled, MAX_POOL_SIZE, POOL_KIND, POOL_SLOT_KIND};
+use common::pool::{
+    PoolDoc, PoolSlotDoc, Pooled, MAX_POOL_SIZE, MAX_TEAM_POOL_SLOTS, OPERATOR, POOL_KIND, POOL_SLOT_KIND,
+};
 use common::template::{TemplateDoc, DEFAULT_TAG, TEMPLATE_KIND};
 use ledger_client::{LedgerClient, LedgerError, Txn};
 
@@ -402,7 +404,7 @@ impl Pools {
             )));
         }
         let set_by = match asker {
-            Asker::Operator => "operator".to_string(),
+            Asker::Operator => OPERATOR.to_string(),
             Asker::Team(team) if *team == template.team_id && !template.team_id.is_empty() => team.clone(),
             Asker::Team(_) => {
                 return Err(Failure::Forbidden(format!(
@@ -417,26 +419,102 @@ impl Pools {
             set_by,
             updated_at_unix_ms: now_ms(),
         };
-        loop {
-            let current = self.ledger.get::<PoolDoc>(POOL_KIND, &template.template_id).await?;
-            let txn = match &current {
+        for _ in 0..SET_ATTEMPTS {
+            let (pools, _) = self.ledger.list::<PoolDoc>(POOL_KIND, "").await?;
+            let current = pools.iter().find(|p| p.value.template_id == template.template_id);
+            if let Asker::Team(team) = asker {
+                team_may_set(team, template, current.map(|c| &c.value), &pools, size)?;
+            }
+            let txn = match current {
                 Some(current) => Txn::new().update_read(current, &doc)?,
                 None => Txn::new().create(POOL_KIND, &template.template_id, &doc)?,
             };
             match self.ledger.compare(txn).await {
-                Ok(_) => break,
+                Ok(_) => {
+                    tracing::info!(template_id = %template.template_id, size, "pool size set");
+                    return Ok(self.view(&template.template_id, Some(doc)));
+                }
                 Err(LedgerError::Conflict { .. }) => continue,
                 Err(err) => return Err(err.into()),
             }
         }
-        tracing::info!(template_id = %template.template_id, size, "pool size set");
-        Ok(self.view(&template.template_id, Some(doc)))
+        Err(Failure::Conflict(format!(
+            "the pool of {} changed concurrently; retry",
+            template.template_id
+        )))
     }
+}
+
+/// Tries a size change makes against concurrent changes before it gives up.
+const SET_ATTEMPTS: usize = 5;
+
+/// Whether `team` may size `template`'s pool (now `current`) to `size`, with every pool as
+/// `pools`: not over a size an operator set, and within the team's budget of pooled
+/// sandboxes across its templates' pools (an operator's do not count).
+fn team_may_set(
+    team: &str,
+    template: &TemplateDoc,
+    current: Option<&PoolDoc>,
+    pools: &[ledger_client::Versioned<PoolDoc>],
+    size: u32,
+) -> Result<(), Failure> {
+    if current.is_some_and(PoolDoc::by_operator) {
+        return Err(Failure::Forbidden(format!(
+            "an operator set the pool of {}; only an operator changes it",
+            template.template_id
+        )));
+    }
+    let others: u32 = pools
+        .iter()
+        .map(|p| &p.value)
+        .filter(|p| p.set_by == team && p.template_id != template.template_id)
+        .map(|p| p.size)
+        .sum();
+    if others + size > MAX_TEAM_POOL_SLOTS {
+        return Err(Failure::Invalid(format!(
+            "a team keeps at most {MAX_TEAM_POOL_SLOTS} pooled sandboxes across its templates; \
+             its other pools keep {others}, so this one may keep at most {}",
+            MAX_TEAM_POOL_SLOTS.saturating_sub(others)
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_team_sizes_only_within_its_budget_and_never_over_an_operator() {
+        let template = TemplateDoc {
+            template_id: "t".into(),
+            team_id: "a".into(),
+            ..TemplateDoc::default()
+        };
+        let pool = |template: &str, size, by: &str| ledger_client::Versioned {
+            key: ledger_client::DocKey::new(POOL_KIND, template),
+            version: 1,
+            create_revision: 0,
+            mod_revision: 0,
+            value: PoolDoc {
+                template_id: template.into(),
+                size,
+                set_by: by.into(),
+                updated_at_unix_ms: 0,
+            },
+        };
+        let pools = vec![pool("u", 10, "a"), pool("v", 30, OPERATOR), pool("w", 5, "b")];
+        assert!(team_may_set("a", &template, None, &pools, 6).is_ok());
+        assert!(matches!(
+            team_may_set("a", &template, None, &pools, 7),
+            Err(Failure::Invalid(_))
+        ));
+        let operators = pool("t", 0, OPERATOR).value;
+        assert!(matches!(
+            team_may_set("a", &template, Some(&operators), &pools, 1),
+            Err(Failure::Forbidden(_))
+        ));
+    }
 
     #[test]
     fn a_slots_sandbox_is_read_from_its_manifest() {

@@ -18,11 +18,24 @@ impl Sandboxes {
     /// Creates a sandbox: manifest first, then place, then create on the node, then running.
     /// A template with a warm pool is claimed from it when a pooled sandbox fits the request
     /// (see `pool`); otherwise, or when every claim fails, it is created cold.
+    ///
+    /// Pooled sandboxes give way first: a create refused for room retires one ready pooled
+    /// sandbox, of any team's pool (the pool's slot waits out a grace before it is filled
+    /// again), and is tried once more. Which node that frees is not chosen: on a cluster of
+    /// several nodes it may not be the one the create fits on.
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
         if let Some(doc) = self.claim_pooled(team, &intent).await? {
             return Ok(doc);
         }
-        self.create_traced(team, intent, new_sandbox_id()).await
+        match self.create_traced(team, intent.clone(), new_sandbox_id()).await {
+            Err(Failure::NoCapacity(why)) => {
+                if !self.evict_pooled().await {
+                    return Err(Failure::NoCapacity(why));
+                }
+                self.create_traced(team, intent, new_sandbox_id()).await
+            }
+            other => other,
+        }
     }
 
     /// Creates sandbox `sandbox_id`, in a span of its own.

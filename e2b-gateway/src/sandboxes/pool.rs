@@ -28,6 +28,11 @@ use proto::node::v1 as node_pb;
 use super::{Failure, Sandboxes, LEDGER_RESOLVE_ATTEMPTS};
 use crate::intent::CreateIntent;
 
+/// How many pooled sandboxes one create tries to claim before it is created cold.
+const CLAIM_TRIES: usize = 3;
+/// How long the node may take to hand a pooled sandbox over.
+const CLAIM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A ready pooled sandbox and the slot document that holds it: a claim deletes that document
 /// in the same transaction as it rewrites the manifest, so the slot is free to fill at once.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,6 +85,18 @@ impl PoolIndex {
         ids[start..].iter().chain(&ids[..start]).cloned().collect()
     }
 
+    /// Every ready sandbox, those of the template with the most ready first (eviction takes
+    /// from the fullest pool).
+    pub fn evictable(&self) -> Vec<Candidate> {
+        let ready = match self.ready.read() {
+            Ok(ready) => ready,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut pools: Vec<&Vec<Candidate>> = ready.values().filter(|c| !c.is_empty()).collect();
+        pools.sort_by_key(|c| std::cmp::Reverse(c.len()));
+        pools.into_iter().flatten().cloned().collect()
+    }
+
     /// How many of `template`'s are ready, as last refreshed.
     pub fn ready(&self, template: &str) -> usize {
         match self.ready.read() {
@@ -106,7 +123,9 @@ pub fn fits(doc: &SandboxDoc, intent: &CreateIntent) -> bool {
 
 /// `pooled` as the create of `team` for `intent` makes it: `fresh` is the manifest a cold
 /// create would write (its tokens, seals, end); where it runs and its epoch (raised) are the
-/// pooled sandbox's.
+/// pooled sandbox's. It keeps its `pool` until it is written running: a claim abandoned
+/// half-way (its gateway died, or the node never heard of it) is then ended by the reaper,
+/// never adopted as the team's with the pool's tokens still on the node.
 pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
     SandboxDoc {
         phase: SandboxPhase::Creating,
@@ -116,7 +135,7 @@ pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
         epoch: pooled.epoch + 1,
         disk_bytes: pooled.disk_bytes,
         last_moved_unix_ms: pooled.last_moved_unix_ms,
-        pool: None,
+        pool: pooled.pool.clone(),
         ..fresh
     }
 }
@@ -132,11 +151,20 @@ impl Sandboxes {
             }
             return Ok(None);
         }
-        for candidate in candidates {
+        // A few tries at most: a create pays for each candidate that fails (a node that does
+        // not answer, a claim lost to another create), and a cold create is always there.
+        for candidate in candidates.into_iter().take(CLAIM_TRIES) {
             let id = candidate.sandbox_id.clone();
-            let Some(pooled) = self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await? else {
-                self.pools.remove(&intent.template, &id);
-                continue;
+            let pooled = match self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await {
+                Ok(Some(pooled)) => pooled,
+                Ok(None) => {
+                    self.pools.remove(&intent.template, &id);
+                    continue;
+                }
+                Err(err) => {
+                    tracing::debug!(sandbox_id = %id, %err, "pooled manifest unreadable; created cold");
+                    break;
+                }
             };
             if !fits(&pooled.value, intent) {
                 continue;
@@ -206,6 +234,7 @@ impl Sandboxes {
             return Ok(None);
         }
         doc.phase = SandboxPhase::Running;
+        doc.pool = None;
         match self.save(&versioned(version, doc.clone())).await {
             Ok(_) => {
                 tracing::info!(sandbox_id = %id, node_id = %doc.node_id, "pooled sandbox claimed");
@@ -223,7 +252,7 @@ impl Sandboxes {
 
     async fn tell_node_claimed(&self, doc: &SandboxDoc, intent: &CreateIntent) -> Result<(), Failure> {
         let mut node = self.nodes.client(&doc.node_id, &doc.node_address).await?;
-        node.claim(node_pb::ClaimRequest {
+        let mut request = tonic::Request::new(node_pb::ClaimRequest {
             operation_id: format!("claim-{}-{}", doc.sandbox_id, doc.epoch),
             epoch: doc.epoch,
             sandbox_id: doc.sandbox_id.clone(),
@@ -231,10 +260,12 @@ impl Sandboxes {
             metadata: doc.metadata.clone().into_iter().collect(),
             access_token: self.tokens.envd(doc).unwrap_or_default(),
             traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
-        })
-        .await
-        .map(drop)
-        .map_err(|s| super::from_status("node claim", s))
+        });
+        request.set_timeout(CLAIM_DEADLINE);
+        node.claim(request)
+            .await
+            .map(drop)
+            .map_err(|s| super::from_status("node claim", s))
     }
 
     /// Undoes a claim that could not finish: the sandbox off its node, out of placement, its
@@ -264,9 +295,44 @@ impl Sandboxes {
             .await
     }
 
+    /// Retires one ready pooled sandbox, of the template with the most ready, to make room for
+    /// a create that was refused for it; whether one went.
+    pub(super) async fn evict_pooled(&self) -> bool {
+        for candidate in self.pools.evictable() {
+            match self.retire_pooled(&candidate.sandbox_id).await {
+                Ok(()) => {
+                    self.hold_slot(&candidate.slot_id).await;
+                    metrics::counter!("gateway_pool_evicted_total").increment(1);
+                    tracing::info!(sandbox_id = %candidate.sandbox_id, "pooled sandbox evicted to make room");
+                    return true;
+                }
+                // Claimed or retired meanwhile: the next.
+                Err(err) => tracing::debug!(sandbox_id = %candidate.sandbox_id, %err, "not evicted"),
+            }
+        }
+        false
+    }
+
+    /// Restarts the grace of slot `slot_id` (its sandbox was evicted): the keeper fills it
+    /// again only once the grace has passed, rather than take back at once the room the
+    /// eviction made.
+    async fn hold_slot(&self, slot_id: &str) {
+        use common::pool::{PoolSlotDoc, POOL_SLOT_KIND};
+        let Ok(Some(mut slot)) = self.ledger.get::<PoolSlotDoc>(POOL_SLOT_KIND, slot_id).await else {
+            return;
+        };
+        slot.value.since_unix_ms = now_ms();
+        if let Ok(txn) = Txn::new().update_read(&slot, &slot.value) {
+            if let Err(err) = self.ledger.compare(txn).await {
+                tracing::debug!(slot = %slot_id, %err, "an evicted slot is filled again without waiting");
+            }
+        }
+    }
+
     /// Ends pooled sandbox `id` (its pool shrank, or its template was rebuilt or deleted),
-    /// unless a create claimed it first: a claim and a retirement each write the manifest
-    /// under the version they read, so one of them fails.
+    /// unless a create claimed it first: the kill takes the manifest only while it has no team
+    /// (a claim gives it one) and writes its claim under the version it read, so a claim and a
+    /// retirement never both go through.
     pub async fn retire_pooled(&self, id: &str) -> Result<(), Failure> {
         self.kill("", id).await
     }
@@ -373,7 +439,8 @@ mod tests {
         assert_eq!(doc.end_at_unix_ms, 99);
         assert_eq!((doc.node_id.as_str(), doc.epoch), ("n1", 4), "its node, a raised epoch");
         assert_eq!(doc.phase, SandboxPhase::Creating);
-        assert!(doc.pool.is_none());
+        assert!(doc.pool.is_some(), "marked a claim until it is written running");
+        assert!(!fits(&doc, &intent()), "a claim in progress is no candidate");
     }
 
     #[test]
@@ -391,6 +458,17 @@ mod tests {
         assert_eq!(index.candidates("t").len(), 3);
         index.remove("t", "b");
         assert_eq!(index.ready("t"), 2);
+        let mut two = index.candidates("t");
+        two.truncate(1);
+        index.replace(
+            [
+                ("t".to_string(), two),
+                ("u".to_string(), vec![candidate("x"), candidate("y")]),
+            ]
+            .into(),
+        );
+        assert_eq!(index.evictable()[0].sandbox_id, "x", "the fullest pool gives first");
+        assert_eq!(index.evictable().len(), 3);
         assert!(index.candidates("other").is_empty());
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND, USER_CLAIM_PREFIX};
-use ledger_client::Txn;
+use ledger_client::{Txn, Versioned};
 
 use proto::node::v1 as node_pb;
 
@@ -104,17 +104,28 @@ pub(super) fn reap(doc: &SandboxDoc, now: u64, patience: Patience) -> Option<Rea
     }
 }
 
+/// How long a pooled sandbox may run with no slot naming it before it is ended (longer than
+/// any slot's grace, so a slot being filled is never taken for gone).
+const ORPHAN_AFTER_MS: u64 = 120_000;
+
 impl Sandboxes {
     /// Ends every sandbox whose time is up: paused where it asked for that, else killed. The
     /// end time lives in the manifest, so this survives gateway restarts.
     pub async fn reap(&self) -> Result<usize, Failure> {
         use futures::StreamExt;
         let now = now_ms();
-        let due: Vec<_> = self
-            .all()
-            .await?
+        let all = self.all().await?;
+        let orphans = self.pool_orphans(&all, now).await;
+        let due: Vec<_> = all
             .into_iter()
-            .filter_map(|doc| reap(&doc.value, now, self.patience).map(|what| (what, doc.value)))
+            .filter_map(|doc| {
+                let what = if orphans.contains(&doc.value.sandbox_id) {
+                    Some(Reap::Kill)
+                } else {
+                    reap(&doc.value, now, self.patience)
+                };
+                what.map(|what| (what, doc.value))
+            })
             .collect();
         let ended = futures::stream::iter(due)
             .map(|(what, d)| async move {
@@ -136,6 +147,34 @@ impl Sandboxes {
             .fold(0, |sum, n| async move { sum + n })
             .await;
         Ok(ended)
+    }
+
+    /// Pooled sandboxes that no pool slot names, running for longer than a slot's grace: a
+    /// slot freed while its sandbox was still being written (another gateway's clock), or a
+    /// pooled create the reaper completed. Nobody would ever claim or retire them.
+    async fn pool_orphans(&self, all: &[Versioned<SandboxDoc>], now: u64) -> std::collections::HashSet<String> {
+        let pooled: Vec<&SandboxDoc> = all
+            .iter()
+            .map(|d| &d.value)
+            .filter(|d| d.pool.is_some() && d.team_id.is_empty() && d.phase == SandboxPhase::Running)
+            .filter(|d| d.started_at_unix_ms.saturating_add(ORPHAN_AFTER_MS) <= now)
+            .collect();
+        if pooled.is_empty() {
+            return Default::default();
+        }
+        let Ok((slots, _)) = self
+            .ledger
+            .list::<common::pool::PoolSlotDoc>(common::pool::POOL_SLOT_KIND, "")
+            .await
+        else {
+            return Default::default();
+        };
+        let named: std::collections::HashSet<&str> = slots.iter().map(|s| s.value.sandbox_id.as_str()).collect();
+        pooled
+            .into_iter()
+            .filter(|d| !named.contains(d.sandbox_id.as_str()))
+            .map(|d| d.sandbox_id.clone())
+            .collect()
     }
 
     /// Resolves a user operation's claim left past its time to live: takes it over (epoch + 1,
@@ -201,7 +240,10 @@ impl Sandboxes {
                 running_on.push(node);
             }
         }
-        if let Some((keep, others)) = running_on.split_first() {
+        // A pooled sandbox's create, or a claim of one, is never adopted: nobody is waiting
+        // for it, and a claim's node may still hold the pool's tokens.
+        let adoptable = doc.value.pool.is_none();
+        if let Some((keep, others)) = running_on.split_first().filter(|_| adoptable) {
             if let Ok(envd) = self.nodes.envd(&keep.node_id, &keep.address).await {
                 for other in others {
                     let mut on = doc.value.clone();

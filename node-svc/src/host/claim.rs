@@ -38,6 +38,13 @@ impl Shared {
         claim: Claim,
     ) -> Result<SandboxRecord, NodeError> {
         validate_id(sandbox_id)?;
+        // A claim that cleared the token would leave the sandbox's envd open to anyone who
+        // reaches the node.
+        if claim.access_token.as_deref().is_none_or(str::is_empty) {
+            return Err(NodeError::Invalid(
+                "a claim must give the sandbox an access token".into(),
+            ));
+        }
         let call = format!("claim {sandbox_id}");
         let turn = match self.admit(sandbox_id, operation_id, &call).await {
             Admission::Answered(answer) => return *answer,
