@@ -42,6 +42,13 @@ const LINKED: &str = r#"{"templateID":"base"}"#;
 const UNLINKED: &str = r#"{"templateID":"base","allow_internet_access":false}"#;
 
 async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) -> anyhow::Result<Duration> {
+    let (took, id) = create(http, url, body).await?;
+    kill(http, url, &id).await?;
+    Ok(took)
+}
+
+/// A create until its 201: how long it took, and the sandbox's ID.
+async fn create(http: &reqwest::Client, url: &str, body: &'static str) -> anyhow::Result<(Duration, String)> {
     let started = Instant::now();
     let r = http
         .post(format!("{url}/sandboxes"))
@@ -56,14 +63,17 @@ async fn create_and_kill(http: &reqwest::Client, url: &str, body: &'static str) 
     }
     let took = started.elapsed();
     let body: serde_json::Value = r.json().await?;
-    let id = body["sandboxID"].as_str().context("sandboxID")?;
+    Ok((took, body["sandboxID"].as_str().context("sandboxID")?.to_string()))
+}
+
+async fn kill(http: &reqwest::Client, url: &str, id: &str) -> anyhow::Result<()> {
     let k = http
         .delete(format!("{url}/sandboxes/{id}"))
         .header("X-API-Key", "bench")
         .send()
         .await?;
     anyhow::ensure!(k.status().as_u16() == 204, "kill answered {}", k.status());
-    Ok(took)
+    Ok(())
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
@@ -180,23 +190,10 @@ async fn warm(stack: &stack::Stack, http: &reqwest::Client, url: &str, creates: 
     let mut hits = 0;
     for _ in 0..creates {
         let pooled = crate::warm_pool::ready(http, url, "bench", ledger, "base", 1).await?;
-        let started = Instant::now();
-        let r = http
-            .post(format!("{url}/sandboxes"))
-            .header("X-API-Key", "bench")
-            .header("Content-Type", "application/json")
-            .body(LINKED)
-            .send()
-            .await?;
-        anyhow::ensure!(r.status().as_u16() == 201, "warm create answered {}", r.status());
-        latencies.push(started.elapsed());
-        let body: serde_json::Value = r.json().await?;
-        let id = body["sandboxID"].as_str().context("sandboxID")?.to_string();
+        let (took, id) = create(http, url, LINKED).await?;
+        latencies.push(took);
         hits += usize::from(pooled.contains(&id));
-        http.delete(format!("{url}/sandboxes/{id}"))
-            .header("X-API-Key", "bench")
-            .send()
-            .await?;
+        kill(http, url, &id).await?;
     }
     crate::warm_pool::empty(ledger, "base").await?;
     latencies.sort();

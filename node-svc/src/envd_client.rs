@@ -88,13 +88,7 @@ pub async fn run(
             .await
             .map_err(|e| EnvdError::Connect(e.to_string()))?;
         if !response.status().is_success() {
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            return Err(EnvdError::Refused(String::from_utf8_lossy(&body).into_owned()));
+            return Err(EnvdError::Refused(body_text(response).await));
         }
         let mut body = response.into_body();
         let mut buffer: Vec<u8> = Vec::new();
@@ -160,6 +154,17 @@ async fn connect(socket: &Path) -> Result<hyper::client::conn::http1::SendReques
 
 type Full = http_body_util::Full<bytes::Bytes>;
 
+/// What a refusal's body says (empty when it cannot be read).
+async fn body_text(response: hyper::Response<hyper::body::Incoming>) -> String {
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
 /// Adds `env` to the env vars every later command of the sandbox gets (envd's `/init`, as a
 /// claim of a pooled sandbox does), within `deadline`.
 pub async fn init(socket: &Path, env: &BTreeMap<String, String>, deadline: Duration) -> Result<(), EnvdError> {
@@ -179,16 +184,7 @@ pub async fn init(socket: &Path, env: &BTreeMap<String, String>, deadline: Durat
             return Ok(());
         }
         let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        Err(EnvdError::Refused(format!(
-            "{status}: {}",
-            String::from_utf8_lossy(&body)
-        )))
+        Err(EnvdError::Refused(format!("{status}: {}", body_text(response).await)))
     };
     tokio::time::timeout(deadline, call)
         .await

@@ -201,15 +201,13 @@ impl Keeper {
             metrics::gauge!("gateway_pool_ready", "template" => pool.template_id.clone()).set(n as f64);
             metrics::gauge!("gateway_pool_size", "template" => pool.template_id.clone()).set(f64::from(pool.size));
         }
-        self.sandboxes.set_pool_templates(
-            observed
-                .pools
-                .iter()
-                .filter(|(_, p)| p.size > 0)
-                .map(|(_, p)| p.template_id.clone())
-                .collect(),
-        );
-        self.sandboxes.pools.replace(ready);
+        let pooled = observed
+            .pools
+            .iter()
+            .filter(|(_, p)| p.size > 0)
+            .map(|(_, p)| p.template_id.clone())
+            .collect();
+        self.sandboxes.pools.replace(ready, pooled);
     }
 
     /// Takes slot `slot` and starts its sandbox in the background.

@@ -62,8 +62,6 @@ pub struct Sandboxes {
     pub disk_bytes: u64,
     /// Ready pooled sandboxes by template, kept by the pool keeper (`crate::pools`).
     pub pools: Arc<PoolIndex>,
-    /// Templates that have a pool.
-    pool_templates: std::sync::RwLock<std::collections::HashSet<String>>,
 }
 
 impl Sandboxes {
@@ -92,7 +90,6 @@ impl Sandboxes {
             nodes: nodes::Nodes::new(security.clone()),
             disk_bytes: common::resources::DEFAULT_DISK_BYTES,
             pools: Arc::default(),
-            pool_templates: Default::default(),
         })
     }
 

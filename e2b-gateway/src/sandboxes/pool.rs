@@ -16,9 +16,9 @@
 //! the claim changes is everything a request gives a sandbox; its ID (and so its hostname)
 //! was drawn at random when the pool started it, as a cold create draws one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::RwLock;
+use std::sync::{PoisonError, RwLock};
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase};
@@ -47,26 +47,23 @@ pub struct Candidate {
 #[derive(Default)]
 pub struct PoolIndex {
     ready: RwLock<HashMap<String, Vec<Candidate>>>,
+    /// Templates that have a pool (a create of one that finds none ready is counted a miss).
+    pooled: RwLock<HashSet<String>>,
     /// Where the next claim starts in a template's list, so concurrent claims spread over
     /// the candidates rather than all racing for the first.
     turn: AtomicUsize,
 }
 
 impl PoolIndex {
-    /// Replaces the whole index (template → ready sandboxes).
-    pub fn replace(&self, ready: HashMap<String, Vec<Candidate>>) {
-        match self.ready.write() {
-            Ok(mut current) => *current = ready,
-            Err(poisoned) => *poisoned.into_inner() = ready,
-        }
+    /// Replaces the whole index: template → ready sandboxes, and the templates with a pool.
+    pub fn replace(&self, ready: HashMap<String, Vec<Candidate>>, pooled: HashSet<String>) {
+        *self.ready.write().unwrap_or_else(PoisonError::into_inner) = ready;
+        *self.pooled.write().unwrap_or_else(PoisonError::into_inner) = pooled;
     }
 
     /// Takes `id` out (claimed or retired by this gateway) until the next refresh.
     pub fn remove(&self, template: &str, id: &str) {
-        let mut ready = match self.ready.write() {
-            Ok(ready) => ready,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut ready = self.ready.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(ids) = ready.get_mut(template) {
             ids.retain(|c| c.sandbox_id != id);
         }
@@ -74,10 +71,7 @@ impl PoolIndex {
 
     /// The ready sandboxes of `template`, starting at a different one each call.
     pub fn candidates(&self, template: &str) -> Vec<Candidate> {
-        let ready = match self.ready.read() {
-            Ok(ready) => ready,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
         let Some(ids) = ready.get(template).filter(|ids| !ids.is_empty()) else {
             return Vec::new();
         };
@@ -88,10 +82,7 @@ impl PoolIndex {
     /// Every ready sandbox, those of the template with the most ready first (eviction takes
     /// from the fullest pool).
     pub fn evictable(&self) -> Vec<Candidate> {
-        let ready = match self.ready.read() {
-            Ok(ready) => ready,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
         let mut pools: Vec<&Vec<Candidate>> = ready.values().filter(|c| !c.is_empty()).collect();
         pools.sort_by_key(|c| std::cmp::Reverse(c.len()));
         pools.into_iter().flatten().cloned().collect()
@@ -99,10 +90,16 @@ impl PoolIndex {
 
     /// How many of `template`'s are ready, as last refreshed.
     pub fn ready(&self, template: &str) -> usize {
-        match self.ready.read() {
-            Ok(ready) => ready.get(template).map_or(0, Vec::len),
-            Err(poisoned) => poisoned.into_inner().get(template).map_or(0, Vec::len),
-        }
+        let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
+        ready.get(template).map_or(0, Vec::len)
+    }
+
+    /// Whether `template` has a pool, as last refreshed.
+    pub fn has_pool(&self, template: &str) -> bool {
+        self.pooled
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(template)
     }
 }
 
@@ -146,7 +143,7 @@ impl Sandboxes {
     pub(super) async fn claim_pooled(&self, team: &str, intent: &CreateIntent) -> Result<Option<SandboxDoc>, Failure> {
         let candidates = self.pools.candidates(&intent.template);
         if candidates.is_empty() {
-            if self.pools_known(&intent.template) {
+            if self.pools.has_pool(&intent.template) {
                 metrics::counter!("gateway_pool_claims_total", "result" => "miss").increment(1);
             }
             return Ok(None);
@@ -182,14 +179,6 @@ impl Sandboxes {
         }
         metrics::counter!("gateway_pool_claims_total", "result" => "miss").increment(1);
         Ok(None)
-    }
-
-    /// Whether `template` has a pool this gateway knows of (a miss is counted only then).
-    fn pools_known(&self, template: &str) -> bool {
-        self.pool_templates
-            .read()
-            .map(|t| t.contains(template))
-            .unwrap_or(false)
     }
 
     /// Claims `pooled` for `team`: `None` when another create took it first or its node
@@ -336,15 +325,6 @@ impl Sandboxes {
     pub async fn retire_pooled(&self, id: &str) -> Result<(), Failure> {
         self.kill("", id).await
     }
-
-    /// Tells which templates have pools (a create of one of them that finds none ready is
-    /// counted a miss).
-    pub fn set_pool_templates(&self, templates: std::collections::HashSet<String>) {
-        match self.pool_templates.write() {
-            Ok(mut current) => *current = templates,
-            Err(poisoned) => *poisoned.into_inner() = templates,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -451,7 +431,10 @@ mod tests {
             slot_id: format!("t#{id}"),
             slot_version: 1,
         };
-        index.replace([("t".to_string(), vec![candidate("a"), candidate("b"), candidate("c")])].into());
+        index.replace(
+            [("t".to_string(), vec![candidate("a"), candidate("b"), candidate("c")])].into(),
+            Default::default(),
+        );
         let firsts: std::collections::HashSet<String> =
             (0..3).map(|_| index.candidates("t")[0].sandbox_id.clone()).collect();
         assert_eq!(firsts.len(), 3);
@@ -466,6 +449,7 @@ mod tests {
                 ("u".to_string(), vec![candidate("x"), candidate("y")]),
             ]
             .into(),
+            Default::default(),
         );
         assert_eq!(index.evictable()[0].sandbox_id, "x", "the fullest pool gives first");
         assert_eq!(index.evictable().len(), 3);
