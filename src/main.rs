@@ -61,6 +61,10 @@ struct UpArgs {
     /// Address of the E2B REST API and envd proxy.
     #[arg(long, env = "SANDBOXSCHED_GATEWAY_LISTEN", default_value = "127.0.0.1:3000")]
     gateway_listen: SocketAddr,
+    /// Address of the operator's web console (`/console`, signed in with the admin token):
+    /// keep it on the operators' network.
+    #[arg(long, env = "SANDBOXSCHED_CONSOLE_LISTEN", default_value = "127.0.0.1:3001")]
+    console_listen: SocketAddr,
     /// How sandboxes run: `container` (each an OCI container: its own root filesystem, user,
     /// PID, mount and network namespaces) or `unisolated` (processes on this host as its root:
     /// for developing the control plane only).
@@ -306,6 +310,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
     let gateway_blobs = args.blob_store.clone();
     let code_interpreter = !args.no_code_interpreter;
+    let console_listen = args.console_listen;
+    let console_token = admin_token.clone();
     let stack = builder
         .balance(move |c| {
             c.listen = balance_listen;
@@ -315,7 +321,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .gateway(move |c| {
             c.listen = gateway_listen;
             c.keys = keys;
-            c.admin_token = Some(admin_token);
+            c.admin_token = Some(admin_token.clone());
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
             c.domain = sandbox_domain(gateway_listen);
@@ -324,10 +330,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 c.blob_store = url;
             }
         })
+        .console(move |c| {
+            c.listen = console_listen;
+            c.admin_token = Some(console_token);
+        })
         .start()
         .await?;
-    let (Some(placement), Some(balance), Some(gateway)) = (&stack.placement, &stack.balance, &stack.gateway) else {
-        anyhow::bail!("the stack started without placement, balance or the gateway");
+    let (Some(placement), Some(balance), Some(gateway), Some(console)) =
+        (&stack.placement, &stack.balance, &stack.gateway, &stack.console)
+    else {
+        anyhow::bail!("the stack started without placement, balance, the gateway or the console");
     };
     let ledger = &stack.ledger;
     let nodes: Vec<&node_svc::server::RunningNode> = stack.nodes.iter().map(|n| &n.running).collect();
@@ -366,6 +378,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "  e2b-gateway    http {}   (E2B REST API and envd proxy)",
         gateway.url()
     );
+    println!(
+        "  console-svc    http {}   (the operator's console; sign in with the admin token)",
+        console.url()
+    );
     println!("  metrics        http://{metrics_addr}/metrics   (Prometheus, every service)");
     if let Some(certs) = stack.certs.dir() {
         println!(
@@ -374,7 +390,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "  admin routes   GET /nodes with X-Admin-Token from {}",
+        "  admin token    {} (the console's sign-in; X-Admin-Token for GET /nodes, /pools)",
         args.data_dir.join("admin_token").display()
     );
     println!();

@@ -41,13 +41,18 @@ pub struct BalanceConfig {
 }
 
 /// Who may call the balancer: the operator only (status, history, drain, pause and the
-/// dead-target override all belong to whoever runs the cluster).
+/// dead-target override all belong to whoever runs the cluster). The console shows and
+/// drains and pauses, but cannot declare a target dead: that override can make two copies
+/// of a sandbox if it is wrong, and stays with the operator's own key.
 pub const POLICY: mtls::Policy = mtls::Policy {
     service: "sandboxsched.balance.v1.Balance",
-    rules: &[(
-        &["Status", "History", "GetPlan", "Drain", "SetPaused", "ReleaseTarget"],
-        &[mtls::Role::Operator],
-    )],
+    rules: &[
+        (
+            &["Status", "History", "GetPlan", "Drain", "SetPaused"],
+            &[mtls::Role::Operator, mtls::Role::Console],
+        ),
+        (&["ReleaseTarget"], &[mtls::Role::Operator]),
+    ],
 };
 
 impl BalanceConfig {

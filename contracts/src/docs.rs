@@ -193,3 +193,77 @@ pub struct SandboxDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<crate::pool::Pooled>,
 }
+
+/// What changed from one version of a manifest (`before`; none: it was created) to the next,
+/// in words an operator reads: phase, node, epoch, lifecycle owner, end time.
+pub fn describe_change(before: Option<&SandboxDoc>, after: &SandboxDoc) -> Vec<String> {
+    let node = |d: &SandboxDoc| {
+        if d.node_id.is_empty() {
+            "no node".to_string()
+        } else {
+            d.node_id.clone()
+        }
+    };
+    let Some(b) = before else {
+        return vec![format!("created: {:?} on {}", after.phase, node(after))];
+    };
+    let mut what = Vec::new();
+    if b.phase != after.phase {
+        what.push(format!("{:?} -> {:?}", b.phase, after.phase));
+    }
+    if b.node_id != after.node_id {
+        what.push(format!("moved {} -> {}", node(b), node(after)));
+    }
+    if b.epoch != after.epoch {
+        what.push(format!("epoch {} -> {}", b.epoch, after.epoch));
+    }
+    match (&b.lifecycle_owner, &after.lifecycle_owner) {
+        (None, Some(owner)) => what.push(format!("owned by {owner}")),
+        (Some(owner), None) => what.push(format!("released by {owner}")),
+        (Some(x), Some(y)) if x != y => what.push(format!("owner {x} -> {y}")),
+        _ => {}
+    }
+    if b.end_at_unix_ms != after.end_at_unix_ms {
+        what.push(format!("ends at {} ms", after.end_at_unix_ms));
+    }
+    if what.is_empty() {
+        what.push("rewritten".to_string());
+    }
+    what
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(phase: SandboxPhase, node: &str, epoch: u64, owner: Option<&str>) -> SandboxDoc {
+        SandboxDoc {
+            sandbox_id: "s".into(),
+            phase,
+            node_id: node.into(),
+            epoch,
+            end_at_unix_ms: 10,
+            lifecycle_owner: owner.map(str::to_string),
+            ..SandboxDoc::default()
+        }
+    }
+
+    #[test]
+    fn a_move_reads_as_owned_then_moved_and_released() {
+        let running = doc(SandboxPhase::Running, "a", 1, None);
+        let owned = doc(SandboxPhase::Running, "a", 2, Some("plan.0"));
+        let moved = doc(SandboxPhase::Running, "b", 2, None);
+        assert_eq!(describe_change(None, &running), vec!["created: Running on a"]);
+        assert_eq!(
+            describe_change(Some(&running), &owned),
+            vec!["epoch 1 -> 2", "owned by plan.0"]
+        );
+        assert_eq!(
+            describe_change(Some(&owned), &moved),
+            vec!["moved a -> b", "released by plan.0"]
+        );
+        let paused = doc(SandboxPhase::Paused, "b", 2, None);
+        assert_eq!(describe_change(Some(&moved), &paused), vec!["Running -> Paused"]);
+        assert_eq!(describe_change(Some(&paused), &paused), vec!["rewritten"]);
+    }
+}

@@ -3,7 +3,6 @@
 //! Tables for people; `--json` prints one JSON value for scripts. Endpoints default to the
 //! local stack's ports and have environment twins.
 
-mod history;
 mod pools;
 mod table;
 
@@ -578,7 +577,7 @@ async fn sandbox_story(cluster: &Cluster, json: bool, sandbox_id: &str) -> anyho
         .with_context(|| format!("reading sandbox {sandbox_id}"))?
         .with_context(|| format!("no sandbox {sandbox_id}"))?;
     let m = &manifest.value;
-    let changes = history::changes(&client, &manifest).await;
+    let changes = ledger_client::history::changes(&client, &manifest).await;
     let moves: Vec<bpb::MoveView> = match cluster.balance().await {
         Ok(mut balance) => balance
             .history(bpb::HistoryRequest { limit: 1000 })

@@ -187,6 +187,57 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
         code(gateway_to_balance.status(bpb::StatusRequest {}).await),
         tonic::Code::PermissionDenied
     );
+    // The console, taken over: it reads and drains as the operator does, but writes no
+    // document (the operator's key may, the console's may not even call Compare) and cannot
+    // declare a move's target dead, nor create on a node.
+    let console = s.security(Role::Console);
+    let console_ledger = LedgerClient::connect_lazy(&ledger, &console).unwrap();
+    console_ledger
+        .list::<serde_json::Value>("sandbox", "")
+        .await
+        .expect("the console reads the manifests");
+    for kind in ["sandbox", "node", "balance-control", "pool"] {
+        let forged = console_ledger
+            .compare(
+                ledger_client::Txn::new()
+                    .create(kind, "forged", &serde_json::json!({}))
+                    .unwrap(),
+            )
+            .await;
+        // Refused before any kind is looked at: the console may not call Compare at all.
+        assert!(
+            matches!(&forged, Err(LedgerError::Forbidden(m)) if m.contains("console may not call") && m.contains("Compare")),
+            "the console wrote a {kind} document: {forged:?}"
+        );
+    }
+    let mut console_to_balance =
+        bpb::balance_client::BalanceClient::new(console.endpoint(&balance, Role::Balance).unwrap().connect_lazy());
+    console_to_balance
+        .status(bpb::StatusRequest {})
+        .await
+        .expect("the console reads the balancer's status");
+    assert_eq!(
+        code(
+            console_to_balance
+                .release_target(bpb::ReleaseTargetRequest {
+                    plan_id: "any".into(),
+                    move_index: 0,
+                })
+                .await
+        ),
+        tonic::Code::PermissionDenied
+    );
+    let mut console_to_node =
+        npb::node_client::NodeClient::new(console.node_endpoint(&node, &victim).unwrap().connect_lazy());
+    console_to_node
+        .info(npb::InfoRequest {})
+        .await
+        .expect("the console reads a node");
+    assert_eq!(
+        code(console_to_node.create(npb::CreateRequest::default()).await),
+        tonic::Code::PermissionDenied
+    );
+
     // A client that dials the right port but expects another role refuses the server: a
     // ledger is not a node, whatever address it answers on.
     let mut confused = npb::node_client::NodeClient::new(

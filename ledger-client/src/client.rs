@@ -494,6 +494,36 @@ impl LedgerClient {
         }
     }
 
+    /// Every version of document `kind/id` the change log still holds, from `from_revision`
+    /// (its create revision, for all of them) up to `until_revision`, oldest first. Gives
+    /// up after `patience` with what it has; `Err(Compacted)` when the log no longer
+    /// reaches back that far.
+    pub async fn versions(
+        &self,
+        kind: &str,
+        id: &str,
+        from_revision: u64,
+        until_revision: u64,
+        patience: Duration,
+    ) -> Result<Vec<Document>, LedgerError> {
+        use tokio_stream::StreamExt;
+        let mut watch = self.watch(kind, id, from_revision.max(1));
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + patience;
+        while let Ok(Some(update)) = tokio::time::timeout_at(deadline, watch.next()).await {
+            let update = update?;
+            // The prefix also matches longer IDs; keep this one's.
+            out.extend(update.events.into_iter().filter_map(|event| match event {
+                WatchEvent::Put(doc) if doc.key.id == id => Some(doc),
+                _ => None,
+            }));
+            if update.revision >= until_revision {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
     /// Follows every change to `kind` documents under `id_prefix` (every kind when `kind` is
     /// empty) from `start_revision` on (0: from the next change).
     ///

@@ -7,6 +7,7 @@
 
 mod client;
 mod document;
+pub mod history;
 pub mod wire;
 
 pub use client::{Committed, LedgerClient, LedgerError, Resolution, Txn, Versioned, WatchEvent, WatchUpdate};

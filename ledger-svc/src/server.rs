@@ -35,13 +35,19 @@ pub struct LedgerConfig {
 }
 
 /// Who may call the ledger: the services that keep documents in it, and the operator to read
-/// them. Nodes and sandboxes never talk to the ledger.
+/// them (and the console, which writes nothing). Nodes and sandboxes never talk to the ledger.
 pub const POLICY: mtls::Policy = mtls::Policy {
     service: <LedgerServer<LedgerApi> as NamedService>::NAME,
     rules: &[
         (
             &["Get", "List", "Watch"],
-            &[Role::Gateway, Role::Placement, Role::Balance, Role::Operator],
+            &[
+                Role::Gateway,
+                Role::Placement,
+                Role::Balance,
+                Role::Operator,
+                Role::Console,
+            ],
         ),
         // Each of them writes only the kinds it owns, and the operator any (`writers`).
         (

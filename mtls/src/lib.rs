@@ -44,27 +44,33 @@ pub enum Role {
     Gateway,
     /// The operator's command line (`sandboxsched-ctl`) and anything an operator scripts.
     Operator,
+    /// The operator's web console (`console-svc`): it reads what the operator reads and may
+    /// drain nodes and pause the balancer, but writes no ledger document, so a console taken
+    /// over cannot rewrite the cluster's state the way the operator's own key can.
+    Console,
 }
 
 impl Role {
     /// Every role, in the order certificates are issued.
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Ledger,
         Role::Placement,
         Role::Node,
         Role::Balance,
         Role::Gateway,
         Role::Operator,
+        Role::Console,
     ];
 
     /// The roles whose one pair every instance of the role shares ([`issue_cluster`]); each
     /// node has a pair of its own instead ([`issue_node`]).
-    pub const SHARED: [Role; 5] = [
+    pub const SHARED: [Role; 6] = [
         Role::Ledger,
         Role::Placement,
         Role::Balance,
         Role::Gateway,
         Role::Operator,
+        Role::Console,
     ];
 
     /// The short name: file names in the certificate directory, log fields, error messages.
@@ -76,6 +82,7 @@ impl Role {
             Role::Balance => "balance",
             Role::Gateway => "gateway",
             Role::Operator => "operator",
+            Role::Console => "console",
         }
     }
 
@@ -90,6 +97,7 @@ impl Role {
             Role::Balance => "balance.sandboxsched.internal",
             Role::Gateway => "gateway.sandboxsched.internal",
             Role::Operator => "operator.sandboxsched.internal",
+            Role::Console => "console.sandboxsched.internal",
         }
     }
 }

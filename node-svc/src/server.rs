@@ -83,7 +83,7 @@ pub const POLICY: mtls::Policy = mtls::Policy {
         (&["Claim"], &[Role::Gateway]),
         (
             &["List", "Info", "Metrics", "Logs"],
-            &[Role::Gateway, Role::Balance, Role::Operator],
+            &[Role::Gateway, Role::Balance, Role::Operator, Role::Console],
         ),
     ],
 };

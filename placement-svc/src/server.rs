@@ -66,8 +66,11 @@ pub const POLICY: mtls::Policy = mtls::Policy {
             &[Role::Gateway, Role::Balance],
         ),
         (&["Heartbeat"], &[Role::Node]),
-        (&["Nodes", "Explain"], &[Role::Gateway, Role::Balance, Role::Operator]),
-        (&["SetNodeState"], &[Role::Balance, Role::Operator]),
+        (
+            &["Nodes", "Explain"],
+            &[Role::Gateway, Role::Balance, Role::Operator, Role::Console],
+        ),
+        (&["SetNodeState"], &[Role::Balance, Role::Operator, Role::Console]),
     ],
 };
 

@@ -82,7 +82,7 @@ impl Certs {
         let caller = match peer {
             Role::Node | Role::Placement => Role::Balance,
             Role::Ledger => Role::Operator,
-            Role::Balance | Role::Gateway | Role::Operator => Role::Operator,
+            Role::Balance | Role::Gateway | Role::Operator | Role::Console => Role::Operator,
         };
         self.security(caller).endpoint(address, peer)
     }

@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use balance_svc::server::{BalanceConfig, RunningBalance};
+use console_svc::server::{ConsoleConfig, RunningConsole};
 use e2b_gateway::server::{GatewayConfig, RunningGateway};
 use ledger_client::LedgerClient;
 use ledger_svc::{LedgerConfig, RunningLedger};
@@ -48,6 +49,8 @@ pub enum StackError {
     Balance(#[from] balance_svc::server::StartError),
     #[error("starting e2b-gateway: {0}")]
     Gateway(#[from] e2b_gateway::server::StartError),
+    #[error("starting console-svc: {0}")]
+    Console(#[from] console_svc::server::StartError),
     #[error(transparent)]
     LedgerClient(#[from] ledger_client::LedgerError),
     #[error("placement never heard from every node within {0:?}")]
@@ -69,6 +72,7 @@ pub struct StackBuilder {
     heartbeat: Duration,
     balance: Option<Adjust<BalanceConfig>>,
     gateway: Option<Adjust<GatewayConfig>>,
+    console: Option<Adjust<ConsoleConfig>>,
     wait_for_nodes: bool,
     plaintext: bool,
 }
@@ -90,6 +94,8 @@ pub struct Stack {
     pub nodes: Vec<Node>,
     pub balance: Option<RunningBalance>,
     pub gateway: Option<RunningGateway>,
+    /// The operator's console, when asked for.
+    pub console: Option<RunningConsole>,
     /// What the gateway was started with (to start another like it).
     pub gateway_config: Option<GatewayConfig>,
     /// A client of the stack's ledger (as the gateway: it may read and write).
@@ -112,6 +118,7 @@ impl Stack {
             heartbeat: Duration::from_millis(100),
             balance: None,
             gateway: None,
+            console: None,
             wait_for_nodes: true,
             plaintext: false,
         }
@@ -149,6 +156,9 @@ impl Stack {
     /// Stops every service still running (gateway and balance first, the ledger last). The
     /// nodes' sandboxes keep running unless [`Stack::kill_sandboxes`] ended them.
     pub async fn stop(mut self) {
+        if let Some(console) = self.console.take() {
+            console.stop().await;
+        }
         if let Some(gateway) = self.gateway.take() {
             gateway.stop().await;
         }
@@ -242,6 +252,13 @@ impl StackBuilder {
     /// team `team`; the built-in templates).
     pub fn gateway(mut self, adjust: impl FnOnce(&mut GatewayConfig) + Send + 'static) -> Self {
         self.gateway = Some(Box::new(adjust));
+        self
+    }
+
+    /// Starts the operator's console, adjusted (ledger, placement and balance endpoints set;
+    /// no admin token, so it refuses everyone until one is given).
+    pub fn console(mut self, adjust: impl FnOnce(&mut ConsoleConfig) + Send + 'static) -> Self {
+        self.console = Some(Box::new(adjust));
         self
     }
 
@@ -374,6 +391,21 @@ impl StackBuilder {
             }
             None => (None, None),
         };
+        let console = match self.console {
+            Some(adjust) => {
+                let mut config = ConsoleConfig {
+                    listen: any_port,
+                    ledger: ledger.endpoint(),
+                    placement: placement.endpoint(),
+                    balance: balance.as_ref().map_or_else(String::new, RunningBalance::endpoint),
+                    admin_token: None,
+                    security: certs.security(Role::Console),
+                };
+                adjust(&mut config);
+                Some(console_svc::server::start(config).await?)
+            }
+            None => None,
+        };
         Ok(Stack {
             dir,
             _temp: temp,
@@ -382,6 +414,7 @@ impl StackBuilder {
             nodes,
             balance,
             gateway,
+            console,
             gateway_config,
             ledger_client,
             certs,

@@ -44,6 +44,7 @@ def _start(nodes: int, log_level: str, **extra):
         SANDBOXSCHED_PLACEMENT_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_BALANCE_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_GATEWAY_LISTEN="127.0.0.1:0",
+        SANDBOXSCHED_CONSOLE_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_NODE_BASE_PORT="0",
         SANDBOXSCHED_METRICS_LISTEN="127.0.0.1:0",
         SANDBOXSCHED_NODES=str(nodes),
@@ -89,7 +90,10 @@ def stack():
     os.environ.update(exports)
     # The stack's process (gateway and nodes in one), for tests that measure its memory, and
     # its data directory, where its sandboxes' files are, for tests that need room there.
-    yield {**exports, "pid": proc.pid, "state": str(data), "log": str(_log)}
+    console = re.search(r"console-svc\s+http (\S+)", _log.read_text()).group(1)
+    admin_token = (data / "admin_token").read_text().strip()
+    yield {**exports, "pid": proc.pid, "state": str(data), "log": str(_log), "console": console,
+           "admin_token": admin_token}
     _stop(proc, data)
 
 

@@ -1,0 +1,243 @@
+//! Keeps the [`View`] equal to the ledger and tells every browser what changed.
+//!
+//! The feed lists each kind the console draws, then follows the ledger's watch from the
+//! oldest revision it listed at: a change listed and then delivered again is applied twice,
+//! which sets the same row twice, so nothing is lost between the lists and the watch. Each
+//! change goes through [`View::apply`]; its deltas become server-sent events on a broadcast
+//! channel every open page subscribes to.
+//!
+//! A watch that fell behind the ledger's retention (`Compacted`) or failed for good starts
+//! over: the view is listed again and browsers get a `reset` event, on which they re-read
+//! their page. While the ledger cannot be reached the console keeps serving what it last saw
+//! and says so (`/console/api/health`, the banner on every page).
+
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use common::docs::{NODE_KIND, SANDBOX_KIND};
+use common::pool::{POOL_KIND, POOL_SLOT_KIND};
+use common::template::{BUILD_KIND, TEMPLATE_KIND};
+use futures::StreamExt;
+use ledger_client::{Document, LedgerClient, LedgerError, WatchEvent};
+use tokio::sync::{broadcast, watch};
+
+use crate::view::{Change, Delta, View};
+
+/// The balancer's kinds: the console re-reads the balancer's status and history over its
+/// API when one changes (their shapes are the balancer's own, not a shared contract).
+const BALANCE_KINDS: [&str; 3] = ["balance-plan", "balance-observation", "balance-control"];
+
+/// Every kind the console lists at start (the balancer's are read over its API when a
+/// page asks).
+const KINDS: [&str; 6] = [
+    NODE_KIND,
+    SANDBOX_KIND,
+    TEMPLATE_KIND,
+    BUILD_KIND,
+    POOL_KIND,
+    POOL_SLOT_KIND,
+];
+
+/// One server-sent event, encoded once for every browser.
+#[derive(Debug)]
+pub struct Event {
+    pub name: &'static str,
+    pub data: String,
+    /// The ledger revision it came from (the browser measures its lag against it).
+    pub revision: u64,
+}
+
+/// The view and its subscribers, shared by the feed task and the HTTP handlers.
+#[derive(Clone)]
+pub struct Shared {
+    view: Arc<RwLock<View>>,
+    events: broadcast::Sender<Arc<Event>>,
+    /// Whether the feed follows the ledger now (false: what the view shows may be stale).
+    live: watch::Sender<bool>,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Shared {
+    pub fn new() -> Self {
+        Self {
+            view: Arc::default(),
+            events: broadcast::channel(4096).0,
+            live: watch::channel(false).0,
+        }
+    }
+
+    /// Reads the view (a poisoned lock is taken as it is: the view is rows, each written
+    /// whole, never left half-changed by a panic elsewhere).
+    pub fn read<R>(&self, f: impl FnOnce(&View) -> R) -> R {
+        f(&self.view.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
+        self.events.subscribe()
+    }
+
+    pub fn live(&self) -> bool {
+        *self.live.borrow()
+    }
+
+    /// Applies changes seen at `revision` and sends their events.
+    pub fn apply(&self, changes: impl IntoIterator<Item = Change>, revision: u64) {
+        let now = now_ms();
+        let deltas: Vec<Delta> = {
+            let mut view = self.view.write().unwrap_or_else(PoisonError::into_inner);
+            changes
+                .into_iter()
+                .flat_map(|change| view.apply(change, revision, now))
+                .collect()
+        };
+        for delta in deltas {
+            self.send(delta.event(), &delta, revision);
+        }
+    }
+
+    /// Sends one event to every open page.
+    pub fn send(&self, name: &'static str, data: &impl serde::Serialize, revision: u64) {
+        match serde_json::to_string(data) {
+            // No receiver is not an error: no page is open.
+            Ok(data) => drop(self.events.send(Arc::new(Event { name, data, revision }))),
+            Err(err) => tracing::warn!(%err, event = name, "console event not encoded"),
+        }
+    }
+
+    fn set_live(&self, live: bool) {
+        if self.live.send_if_modified(|now| std::mem::replace(now, live) != live) {
+            let ledger = if live { "live" } else { "unreachable" };
+            self.send("ledger", &serde_json::json!({ "ledger": ledger }), 0);
+        }
+        metrics::gauge!("console_ledger_live").set(if live { 1.0 } else { 0.0 });
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What a ledger document is to the view (`None`: a kind it does not draw, or a document it
+/// cannot read, which is logged and skipped rather than stopping the console).
+fn change(doc: Option<&Document>, key: &ledger_client::DocKey) -> Option<Change> {
+    fn decode<T: serde::de::DeserializeOwned>(doc: Option<&Document>) -> Result<Option<T>, serde_json::Error> {
+        doc.map(|d| serde_json::from_str(&d.payload)).transpose()
+    }
+    let id = key.id.clone();
+    let decoded = match key.kind.as_str() {
+        NODE_KIND => decode(doc).map(|d| Change::Node(id, d)),
+        SANDBOX_KIND => decode(doc).map(|d| Change::Sandbox(id, d)),
+        TEMPLATE_KIND => decode(doc).map(|d| Change::Template(id, d)),
+        BUILD_KIND => decode(doc).map(|d| Change::Build(id, d)),
+        POOL_KIND => decode(doc).map(|d| Change::Pool(id, d)),
+        POOL_SLOT_KIND => Ok(Change::PoolSlot(id, doc.is_some())),
+        kind if BALANCE_KINDS.contains(&kind) => Ok(Change::Balance(key.to_string())),
+        _ => return None,
+    };
+    decoded
+        .map_err(|err| tracing::warn!(%err, key = %key, "console skips a document it cannot read"))
+        .ok()
+}
+
+/// Follows the ledger for as long as the console runs.
+pub async fn follow(shared: Shared, ledger: LedgerClient) {
+    let pauses = || common::retry::backoff(Duration::from_millis(200), Duration::from_secs(5));
+    let mut backoff = pauses();
+    loop {
+        let listed = list(&shared, &ledger).await;
+        let start = match listed {
+            Ok(revision) => revision,
+            Err(err) => {
+                shared.set_live(false);
+                tracing::warn!(%err, "console cannot list the ledger; retrying");
+                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
+                continue;
+            }
+        };
+        backoff = pauses();
+        shared.set_live(true);
+        shared.send("reset", &serde_json::json!({ "revision": start }), start);
+        let mut updates = ledger.watch("", "", start + 1);
+        while let Some(update) = updates.next().await {
+            match update {
+                Ok(update) => {
+                    shared.set_live(true);
+                    let changes = update.events.iter().filter_map(|event| match event {
+                        WatchEvent::Put(doc) => change(Some(doc), &doc.key),
+                        WatchEvent::Deleted { key, .. } => change(None, key),
+                    });
+                    shared.apply(changes.collect::<Vec<_>>(), update.revision);
+                }
+                // The watch reconnects by itself; it hands over an error only when it gives up.
+                Err(err @ LedgerError::Compacted(_)) => {
+                    tracing::warn!(%err, "console fell behind the ledger; listing again");
+                    break;
+                }
+                Err(err) => {
+                    shared.set_live(false);
+                    tracing::warn!(%err, "console's ledger watch ended; listing again");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Lists every kind the console draws into a fresh view; returns the oldest revision listed.
+async fn list(shared: &Shared, ledger: &LedgerClient) -> Result<u64, LedgerError> {
+    let mut changes = Vec::new();
+    let mut oldest = u64::MAX;
+    for kind in KINDS {
+        let mut token = String::new();
+        let mut first = None;
+        loop {
+            let (docs, next, revision) = ledger.list_page(kind, "", 0, &token).await?;
+            first.get_or_insert(revision);
+            changes.extend(docs.iter().filter_map(|doc| change(Some(doc), &doc.key)));
+            if next.is_empty() {
+                break;
+            }
+            token = next;
+        }
+        oldest = oldest.min(first.unwrap_or(0));
+    }
+    shared.view.write().unwrap_or_else(PoisonError::into_inner).clear();
+    shared.apply(changes, oldest);
+    Ok(oldest)
+}
+
+/// Relays each change of a balance plan as the plan itself (`plan` events), read from the
+/// balancer the moment the ledger shows the change: a move's steps follow each other within
+/// milliseconds, and a page that re-read the whole history after each would draw only the
+/// last. Changes are relayed one at a time, in the order the ledger made them.
+pub async fn relay_plans(shared: Shared, control: crate::control::Control) {
+    let mut events = shared.subscribe();
+    loop {
+        let event = match events.recv().await {
+            Ok(event) => event,
+            Err(broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        let plan_id = (event.name == "balance")
+            .then(|| serde_json::from_str::<serde_json::Value>(&event.data).ok())
+            .flatten()
+            .and_then(|data| {
+                data["key"]
+                    .as_str()
+                    .and_then(|k| k.strip_prefix("balance-plan/"))
+                    .map(str::to_string)
+            });
+        let Some(plan_id) = plan_id else { continue };
+        match control.plan(&plan_id).await {
+            Ok(plan) => shared.send("plan", &plan, event.revision),
+            Err(err) => tracing::debug!(%err, plan_id, "console could not read a changed plan"),
+        }
+    }
+}

@@ -1,0 +1,603 @@
+//! The console's HTTP surface: pages, their JSON, the live event stream and the operator's
+//! actions, all under `/console`.
+//!
+//! Every route but the login form and the static assets asks [`Sessions::check`] first.
+//! Errors are mapped in one place ([`ConsoleError`]): JSON `{code, message}` for the API,
+//! a redirect to the login form for a page. Actions (drain, pause) are POSTs with a JSON
+//! body from the console's own origin: with the `SameSite=Strict` cookie that makes a
+//! forged cross-site request fail twice over.
+//!
+//! Every answer carries a content security policy that lets a page load only the console's
+//! own script and style and connect only back to the console, so data drawn from the
+//! cluster (sandbox metadata, build logs) can never run as script even if a page drew it
+//! carelessly; the script draws everything with `textContent` anyway.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+use tokio_stream::wrappers::BroadcastStream;
+
+use crate::control::{Control, ControlError};
+use crate::feed::Shared;
+use crate::session::{self, Refusal, Sessions};
+use crate::view::Query as SandboxQuery;
+
+/// Shared by every handler.
+#[derive(Clone)]
+pub struct Console {
+    pub shared: Shared,
+    /// For what the view does not keep: a manifest's versions from the change log.
+    pub ledger: ledger_client::LedgerClient,
+    pub sessions: Arc<Sessions>,
+    pub control: Control,
+}
+
+/// Every way a console request fails, mapped to a status once.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsoleError {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error(transparent)]
+    Peer(#[from] ControlError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+}
+
+impl ConsoleError {
+    fn status(&self) -> StatusCode {
+        match self {
+            ConsoleError::Refused(Refusal::Closed) => StatusCode::FORBIDDEN,
+            ConsoleError::Refused(_) => StatusCode::UNAUTHORIZED,
+            ConsoleError::Peer(err) if err.refused() => StatusCode::BAD_REQUEST,
+            // The console is up; the peer it needs is not.
+            ConsoleError::Peer(_) => StatusCode::BAD_GATEWAY,
+            ConsoleError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ConsoleError::NotFound(_) => StatusCode::NOT_FOUND,
+        }
+    }
+}
+
+impl IntoResponse for ConsoleError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        (
+            status,
+            Json(json!({"code": status.as_u16(), "message": self.to_string()})),
+        )
+            .into_response()
+    }
+}
+
+/// The routes, with the console's state.
+pub fn router(console: Console) -> Router {
+    Router::new()
+        .route("/console", get(|| async { Redirect::to("/console/cluster") }))
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/console/", get(|| async { Redirect::to("/console/cluster") }))
+        .route("/console/login", get(login_form).post(login))
+        .route("/console/logout", post(logout))
+        .route("/console/assets/console.js", get(script))
+        .route("/console/assets/console.css", get(style))
+        .route("/console/cluster", get(page_cluster))
+        .route("/console/sandboxes", get(page_sandboxes))
+        .route("/console/sandboxes/{id}", get(page_sandbox))
+        .route("/console/balance", get(page_balance))
+        .route("/console/templates", get(page_templates))
+        .route("/console/builds/{id}", get(page_build))
+        .route("/console/api/health", get(health))
+        .route("/console/api/cluster", get(cluster))
+        .route("/console/api/sandboxes", get(sandboxes))
+        .route("/console/api/sandboxes/{id}", get(sandbox))
+        .route("/console/api/balance", get(balance))
+        .route("/console/api/balance/pause", post(pause))
+        .route("/console/api/nodes/{id}/drain", post(drain))
+        .route("/console/api/templates", get(templates))
+        .route("/console/api/builds/{id}", get(build))
+        .route("/console/events", get(events))
+        .fallback(|| async { ConsoleError::NotFound("no such console page".into()) })
+        .layer(axum::middleware::map_response(secure_headers))
+        .with_state(console)
+}
+
+async fn secure_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    let set = |headers: &mut HeaderMap, name: &'static str, value: &'static str| {
+        headers.insert(name, HeaderValue::from_static(value));
+    };
+    set(
+        headers,
+        "content-security-policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+         connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    );
+    set(headers, "x-content-type-options", "nosniff");
+    set(headers, "referrer-policy", "no-referrer");
+    set(headers, "x-frame-options", "DENY");
+    if !headers.contains_key(header::CACHE_CONTROL) {
+        set(headers, "cache-control", "no-store");
+    }
+    response
+}
+
+// ---- pages -------------------------------------------------------------------------------
+
+/// The pages' navigation: (path, label).
+const PAGES: [(&str, &str); 4] = [
+    ("cluster", "Cluster"),
+    ("sandboxes", "Sandboxes"),
+    ("balance", "Balance"),
+    ("templates", "Templates"),
+];
+
+/// JSON safe to put inside a `<script type="application/json">` element: nothing in it can
+/// close the element or start markup.
+fn embed(value: &Value) -> String {
+    value
+        .to_string()
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&#39;")
+}
+
+/// A page: the shell every page shares, the page's name for the script, and its first state
+/// so it draws without a second request.
+fn shell(page: &str, title: &str, initial: &Value) -> Html<String> {
+    let nav: String = PAGES
+        .iter()
+        .map(|(path, label)| {
+            let current = if page.starts_with(path) || (*path == "templates" && page == "build") {
+                " aria-current=\"page\""
+            } else {
+                ""
+            };
+            format!("<a href=\"/console/{path}\"{current}>{label}</a>")
+        })
+        .collect();
+    Html(format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{title} · sandboxsched console</title>\
+         <link rel=\"stylesheet\" href=\"/console/assets/console.css\">\
+         <script src=\"/console/assets/console.js\" defer></script></head>\
+         <body data-page=\"{page}\"><a class=\"skip\" href=\"#main\">Skip to content</a>\
+         <header><span class=\"brand\">sandboxsched</span><nav aria-label=\"Console\">{nav}</nav>\
+         <span id=\"live\" class=\"live\" role=\"status\" aria-live=\"polite\">connecting…</span>\
+         <button id=\"theme\" type=\"button\" aria-label=\"Switch between dark and light\">◐</button>\
+         <form method=\"post\" action=\"/console/logout\"><button type=\"submit\">Sign out</button></form></header>\
+         <main id=\"main\" tabindex=\"-1\"><h1>{title}</h1><div id=\"app\"></div></main>\
+         <dialog id=\"confirm\" aria-labelledby=\"confirm-text\"><form method=\"dialog\">\
+         <p id=\"confirm-text\"></p><menu><button value=\"cancel\" type=\"submit\">Cancel</button>\
+         <button value=\"ok\" type=\"submit\" class=\"danger\" id=\"confirm-ok\">Confirm</button></menu></form></dialog>\
+         <script type=\"application/json\" id=\"initial\">{initial}</script></body></html>",
+        title = escape(title),
+        initial = embed(initial),
+    ))
+}
+
+/// A page for an operator, or the login form for anyone else.
+fn guarded(c: &Console, headers: &HeaderMap, render: impl FnOnce() -> Html<String>) -> Response {
+    match c.sessions.check(headers) {
+        Ok(()) => render().into_response(),
+        Err(_) => Redirect::to("/console/login").into_response(),
+    }
+}
+
+async fn page_cluster(State(c): State<Console>, headers: HeaderMap) -> Response {
+    guarded(&c, &headers, || {
+        let snapshot = c
+            .shared
+            .read(|v| serde_json::to_value(v.cluster()))
+            .unwrap_or(Value::Null);
+        shell("cluster", "Cluster", &snapshot)
+    })
+}
+
+async fn page_sandboxes(State(c): State<Console>, headers: HeaderMap) -> Response {
+    guarded(&c, &headers, || {
+        let first = c
+            .shared
+            .read(|v| serde_json::to_value(v.sandboxes(&SandboxQuery::default())))
+            .unwrap_or(Value::Null);
+        shell("sandboxes", "Sandboxes", &first)
+    })
+}
+
+async fn page_sandbox(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    guarded(&c, &headers, || {
+        shell("sandbox", &format!("Sandbox {id}"), &json!({ "sandboxId": id }))
+    })
+}
+
+async fn page_balance(State(c): State<Console>, headers: HeaderMap) -> Response {
+    guarded(&c, &headers, || shell("balance", "Balance", &Value::Null))
+}
+
+async fn page_templates(State(c): State<Console>, headers: HeaderMap) -> Response {
+    guarded(&c, &headers, || {
+        let templates = c
+            .shared
+            .read(|v| serde_json::to_value(v.templates()))
+            .unwrap_or(Value::Null);
+        shell("templates", "Templates", &templates)
+    })
+}
+
+async fn page_build(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    guarded(&c, &headers, || {
+        shell("build", &format!("Build {id}"), &json!({ "buildId": id }))
+    })
+}
+
+fn login_page(status: StatusCode, message: Option<&str>) -> Response {
+    let message = message.map_or(String::new(), |m| {
+        format!("<p class=\"error\" role=\"alert\" id=\"login-error\">{}</p>", escape(m))
+    });
+    let body = format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>Sign in · sandboxsched console</title>\
+         <link rel=\"stylesheet\" href=\"/console/assets/console.css\"></head>\
+         <body class=\"login\"><main id=\"main\"><h1>sandboxsched console</h1>\
+         <form method=\"post\" action=\"/console/login\">\
+         <label for=\"token\">Admin token</label>\
+         <input id=\"token\" name=\"token\" type=\"password\" autocomplete=\"current-password\" required autofocus>\
+         <p class=\"hint\">The cluster's admin token (<code>DATA_DIR/admin_token</code> for <code>sandboxsched up</code>). \
+         A team's API key does not open the console.</p>{message}\
+         <button type=\"submit\">Sign in</button></form></main></body></html>"
+    );
+    (status, Html(body)).into_response()
+}
+
+async fn login_form() -> Response {
+    login_page(StatusCode::OK, None)
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+async fn login(
+    State(c): State<Console>,
+    form: Result<axum::Form<LoginForm>, axum::extract::rejection::FormRejection>,
+) -> Response {
+    let given = form.map(|f| f.0.token).unwrap_or_default();
+    match c.sessions.login(&given) {
+        Ok(id) => {
+            metrics::counter!("console_logins_total", "result" => "ok").increment(1);
+            let mut response = Redirect::to("/console/cluster").into_response();
+            if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(Some(&id))) {
+                response.headers_mut().insert(header::SET_COOKIE, cookie);
+            }
+            response
+        }
+        Err(refusal) => {
+            metrics::counter!("console_logins_total", "result" => "refused").increment(1);
+            tracing::warn!(reason = %refusal, "console login refused");
+            let status = ConsoleError::from(refusal.clone()).status();
+            login_page(status, Some(&refusal.to_string()))
+        }
+    }
+}
+
+async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
+    c.sessions.logout(&headers);
+    let mut response = Redirect::to("/console/login").into_response();
+    if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(None)) {
+        response.headers_mut().insert(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "private, max-age=300"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn script() -> Response {
+    asset("text/javascript; charset=utf-8", include_str!("../assets/console.js"))
+}
+
+async fn style() -> Response {
+    asset("text/css; charset=utf-8", include_str!("../assets/console.css"))
+}
+
+// ---- JSON --------------------------------------------------------------------------------
+
+async fn health(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let revision = c.shared.read(|v| v.revision());
+    Ok(Json(
+        json!({"ledger": if c.shared.live() { "live" } else { "unreachable" }, "revision": revision}),
+    ))
+}
+
+/// The cluster: nodes from their documents, joined with placement's view when placement
+/// answers (the page still draws from the documents when it does not, and says so).
+async fn cluster(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let mut snapshot = c
+        .shared
+        .read(|v| serde_json::to_value(v.cluster()))
+        .unwrap_or(Value::Null);
+    match c.control.nodes().await {
+        Ok(placement) => snapshot["placement"] = json!(placement),
+        Err(err) => snapshot["placementError"] = json!(err.to_string()),
+    }
+    Ok(Json(snapshot))
+}
+
+async fn sandboxes(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    query: Result<Query<SandboxQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let Query(query) = query.map_err(|e| ConsoleError::BadRequest(e.body_text()))?;
+    let page = c
+        .shared
+        .read(|v| serde_json::to_value(v.sandboxes(&query)))
+        .unwrap_or(Value::Null);
+    Ok(Json(page))
+}
+
+/// One sandbox: its row, its story as the console saw it, and where placement would put a
+/// sandbox of its size now.
+async fn sandbox(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let row = c
+        .shared
+        .read(|v| v.sandbox(&id).cloned())
+        .ok_or_else(|| ConsoleError::NotFound(format!("sandbox {id} not found")))?;
+    let address = c.shared.read(|v| v.node(&row.node_id).map(|n| n.address.clone()));
+    let or_error = |answer: Result<Value, ControlError>| answer.unwrap_or_else(|err| json!({"error": err.to_string()}));
+    let none = || async {
+        Err(ControlError::Endpoint {
+            peer: "node",
+            endpoint: String::new(),
+            reason: "it runs on no node now".into(),
+        })
+    };
+    let explain = c.control.explain(row.vcpus.max(1), row.memory_mib.max(1));
+    let (history, explain, logs, metrics) = match &address {
+        Some(address) => tokio::join!(
+            manifest_history(&c.ledger, &id),
+            explain,
+            c.control.sandbox_logs(&row.node_id, address, &id, 200),
+            c.control.sandbox_metrics(&row.node_id, address, &id),
+        ),
+        None => tokio::join!(manifest_history(&c.ledger, &id), explain, none(), none()),
+    };
+    Ok(Json(json!({
+        "sandbox": row,
+        "history": history.unwrap_or_else(|err| json!({"error": err.to_string()})),
+        "explain": or_error(explain),
+        "logs": or_error(logs),
+        "metrics": or_error(metrics),
+    })))
+}
+
+/// Every version of a sandbox's manifest the ledger's change log still holds, each with what
+/// changed from the one before.
+async fn manifest_history(ledger: &ledger_client::LedgerClient, id: &str) -> Result<Value, ledger_client::LedgerError> {
+    let Some(manifest) = ledger
+        .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, id)
+        .await?
+    else {
+        return Ok(json!([]));
+    };
+    let changes = ledger_client::history::changes(ledger, &manifest).await?;
+    Ok(json!(changes
+        .iter()
+        .map(|c| json!({"revision": c.revision, "version": c.version, "changes": c.what}))
+        .collect::<Vec<_>>()))
+}
+
+async fn balance(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let mut answer = c.control.balance(20).await?;
+    // A drain's progress: what each draining node still runs, per the manifests.
+    if let Some(draining) = answer["draining"].as_array().cloned() {
+        let left: serde_json::Map<String, Value> = c.shared.read(|v| {
+            draining
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|node| (node.to_string(), json!(v.sandboxes_on(node))))
+                .collect()
+        });
+        answer["remaining"] = Value::Object(left);
+    }
+    Ok(Json(answer))
+}
+
+async fn templates(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let answer = c.shared.read(|v| {
+        let templates: Vec<Value> = v
+            .templates()
+            .into_iter()
+            .map(|t| {
+                let builds = v.builds(&t.template_id);
+                json!({"template": t, "builds": builds.into_iter().take(5).collect::<Vec<_>>()})
+            })
+            .collect();
+        json!(templates)
+    });
+    Ok(Json(answer))
+}
+
+#[derive(Deserialize)]
+struct LogQuery {
+    #[serde(default)]
+    offset: u64,
+}
+
+async fn build(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    query: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let Query(query) = query.map_err(|e| ConsoleError::BadRequest(e.body_text()))?;
+    let (row, lines) = c
+        .shared
+        .read(|v| v.build_log(&id, query.offset, common::template::MAX_BUILD_LOG))
+        .ok_or_else(|| ConsoleError::NotFound(format!("build {id} not found")))?;
+    Ok(Json(json!({"build": row, "log": lines})))
+}
+
+// ---- actions -----------------------------------------------------------------------------
+
+/// An action's body, checked to come from the console's own page: JSON (which a form on
+/// another site cannot send without a preflight this server never grants) and, when the
+/// browser names an origin, this host's.
+fn action_body<T: for<'de> Deserialize<'de>>(headers: &HeaderMap, body: &Bytes) -> Result<T, ConsoleError> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().is_some_and(|v| v.trim() == "application/json"));
+    if !json {
+        return Err(ConsoleError::BadRequest("an action's body must be JSON".into()));
+    }
+    if let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        let bare = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"))
+            .unwrap_or(origin);
+        if bare != host {
+            return Err(ConsoleError::BadRequest(format!(
+                "an action must come from the console's own page, not {origin}"
+            )));
+        }
+    }
+    serde_json::from_slice(body).map_err(|e| ConsoleError::BadRequest(format!("invalid body: {e}")))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    #[serde(default)]
+    undo: bool,
+}
+
+async fn drain(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Path(node): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let DrainBody { undo } = action_body(&headers, &body)?;
+    if c.shared.read(|v| v.node(&node).is_none()) {
+        return Err(ConsoleError::NotFound(format!("node {node} not found")));
+    }
+    tracing::info!(node_id = %node, undo, "console: drain");
+    Ok(Json(c.control.drain(&node, undo).await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PauseBody {
+    paused: bool,
+}
+
+async fn pause(State(c): State<Console>, headers: HeaderMap, body: Bytes) -> Result<Json<Value>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let PauseBody { paused } = action_body(&headers, &body)?;
+    tracing::info!(paused, "console: balancing paused or resumed");
+    Ok(Json(c.control.set_paused(paused).await?))
+}
+
+// ---- live --------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct Topics {
+    /// Comma-separated event names the page draws (`node,spread`); empty: all.
+    #[serde(default)]
+    topics: String,
+}
+
+/// Server-sent events: every change the page draws, as it happens. A page that falls so
+/// far behind that events were dropped for it gets `reset` and re-reads its state.
+async fn events(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Query(Topics { topics }): Query<Topics>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ConsoleError> {
+    c.sessions.check(&headers)?;
+    let wanted: Vec<String> = topics
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect();
+    metrics::gauge!("console_event_streams").increment(1.0);
+    let guard = StreamGuard;
+    let live = c.shared.live();
+    let hello = futures::stream::once(async move {
+        Ok(SseEvent::default()
+            .event("hello")
+            .data(json!({ "ledger": if live { "live" } else { "unreachable" } }).to_string()))
+    });
+    let stream = BroadcastStream::new(c.shared.subscribe()).filter_map(move |item| {
+        let _held = &guard;
+        let event = match item {
+            Ok(event) if event.name == "reset" || wanted.is_empty() || wanted.iter().any(|w| w == event.name) => {
+                Some(SseEvent::default().event(event.name).data(event.data.as_str()))
+            }
+            Ok(_) => None,
+            Err(BroadcastStreamRecvError::Lagged(missed)) => {
+                metrics::counter!("console_events_dropped_total").increment(missed);
+                Some(SseEvent::default().event("reset").data("{\"lagged\":true}"))
+            }
+        };
+        futures::future::ready(event.map(Ok))
+    });
+    Ok(Sse::new(hello.chain(stream)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Counts an event stream down when its browser goes.
+struct StreamGuard;
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        metrics::gauge!("console_event_streams").decrement(1.0);
+    }
+}

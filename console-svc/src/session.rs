@@ -1,0 +1,185 @@
+//! Who may use the console: operators, and nobody else.
+//!
+//! An operator proves it once, at the login form, with the cluster's admin token (the one
+//! E2B's admin routes take as `X-Admin-Token`); a team's API key is not an operator's and is
+//! refused like any other wrong token. A login gets a session: a random 244-bit ID in an
+//! `HttpOnly`, `SameSite=Strict` cookie scoped to `/console`, so no script reads it and no
+//! other site's page makes a browser send it. Scripts and the benchmark may instead send
+//! `X-Admin-Token` with each request.
+//!
+//! Sessions live in memory (a restart logs everyone out) and end after [`SESSION_TTL`]; at
+//! most [`MAX_SESSIONS`] are kept, the oldest forgotten first.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use subtle::ConstantTimeEq;
+
+/// The cookie holding a session's ID.
+pub const COOKIE: &str = "sandboxsched_console";
+/// How long a session lasts.
+pub const SESSION_TTL: Duration = Duration::from_secs(12 * 60 * 60);
+/// Sessions kept at once.
+pub const MAX_SESSIONS: usize = 1024;
+
+/// The admin token and the sessions it opened.
+pub struct Sessions {
+    /// None: the console is closed to everyone (no admin token configured).
+    token: Option<String>,
+    live: Mutex<HashMap<String, Instant>>,
+}
+
+/// Why a login or a request was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the console is closed: no admin token is configured")]
+    Closed,
+    #[error("not signed in")]
+    NoSession,
+    #[error("that is not the operators' admin token (a team's API key does not open the console)")]
+    WrongToken,
+}
+
+impl Sessions {
+    pub fn new(token: Option<String>) -> Self {
+        Self {
+            token: token.filter(|t| !t.is_empty()),
+            live: Mutex::default(),
+        }
+    }
+
+    fn token_matches(&self, given: &str) -> Result<(), Refusal> {
+        let token = self.token.as_deref().ok_or(Refusal::Closed)?;
+        if bool::from(given.trim().as_bytes().ct_eq(token.as_bytes())) {
+            Ok(())
+        } else {
+            Err(Refusal::WrongToken)
+        }
+    }
+
+    /// Opens a session for the holder of the admin token; returns its ID.
+    pub fn login(&self, given: &str) -> Result<String, Refusal> {
+        self.token_matches(given)?;
+        let id = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        live.retain(|_, started| now.duration_since(*started) < SESSION_TTL);
+        if live.len() >= MAX_SESSIONS {
+            if let Some(oldest) = live
+                .iter()
+                .min_by_key(|(_, started)| **started)
+                .map(|(id, _)| id.clone())
+            {
+                live.remove(&oldest);
+            }
+        }
+        live.insert(id.clone(), now);
+        Ok(id)
+    }
+
+    /// Whether a request comes from an operator: a live session's cookie, or the admin token
+    /// itself in `X-Admin-Token`.
+    pub fn check(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+        if self.token.is_none() {
+            return Err(Refusal::Closed);
+        }
+        if let Some(given) = headers.get("x-admin-token") {
+            return self.token_matches(given.to_str().unwrap_or_default());
+        }
+        let id = session_cookie(headers).ok_or(Refusal::NoSession)?;
+        let live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        match live.get(id) {
+            Some(started) if started.elapsed() < SESSION_TTL => Ok(()),
+            _ => Err(Refusal::NoSession),
+        }
+    }
+
+    pub fn logout(&self, headers: &HeaderMap) {
+        if let Some(id) = session_cookie(headers) {
+            self.live.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
+        }
+    }
+}
+
+/// The session ID in a request's cookies.
+fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(axum::http::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == COOKIE)
+        .map(|(_, value)| value)
+}
+
+/// The `Set-Cookie` value of a new session (`None`: the cookie that ends one).
+pub fn set_cookie(id: Option<&str>) -> String {
+    match id {
+        Some(id) => format!(
+            "{COOKIE}={id}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={}",
+            SESSION_TTL.as_secs()
+        ),
+        None => format!("{COOKIE}=; Path=/console; HttpOnly; SameSite=Strict; Max-Age=0"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderValue;
+
+    use super::*;
+
+    fn cookie(id: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "cookie",
+            HeaderValue::from_str(&format!("other=1; {COOKIE}={id}")).unwrap(),
+        );
+        headers
+    }
+
+    #[test]
+    fn only_the_admin_token_opens_a_session_and_only_a_live_session_passes() {
+        let sessions = Sessions::new(Some("admin_secret".into()));
+        assert_eq!(sessions.login("e2b_teamkey"), Err(Refusal::WrongToken));
+        assert_eq!(sessions.login(""), Err(Refusal::WrongToken));
+        assert_eq!(sessions.check(&HeaderMap::new()), Err(Refusal::NoSession));
+        assert_eq!(sessions.check(&cookie("forged")), Err(Refusal::NoSession));
+        let id = sessions.login("admin_secret").unwrap();
+        assert_eq!(id.len(), 64);
+        assert_eq!(sessions.check(&cookie(&id)), Ok(()));
+        sessions.logout(&cookie(&id));
+        assert_eq!(sessions.check(&cookie(&id)), Err(Refusal::NoSession));
+    }
+
+    #[test]
+    fn the_header_takes_the_token_itself_and_a_console_without_one_is_closed() {
+        let sessions = Sessions::new(Some("admin_secret".into()));
+        let mut headers = HeaderMap::new();
+        headers.insert("x-admin-token", HeaderValue::from_static("admin_secret"));
+        assert_eq!(sessions.check(&headers), Ok(()));
+        headers.insert("x-admin-token", HeaderValue::from_static("e2b_teamkey"));
+        assert_eq!(sessions.check(&headers), Err(Refusal::WrongToken));
+        let closed = Sessions::new(None);
+        assert_eq!(closed.login(""), Err(Refusal::Closed));
+        assert_eq!(closed.check(&headers), Err(Refusal::Closed));
+    }
+
+    #[test]
+    fn sessions_are_bounded() {
+        let sessions = Sessions::new(Some("t".into()));
+        let first = sessions.login("t").unwrap();
+        for _ in 0..MAX_SESSIONS {
+            sessions.login("t").unwrap();
+        }
+        assert_eq!(
+            sessions.check(&cookie(&first)),
+            Err(Refusal::NoSession),
+            "the oldest went first"
+        );
+        assert!(sessions.live.lock().unwrap().len() <= MAX_SESSIONS);
+    }
+}
