@@ -7,6 +7,7 @@
 mod balance_convergence;
 mod chaos;
 mod code_interpreter;
+mod console;
 mod fixture;
 mod gateway_create;
 mod host_cpu;
@@ -61,6 +62,9 @@ enum Scenario {
     /// E2B's code interpreter through the gateway: its template's build, cold creates to the
     /// first result, `run_code` round trips, the stream's delay, an idle sandbox's memory.
     CodeInterpreter(code_interpreter::Args),
+    /// The operator's console over 1,000 simulated nodes and 10,000 sandboxes: its pages'
+    /// time to serve, a search, a ledger change's delay to the browser, its memory.
+    Console(console::Args),
     /// A seeded fault suite: a multi-process cluster under a client workload while services
     /// are killed and nodes cut off, then a history checker (lost, duplicated, files lost,
     /// accounting error, stuck, leaked).
@@ -97,6 +101,7 @@ async fn run() -> anyhow::Result<()> {
         Scenario::Proxy(args) => proxy::run(args).await?,
         Scenario::TemplateBuild(args) => template_build::run(args).await?,
         Scenario::CodeInterpreter(args) => code_interpreter::run(args).await?,
+        Scenario::Console(args) => console::run(args).await?,
         Scenario::Chaos(args) => chaos::run(args).await?,
         Scenario::Soak(args) => soak::run(args).await?,
     };

@@ -30,6 +30,17 @@
     node.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
   }
 
+  /** A CSS class for a state or level the cluster names: only ones the stylesheet knows,
+   * so no name from a tenant or a peer can borrow the console's own classes. */
+  const KNOWN = new Set(["ready", "draining", "unhealthy", "running", "creating", "paused", "hibernated", "moving", "pooled",
+    "waiting", "building", "error", "done", "finished", "running", "failed", "rollback", "rolledback", "info", "warn", "debug"]);
+  const tone = (name) => {
+    const lower = String(name || "").toLowerCase();
+    return KNOWN.has(lower) ? lower : "other";
+  };
+  /** A finite number, for drawing (a missing or non-finite one draws as 0). */
+  const num = (x) => (Number.isFinite(Number(x)) ? Number(x) : 0);
+
   const mib = (n) => (n >= 1024 ? `${(n / 1024).toFixed(1)} GiB` : `${n} MiB`);
   const pct = (part, whole) => (whole > 0 ? Math.max(0, Math.min(100, (100 * part) / whole)) : 0);
   const when = (ms) => (ms ? new Date(ms).toLocaleString() : "—");
@@ -162,7 +173,7 @@
         "points",
         line.points
           .filter((p) => p.t >= start)
-          .map((p) => `${(((p.t - start) / windowMs) * w).toFixed(1)},${(h - (Math.min(p.v, top) / top) * h).toFixed(1)}`)
+          .map((p) => `${(((p.t - start) / windowMs) * w).toFixed(1)},${(h - (Math.min(num(p.v), top) / top) * h).toFixed(1)}`)
           .join(" "),
       );
       poly.setAttribute("class", `series ${line.cls}`);
@@ -205,7 +216,7 @@
     );
 
     function drawSummary() {
-      const states = Object.entries(counts.byState).map(([s, n]) => el("span", { class: `pill ${s}`, text: `${n} ${s}` }));
+      const states = Object.entries(counts.byState).map(([s, n]) => el("span", { class: `pill ${tone(s)}`, text: `${n} ${s}` }));
       const ready = [...nodes.values()].filter((n) => n.state === "ready").length;
       summary.replaceChildren(
         el("span", { class: "big", id: "node-count", text: `${nodes.size} nodes` }),
@@ -217,8 +228,8 @@
     }
 
     function drawChart() {
-      const top = Math.max(0.2, ...spread.map((p) => p.v));
-      const last = spread.length ? spread[spread.length - 1].v : 0;
+      const top = Math.max(0.2, ...spread.map((p) => num(p.v)));
+      const last = spread.length ? num(spread[spread.length - 1].v) : 0;
       figure.replaceWith(
         (figure = lineChart(`Spread the balancer watches (max − min of ready nodes' available memory ratio), last hour: now ${last.toFixed(3)}, scale 0–${top.toFixed(2)}`, [{ points: spread, cls: "spread", name: "spread" }], 3_600_000, top)),
       );
@@ -232,7 +243,7 @@
         "tr",
         { id: `node-${n.nodeId}`, "data-node-id": n.nodeId, "data-capacity-mib": n.memoryMib, "data-used-mib": n.usedMib, "data-allocated-mib": n.allocatedMib },
         el("th", { scope: "row" }, el("a", { href: `/console/sandboxes?node=${encodeURIComponent(n.nodeId)}`, text: n.nodeId })),
-        el("td", {}, el("span", { class: `pill ${n.state}`, text: p.state === "unhealthy" ? "unhealthy" : n.state })),
+        el("td", {}, el("span", { class: `pill ${tone(p.state === "unhealthy" ? "unhealthy" : n.state)}`, text: p.state === "unhealthy" ? "unhealthy" : n.state })),
         el("td", {}, bar(`Memory of ${n.nodeId}`, n.usedMib, n.allocatedMib, n.memoryMib)),
         el("td", {}, bar(`vCPUs of ${n.nodeId}`, p.cpuUsed || 0, n.allocatedVcpus, n.vcpus, (v) => `${Math.round(v * 10) / 10}`)),
         el("td", { class: "num", text: n.sandboxes }),
@@ -371,7 +382,7 @@
         el("span", { role: "cell", text: s.teamId || "(pool)" }),
         el("span", { role: "cell", text: s.template }),
         el("span", { role: "cell", text: s.nodeId || "—" }),
-        el("span", { role: "cell" }, el("span", { class: `pill ${s.state}`, text: s.state })),
+        el("span", { role: "cell" }, el("span", { class: `pill ${tone(s.state)}`, text: s.state })),
         el("span", { role: "cell", class: "num", text: `${mib(s.memoryMib)} (${s.memorySource})` }),
         el("span", { role: "cell", class: "num", text: s.measuredMib == null ? "—" : mib(s.measuredMib) }),
         el("span", { role: "cell", class: "num", text: age(Date.now() - s.startedAtMs) }),
@@ -445,6 +456,7 @@
         return;
       }
       const s = detail.sandbox;
+      drawn = s;
       const facts = [
         ["Sandbox", s.sandboxId], ["Team", s.teamId || "(pool)"], ["Template", s.template], ["Node", s.nodeId || "—"],
         ["State", s.state], ["vCPUs", s.vcpus], ["Memory asked", `${mib(s.memoryMib)} (${s.memorySource})`],
@@ -473,7 +485,7 @@
         el("h2", { text: "Log" }),
         detail.logs.error
           ? el("p", { class: "notice error", text: detail.logs.error })
-          : el("pre", { class: "log-box", id: "sandbox-log", tabindex: "0", "aria-label": "Sandbox log" }, logs.map((l) => el("span", { class: `log ${l.level}`, text: `${new Date(l.atMs).toLocaleTimeString()} ${l.level} ${l.message}\n` }))),
+          : el("pre", { class: "log-box", id: "sandbox-log", tabindex: "0", "aria-label": "Sandbox log" }, logs.map((l) => el("span", { class: `log ${tone(l.level)}`, text: `${new Date(l.atMs).toLocaleTimeString()} ${l.level} ${l.message}\n` }))),
         el("h2", { text: "Manifest history (the ledger's change log)" }),
         detail.history.error
           ? el("p", { class: "notice error", text: detail.history.error })
@@ -494,17 +506,22 @@
                 "tbody",
                 {},
                 (explain.candidates || []).map((c) =>
-                  el("tr", { class: c.nodeId === explain.chosen ? "chosen" : "" }, el("td", { text: c.nodeId }), el("td", { text: c.feasible ? "yes" : "no" }), el("td", { class: "num", text: c.score.toFixed(3) }), el("td", { text: c.reason })),
+                  el("tr", { class: c.nodeId === explain.chosen ? "chosen" : "" }, el("td", { text: c.nodeId }), el("td", { text: c.feasible ? "yes" : "no" }), el("td", { class: "num", text: num(c.score).toFixed(3) }), el("td", { text: c.reason })),
                 ),
               ),
             ),
       );
     }
     const redraw = debounce(draw, 150);
+    let drawn = null;
     draw();
     follow(["sandbox"], {
       sandbox(s) {
-        if (s.sandboxId === id) redraw();
+        if (s.sandboxId !== id) return;
+        // A new measure alone is not worth reading its history again.
+        const same = drawn && !s.gone && ["state", "nodeId", "epoch", "endAtMs"].every((k) => s[k] === drawn[k]);
+        drawn = s.gone ? null : s;
+        if (!same) redraw();
       },
       reset: redraw,
     });
@@ -572,8 +589,8 @@
         el(
           "section",
           { class: "summary", "aria-label": "Observation" },
-          el("span", { class: `pill ${o.status}`, id: "observation", text: o.status || "no observation yet" }),
-          ` spread ${Number(o.spread || 0).toFixed(3)} over ${o.readyNodes} ready nodes · balancing ${b.paused ? "paused" : "active"} `,
+          el("span", { class: `pill ${tone(o.status)}`, id: "observation", text: o.status || "no observation yet" }),
+          ` spread ${num(o.spread).toFixed(3)} over ${o.readyNodes} ready nodes · balancing ${b.paused ? "paused" : "active"} `,
           pause,
         ),
         el("h2", { text: "Drains" }),
@@ -594,8 +611,8 @@
         el(
           "summary",
           {},
-          el("span", { class: `pill ${p.state.toLowerCase()}`, text: p.state }),
-          ` ${p.planId} · ${p.reason} · spread ${p.spreadBefore.toFixed(3)} → ${p.spreadExpected.toFixed(3)} · ${p.moves.length} moves${skips ? ` · ${skips}` : ""} · ${when(p.createdAtMs)}${p.finishedAtMs ? ` · took ${age(p.finishedAtMs - p.createdAtMs)}` : ""}`,
+          el("span", { class: `pill ${tone(p.state)}`, text: p.state }),
+          ` ${p.planId} · ${p.reason} · spread ${num(p.spreadBefore).toFixed(3)} → ${num(p.spreadExpected).toFixed(3)} · ${p.moves.length} moves${skips ? ` · ${skips}` : ""} · ${when(p.createdAtMs)}${p.finishedAtMs ? ` · took ${age(p.finishedAtMs - p.createdAtMs)}` : ""}`,
         ),
         el(
           "table",
@@ -677,7 +694,7 @@
                 el("td", { text: t.vcpus ? `${t.vcpus} vCPU · ${t.memoryMb} MB` : "the create's" }),
                 el("td", { text: Object.keys(t.tags).join(", ") }),
                 el("td", { class: "num", text: t.poolSize == null ? "—" : `${t.poolSlots} / ${t.poolSize}` }),
-                el("td", {}, builds.map((b) => el("a", { class: `pill ${b.status}`, href: `/console/builds/${encodeURIComponent(b.buildId)}`, text: `${b.status} ${b.buildId.slice(0, 8)}` }))),
+                el("td", {}, builds.map((b) => el("a", { class: `pill ${tone(b.status)}`, href: `/console/builds/${encodeURIComponent(b.buildId)}`, text: `${b.status} ${b.buildId.slice(0, 8)}` }))),
               ),
             ),
           ),
@@ -704,7 +721,7 @@
       const stick = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
       const skip = Math.max(0, lines - chunk.offset);
       for (const l of chunk.lines.slice(skip)) {
-        log.append(el("span", { class: `log ${l.level}`, text: `${l.step ? `[${l.step}] ` : ""}${l.message}\n` }));
+        log.append(el("span", { class: `log ${tone(l.level)}`, text: `${l.step ? `[${l.step}] ` : ""}${l.message}\n` }));
       }
       lines = Math.max(lines, chunk.offset + chunk.lines.length);
       if (stick) log.scrollTop = log.scrollHeight;
@@ -724,7 +741,11 @@
         if (row.buildId !== id) return;
         show(row);
         if (chunk.offset > lines) catchUp();
-        else append(chunk);
+        else {
+          append(chunk);
+          // An event carries a bounded chunk: the rest is read.
+          if (row.logLines > lines) catchUp();
+        }
       },
       reset: catchUp,
     });

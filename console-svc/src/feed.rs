@@ -109,7 +109,7 @@ impl Shared {
         }
     }
 
-    fn set_live(&self, live: bool) {
+    pub(crate) fn set_live(&self, live: bool) {
         if self.live.send_if_modified(|now| std::mem::replace(now, live) != live) {
             let ledger = if live { "live" } else { "unreachable" };
             self.send("ledger", &serde_json::json!({ "ledger": ledger }), 0);
@@ -151,9 +151,8 @@ pub async fn follow(shared: Shared, ledger: LedgerClient) {
     let pauses = || common::retry::backoff(Duration::from_millis(200), Duration::from_secs(5));
     let mut backoff = pauses();
     loop {
-        let listed = list(&shared, &ledger).await;
-        let start = match listed {
-            Ok(revision) => revision,
+        let listed = match list(&shared, &ledger).await {
+            Ok(listed) => listed,
             Err(err) => {
                 shared.set_live(false);
                 tracing::warn!(%err, "console cannot list the ledger; retrying");
@@ -163,19 +162,25 @@ pub async fn follow(shared: Shared, ledger: LedgerClient) {
         };
         backoff = pauses();
         shared.set_live(true);
-        shared.send("reset", &serde_json::json!({ "revision": start }), start);
-        let mut updates = ledger.watch("", "", start + 1);
+        let oldest = listed.iter().map(|(_, revision)| *revision).min().unwrap_or(0);
+        shared.send("reset", &serde_json::json!({ "revision": oldest }), oldest);
+        // One watch per kind, each from just after the revision its list saw: no change is
+        // applied twice, so no row steps back to an older version on the way.
+        let watches = listed
+            .iter()
+            .map(|(kind, revision)| ledger.watch(kind, "", revision + 1))
+            .chain(BALANCE_KINDS.iter().map(|kind| ledger.watch(kind, "", oldest + 1)));
+        let mut updates = futures::stream::select_all(watches);
         while let Some(update) = updates.next().await {
             match update {
                 Ok(update) => {
-                    shared.set_live(true);
                     let changes = update.events.iter().filter_map(|event| match event {
                         WatchEvent::Put(doc) => change(Some(doc), &doc.key),
                         WatchEvent::Deleted { key, .. } => change(None, key),
                     });
                     shared.apply(changes.collect::<Vec<_>>(), update.revision);
                 }
-                // The watch reconnects by itself; it hands over an error only when it gives up.
+                // A watch reconnects by itself; it hands over an error only when it gives up.
                 Err(err @ LedgerError::Compacted(_)) => {
                     tracing::warn!(%err, "console fell behind the ledger; listing again");
                     break;
@@ -190,10 +195,12 @@ pub async fn follow(shared: Shared, ledger: LedgerClient) {
     }
 }
 
-/// Lists every kind the console draws into a fresh view; returns the oldest revision listed.
-async fn list(shared: &Shared, ledger: &LedgerClient) -> Result<u64, LedgerError> {
+/// Lists every kind the console draws into a fresh view, swapped in whole (pages never see
+/// it half-built; they are told `reset` and read it again). Returns each kind with the
+/// revision its list saw.
+async fn list(shared: &Shared, ledger: &LedgerClient) -> Result<Vec<(&'static str, u64)>, LedgerError> {
     let mut changes = Vec::new();
-    let mut oldest = u64::MAX;
+    let mut listed = Vec::new();
     for kind in KINDS {
         let mut token = String::new();
         let mut first = None;
@@ -206,13 +213,43 @@ async fn list(shared: &Shared, ledger: &LedgerClient) -> Result<u64, LedgerError
             }
             token = next;
         }
-        oldest = oldest.min(first.unwrap_or(0));
+        listed.push((kind, first.unwrap_or(0)));
     }
-    shared.view.write().unwrap_or_else(PoisonError::into_inner).clear();
-    shared.apply(changes, oldest);
-    Ok(oldest)
+    let newest = listed.iter().map(|(_, revision)| *revision).max().unwrap_or(0);
+    let now = now_ms();
+    let mut view = shared.view.write().unwrap_or_else(PoisonError::into_inner);
+    let mut fresh = view.emptied();
+    for change in changes {
+        // What the view draws is what the browsers re-read on `reset`: no event per row.
+        drop(fresh.apply(change, newest, now));
+    }
+    *view = fresh;
+    Ok(listed)
 }
 
+/// Asks the ledger something cheap every few seconds: a watch that reconnects by itself
+/// says nothing while the ledger is gone, and pages must not call stale data live.
+pub async fn probe(shared: Shared, ledger: LedgerClient) {
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let answered = tokio::time::timeout(PROBE_EVERY, ledger.get_raw(NODE_KIND, "console-probe"))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if answered != shared.live() {
+            if answered {
+                tracing::info!("console: the ledger answers again");
+            } else {
+                tracing::warn!("console: the ledger does not answer; pages show the last state seen");
+            }
+        }
+        shared.set_live(answered);
+    }
+}
+
+/// How often [`probe`] asks.
+pub const PROBE_EVERY: Duration = Duration::from_secs(3);
 /// Relays each change of a balance plan as the plan itself (`plan` events), read from the
 /// balancer the moment the ledger shows the change: a move's steps follow each other within
 /// milliseconds, and a page that re-read the whole history after each would draw only the

@@ -31,7 +31,7 @@ use tokio_stream::wrappers::BroadcastStream;
 
 use crate::control::{Control, ControlError};
 use crate::feed::Shared;
-use crate::session::{self, Refusal, Sessions};
+use crate::session::{self, Caller, Refusal, Sessions};
 use crate::view::Query as SandboxQuery;
 
 /// Shared by every handler.
@@ -42,6 +42,39 @@ pub struct Console {
     pub ledger: ledger_client::LedgerClient,
     pub sessions: Arc<Sessions>,
     pub control: Control,
+    /// The `Host` values browsers may use to reach the console (`host:port`): a request
+    /// naming another is refused, so a page whose DNS name was rebound to this address
+    /// reaches nothing.
+    pub hosts: Arc<Vec<String>>,
+    /// Cookies carry `Secure` (browsers reach the console over TLS, through a proxy).
+    pub secure_cookie: bool,
+    /// Event streams open now.
+    pub streams: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Event streams open at once, from every browser together.
+pub const MAX_STREAMS: usize = 256;
+/// How often an open event stream checks that its session is still open.
+pub const STREAM_RECHECK: Duration = Duration::from_secs(10);
+/// The events a page may ask for.
+const TOPICS: [&str; 7] = ["node", "spread", "sandbox", "template", "build", "balance", "plan"];
+
+impl Console {
+    /// The caller, if an operator; a wrong token's answer is held back (see
+    /// [`Sessions::refused`]).
+    async fn operator(&self, headers: &HeaderMap) -> Result<Caller, ConsoleError> {
+        match self.sessions.check(headers) {
+            Ok(caller) => Ok(caller),
+            Err(refusal) => {
+                self.sessions.refused(&refusal).await;
+                Err(refusal.into())
+            }
+        }
+    }
+
+    fn host_allowed(&self, host: &str) -> bool {
+        self.hosts.iter().any(|h| h.eq_ignore_ascii_case(host))
+    }
 }
 
 /// Every way a console request fails, mapped to a status once.
@@ -55,6 +88,10 @@ pub enum ConsoleError {
     BadRequest(String),
     #[error("{0}")]
     NotFound(String),
+    #[error("this console is not served under that name ({0}); it answers only its own")]
+    WrongHost(String),
+    #[error("too many event streams are open; close some pages")]
+    TooManyStreams,
 }
 
 impl ConsoleError {
@@ -67,6 +104,8 @@ impl ConsoleError {
             ConsoleError::Peer(_) => StatusCode::BAD_GATEWAY,
             ConsoleError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ConsoleError::NotFound(_) => StatusCode::NOT_FOUND,
+            ConsoleError::WrongHost(_) => StatusCode::MISDIRECTED_REQUEST,
+            ConsoleError::TooManyStreams => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
@@ -109,8 +148,24 @@ pub fn router(console: Console) -> Router {
         .route("/console/api/builds/{id}", get(build))
         .route("/console/events", get(events))
         .fallback(|| async { ConsoleError::NotFound("no such console page".into()) })
+        .layer(axum::middleware::from_fn_with_state(console.clone(), own_host))
         .layer(axum::middleware::map_response(secure_headers))
         .with_state(console)
+}
+
+/// Refuses a request whose `Host` is not one of the console's own names.
+async fn own_host(State(c): State<Console>, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    if c.host_allowed(&host) {
+        next.run(request).await
+    } else {
+        ConsoleError::WrongHost(host).into_response()
+    }
 }
 
 async fn secure_headers(mut response: Response) -> Response {
@@ -199,7 +254,7 @@ fn shell(page: &str, title: &str, initial: &Value) -> Html<String> {
 /// A page for an operator, or the login form for anyone else.
 fn guarded(c: &Console, headers: &HeaderMap, render: impl FnOnce() -> Html<String>) -> Response {
     match c.sessions.check(headers) {
-        Ok(()) => render().into_response(),
+        Ok(_) => render().into_response(),
         Err(_) => Redirect::to("/console/login").into_response(),
     }
 }
@@ -289,14 +344,14 @@ async fn login(
         Ok(id) => {
             metrics::counter!("console_logins_total", "result" => "ok").increment(1);
             let mut response = Redirect::to("/console/cluster").into_response();
-            if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(Some(&id))) {
+            if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(Some(&id), c.secure_cookie)) {
                 response.headers_mut().insert(header::SET_COOKIE, cookie);
             }
             response
         }
         Err(refusal) => {
             metrics::counter!("console_logins_total", "result" => "refused").increment(1);
-            tracing::warn!(reason = %refusal, "console login refused");
+            c.sessions.refused(&refusal).await;
             let status = ConsoleError::from(refusal.clone()).status();
             login_page(status, Some(&refusal.to_string()))
         }
@@ -306,7 +361,7 @@ async fn login(
 async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
     c.sessions.logout(&headers);
     let mut response = Redirect::to("/console/login").into_response();
-    if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(None)) {
+    if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(None, c.secure_cookie)) {
         response.headers_mut().insert(header::SET_COOKIE, cookie);
     }
     response
@@ -334,7 +389,7 @@ async fn style() -> Response {
 // ---- JSON --------------------------------------------------------------------------------
 
 async fn health(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let revision = c.shared.read(|v| v.revision());
     Ok(Json(
         json!({"ledger": if c.shared.live() { "live" } else { "unreachable" }, "revision": revision}),
@@ -344,7 +399,7 @@ async fn health(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Val
 /// The cluster: nodes from their documents, joined with placement's view when placement
 /// answers (the page still draws from the documents when it does not, and says so).
 async fn cluster(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let mut snapshot = c
         .shared
         .read(|v| serde_json::to_value(v.cluster()))
@@ -361,7 +416,7 @@ async fn sandboxes(
     headers: HeaderMap,
     query: Result<Query<SandboxQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let Query(query) = query.map_err(|e| ConsoleError::BadRequest(e.body_text()))?;
     let page = c
         .shared
@@ -377,7 +432,7 @@ async fn sandbox(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let row = c
         .shared
         .read(|v| v.sandbox(&id).cloned())
@@ -427,7 +482,7 @@ async fn manifest_history(ledger: &ledger_client::LedgerClient, id: &str) -> Res
 }
 
 async fn balance(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let mut answer = c.control.balance(20).await?;
     // A drain's progress: what each draining node still runs, per the manifests.
     if let Some(draining) = answer["draining"].as_array().cloned() {
@@ -444,7 +499,7 @@ async fn balance(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Va
 }
 
 async fn templates(State(c): State<Console>, headers: HeaderMap) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let answer = c.shared.read(|v| {
         let templates: Vec<Value> = v
             .templates()
@@ -471,7 +526,7 @@ async fn build(
     Path(id): Path<String>,
     query: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
+    c.operator(&headers).await?;
     let Query(query) = query.map_err(|e| ConsoleError::BadRequest(e.body_text()))?;
     let (row, lines) = c
         .shared
@@ -483,9 +538,16 @@ async fn build(
 // ---- actions -----------------------------------------------------------------------------
 
 /// An action's body, checked to come from the console's own page: JSON (which a form on
-/// another site cannot send without a preflight this server never grants) and, when the
-/// browser names an origin, this host's.
-fn action_body<T: for<'de> Deserialize<'de>>(headers: &HeaderMap, body: &Bytes) -> Result<T, ConsoleError> {
+/// another site cannot send without a preflight this server never grants) and, from a
+/// signed-in browser, with an `Origin` naming the console itself (or `Sec-Fetch-Site:
+/// same-origin`): without either it is refused, never assumed. A script sending the token
+/// itself is no browser's to forge; an `Origin` it sends must still be the console's.
+fn action_body<T: for<'de> Deserialize<'de>>(
+    c: &Console,
+    caller: &Caller,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<T, ConsoleError> {
     let json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -493,20 +555,27 @@ fn action_body<T: for<'de> Deserialize<'de>>(headers: &HeaderMap, body: &Bytes) 
     if !json {
         return Err(ConsoleError::BadRequest("an action's body must be JSON".into()));
     }
-    if let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
-        let host = headers
-            .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default();
+    let origin = headers.get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?"));
+    let same_site = headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes() == b"same-origin");
+    let own = |origin: &str| {
         let bare = origin
             .strip_prefix("http://")
             .or_else(|| origin.strip_prefix("https://"))
-            .unwrap_or(origin);
-        if bare != host {
-            return Err(ConsoleError::BadRequest(format!(
-                "an action must come from the console's own page, not {origin}"
-            )));
-        }
+            .unwrap_or("");
+        c.host_allowed(bare)
+    };
+    let allowed = match (origin, caller) {
+        (Some(origin), _) => own(origin),
+        (None, Caller::Session(_)) => same_site,
+        (None, Caller::Token) => true,
+    };
+    if !allowed {
+        return Err(ConsoleError::BadRequest(format!(
+            "an action must come from the console's own page, not {}",
+            origin.unwrap_or("a page that names no origin")
+        )));
     }
     serde_json::from_slice(body).map_err(|e| ConsoleError::BadRequest(format!("invalid body: {e}")))
 }
@@ -524,8 +593,8 @@ async fn drain(
     Path(node): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
-    let DrainBody { undo } = action_body(&headers, &body)?;
+    let caller = c.operator(&headers).await?;
+    let DrainBody { undo } = action_body(&c, &caller, &headers, &body)?;
     if c.shared.read(|v| v.node(&node).is_none()) {
         return Err(ConsoleError::NotFound(format!("node {node} not found")));
     }
@@ -540,8 +609,8 @@ struct PauseBody {
 }
 
 async fn pause(State(c): State<Console>, headers: HeaderMap, body: Bytes) -> Result<Json<Value>, ConsoleError> {
-    c.sessions.check(&headers)?;
-    let PauseBody { paused } = action_body(&headers, &body)?;
+    let caller = c.operator(&headers).await?;
+    let PauseBody { paused } = action_body(&c, &caller, &headers, &body)?;
     tracing::info!(paused, "console: balancing paused or resumed");
     Ok(Json(c.control.set_paused(paused).await?))
 }
@@ -556,20 +625,20 @@ struct Topics {
 }
 
 /// Server-sent events: every change the page draws, as it happens. A page that falls so
-/// far behind that events were dropped for it gets `reset` and re-reads its state.
+/// far behind that events were dropped for it gets `reset` and re-reads its state; `reset`
+/// and `ledger` (whether the ledger answers) reach every page. A stream ends when its
+/// session does.
 async fn events(
     State(c): State<Console>,
     headers: HeaderMap,
     Query(Topics { topics }): Query<Topics>,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ConsoleError> {
-    c.sessions.check(&headers)?;
-    let wanted: Vec<String> = topics
-        .split(',')
-        .filter(|t| !t.is_empty())
-        .map(str::to_string)
+    let caller = c.operator(&headers).await?;
+    let wanted: Vec<&'static str> = TOPICS
+        .into_iter()
+        .filter(|known| topics.split(',').any(|t| t == *known))
         .collect();
-    metrics::gauge!("console_event_streams").increment(1.0);
-    let guard = StreamGuard;
+    let guard = StreamGuard::open(&c.streams).ok_or(ConsoleError::TooManyStreams)?;
     let live = c.shared.live();
     let hello = futures::stream::once(async move {
         Ok(SseEvent::default()
@@ -579,7 +648,12 @@ async fn events(
     let stream = BroadcastStream::new(c.shared.subscribe()).filter_map(move |item| {
         let _held = &guard;
         let event = match item {
-            Ok(event) if event.name == "reset" || wanted.is_empty() || wanted.iter().any(|w| w == event.name) => {
+            Ok(event)
+                if event.name == "reset"
+                    || event.name == "ledger"
+                    || wanted.is_empty()
+                    || wanted.contains(&event.name) =>
+            {
                 Some(SseEvent::default().event(event.name).data(event.data.as_str()))
             }
             Ok(_) => None,
@@ -590,14 +664,41 @@ async fn events(
         };
         futures::future::ready(event.map(Ok))
     });
-    Ok(Sse::new(hello.chain(stream)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+    let sessions = c.sessions.clone();
+    let ended = async move {
+        let Caller::Session(id) = caller else {
+            return futures::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(STREAM_RECHECK).await;
+            if !sessions.alive(&id) {
+                return;
+            }
+        }
+    };
+    Ok(Sse::new(hello.chain(stream).take_until(Box::pin(ended)))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
 
-/// Counts an event stream down when its browser goes.
-struct StreamGuard;
+/// One open event stream, counted until its browser goes.
+struct StreamGuard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl StreamGuard {
+    /// Counts a stream in, unless [`MAX_STREAMS`] are open.
+    fn open(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<Self> {
+        use std::sync::atomic::Ordering;
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < MAX_STREAMS).then_some(n + 1)
+        })
+        .ok()?;
+        metrics::gauge!("console_event_streams").increment(1.0);
+        Some(Self(open.clone()))
+    }
+}
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         metrics::gauge!("console_event_streams").decrement(1.0);
     }
 }

@@ -31,6 +31,14 @@ struct Args {
     /// `--admin-token-file`); without it the console refuses everyone.
     #[arg(long, env = "CONSOLE_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<std::path::PathBuf>,
+    /// A name browsers reach the console by besides loopback (`console.example.com:443`,
+    /// repeat for more): requests naming any other host are refused.
+    #[arg(long = "public-host", env = "CONSOLE_PUBLIC_HOSTS", value_delimiter = ',')]
+    public_hosts: Vec<String>,
+    /// Browsers reach the console over TLS, through a proxy in front of it: its cookies are
+    /// marked `Secure`.
+    #[arg(long, env = "CONSOLE_BEHIND_TLS")]
+    behind_tls: bool,
 }
 
 #[global_allocator]
@@ -51,6 +59,20 @@ async fn main() -> anyhow::Result<()> {
         ),
         None => None,
     };
+    if let Some(token) = &admin_token {
+        anyhow::ensure!(
+            token.len() >= console_svc::session::MIN_TOKEN_LEN,
+            "the admin token is shorter than {} characters: make a random one",
+            console_svc::session::MIN_TOKEN_LEN
+        );
+    }
+    if !args.listen.ip().is_loopback() && !args.behind_tls {
+        tracing::warn!(
+            listen = %args.listen,
+            "console-svc serves plain HTTP beyond loopback: the admin token and sessions cross the network in clear \
+             unless a TLS proxy is in front (then say --behind-tls)"
+        );
+    }
     let running = console_svc::server::start(ConsoleConfig {
         listen: args.listen,
         ledger: args.ledger,
@@ -61,6 +83,8 @@ async fn main() -> anyhow::Result<()> {
             .security
             .security(mtls::Role::Console)
             .map_err(anyhow::Error::msg)?,
+        public_hosts: args.public_hosts,
+        secure_cookie: args.behind_tls,
     })
     .await?;
     common::shutdown::signal().await;

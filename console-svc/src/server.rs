@@ -21,6 +21,11 @@ pub struct ConsoleConfig {
     pub admin_token: Option<String>,
     /// Mutual TLS as the console's role, or plaintext for a test.
     pub security: mtls::Security,
+    /// Names browsers reach the console by besides loopback (`console.example.com:443`):
+    /// any other `Host` is refused.
+    pub public_hosts: Vec<String>,
+    /// Browsers reach the console over TLS (a proxy in front of it): cookies carry `Secure`.
+    pub secure_cookie: bool,
 }
 
 /// Why the console could not start.
@@ -62,7 +67,18 @@ pub async fn start(config: ConsoleConfig) -> Result<RunningConsole, StartError> 
         .with_deadline(std::time::Duration::from_secs(10));
     let control = Control::new(&config.security, &config.placement, &config.balance)?;
     let shared = Shared::new();
+    let port = addr.port();
+    let mut hosts = vec![
+        addr.to_string(),
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::1]:{port}"),
+    ];
+    hosts.extend(config.public_hosts);
     let console = Console {
+        hosts: Arc::new(hosts),
+        secure_cookie: config.secure_cookie,
+        streams: Arc::default(),
         shared: shared.clone(),
         ledger: ledger.clone(),
         control: control.clone(),
@@ -70,6 +86,7 @@ pub async fn start(config: ConsoleConfig) -> Result<RunningConsole, StartError> 
     };
     let mut serving = Serving::new();
     serving.background(tokio::spawn(feed::relay_plans(shared.clone(), control)));
+    serving.background(tokio::spawn(feed::probe(shared.clone(), ledger.clone())));
     serving.background(tokio::spawn(feed::follow(shared, ledger)));
     // Event streams never end by themselves: a stop ends them at once (browsers reconnect).
     serving.http("console-svc", listener, http::router(console), OnStop::Abort);

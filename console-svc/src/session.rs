@@ -29,7 +29,27 @@ pub struct Sessions {
     /// None: the console is closed to everyone (no admin token configured).
     token: Option<String>,
     live: Mutex<HashMap<String, Instant>>,
+    /// Wrong tokens wait their answer here, few at a time (see [`Sessions::refused`]).
+    guesses: tokio::sync::Semaphore,
+    /// Wrong tokens since the last warning, and when that was (warnings are rate-limited, so
+    /// a peer sending wrong tokens cannot flood the log).
+    refusals: Mutex<(u64, Option<Instant>)>,
 }
+
+/// Who a request comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// A signed-in browser, by its session's ID.
+    Session(String),
+    /// A script sending the admin token itself (`X-Admin-Token`).
+    Token,
+}
+
+/// How long a wrong token's answer waits, and how many wait at once: at most
+/// `GUESSES_AT_ONCE / GUESS_DELAY` guesses a second from everyone together, whatever the
+/// number of connections, while the right token never waits.
+pub const GUESS_DELAY: Duration = Duration::from_millis(250);
+pub const GUESSES_AT_ONCE: usize = 2;
 
 /// Why a login or a request was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -42,11 +62,35 @@ pub enum Refusal {
     WrongToken,
 }
 
+/// The shortest admin token the console accepts to be configured with.
+pub const MIN_TOKEN_LEN: usize = 16;
+
 impl Sessions {
     pub fn new(token: Option<String>) -> Self {
         Self {
             token: token.filter(|t| !t.is_empty()),
             live: Mutex::default(),
+            guesses: tokio::sync::Semaphore::new(GUESSES_AT_ONCE),
+            refusals: Mutex::default(),
+        }
+    }
+
+    /// Holds back the answer to a wrong token (few at a time), and warns of wrong tokens at
+    /// most every ten seconds.
+    pub async fn refused(&self, refusal: &Refusal) {
+        if *refusal != Refusal::WrongToken {
+            return;
+        }
+        {
+            let mut refusals = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
+            refusals.0 += 1;
+            if refusals.1.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+                tracing::warn!(wrong_tokens = refusals.0, "console: wrong admin tokens refused");
+                *refusals = (0, Some(Instant::now()));
+            }
+        }
+        if let Ok(_turn) = self.guesses.acquire().await {
+            tokio::time::sleep(GUESS_DELAY).await;
         }
     }
 
@@ -79,50 +123,61 @@ impl Sessions {
         Ok(id)
     }
 
-    /// Whether a request comes from an operator: a live session's cookie, or the admin token
+    /// Who a request comes from, if an operator: a live session's cookie, or the admin token
     /// itself in `X-Admin-Token`.
-    pub fn check(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+    pub fn check(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
         if self.token.is_none() {
             return Err(Refusal::Closed);
         }
         if let Some(given) = headers.get("x-admin-token") {
-            return self.token_matches(given.to_str().unwrap_or_default());
+            return self
+                .token_matches(given.to_str().unwrap_or_default())
+                .map(|()| Caller::Token);
         }
-        let id = session_cookie(headers).ok_or(Refusal::NoSession)?;
+        // Any of the cookies of that name may be the session: another site sharing a parent
+        // domain can set one of the same name first, but not take the real one's place.
+        session_cookies(headers)
+            .find(|id| self.alive(id))
+            .map(|id| Caller::Session(id.to_string()))
+            .ok_or(Refusal::NoSession)
+    }
+
+    /// Whether session `id` is still open.
+    pub fn alive(&self, id: &str) -> bool {
         let live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
-        match live.get(id) {
-            Some(started) if started.elapsed() < SESSION_TTL => Ok(()),
-            _ => Err(Refusal::NoSession),
-        }
+        live.get(id).is_some_and(|started| started.elapsed() < SESSION_TTL)
     }
 
     pub fn logout(&self, headers: &HeaderMap) {
-        if let Some(id) = session_cookie(headers) {
-            self.live.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
+        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in session_cookies(headers) {
+            live.remove(id);
         }
     }
 }
 
-/// The session ID in a request's cookies.
-fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+/// The session IDs in a request's cookies.
+fn session_cookies(headers: &HeaderMap) -> impl Iterator<Item = &str> {
     headers
         .get_all(axum::http::header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == COOKIE)
+        .filter(|(name, _)| *name == COOKIE)
         .map(|(_, value)| value)
 }
 
-/// The `Set-Cookie` value of a new session (`None`: the cookie that ends one).
-pub fn set_cookie(id: Option<&str>) -> String {
+/// The `Set-Cookie` value of a new session (`None`: the cookie that ends one); `secure`
+/// when browsers reach the console over TLS (a proxy in front of it).
+pub fn set_cookie(id: Option<&str>, secure: bool) -> String {
+    let secure = if secure { "; Secure" } else { "" };
     match id {
         Some(id) => format!(
-            "{COOKIE}={id}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={}",
+            "{COOKIE}={id}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={}{secure}",
             SESSION_TTL.as_secs()
         ),
-        None => format!("{COOKIE}=; Path=/console; HttpOnly; SameSite=Strict; Max-Age=0"),
+        None => format!("{COOKIE}=; Path=/console; HttpOnly; SameSite=Strict; Max-Age=0{secure}"),
     }
 }
 
@@ -150,7 +205,14 @@ mod tests {
         assert_eq!(sessions.check(&cookie("forged")), Err(Refusal::NoSession));
         let id = sessions.login("admin_secret").unwrap();
         assert_eq!(id.len(), 64);
-        assert_eq!(sessions.check(&cookie(&id)), Ok(()));
+        assert_eq!(sessions.check(&cookie(&id)), Ok(Caller::Session(id.clone())));
+        // A planted cookie of the same name ahead of the real one changes nothing.
+        let mut planted = HeaderMap::new();
+        planted.insert(
+            "cookie",
+            HeaderValue::from_str(&format!("{COOKIE}=planted; {COOKIE}={id}")).unwrap(),
+        );
+        assert_eq!(sessions.check(&planted), Ok(Caller::Session(id.clone())));
         sessions.logout(&cookie(&id));
         assert_eq!(sessions.check(&cookie(&id)), Err(Refusal::NoSession));
     }
@@ -160,7 +222,7 @@ mod tests {
         let sessions = Sessions::new(Some("admin_secret".into()));
         let mut headers = HeaderMap::new();
         headers.insert("x-admin-token", HeaderValue::from_static("admin_secret"));
-        assert_eq!(sessions.check(&headers), Ok(()));
+        assert_eq!(sessions.check(&headers), Ok(Caller::Token));
         headers.insert("x-admin-token", HeaderValue::from_static("e2b_teamkey"));
         assert_eq!(sessions.check(&headers), Err(Refusal::WrongToken));
         let closed = Sessions::new(None);

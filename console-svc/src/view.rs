@@ -203,7 +203,7 @@ pub enum Change {
 
 /// What browsers are told. The event's name is [`Delta::event`].
 #[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(untagged)]
+#[serde(untagged, rename_all_fields = "camelCase")]
 pub enum Delta {
     Node(NodeRow),
     NodeGone { node_id: String, gone: bool },
@@ -281,6 +281,8 @@ pub struct ClusterSnapshot {
 pub struct View {
     nodes: BTreeMap<String, NodeRow>,
     sandboxes: BTreeMap<String, SandboxRow>,
+    /// Sandboxes by state, kept as rows change (every page's summary reads it).
+    by_state: BTreeMap<&'static str, usize>,
     /// Sandbox → memory used, from its node's last document.
     measured: HashMap<String, u64>,
     /// Node → the sandboxes its last document listed (to forget their measures when it
@@ -360,7 +362,8 @@ impl View {
                 }
             }
         }
-        for gone in listed_before.iter().filter(|s| !listed_now.contains(s)) {
+        let still: std::collections::HashSet<&String> = listed_now.iter().collect();
+        for gone in listed_before.iter().filter(|s| !still.contains(s)) {
             if self.measured.remove(gone).is_some() {
                 deltas.extend(self.remeasure(gone));
             }
@@ -410,10 +413,13 @@ impl View {
     fn apply_sandbox(&mut self, id: String, doc: Option<SandboxDoc>) -> Vec<Delta> {
         let Some(doc) = doc else {
             return match self.sandboxes.remove(&id) {
-                Some(_) => vec![Delta::SandboxGone {
-                    sandbox_id: id,
-                    gone: true,
-                }],
+                Some(old) => {
+                    self.count(old.state, false);
+                    vec![Delta::SandboxGone {
+                        sandbox_id: id,
+                        gone: true,
+                    }]
+                }
                 None => Vec::new(),
             };
         };
@@ -421,8 +427,19 @@ impl View {
         if self.sandboxes.get(&id) == Some(&row) {
             return Vec::new();
         }
-        self.sandboxes.insert(id, row.clone());
+        self.count(row.state, true);
+        if let Some(old) = self.sandboxes.insert(id, row.clone()) {
+            self.count(old.state, false);
+        }
         vec![Delta::Sandbox(row)]
+    }
+
+    fn count(&mut self, state: &'static str, up: bool) {
+        let n = self.by_state.entry(state).or_default();
+        *n = if up { *n + 1 } else { n.saturating_sub(1) };
+        if *n == 0 {
+            self.by_state.remove(state);
+        }
     }
 
     fn template(&mut self, id: String, doc: Option<TemplateDoc>) -> Vec<Delta> {
@@ -483,25 +500,21 @@ impl View {
         vec![Delta::Build(row, lines)]
     }
 
-    /// Forgets everything (before the feed lists the ledger again).
-    pub fn clear(&mut self) {
-        let spread = std::mem::take(&mut self.spread);
-        *self = Self {
-            spread,
+    /// A view with nothing but this one's spread history (for the feed to list the ledger
+    /// into before it replaces this one).
+    pub fn emptied(&mut self) -> Self {
+        Self {
+            spread: std::mem::take(&mut self.spread),
             ..Self::default()
-        };
+        }
     }
 
     pub fn cluster(&self) -> ClusterSnapshot {
-        let mut by_state = BTreeMap::new();
-        for row in self.sandboxes.values() {
-            *by_state.entry(row.state).or_default() += 1;
-        }
         ClusterSnapshot {
             nodes: self.nodes.values().cloned().collect(),
             spread: self.spread.iter().copied().collect(),
             sandboxes: self.sandboxes.len(),
-            by_state,
+            by_state: self.by_state.clone(),
             revision: self.revision,
         }
     }
@@ -673,6 +686,18 @@ mod tests {
     }
 
     #[test]
+    fn removals_reach_browsers_with_the_names_their_rows_have() {
+        let mut view = View::default();
+        view.apply(Change::Node("n1".into(), Some(node("n1", 0.5, &[]))), 1, 0);
+        view.apply(Change::Sandbox("s1".into(), Some(manifest("s1", "t", "n1", 1))), 2, 0);
+        let gone = view.apply(Change::Node("n1".into(), None), 3, SPREAD_SAMPLE_MS);
+        let sandbox = view.apply(Change::Sandbox("s1".into(), None), 4, 0);
+        let json = serde_json::to_string(&[&gone[0], &sandbox[0]]).unwrap();
+        assert_eq!(json, r#"[{"nodeId":"n1","gone":true},{"sandboxId":"s1","gone":true}]"#);
+        assert!(view.cluster().by_state.is_empty(), "{:?}", view.cluster().by_state);
+    }
+
+    #[test]
     fn a_node_document_measures_its_sandboxes_and_forgets_those_it_stops_listing() {
         let mut view = View::default();
         view.apply(Change::Sandbox("s1".into(), Some(manifest("s1", "t", "n1", 1))), 1, 0);
@@ -746,6 +771,16 @@ mod tests {
         });
         assert_eq!((page.total, page.matched, page.rows.len()), (250, 125, 10));
         assert_eq!(page.rows[0].sandbox_id, "sbx239", "newest first, from the offset");
+        let ids: Vec<_> = page.rows.iter().map(|r| r.sandbox_id.as_str()).collect();
+        assert_eq!(ids.last(), Some(&"sbx221"), "{ids:?}");
+        assert_eq!(page.by_state.get("running"), Some(&250));
+        let last = view.sandboxes(&Query {
+            offset: 245,
+            limit: 10,
+            ..Query::default()
+        });
+        let ids: Vec<_> = last.rows.iter().map(|r| r.sandbox_id.as_str()).collect();
+        assert_eq!(ids, ["sbx004", "sbx003", "sbx002", "sbx001", "sbx000"]);
         let found = view.sandboxes(&Query {
             q: "SBX24".into(),
             ..Query::default()

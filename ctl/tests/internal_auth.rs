@@ -230,11 +230,31 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
     let mut console_to_node =
         npb::node_client::NodeClient::new(console.node_endpoint(&node, &victim).unwrap().connect_lazy());
     console_to_node
-        .info(npb::InfoRequest {})
+        .logs(npb::LogsRequest::default())
         .await
-        .expect("the console reads a node");
+        .expect("the console reads a sandbox's log");
     assert_eq!(
         code(console_to_node.create(npb::CreateRequest::default()).await),
+        tonic::Code::PermissionDenied
+    );
+    assert_eq!(
+        code(console_to_node.list(npb::ListRequest::default()).await),
+        tonic::Code::PermissionDenied
+    );
+    // It drains through the balancer, which plans around a drain; it may not set a node's
+    // state behind the balancer's back.
+    let mut console_to_placement = ppb::placement_client::PlacementClient::new(
+        console.endpoint(&placement, Role::Placement).unwrap().connect_lazy(),
+    );
+    assert_eq!(
+        code(
+            console_to_placement
+                .set_node_state(ppb::SetNodeStateRequest {
+                    node_id: victim.clone(),
+                    state: ppb::NodeState::Draining as i32,
+                })
+                .await
+        ),
         tonic::Code::PermissionDenied
     );
 

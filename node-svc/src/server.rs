@@ -83,8 +83,10 @@ pub const POLICY: mtls::Policy = mtls::Policy {
         (&["Claim"], &[Role::Gateway]),
         (
             &["List", "Info", "Metrics", "Logs"],
-            &[Role::Gateway, Role::Balance, Role::Operator, Role::Console],
+            &[Role::Gateway, Role::Balance, Role::Operator],
         ),
+        // The console shows one sandbox's log and metrics.
+        (&["Metrics", "Logs"], &[Role::Console]),
     ],
 };
 

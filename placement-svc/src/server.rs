@@ -70,7 +70,7 @@ pub const POLICY: mtls::Policy = mtls::Policy {
             &["Nodes", "Explain"],
             &[Role::Gateway, Role::Balance, Role::Operator, Role::Console],
         ),
-        (&["SetNodeState"], &[Role::Balance, Role::Operator, Role::Console]),
+        (&["SetNodeState"], &[Role::Balance, Role::Operator]),
     ],
 };
 

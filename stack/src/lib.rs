@@ -400,6 +400,8 @@ impl StackBuilder {
                     balance: balance.as_ref().map_or_else(String::new, RunningBalance::endpoint),
                     admin_token: None,
                     security: certs.security(Role::Console),
+                    public_hosts: Vec::new(),
+                    secure_cookie: false,
                 };
                 adjust(&mut config);
                 Some(console_svc::server::start(config).await?)

@@ -67,6 +67,12 @@ def _mark(driver):
     driver.execute_script("window.__notReloaded = true")
 
 
+def _text(driver, selector):
+    """The text of the first element `selector` finds, read in the page in one go (pages redraw
+    rows as events arrive, so an element found first and read later may be gone)."""
+    return driver.execute_script("return document.querySelector(arguments[0])?.textContent ?? null", selector)
+
+
 def _not_reloaded(driver):
     return driver.execute_script("return window.__notReloaded === true")
 
@@ -104,6 +110,20 @@ def test_only_the_admin_token_opens_the_console(stack, browser):
                          {"X-Admin-Token": stack["admin_token"], "Origin": "http://evil.example",
                           "Content-Type": "application/json"}, {"paused": True})
     assert status == 400 and b"own page" in body, (status, body)
+    # A page whose DNS name was rebound to the console's address names another host: refused.
+    status, body = _call(stack, "GET", "/console/login", {"Host": "attacker.example:80"})
+    assert status == 421, (status, body)
+    # A signed-in browser's action must name the console as its origin (or be same-origin).
+    _sign_in(browser, stack)
+    session = next(c["value"] for c in browser.get_cookies() if c["name"] == "sandboxsched_console")
+    status, body = _call(stack, "POST", "/console/api/balance/pause",
+                         {"Cookie": f"sandboxsched_console={session}", "Content-Type": "application/json"},
+                         {"paused": True})
+    assert status == 400 and b"names no origin" in body, (status, body)
+    browser.find_element(By.CSS_SELECTOR, "header form button[type=submit]").click()
+    _wait(browser, "the sign-in form after signing out", lambda d: d.current_url.endswith("/console/login"))
+    status, _ = _call(stack, "GET", "/console/api/cluster", {"Cookie": f"sandboxsched_console={session}"})
+    assert status == 401, "a signed-out session still reads the cluster"
     # Every answer forbids scripts from anywhere but the console itself.
     request = urllib.request.Request(stack["console"] + "/login")
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -165,12 +185,12 @@ def test_sandboxes_created_with_the_sdk_appear_without_a_reload(stack, browser):
         assert not browser.find_elements(By.ID, f"sbx-{made[1].sandbox_id}")
         browser.save_screenshot(str(SHOTS / "sandboxes.png"))
         # One sandbox: where it runs, its manifest's history, placement's candidates, its log.
-        browser.find_element(By.LINK_TEXT, made[0].sandbox_id).click()
-        facts = _wait(browser, "its facts", lambda d: d.find_elements(By.ID, "facts"))
-        assert made[0].sandbox_id in facts[0].text and "running" in facts[0].text
-        history = _wait(browser, "its history", lambda d: d.find_elements(By.CSS_SELECTOR, "#history tbody tr"))
-        assert "created" in history[0].text, history[0].text
-        assert "sandbox created" in browser.find_element(By.ID, "sandbox-log").text
+        browser.execute_script("document.querySelector(`#sbx-${arguments[0]} a`).click()", made[0].sandbox_id)
+        facts = _wait(browser, "its facts", lambda d: _text(d, "#facts"))
+        assert made[0].sandbox_id in facts and "running" in facts, facts
+        history = _wait(browser, "its history", lambda d: _text(d, "#history tbody tr"))
+        assert "created" in history, history
+        assert "sandbox created" in _text(browser, "#sandbox-log")
         browser.save_screenshot(str(SHOTS / "sandbox.png"))
         # A kill shows on the table without a reload too.
         browser.get(stack["console"] + "/sandboxes")
