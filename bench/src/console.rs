@@ -33,6 +33,10 @@ pub struct Args {
     /// Ledger writes whose event is timed.
     #[arg(long, default_value_t = 200)]
     updates: usize,
+    /// Keep the console up this long after measuring, printing its address and token (to
+    /// open it in a browser over the simulated cluster).
+    #[arg(long, default_value_t = 0)]
+    hold_secs: u64,
 }
 
 const MIB: u64 = 1 << 20;
@@ -186,6 +190,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let token = format!("admin_{}", uuid::Uuid::new_v4().simple());
     let token_file = s.dir.join("admin_token");
     std::fs::write(&token_file, &token)?;
+    std::fs::set_permissions(&token_file, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let child = Command::new(program)
         .args(["--listen", &format!("127.0.0.1:{port}")])
@@ -297,6 +302,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         lags.push(sent.elapsed());
     }
     let rss_after = rss_mib(pid);
+    if args.hold_secs > 0 {
+        eprintln!(
+            "console at {}/login, admin token {token}: held for {} s",
+            console.url, args.hold_secs
+        );
+        tokio::time::sleep(Duration::from_secs(args.hold_secs)).await;
+    }
     drop(console);
     s.stop().await;
 

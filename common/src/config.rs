@@ -224,6 +224,17 @@ mod tests {
     }
 }
 
+/// The secret a `--…-file` flag names (the operators' admin token), trimmed: refused when
+/// other users could read the file, or when it holds nothing.
+pub fn secret_file(path: &Path) -> Result<String, String> {
+    let secret = mtls::read_secret(path).map_err(|e| format!("reading the secret in {}: {e}", path.display()))?;
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(secret.to_string())
+}
+
 /// `url` with the password of its user part (`scheme://user:PASSWORD@host/…`) replaced by
 /// `***`: for error messages and logs, which other people read. A password holding an
 /// unencoded `/`, `?` or `#` (a malformed URL, the very case that ends up in an error) is

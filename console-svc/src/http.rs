@@ -702,3 +702,81 @@ impl Drop for StreamGuard {
         metrics::gauge!("console_event_streams").decrement(1.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn console() -> Console {
+        let security = mtls::Security::Plaintext;
+        Console {
+            shared: Shared::new(),
+            ledger: ledger_client::LedgerClient::connect_lazy("http://127.0.0.1:1", &security).unwrap(),
+            sessions: Arc::new(Sessions::new(Some("admin_0123456789abcdef".into()))),
+            control: Control::new(&security, "http://127.0.0.1:1", "").unwrap(),
+            hosts: Arc::new(vec!["127.0.0.1:3001".into(), "localhost:3001".into()]),
+            secure_cookie: false,
+            streams: Arc::default(),
+        }
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        headers
+    }
+
+    #[tokio::test]
+    async fn an_action_from_a_browser_must_name_the_console_as_its_origin() {
+        let c = console();
+        let session = Caller::Session("s".into());
+        let body = Bytes::from_static(br#"{"paused":true}"#);
+        let json = ("content-type", "application/json");
+        let decide = |caller: &Caller, pairs: &[(&'static str, &str)]| {
+            action_body::<PauseBody>(&c, caller, &headers(pairs), &body).map(|b| b.paused)
+        };
+        assert!(decide(&session, &[json, ("origin", "http://127.0.0.1:3001")]).is_ok());
+        assert!(decide(&session, &[json, ("origin", "http://LOCALHOST:3001")]).is_ok());
+        assert!(decide(&session, &[json, ("sec-fetch-site", "same-origin")]).is_ok());
+        // Another site, a look-alike, no origin at all, a cross-site fetch: refused.
+        for pairs in [
+            &[json, ("origin", "http://evil.example")][..],
+            &[json, ("origin", "http://127.0.0.1:3001.evil.example")],
+            &[json, ("origin", "null")],
+            &[json],
+            &[json, ("sec-fetch-site", "cross-site")],
+        ] {
+            assert!(decide(&session, pairs).is_err(), "{pairs:?}");
+        }
+        // A script with the token itself: no origin needed, but a foreign one still refused.
+        assert!(decide(&Caller::Token, &[json]).is_ok());
+        assert!(decide(&Caller::Token, &[json, ("origin", "http://evil.example")]).is_err());
+        // Not JSON (what a plain form on another site sends): refused whatever the origin.
+        assert!(decide(
+            &session,
+            &[("content-type", "text/plain"), ("origin", "http://127.0.0.1:3001")]
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn stream_slots_are_bounded_and_given_back() {
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let held: Vec<_> = (0..MAX_STREAMS).map(|_| StreamGuard::open(&open).unwrap()).collect();
+        assert!(StreamGuard::open(&open).is_none());
+        drop(held);
+        assert!(StreamGuard::open(&open).is_some());
+    }
+
+    #[test]
+    fn embedded_state_cannot_close_its_script_element() {
+        let text = embed(&json!({"name": "</script><script>alert(1)</script>&"}));
+        assert!(
+            !text.contains('<') && !text.contains('>') && !text.contains('&'),
+            "{text}"
+        );
+        assert_eq!(escape(r#"<a href="x">'&"#), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;");
+    }
+}

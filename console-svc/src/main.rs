@@ -50,15 +50,12 @@ async fn main() -> anyhow::Result<()> {
     let args = common::config::parse::<Args>("console-svc");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
-    let admin_token = match &args.admin_token_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("reading the admin token {}: {e}", path.display()))?
-                .trim()
-                .to_string(),
-        ),
-        None => None,
-    };
+    let admin_token = args
+        .admin_token_file
+        .as_deref()
+        .map(common::config::secret_file)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
     if let Some(token) = &admin_token {
         anyhow::ensure!(
             token.len() >= console_svc::session::MIN_TOKEN_LEN,

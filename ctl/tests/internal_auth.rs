@@ -29,6 +29,17 @@ async fn started(dir: &std::path::Path) -> Stack {
         .expect("the stack starts")
 }
 
+/// Tries to create a document of `kind` as `writer`.
+async fn forge(writer: &LedgerClient, kind: &str) -> Result<ledger_client::Committed, LedgerError> {
+    writer
+        .compare(
+            ledger_client::Txn::new()
+                .create(kind, "forged", &serde_json::json!({}))
+                .unwrap(),
+        )
+        .await
+}
+
 fn code(status: Result<impl std::fmt::Debug, tonic::Status>) -> tonic::Code {
     status.expect_err("the call was let through").code()
 }
@@ -158,13 +169,7 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
         (Role::Balance, "node"),
     ] {
         let writer = LedgerClient::connect_lazy(&ledger, &s.security(role)).unwrap();
-        let forged = writer
-            .compare(
-                ledger_client::Txn::new()
-                    .create(kind, "forged", &serde_json::json!({}))
-                    .unwrap(),
-            )
-            .await;
+        let forged = forge(&writer, kind).await;
         assert!(
             matches!(&forged, Err(LedgerError::Forbidden(m)) if m.contains(&format!("{role} may not write {kind}"))),
             "{role} wrote a {kind} document: {forged:?}"
@@ -197,13 +202,7 @@ async fn internal_grpc_takes_only_the_cluster_and_each_role_only_its_own_calls()
         .await
         .expect("the console reads the manifests");
     for kind in ["sandbox", "node", "balance-control", "pool"] {
-        let forged = console_ledger
-            .compare(
-                ledger_client::Txn::new()
-                    .create(kind, "forged", &serde_json::json!({}))
-                    .unwrap(),
-            )
-            .await;
+        let forged = forge(&console_ledger, kind).await;
         // Refused before any kind is looked at: the console may not call Compare at all.
         assert!(
             matches!(&forged, Err(LedgerError::Forbidden(m)) if m.contains("console may not call") && m.contains("Compare")),

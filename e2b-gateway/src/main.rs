@@ -126,15 +126,12 @@ async fn main() -> anyhow::Result<()> {
         claim_ttl: args.claim_ttl,
         security,
         token_key,
-        admin_token: match &args.admin_token_file {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|e| anyhow::anyhow!("reading the admin token {}: {e}", path.display()))?
-                    .trim()
-                    .to_string(),
-            ),
-            None => None,
-        },
+        admin_token: args
+            .admin_token_file
+            .as_deref()
+            .map(common::config::secret_file)
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
         code_interpreter: args.code_interpreter,
     })
     .await?;

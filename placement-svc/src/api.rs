@@ -347,6 +347,20 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             .increment(1);
         metrics::gauge!("placement_node_last_heartbeat_timestamp_seconds", "node" => hb.node_id.clone())
             .set(received as f64 / 1000.0);
+        if outcome.applied {
+            // Each node's memory as its last heartbeat said: what dashboards draw per node.
+            let memory = [
+                ("capacity", hb.capacity.memory_bytes),
+                ("allocated", hb.allocated.memory_bytes),
+                ("used", hb.memory_used_bytes),
+                ("available", memory_available),
+            ];
+            for (kind, bytes) in memory {
+                metrics::gauge!("placement_node_memory_bytes", "node" => hb.node_id.clone(), "kind" => kind)
+                    .set(bytes as f64);
+            }
+            metrics::gauge!("placement_node_sandboxes", "node" => hb.node_id.clone()).set(hb.sandboxes.len() as f64);
+        }
         let corrections = [
             ("confirmed", u64::from(outcome.confirmed)),
             ("removed", u64::from(outcome.removed)),

@@ -101,7 +101,8 @@ def test_each_container_holds_its_own_key_alone(stack):
         "ledger": {"ca.pem", "ledger.pem", "ledger.key"},
         "placement": {"ca.pem", "placement.pem", "placement.key"},
         "balance": {"ca.pem", "balance.pem", "balance.key"},
-        "gateway": {"ca.pem", "gateway.pem", "gateway.key", "tokens.key"},
+        "gateway": {"ca.pem", "gateway.pem", "gateway.key", "tokens.key", "admin_token"},
+        "console": {"ca.pem", "console.pem", "console.key", "admin_token"},
         "node-1": {"ca.pem", "node-node-1.pem", "node-node-1.key"},
         "node-2": {"ca.pem", "node-node-2.pem", "node-node-2.key"},
         "operator": {"ca.pem", "operator.pem", "operator.key"},
@@ -124,9 +125,57 @@ def test_only_the_ledger_and_placement_reach_the_stores(stack):
 
     assert reaches("ledger", "postgres", 5432), "the ledger lost its database"
     assert reaches("placement", "redis", 6379), "placement lost its Redis"
-    for service in ("node-1", "node-2", "gateway", "balance", "operator"):
+    for service in ("node-1", "node-2", "gateway", "balance", "operator", "console"):
         for host, port in (("postgres", 5432), ("redis", 6379)):
             assert not reaches(service, host, port), f"{service} reaches {host}:{port}"
+
+
+CONSOLE = "http://127.0.0.1:3001/console"
+PROMETHEUS = "http://127.0.0.1:9090"
+
+
+def test_the_console_answers_operators_alone(stack):
+    """The console on the host's loopback: the admin token the certs job made opens it and it
+    shows both node containers; the tenants' API key does not."""
+    token = compose("exec", "-T", "console", "cat", "/certs/admin_token").strip()
+    assert token.startswith("admin_") and len(token) > 40, "the admin token is not a random one"
+    cluster = eventually("both nodes on the console", lambda: (
+        r := httpx.get(f"{CONSOLE}/api/cluster", headers={"X-Admin-Token": token}, timeout=5)
+    ).status_code == 200 and len(r.json()["nodes"]) == 2 and r.json())
+    assert {n["nodeId"] for n in cluster["nodes"]} == {"node-1", "node-2"}
+    refused = httpx.get(f"{CONSOLE}/api/cluster", headers={"X-Admin-Token": KEY}, timeout=5)
+    assert refused.status_code == 401, refused.text
+    # The gateway's admin routes take the same token.
+    nodes = httpx.get(f"{URL}/nodes", headers={"X-Admin-Token": token}, timeout=5)
+    assert nodes.status_code == 200 and len(nodes.json()) == 2, nodes.text
+
+
+def test_prometheus_scrapes_every_service_and_the_dashboard_queries_run(stack):
+    """Prometheus loaded the alert rules of deploy/, scrapes every service up, and every
+    query of the Grafana dashboard runs on it (a misspelt metric or label is an error or no
+    data in Grafana; here, an empty answer for the metrics every service exports at start)."""
+    rules = eventually("the alert rules loaded", lambda: httpx.get(f"{PROMETHEUS}/api/v1/rules", timeout=5).json()
+                       ["data"]["groups"])
+    names = {r["name"] for g in rules for r in g["rules"]}
+    assert {"SandboxschedNodeHeartbeatStale", "SandboxschedPlacementRefusing", "SandboxschedDnsShed"} <= names, names
+
+    def all_up():
+        targets = httpx.get(f"{PROMETHEUS}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        return len(targets) == 7 and all(t["health"] == "up" for t in targets) and targets
+
+    eventually("every service scraped", all_up, within=60)
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/sandboxsched.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(queries) > 20
+    for query in queries:
+        answer = httpx.post(f"{PROMETHEUS}/api/v1/query", timeout=10,
+                            data={"query": query.replace("$__rate_interval", "1m")}).json()
+        assert answer["status"] == "success", (query, answer)
+    # What every node reports from its first heartbeat on: each node's memory, per node.
+    memory = eventually("node memory in Prometheus", lambda: httpx.post(
+        f"{PROMETHEUS}/api/v1/query", timeout=10,
+        data={"query": 'placement_node_memory_bytes{kind="capacity"}'}).json()["data"]["result"])
+    assert {m["metric"]["node"]: int(float(m["value"][1])) >> 20 for m in memory} == {"node-1": 4096, "node-2": 8192}
 
 
 def node_of(sandbox_id):
