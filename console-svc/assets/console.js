@@ -32,7 +32,7 @@
 
   /** A CSS class for a state or level the cluster names: only ones the stylesheet knows,
    * so no name from a tenant or a peer can borrow the console's own classes. */
-  const KNOWN = new Set(["ready", "draining", "unhealthy", "running", "creating", "paused", "hibernated", "moving", "pooled",
+  const KNOWN = new Set(["degraded", "ready", "draining", "unhealthy", "running", "creating", "paused", "hibernated", "moving", "pooled",
     "waiting", "building", "error", "done", "finished", "running", "failed", "rollback", "rolledback", "info", "warn", "debug"]);
   const tone = (name) => {
     const lower = String(name || "").toLowerCase();
@@ -242,8 +242,18 @@
       return el(
         "tr",
         { id: `node-${n.nodeId}`, "data-node-id": n.nodeId, "data-capacity-mib": n.memoryMib, "data-used-mib": n.usedMib, "data-allocated-mib": n.allocatedMib },
-        el("th", { scope: "row" }, el("a", { href: `/console/sandboxes?node=${encodeURIComponent(n.nodeId)}`, text: n.nodeId })),
-        el("td", {}, el("span", { class: `pill ${tone(p.state === "unhealthy" ? "unhealthy" : n.state)}`, text: p.state === "unhealthy" ? "unhealthy" : n.state })),
+        el(
+          "th",
+          { scope: "row" },
+          el("a", { href: `/console/sandboxes?node=${encodeURIComponent(n.nodeId)}`, text: n.nodeId }),
+          (n.degraded || []).length ? el("ul", { class: "reasons", "aria-label": `Why ${n.nodeId} is degraded` }, n.degraded.map((r) => el("li", { text: r }))) : null,
+        ),
+        el(
+          "td",
+          {},
+          el("span", { class: `pill ${tone(p.state === "unhealthy" ? "unhealthy" : n.state)}`, text: p.state === "unhealthy" ? "unhealthy" : n.state }),
+          (n.degraded || []).length ? el("span", { class: "pill degraded", title: n.degraded.join("\n"), text: "degraded" }) : null,
+        ),
         el("td", {}, bar(`Memory of ${n.nodeId}`, n.usedMib, n.allocatedMib, n.memoryMib)),
         el("td", {}, bar(`vCPUs of ${n.nodeId}`, p.cpuUsed || 0, n.allocatedVcpus, n.vcpus, (v) => `${Math.round(v * 10) / 10}`)),
         el("td", { class: "num", text: n.sandboxes }),

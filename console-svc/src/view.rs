@@ -45,6 +45,8 @@ pub struct NodeRow {
     pub available_ratio: f64,
     pub sandboxes: usize,
     pub reported_at_ms: u64,
+    /// Why it runs degraded, as it last reported.
+    pub degraded: Vec<String>,
 }
 
 impl NodeRow {
@@ -65,6 +67,7 @@ impl NodeRow {
             available_ratio: doc.available_ratio,
             sandboxes: doc.sandboxes.len(),
             reported_at_ms: doc.reported_at_unix_ms,
+            degraded: doc.degraded.clone(),
         }
     }
 }

@@ -50,7 +50,16 @@ pub struct NodeDoc {
     pub sandboxes: Vec<NodeSandbox>,
     /// When placement-svc received the heartbeat (unix ms).
     pub reported_at_unix_ms: u64,
+    /// Why the node runs degraded (a missing isolation feature, a DNS forwarder down), as
+    /// its last heartbeat said; empty when it runs whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub degraded: Vec<String>,
 }
+
+/// The most degraded reasons a node document keeps, and the longest each may be (a node
+/// reports them; placement publishes them for operators).
+pub const MAX_DEGRADED: usize = 16;
+pub const MAX_DEGRADED_LEN: usize = 300;
 
 /// Kind of sandbox manifests (written by the gateway; read by the balancer and the proxy).
 pub const SANDBOX_KIND: &str = "sandbox";

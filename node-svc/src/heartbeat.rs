@@ -49,6 +49,7 @@ pub fn message(host: &Host, config: &HeartbeatConfig, seq: u64, picture: &Pictur
         memory_available_bytes: picture.memory_available_bytes,
         cpu_usage: picture.cpu_usage,
         templates: host.templates_held(),
+        degraded: host.features().degraded,
         sandboxes: picture
             .sandboxes
             .iter()

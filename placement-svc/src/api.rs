@@ -338,8 +338,14 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         if self.node_identity {
             check_reporter(&request, &request.get_ref().node_id)?;
         }
-        let raw = request.into_inner();
+        let mut raw = request.into_inner();
         let memory_available = raw.memory_available_bytes;
+        // Kept bounded: a node's own words, published in its document as they are.
+        let degraded: Vec<String> = std::mem::take(&mut raw.degraded)
+            .into_iter()
+            .take(common::docs::MAX_DEGRADED)
+            .map(|reason| reason.chars().take(common::docs::MAX_DEGRADED_LEN).collect())
+            .collect();
         let hb = heartbeat_from_pb(raw)?;
         let received = now_ms();
         let outcome = self.store.heartbeat(&hb, received).await.map_err(ApiError::from)?;
@@ -379,7 +385,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
         }
         if outcome.applied {
             if let Some(docs) = &self.node_docs {
-                docs.offer(&hb, outcome.draining, memory_available, received);
+                docs.offer(&hb, outcome.draining, memory_available, degraded, received);
             }
         }
         Ok(Response::new(pb::HeartbeatResponse {

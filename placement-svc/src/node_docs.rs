@@ -35,7 +35,14 @@ impl NodeDocs {
     }
 
     /// Writes the node's document in the background if its interval has passed.
-    pub fn offer(&self, hb: &Heartbeat, draining: bool, memory_available_bytes: u64, received_ms: u64) {
+    pub fn offer(
+        &self,
+        hb: &Heartbeat,
+        draining: bool,
+        memory_available_bytes: u64,
+        degraded: Vec<String>,
+        received_ms: u64,
+    ) {
         let known_version = {
             let Ok(mut last) = self.last.lock() else { return };
             match last.get(&hb.node_id) {
@@ -79,6 +86,7 @@ impl NodeDocs {
                 })
                 .collect(),
             reported_at_unix_ms: received_ms,
+            degraded,
         };
         let this = self.clone();
         tokio::spawn(async move {

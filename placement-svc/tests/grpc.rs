@@ -91,7 +91,10 @@ async fn place_confirm_and_publish_node_documents() {
     assert_eq!(node.state, pb::NodeState::Ready as i32);
     assert_eq!((node.unconfirmed, node.believed.unwrap().vcpus), (1, 1));
 
-    c.heartbeat(heartbeat("n1", 2, &["s1"])).await.unwrap();
+    // The node says why it runs degraded; its document carries that, bounded.
+    let mut degraded = heartbeat("n1", 2, &["s1"]);
+    degraded.degraded = (0..40).map(|i| format!("reason {i} {}", "x".repeat(1000))).collect();
+    c.heartbeat(degraded).await.unwrap();
     let node = c.nodes(pb::NodesRequest {}).await.unwrap().into_inner().nodes.remove(0);
     assert_eq!(
         (
@@ -120,6 +123,10 @@ async fn place_confirm_and_publish_node_documents() {
     .expect("node document written");
     assert_eq!(doc.sandboxes.len(), 1);
     assert!((doc.available_ratio - (7.5 / 8.0)).abs() < 1e-9);
+    assert_eq!(doc.degraded.len(), common::docs::MAX_DEGRADED);
+    assert!(
+        doc.degraded[0].starts_with("reason 0 ") && doc.degraded[0].chars().count() == common::docs::MAX_DEGRADED_LEN
+    );
 
     // Errors in gRPC's own shape, changing nothing.
     let bad = c.place(place("", GIB)).await.unwrap_err();
