@@ -206,7 +206,7 @@
           el(
             "tr",
             {},
-            ["Node", "State", "Memory (used / allocated / capacity)", "vCPU (allocated / capacity)", "Sandboxes", "Reserved", "Heartbeat", ""].map((h) =>
+            ["Node", "State", "Memory (used / allocated / capacity)", "vCPU (used / allocated / capacity)", "Sandboxes", "Reserved", "Heartbeat", ""].map((h) =>
               el("th", { scope: "col", text: h }),
             ),
           ),
