@@ -55,13 +55,7 @@ impl Drop for Console {
 }
 
 fn rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_default();
+    let kib = crate::fixture::rss_kib(pid).unwrap_or_default();
     (kib as f64 / 1024.0 * 10.0).round() / 10.0
 }
 
@@ -122,12 +116,6 @@ fn sandbox_doc(i: usize, node: usize, now: u64) -> SandboxDoc {
         end_at_unix_ms: now + 3_600_000,
         ..SandboxDoc::default()
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 async fn write_all(ledger: &LedgerClient, docs: Vec<(&'static str, String, serde_json::Value)>) -> anyhow::Result<u64> {
@@ -221,7 +209,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     let rss_empty = rss_mib(pid);
 
     // The cluster, written as placement and the gateway would; the console follows it live.
-    let now = now_ms();
+    let now = common::clock::now_ms();
     let per_node = args.sandboxes.div_ceil(args.nodes.max(1));
     let mut docs = Vec::new();
     for i in 0..args.nodes {

@@ -78,3 +78,13 @@ pub async fn run_in(
     anyhow::ensure!(text.contains("\"exitCode\":0"), "{process} did not exit 0: {text}");
     Ok(())
 }
+
+/// Resident memory of a process (`"self"` or a PID), in KiB, from `/proc/PROC/status`.
+pub fn rss_kib(process: impl std::fmt::Display) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{process}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}

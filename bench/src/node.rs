@@ -194,13 +194,7 @@ async fn exec_true(http: &reqwest::Client, envd: &str, sandbox: &str) -> anyhow:
 
 /// Resident memory of this process, in bytes.
 fn own_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kb| kb * 1024)
+    crate::fixture::rss_kib("self").map_or(0, |kib| kib * 1024)
 }
 
 impl Scratch {

@@ -30,12 +30,7 @@ pub struct Args {
 
 /// Resident memory (KiB) and open descriptors of a process.
 fn sample(pid: u32) -> Option<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())?;
+    let rss = crate::fixture::rss_kib(pid)?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
     Some((rss, fds))
 }

@@ -93,7 +93,11 @@
   }
 
   function notice(text, isError) {
-    const box = $("#notice") || $("#app").before(el("p", { id: "notice", role: "status" })) || $("#notice");
+    let box = $("#notice");
+    if (!box) {
+      box = el("p", { id: "notice", role: "status" });
+      $("#app").before(box);
+    }
     box.textContent = text;
     box.className = isError ? "notice error" : "notice";
   }
@@ -111,12 +115,11 @@
     source.addEventListener("ledger", (e) => setLive(JSON.parse(e.data).ledger));
     source.addEventListener("reset", () => handlers.reset && handlers.reset());
     for (const topic of topics) {
-      source.addEventListener(topic, (e) => {
-        window.consoleEvents = (window.consoleEvents || 0) + 1;
-        handlers[topic](JSON.parse(e.data));
-      });
+      source.addEventListener(topic, (e) => handlers[topic](JSON.parse(e.data)));
     }
     source.onerror = () => setLive("reconnecting…");
+    // Whatever changed between the page's first state and the stream opening (or while it
+    // was reconnecting) is read again.
     source.onopen = () => handlers.reset && handlers.reset();
     return source;
   }

@@ -60,14 +60,21 @@ pub struct Control {
 type NodeClients = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (String, NodeClient<Channel>)>>>;
 
 fn channel(security: &mtls::Security, endpoint: &str, peer: mtls::Role) -> Result<Channel, ControlError> {
-    let refuse = |reason: String| ControlError::Endpoint {
-        peer: peer.name(),
-        endpoint: endpoint.to_string(),
-        reason,
-    };
-    Ok(security
-        .endpoint(endpoint, peer)
-        .map_err(|e| refuse(e.to_string()))?
+    lazy(security.endpoint(endpoint, peer), peer.name(), endpoint)
+}
+
+/// A channel that connects on first use, with the console's timeouts.
+fn lazy(
+    endpoint: Result<tonic::transport::Endpoint, mtls::TlsError>,
+    peer: &'static str,
+    address: &str,
+) -> Result<Channel, ControlError> {
+    Ok(endpoint
+        .map_err(|e| ControlError::Endpoint {
+            peer,
+            endpoint: address.to_string(),
+            reason: e.to_string(),
+        })?
         .connect_timeout(Duration::from_secs(2))
         .timeout(CALL_DEADLINE)
         .connect_lazy())
@@ -102,19 +109,7 @@ impl Control {
                 return Ok(client.clone());
             }
         }
-        let refuse = |reason: String| ControlError::Endpoint {
-            peer: "node",
-            endpoint: address.to_string(),
-            reason,
-        };
-        let channel = self
-            .security
-            .node_endpoint(address, node_id)
-            .map_err(|e| refuse(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(CALL_DEADLINE)
-            .connect_lazy();
-        let client = NodeClient::new(channel);
+        let client = NodeClient::new(lazy(self.security.node_endpoint(address, node_id), "node", address)?);
         nodes.insert(node_id.to_string(), (address.to_string(), client.clone()));
         Ok(client)
     }

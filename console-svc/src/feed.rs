@@ -1,16 +1,16 @@
 //! Keeps the [`View`] equal to the ledger and tells every browser what changed.
 //!
-//! The feed lists each kind the console draws, then follows the ledger's watch from the
-//! oldest revision it listed at: a change listed and then delivered again is applied twice,
-//! which sets the same row twice, so nothing is lost between the lists and the watch. Each
-//! change goes through [`View::apply`]; its deltas become server-sent events on a broadcast
-//! channel every open page subscribes to.
+//! The feed lists each kind the console draws into a fresh view, then watches each kind from
+//! just after the revision its own list saw, so nothing is lost between a list and its watch
+//! and nothing is applied twice. Each change goes through [`View::apply`]; its deltas become
+//! server-sent events on a broadcast channel every open page subscribes to.
 //!
 //! A watch that fell behind the ledger's retention (`Compacted`) or failed for good starts
 //! over: the view is listed again and browsers get a `reset` event, on which they re-read
 //! their page. While the ledger cannot be reached the console keeps serving what it last saw
 //! and says so (`/console/api/health`, the banner on every page).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use common::pool::{POOL_KIND, POOL_SLOT_KIND};
 use common::template::{BUILD_KIND, TEMPLATE_KIND};
 use futures::StreamExt;
 use ledger_client::{Document, LedgerClient, LedgerError, WatchEvent};
-use tokio::sync::{broadcast, watch};
+use tokio::sync::broadcast;
 
 use crate::view::{Change, Delta, View};
 
@@ -43,7 +43,7 @@ const KINDS: [&str; 6] = [
 pub struct Event {
     pub name: &'static str,
     pub data: String,
-    /// The ledger revision it came from (the browser measures its lag against it).
+    /// The ledger revision it came from.
     pub revision: u64,
 }
 
@@ -52,8 +52,8 @@ pub struct Event {
 pub struct Shared {
     view: Arc<RwLock<View>>,
     events: broadcast::Sender<Arc<Event>>,
-    /// Whether the feed follows the ledger now (false: what the view shows may be stale).
-    live: watch::Sender<bool>,
+    /// Whether the ledger answers now (false: what the view shows may be stale).
+    live: Arc<AtomicBool>,
 }
 
 impl Default for Shared {
@@ -67,7 +67,7 @@ impl Shared {
         Self {
             view: Arc::default(),
             events: broadcast::channel(4096).0,
-            live: watch::channel(false).0,
+            live: Arc::default(),
         }
     }
 
@@ -82,12 +82,12 @@ impl Shared {
     }
 
     pub fn live(&self) -> bool {
-        *self.live.borrow()
+        self.live.load(Ordering::Acquire)
     }
 
     /// Applies changes seen at `revision` and sends their events.
     pub fn apply(&self, changes: impl IntoIterator<Item = Change>, revision: u64) {
-        let now = now_ms();
+        let now = common::clock::now_ms();
         let deltas: Vec<Delta> = {
             let mut view = self.view.write().unwrap_or_else(PoisonError::into_inner);
             changes
@@ -109,19 +109,19 @@ impl Shared {
         }
     }
 
+    /// Records whether the ledger answers; a change is logged and told to every page.
     pub(crate) fn set_live(&self, live: bool) {
-        if self.live.send_if_modified(|now| std::mem::replace(now, live) != live) {
+        if self.live.swap(live, Ordering::AcqRel) != live {
+            if live {
+                tracing::info!("console: the ledger answers");
+            } else {
+                tracing::warn!("console: the ledger does not answer; pages show the last state seen");
+            }
             let ledger = if live { "live" } else { "unreachable" };
             self.send("ledger", &serde_json::json!({ "ledger": ledger }), 0);
         }
         metrics::gauge!("console_ledger_live").set(if live { 1.0 } else { 0.0 });
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What a ledger document is to the view (`None`: a kind it does not draw, or a document it
@@ -216,7 +216,7 @@ async fn list(shared: &Shared, ledger: &LedgerClient) -> Result<Vec<(&'static st
         listed.push((kind, first.unwrap_or(0)));
     }
     let newest = listed.iter().map(|(_, revision)| *revision).max().unwrap_or(0);
-    let now = now_ms();
+    let now = common::clock::now_ms();
     let mut view = shared.view.write().unwrap_or_else(PoisonError::into_inner);
     let mut fresh = view.emptied();
     for change in changes {
@@ -237,13 +237,6 @@ pub async fn probe(shared: Shared, ledger: LedgerClient) {
         let answered = tokio::time::timeout(PROBE_EVERY, ledger.get_raw(NODE_KIND, "console-probe"))
             .await
             .is_ok_and(|r| r.is_ok());
-        if answered != shared.live() {
-            if answered {
-                tracing::info!("console: the ledger answers again");
-            } else {
-                tracing::warn!("console: the ledger does not answer; pages show the last state seen");
-            }
-        }
         shared.set_live(answered);
     }
 }

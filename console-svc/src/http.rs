@@ -425,41 +425,43 @@ async fn sandboxes(
     Ok(Json(page))
 }
 
-/// One sandbox: its row, its story as the console saw it, and where placement would put a
-/// sandbox of its size now.
+/// One sandbox: its row, its manifest's history, its log and metrics from its node, and
+/// where placement would put a sandbox of its size now. Each part that cannot be read says
+/// why in its place; the others still answer.
 async fn sandbox(
     State(c): State<Console>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ConsoleError> {
     c.operator(&headers).await?;
-    let row = c
+    let (row, address) = c
         .shared
-        .read(|v| v.sandbox(&id).cloned())
-        .ok_or_else(|| ConsoleError::NotFound(format!("sandbox {id} not found")))?;
-    let address = c.shared.read(|v| v.node(&row.node_id).map(|n| n.address.clone()));
-    let or_error = |answer: Result<Value, ControlError>| answer.unwrap_or_else(|err| json!({"error": err.to_string()}));
-    let none = || async {
-        Err(ControlError::Endpoint {
-            peer: "node",
-            endpoint: String::new(),
-            reason: "it runs on no node now".into(),
+        .read(|v| {
+            v.sandbox(&id)
+                .map(|row| (row.clone(), v.node(&row.node_id).map(|n| n.address.clone())))
         })
-    };
-    let explain = c.control.explain(row.vcpus.max(1), row.memory_mib.max(1));
-    let (history, explain, logs, metrics) = match &address {
-        Some(address) => tokio::join!(
-            manifest_history(&c.ledger, &id),
-            explain,
+        .ok_or_else(|| ConsoleError::NotFound(format!("sandbox {id} not found")))?;
+    let or_error = |answer: Result<Value, String>| answer.unwrap_or_else(|err| json!({ "error": err }));
+    let from_node = async {
+        let Some(address) = &address else {
+            let none = Err("it runs on no node now".to_string());
+            return (none.clone(), none);
+        };
+        let (logs, metrics) = tokio::join!(
             c.control.sandbox_logs(&row.node_id, address, &id, 200),
             c.control.sandbox_metrics(&row.node_id, address, &id),
-        ),
-        None => tokio::join!(manifest_history(&c.ledger, &id), explain, none(), none()),
+        );
+        (logs.map_err(|e| e.to_string()), metrics.map_err(|e| e.to_string()))
     };
+    let (history, explain, (logs, metrics)) = tokio::join!(
+        manifest_history(&c.ledger, &id),
+        c.control.explain(row.vcpus.max(1), row.memory_mib.max(1)),
+        from_node,
+    );
     Ok(Json(json!({
         "sandbox": row,
-        "history": history.unwrap_or_else(|err| json!({"error": err.to_string()})),
-        "explain": or_error(explain),
+        "history": or_error(history.map_err(|e| e.to_string())),
+        "explain": or_error(explain.map_err(|e| e.to_string())),
         "logs": or_error(logs),
         "metrics": or_error(metrics),
     })))
