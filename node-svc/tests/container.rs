@@ -462,10 +462,14 @@ impl Internet {
         }
     }
 
-    /// A shell line that connects to the internet's listener and prints what it says.
+    /// A shell line that connects to the internet's listener and prints what it says. It
+    /// reads on to the listener's close before closing its own end, so the listener closes
+    /// first and keeps the connection's `TIME_WAIT`: a sandbox that closed first would keep it
+    /// for a minute instead, and its network slot with it (a slot is reused only once its
+    /// namespace holds no socket), which a test with a one-slot pool would wait out.
     fn probe(&self) -> String {
         format!(
-            "python3 -c \"import socket; s = socket.create_connection(('{INTERNET}', {}), timeout=3); print(s.recv(100).decode())\"",
+            "python3 -c \"import socket; s = socket.create_connection(('{INTERNET}', {}), timeout=3); print(s.recv(100).decode()); s.recv(1)\"",
             self.port
         )
     }
