@@ -95,9 +95,53 @@ pub fn check(capacity: &Capacity, allocated: Allocation, ask: &Capacity, cpu_ove
     Ok(())
 }
 
+/// How much of `allocated` must go before a node of `capacity` can take `ask`: vCPUs and
+/// bytes, each 0 when that part fits already (what a create reclaims from a node's pooled
+/// sandboxes). With both freed, [`check`] passes.
+pub fn shortfall(capacity: &Capacity, allocated: Allocation, ask: &Capacity, cpu_overcommit: f64) -> Capacity {
+    let limit = f64::from(capacity.vcpus) * cpu_overcommit;
+    let after = allocated.vcpus as f64 + f64::from(ask.vcpus);
+    let after_bytes = allocated
+        .memory_bytes
+        .saturating_add(i64::try_from(ask.memory_bytes).unwrap_or(i64::MAX));
+    Capacity {
+        vcpus: (after - limit).max(0.0).ceil() as u32,
+        memory_bytes: u64::try_from(after_bytes)
+            .unwrap_or(0)
+            .saturating_sub(capacity.memory_bytes),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shortfall_is_what_must_go_for_the_ask_to_fit() {
+        let node = cap(2, 4);
+        let full = Allocation {
+            vcpus: 7,
+            memory_bytes: (3 * GIB + GIB / 2) as i64,
+        };
+        let ask = cap(2, 1);
+        let short = shortfall(&node, full, &ask, 4.0);
+        assert_eq!(
+            short,
+            Capacity {
+                vcpus: 1,
+                memory_bytes: GIB / 2
+            }
+        );
+        let freed = Allocation {
+            vcpus: full.vcpus - i64::from(short.vcpus),
+            memory_bytes: full.memory_bytes - short.memory_bytes as i64,
+        };
+        assert!(
+            check(&node, freed, &ask, 4.0).is_ok(),
+            "with the shortfall freed it fits"
+        );
+        assert_eq!(shortfall(&node, Allocation::default(), &ask, 4.0), Capacity::default());
+    }
 
     const GIB: u64 = 1 << 30;
 

@@ -26,6 +26,9 @@ pub const MAX_POOL_SIZE: u32 = 64;
 /// The most pooled sandboxes one team may keep across its templates' pools (an operator's
 /// pools are not counted): pooled sandboxes run before anyone is billed for them.
 pub const MAX_TEAM_POOL_SLOTS: u32 = 16;
+/// The most memory one team's pooled sandboxes may ask for together, across its templates'
+/// pools: a count alone would let 16 sandboxes of the largest size hold a node's worth.
+pub const MAX_TEAM_POOL_MEMORY_BYTES: u64 = 8 << 30;
 
 /// How many ready sandboxes to keep of one template.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -187,40 +187,72 @@ async fn concurrent_creates_never_share_a_pooled_sandbox() {
     s.stop().await;
 }
 
+/// Until placement has heard from the nodes that `bytes` of their allocations are pooled
+/// sandboxes (the room a create may reclaim).
+async fn placement_knows_pooled(s: &support::Stack, bytes: u64) {
+    use proto::placement::v1 as pl;
+    let channel = s.channel(&s.placement_endpoint(), mtls::Role::Placement);
+    let mut placement = pl::placement_client::PlacementClient::new(channel);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let nodes = placement.nodes(pl::NodesRequest {}).await.unwrap().into_inner().nodes;
+        let pooled: u64 = nodes.iter().filter_map(|n| n.pooled).map(|p| p.memory_bytes).sum();
+        if pooled == bytes {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "placement counts {pooled} bytes pooled, not {bytes}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_create_refused_for_room_evicts_a_pooled_sandbox_first() {
-    // 2 GiB: three pooled sandboxes of 512 MiB leave 512 MiB, not the 1 GiB asked below.
-    let s = stack(2048).await;
-    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 3}"#)).await;
+async fn a_create_refused_for_room_evicts_pooled_sandboxes_on_the_node_it_then_runs_on() {
+    // Two nodes of 2 GiB and four pooled sandboxes of 512 MiB between them.
+    let s = support::stack_of(&[2048, 2048]).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 4}"#)).await;
     assert_eq!(status, 200);
-    let pooled = ready(&s, "base", 3).await;
-    // A shape no pooled sandbox fits: created cold, in the room one of them gives up.
-    let body = r#"{"templateID": "base", "memoryMB": 1024}"#;
+    let pooled = ready(&s, "base", 4).await;
+    placement_knows_pooled(&s, 4 * (512 << 20)).await;
+    let held = |i: usize| {
+        let s = &s;
+        async move { s.nodes[i].running.host().list_ids().await }
+    };
+    let before = [held(0).await, held(1).await];
+    // A whole node: it fits neither as it is, and one once the pooled sandboxes there go.
+    let body = r#"{"templateID": "base", "memoryMB": 2048}"#;
     let (status, created) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
     assert_eq!(status, 201, "{created}");
     let id = created["sandboxID"].as_str().unwrap().to_string();
     assert!(!pooled.contains(&id));
-    let live: Vec<String> = s.node().host().list_ids().await;
-    assert_eq!(live.len(), 3, "one pooled sandbox should have made way: {live:?}");
-    assert_eq!(live.iter().filter(|l| pooled.contains(*l)).count(), 2, "{live:?}");
+    let after = [held(0).await, held(1).await];
+    let on = after
+        .iter()
+        .position(|ids| ids.contains(&id))
+        .expect("the create runs on a node");
+    assert_eq!(
+        after[on],
+        vec![id.clone()],
+        "only the pooled sandboxes of its own node made way: {before:?}"
+    );
+    assert_eq!(after[1 - on], before[1 - on], "the other node's pooled sandboxes stay");
     // With no pooled sandbox left to give way, a create is refused as before.
     let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 0}"#)).await;
     assert_eq!(status, 200);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while s.node().host().list_ids().await != vec![id.clone()] {
+    while !held(1 - on).await.is_empty() {
         assert!(tokio::time::Instant::now() < deadline, "pool not emptied");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (_, other) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
     let (status, again) = s.call("POST", "/sandboxes", Some("key-a"), Some(body)).await;
     assert_e2b_error(&(status, again.clone()), 503);
-    s.call(
-        "DELETE",
-        &format!("/sandboxes/{}", other["sandboxID"].as_str().unwrap_or("")),
-        Some("key-a"),
-        None,
-    )
-    .await;
+    for sandbox in [id.as_str(), other["sandboxID"].as_str().unwrap_or("")] {
+        s.call("DELETE", &format!("/sandboxes/{sandbox}"), Some("key-a"), None)
+            .await;
+    }
     s.stop().await;
 }
 

@@ -129,6 +129,7 @@ impl pb::node_server::Node for NodeApi {
             network,
             traffic_access_token: Some(req.traffic_access_token).filter(|t| !t.is_empty()),
             image: req.image.map(common::template::Image::from),
+            pooled: req.pooled,
         };
         let started = std::time::Instant::now();
         let result = self.host.create(spec).instrument(span).await;

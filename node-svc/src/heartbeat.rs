@@ -45,6 +45,10 @@ pub fn message(host: &Host, config: &HeartbeatConfig, seq: u64, picture: &Pictur
             vcpus: picture.allocated.vcpus,
             memory_bytes: picture.allocated.memory_bytes,
         }),
+        pooled: Some(pb::Resources {
+            vcpus: picture.pooled.vcpus,
+            memory_bytes: picture.pooled.memory_bytes,
+        }),
         memory_used_bytes: picture.memory_used_bytes,
         memory_available_bytes: picture.memory_available_bytes,
         cpu_usage: picture.cpu_usage,

@@ -59,6 +59,10 @@ pub struct SandboxRecord {
     #[serde(default)]
     pub pgid: u32,
     pub created_at_unix_ms: u64,
+    /// Started by a template's warm pool and not yet claimed: heartbeats count it apart, and
+    /// only one `Claim` makes it a create's. Part of the record, so it travels with a move.
+    #[serde(default)]
+    pub pooled: bool,
 }
 
 impl SandboxRecord {
@@ -250,6 +254,7 @@ mod tests {
             epoch,
             pgid: 0,
             created_at_unix_ms: 0,
+            pooled: false,
         }
     }
 

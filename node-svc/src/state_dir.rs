@@ -204,6 +204,7 @@ mod tests {
             epoch: 1,
             pgid: 0,
             created_at_unix_ms: 0,
+            pooled: false,
         }
     }
 

@@ -84,6 +84,7 @@ fn request_from_pb(req: pb::PlaceRequest) -> Result<core::Request, ApiError> {
         exclude: req.exclude_nodes.into_iter().collect::<HashSet<_>>(),
         only: (!req.only_node.is_empty()).then_some(req.only_node),
         template: req.template,
+        reclaim_pooled: req.reclaim_pooled,
     })
 }
 
@@ -107,6 +108,13 @@ fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiErr
             hb.node_id
         )));
     }
+    let allocated = resources_from_pb(hb.allocated);
+    let pooled = resources_from_pb(hb.pooled);
+    // Part of what the node allocated, never more: room a create may reclaim is room it has.
+    let pooled = core::Resources {
+        vcpus: pooled.vcpus.min(allocated.vcpus),
+        memory_bytes: pooled.memory_bytes.min(allocated.memory_bytes),
+    };
     Ok(core::Heartbeat {
         node_id: hb.node_id,
         boot_id: hb.boot_id,
@@ -114,7 +122,8 @@ fn heartbeat_from_pb(hb: pb::HeartbeatRequest) -> Result<core::Heartbeat, ApiErr
         address: hb.address,
         labels: hb.labels.into_iter().collect(),
         capacity,
-        allocated: resources_from_pb(hb.allocated),
+        allocated,
+        pooled,
         memory_used_bytes: hb.memory_used_bytes,
         cpu_usage: hb.cpu_usage,
         sandboxes: hb
@@ -164,6 +173,10 @@ fn view_to_pb(view: &NodeView, now_ms: u64, unhealthy_after_ms: u64) -> pb::Node
         removing: Some(resources_to_pb(removing.vcpus, removing.memory_bytes)),
         believed: Some(resources_to_pb(believed.vcpus, believed.memory_bytes)),
         cpu_usage: view.cpu_usage,
+        pooled: Some(pb::Resources {
+            vcpus: view.pooled.vcpus,
+            memory_bytes: view.pooled.memory_bytes,
+        }),
     }
 }
 
@@ -280,13 +293,18 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
                 node_id,
                 address,
                 score,
+                reclaim,
                 ..
             } => {
-                tracing::debug!(%node_id, score, "placed");
+                tracing::debug!(%node_id, score, reclaim_bytes = reclaim.memory_bytes, "placed");
                 Ok(Response::new(pb::PlaceResponse {
                     node_id,
                     node_address: address,
                     score,
+                    reclaim: Some(pb::Resources {
+                        vcpus: reclaim.vcpus,
+                        memory_bytes: reclaim.memory_bytes,
+                    }),
                 }))
             }
             Placement::NoFit { reason, never: true } => {
@@ -358,6 +376,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             let memory = [
                 ("capacity", hb.capacity.memory_bytes),
                 ("allocated", hb.allocated.memory_bytes),
+                ("pooled", hb.pooled.memory_bytes),
                 ("used", hb.memory_used_bytes),
                 ("available", memory_available),
             ];

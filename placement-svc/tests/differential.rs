@@ -426,6 +426,15 @@ impl Run {
             0 | 1 => String::new(),
             _ => TEMPLATES.choose(&mut self.rng).unwrap().to_string(),
         };
+        // Some creates may count the nodes' pooled sandboxes' room as free; some of those ask
+        // for most of a node, so that only its pooled room makes it fit.
+        let reclaim_pooled = self.rng.random_bool(0.3);
+        let mut resources = resources;
+        if reclaim_pooled && self.rng.random_bool(0.5) {
+            let node = &self.nodes[self.rng.random_range(0..self.nodes.len())];
+            let memory = node.capacity.memory_bytes;
+            resources.memory_bytes = memory.saturating_sub(self.rng.random_range(0..=memory / 2)).max(1);
+        }
         Request {
             sandbox_id,
             resources,
@@ -433,6 +442,7 @@ impl Run {
             exclude,
             only,
             template,
+            reclaim_pooled,
         }
     }
 
@@ -532,6 +542,13 @@ impl Run {
             allocated.memory_bytes = self.rng.random_range(0..=allocated.memory_bytes + 8 * GIB);
         }
         hb.allocated = allocated;
+        if self.rng.random_bool(0.5) {
+            // Part of it held by pooled sandboxes.
+            hb.pooled = Resources {
+                vcpus: self.rng.random_range(0..=allocated.vcpus),
+                memory_bytes: self.rng.random_range(0..=allocated.memory_bytes),
+            };
+        }
         hb.memory_used_bytes = self.rng.random_range(0..=allocated.memory_bytes);
         hb.cpu_usage = if self.rng.random_bool(0.1) {
             0.0
@@ -614,12 +631,14 @@ impl Run {
                     address: m_address,
                     score: m_score,
                     evaluated: m_eval,
+                    reclaim: m_reclaim,
                 },
                 Placement::Placed {
                     node_id: r_node,
                     address: r_address,
                     score: r_score,
                     evaluated: r_eval,
+                    reclaim: r_reclaim,
                 },
             ) => {
                 compare_evaluations(m_eval, r_eval)?;
@@ -656,6 +675,14 @@ impl Run {
                 }
                 if (m_score - r_score).abs() > SCORE_TOLERANCE {
                     return Err(format!("score of {m_node}: memory {m_score}, redis {r_score}"));
+                }
+                if m_reclaim != r_reclaim {
+                    return Err(format!(
+                        "reclaim on {m_node}: memory {m_reclaim:?}, redis {r_reclaim:?}"
+                    ));
+                }
+                if m_reclaim.vcpus > 0 || m_reclaim.memory_bytes > 0 {
+                    self.corner("placed counting pooled room, with some to reclaim");
                 }
                 self.placed += 1;
                 self.last_placed_on = (self.mode != Accounting::Stale).then(|| m_node.clone());

@@ -172,6 +172,7 @@ for_both_stores!(
     unknown_node_is_an_error,
     a_pinned_place_checks_and_reserves_only_that_node,
     a_node_holding_the_template_wins_only_while_not_much_busier,
+    a_create_may_count_pooled_room_as_free_and_is_told_what_to_reclaim,
 );
 
 async fn accounting_follows_sandbox_ids(stores: Stores) {
@@ -469,4 +470,65 @@ async fn a_node_holding_the_template_wins_only_while_not_much_busier(stores: Sto
     req.template = "tpl-build".to_string();
     let e = call!(s, explain(&req, 1_100)).unwrap();
     assert_eq!(e.chosen.as_deref(), Some("n2"), "{:?}", e.evaluated);
+}
+
+async fn a_create_may_count_pooled_room_as_free_and_is_told_what_to_reclaim(stores: Stores) {
+    let s = stores();
+    // n1: 60 GiB allocated, 8 GiB of it pooled sandboxes; n2: 62 GiB, none pooled.
+    let mut n1 = heartbeat("n1", 1, &["a", "b"]);
+    n1.allocated = Resources {
+        vcpus: 4,
+        memory_bytes: 60 * GIB,
+    };
+    n1.pooled = Resources {
+        vcpus: 2,
+        memory_bytes: 8 * GIB,
+    };
+    let mut n2 = heartbeat("n2", 1, &["c"]);
+    n2.allocated = Resources {
+        vcpus: 4,
+        memory_bytes: 62 * GIB,
+    };
+    call!(s, heartbeat(&n1, 1_000)).unwrap();
+    call!(s, heartbeat(&n2, 1_000)).unwrap();
+    assert_eq!(
+        view(&s, "n1").await.pooled.memory_bytes,
+        8 * GIB,
+        "the heartbeat's pooled room is kept"
+    );
+    let mut six = request("six");
+    six.resources.memory_bytes = 6 * GIB;
+    match call!(s, place(&six, 1_000)).unwrap() {
+        Placement::NoFit { reason, never } => {
+            assert!(reason.contains("memory"), "{reason}");
+            assert!(!never, "it fits once pooled sandboxes go: {reason}");
+        }
+        other => panic!("pooled room is not free unless asked: {other:?}"),
+    }
+    six.reclaim_pooled = true;
+    let explained = call!(s, explain(&six, 1_000)).unwrap();
+    assert_eq!(explained.chosen.as_deref(), Some("n1"), "{explained:?}");
+    match call!(s, place(&six, 1_000)).unwrap() {
+        Placement::Placed { node_id, reclaim, .. } => {
+            assert_eq!(node_id, "n1", "only n1 has pooled room");
+            assert_eq!(
+                reclaim,
+                Resources {
+                    vcpus: 0,
+                    memory_bytes: 2 * GIB
+                },
+                "60 + 6 - 64 GiB must go"
+            );
+        }
+        other => panic!("expected n1, got {other:?}"),
+    }
+    // n1 now believes 66 GiB; a 1 GiB create fits n2 as it is, which wins over reclaiming.
+    let mut one = request("one");
+    one.reclaim_pooled = true;
+    match call!(s, place(&one, 1_000)).unwrap() {
+        Placement::Placed { node_id, reclaim, .. } => {
+            assert_eq!((node_id.as_str(), reclaim), ("n2", Resources::default()));
+        }
+        other => panic!("expected n2, got {other:?}"),
+    }
 }

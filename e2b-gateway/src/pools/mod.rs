@@ -9,8 +9,12 @@
 //! exist a round runs when a manifest changes (the routing table's watch), and at least every
 //! [`ROUND_EVERY`]; it refreshes the index creates claim from (`Sandboxes::pools`).
 //!
-//! The sandboxes of a pool are ordinary sandboxes to placement and the balancer: they take
-//! the memory they ask for on their node, and moves may take them like any other.
+//! The sandboxes of a pool take the memory they ask for on their node, but the node reports
+//! them apart (they were created `pooled`), so placement knows that room as reclaimable: a
+//! create that fits nowhere else is placed on a node where it fits once some of them go, and
+//! retires those first (`Sandboxes::place_and_start`). The keeper frees the slots of a node
+//! gone silent and retires the pooled sandboxes of a draining node rather than let them be
+//! moved, and recycles those that waited longer than [`MAX_AGE`].
 
 pub mod plan;
 
@@ -19,9 +23,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::clock::now_ms;
-use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::docs::{Capacity, NodeDoc, NodeState, SandboxDoc, SandboxPhase, NODE_KIND, SANDBOX_KIND};
 use common::pool::{
-    PoolDoc, PoolSlotDoc, Pooled, MAX_POOL_SIZE, MAX_TEAM_POOL_SLOTS, OPERATOR, POOL_KIND, POOL_SLOT_KIND,
+    PoolDoc, PoolSlotDoc, Pooled, MAX_POOL_SIZE, MAX_TEAM_POOL_MEMORY_BYTES, MAX_TEAM_POOL_SLOTS, OPERATOR, POOL_KIND,
+    POOL_SLOT_KIND,
 };
 use common::template::{TemplateDoc, DEFAULT_TAG, TEMPLATE_KIND};
 use ledger_client::{LedgerClient, LedgerError, Txn};
@@ -29,7 +34,7 @@ use ledger_client::{LedgerClient, LedgerError, Txn};
 use crate::intent::{self, NewSandbox};
 use crate::sandboxes::{Candidate, Failure, Sandboxes};
 use crate::templates::Templates;
-use plan::{Action, Observed, SlotSandbox, SlotView, TemplateNow};
+use plan::{Action, NodeNow, Observed, SlotSandbox, SlotView, TemplateNow, Waits};
 
 /// The longest a keeper waits between rounds when no manifest changes.
 pub const ROUND_EVERY: Duration = Duration::from_secs(2);
@@ -37,6 +42,11 @@ pub const ROUND_EVERY: Duration = Duration::from_secs(2);
 const ROUND_GAP: Duration = Duration::from_millis(50);
 /// How long a taken slot may stay without a manifest before it is freed.
 const SLOT_GRACE: Duration = Duration::from_secs(30);
+/// How long a pooled sandbox waits for a claim before it is recycled.
+pub const MAX_AGE: Duration = Duration::from_secs(3600);
+/// A node whose document has not been refreshed for this long is silent: placement writes it
+/// every few seconds from the node's heartbeats.
+const NODE_SILENT_AFTER: Duration = Duration::from_secs(20);
 /// Pooled sandboxes one keeper starts at once.
 const FILLS_AT_ONCE: usize = 4;
 /// How long a template whose pooled create failed waits before the next try (doubling up to
@@ -92,7 +102,11 @@ impl Keeper {
     pub async fn round(self: &Arc<Self>) -> Result<usize, Failure> {
         let (observed, resolved) = self.observe().await?;
         self.publish(&observed);
-        for action in plan::plan(&observed, now_ms(), SLOT_GRACE.as_millis() as u64) {
+        let waits = Waits {
+            grace_ms: SLOT_GRACE.as_millis() as u64,
+            max_age_ms: MAX_AGE.as_millis() as u64,
+        };
+        for action in plan::plan(&observed, now_ms(), waits) {
             match action {
                 Action::Fill {
                     template_id,
@@ -155,12 +169,30 @@ impl Keeper {
                 .ledger
                 .get::<SandboxDoc>(SANDBOX_KIND, &slot.value.sandbox_id)
                 .await?;
+            let doc = doc.as_ref().map(|d| &d.value);
             observed.slots.push(SlotView {
                 id: slot.key.id.clone(),
                 version: slot.version,
-                sandbox: slot_sandbox(doc.as_ref().map(|d| &d.value), &slot.value),
+                sandbox: slot_sandbox(doc, &slot.value),
+                node_id: doc.map(|d| d.node_id.clone()).unwrap_or_default(),
+                resources: doc.map_or(Capacity::default(), |d| Capacity {
+                    vcpus: d.vcpus,
+                    memory_bytes: d.memory_bytes,
+                }),
                 doc: slot.value,
             });
+        }
+        let nodes: HashSet<String> = observed
+            .slots
+            .iter()
+            .filter(|s| !s.node_id.is_empty())
+            .map(|s| s.node_id.clone())
+            .collect();
+        for node_id in nodes {
+            // Unreadable: left out, so nothing is done about its slots this round.
+            if let Ok(Some(node)) = self.ledger.get::<NodeDoc>(NODE_KIND, &node_id).await {
+                observed.nodes.insert(node_id, node_now(&node.value, now_ms()));
+            }
         }
         Ok((observed, resolved))
     }
@@ -189,11 +221,13 @@ impl Keeper {
     /// Refreshes the index creates claim from, and the pools' gauges.
     fn publish(&self, observed: &Observed) {
         let mut ready: HashMap<String, Vec<Candidate>> = HashMap::new();
-        for slot in observed.slots.iter().filter(|s| s.sandbox == SlotSandbox::Ready) {
+        for slot in observed.slots.iter().filter(|s| s.claimable(&observed.nodes)) {
             ready.entry(slot.doc.template_id.clone()).or_default().push(Candidate {
                 sandbox_id: slot.doc.sandbox_id.clone(),
                 slot_id: slot.id.clone(),
                 slot_version: slot.version,
+                node_id: slot.node_id.clone(),
+                resources: slot.resources,
             });
         }
         for (_, pool) in &observed.pools {
@@ -319,6 +353,17 @@ impl Keeper {
     }
 }
 
+/// Where node `node` stands at `now` (unix ms), by its document.
+fn node_now(node: &NodeDoc, now: u64) -> NodeNow {
+    if now.saturating_sub(node.reported_at_unix_ms) > NODE_SILENT_AFTER.as_millis() as u64 {
+        NodeNow::Silent
+    } else if node.state == NodeState::Draining {
+        NodeNow::Draining
+    } else {
+        NodeNow::Ready
+    }
+}
+
 /// What a slot's sandbox is, from its manifest (`None`: there is none).
 fn slot_sandbox(doc: Option<&SandboxDoc>, slot: &PoolSlotDoc) -> SlotSandbox {
     let Some(doc) = doc else {
@@ -421,7 +466,8 @@ impl Pools {
             let (pools, _) = self.ledger.list::<PoolDoc>(POOL_KIND, "").await?;
             let current = pools.iter().find(|p| p.value.template_id == template.template_id);
             if let Asker::Team(team) = asker {
-                team_may_set(team, template, current.map(|c| &c.value), &pools, size)?;
+                let others = self.team_pools(team, template, &pools).await?;
+                team_may_set(template, current.map(|c| &c.value), &others, size)?;
             }
             let txn = match current {
                 Some(current) => Txn::new().update_read(current, &doc)?,
@@ -443,17 +489,51 @@ impl Pools {
     }
 }
 
+impl Pools {
+    /// The other pools `team` set (not `template`'s): each one's size and the memory each of
+    /// its sandboxes asks for (its template's; a template gone since counts nothing).
+    async fn team_pools(
+        &self,
+        team: &str,
+        template: &TemplateDoc,
+        pools: &[ledger_client::Versioned<PoolDoc>],
+    ) -> Result<Vec<(u32, u64)>, Failure> {
+        let mut others = Vec::new();
+        for pool in pools
+            .iter()
+            .map(|p| &p.value)
+            .filter(|p| p.set_by == team && p.template_id != template.template_id)
+        {
+            let memory = match self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, &pool.template_id).await? {
+                Some(doc) => pooled_memory(&doc.value),
+                None => 0,
+            };
+            others.push((pool.size, memory));
+        }
+        Ok(others)
+    }
+}
+
 /// Tries a size change makes against concurrent changes before it gives up.
 const SET_ATTEMPTS: usize = 5;
 
-/// Whether `team` may size `template`'s pool (now `current`) to `size`, with every pool as
-/// `pools`: not over a size an operator set, and within the team's budget of pooled
-/// sandboxes across its templates' pools (an operator's do not count).
+/// The memory each pooled sandbox of `template` asks for: its template's, or the default.
+fn pooled_memory(template: &TemplateDoc) -> u64 {
+    if template.memory_mb > 0 {
+        template.memory_mb << 20
+    } else {
+        common::resources::DEFAULT_MEMORY_BYTES
+    }
+}
+
+/// Whether a team may size `template`'s pool (now `current`) to `size`, with its other pools
+/// as `others` (size, memory a sandbox): not over a size an operator set, and within the
+/// team's budget across its templates' pools, counted in sandboxes and in memory (an
+/// operator's pools do not count).
 fn team_may_set(
-    team: &str,
     template: &TemplateDoc,
     current: Option<&PoolDoc>,
-    pools: &[ledger_client::Versioned<PoolDoc>],
+    others: &[(u32, u64)],
     size: u32,
 ) -> Result<(), Failure> {
     if current.is_some_and(PoolDoc::by_operator) {
@@ -462,17 +542,24 @@ fn team_may_set(
             template.template_id
         )));
     }
-    let others: u32 = pools
-        .iter()
-        .map(|p| &p.value)
-        .filter(|p| p.set_by == team && p.template_id != template.template_id)
-        .map(|p| p.size)
-        .sum();
-    if others + size > MAX_TEAM_POOL_SLOTS {
+    let slots: u32 = others.iter().map(|(n, _)| n).sum();
+    if slots + size > MAX_TEAM_POOL_SLOTS {
         return Err(Failure::Invalid(format!(
             "a team keeps at most {MAX_TEAM_POOL_SLOTS} pooled sandboxes across its templates; \
-             its other pools keep {others}, so this one may keep at most {}",
-            MAX_TEAM_POOL_SLOTS.saturating_sub(others)
+             its other pools keep {slots}, so this one may keep at most {}",
+            MAX_TEAM_POOL_SLOTS.saturating_sub(slots)
+        )));
+    }
+    let memory: u64 = others.iter().map(|(n, m)| u64::from(*n) * m).sum();
+    let each = pooled_memory(template);
+    if memory + u64::from(size) * each > MAX_TEAM_POOL_MEMORY_BYTES {
+        return Err(Failure::Invalid(format!(
+            "a team's pooled sandboxes ask for at most {} MiB together; its other pools ask for {} MiB, \
+             so this one may keep at most {} sandboxes of {} MiB",
+            MAX_TEAM_POOL_MEMORY_BYTES >> 20,
+            memory >> 20,
+            MAX_TEAM_POOL_MEMORY_BYTES.saturating_sub(memory) / each.max(1),
+            each >> 20
         )));
     }
     Ok(())
@@ -489,27 +576,30 @@ mod tests {
             team_id: "a".into(),
             ..TemplateDoc::default()
         };
-        let pool = |template: &str, size, by: &str| ledger_client::Versioned {
-            key: ledger_client::DocKey::new(POOL_KIND, template),
-            version: 1,
-            create_revision: 0,
-            mod_revision: 0,
-            value: PoolDoc {
-                template_id: template.into(),
-                size,
-                set_by: by.into(),
-                updated_at_unix_ms: 0,
-            },
-        };
-        let pools = vec![pool("u", 10, "a"), pool("v", 30, OPERATOR), pool("w", 5, "b")];
-        assert!(team_may_set("a", &template, None, &pools, 6).is_ok());
+        const MIB: u64 = 1 << 20;
+        // Team a's other pool: 10 of 512 MiB (5 GiB of its 8).
+        let others = [(10, 512 * MIB)];
+        assert!(team_may_set(&template, None, &others, 6).is_ok());
         assert!(matches!(
-            team_may_set("a", &template, None, &pools, 7),
+            team_may_set(&template, None, &others, 7),
             Err(Failure::Invalid(_))
         ));
-        let operators = pool("t", 0, OPERATOR).value;
+        let large = TemplateDoc {
+            memory_mb: 1024,
+            ..template.clone()
+        };
+        assert!(team_may_set(&large, None, &others, 3).is_ok(), "5 + 3 GiB");
+        match team_may_set(&large, None, &others, 4) {
+            Err(Failure::Invalid(why)) => assert!(why.contains("at most 3 sandboxes of 1024 MiB"), "{why}"),
+            other => panic!("9 GiB of pooled sandboxes: {other:?}"),
+        }
+        let operators = PoolDoc {
+            template_id: "t".into(),
+            set_by: OPERATOR.into(),
+            ..PoolDoc::default()
+        };
         assert!(matches!(
-            team_may_set("a", &template, Some(&operators), &pools, 1),
+            team_may_set(&template, Some(&operators), &others, 1),
             Err(Failure::Forbidden(_))
         ));
     }

@@ -4,12 +4,18 @@
 //! A slot is *filled* when its pool wants it (slot number below the pool's size) and no slot
 //! document holds it; *freed* (its document deleted, to be filled again) when its sandbox was
 //! claimed, or when nothing was started for it within the grace (a gateway died between
-//! taking the slot and writing the manifest, or the create failed); *retired* (its sandbox
-//! killed, then its document deleted) when the pool no longer wants it: the pool shrank, the
-//! template was rebuilt since the sandbox started, or the template is gone.
+//! taking the slot and writing the manifest, or the create failed), or when its sandbox's
+//! node went silent (no claim could reach it there; the reaper ends the sandbox, which no slot
+//! names any more, once its node answers); *retired* (its sandbox killed, then its document
+//! deleted) when the pool no longer wants it: the pool shrank, the template was rebuilt since
+//! the sandbox started, the template is gone, its node is draining (retiring a pooled sandbox
+//! is cheaper than moving it: the refill lands on another node), or it has waited longer than
+//! the pools' longest wait (one such a round per template, so a pool filled at once is not
+//! emptied at once).
 
 use std::collections::{BTreeMap, HashSet};
 
+use common::docs::Capacity;
 use common::pool::{PoolDoc, PoolSlotDoc};
 
 /// Where a pool's template stands now.
@@ -36,6 +42,16 @@ pub enum SlotSandbox {
     Absent,
 }
 
+/// Where a node stands, by its node document.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeNow {
+    Ready,
+    /// Its sandboxes are being moved away: pooled ones are retired instead.
+    Draining,
+    /// No heartbeat reached placement for a while: a claim there would wait and fail.
+    Silent,
+}
+
 /// One slot document and what its sandbox is.
 #[derive(Clone, Debug)]
 pub struct SlotView {
@@ -43,14 +59,38 @@ pub struct SlotView {
     pub version: u64,
     pub doc: PoolSlotDoc,
     pub sandbox: SlotSandbox,
+    /// The node its sandbox runs on (empty: none yet) and what it holds there.
+    pub node_id: String,
+    pub resources: Capacity,
 }
 
-/// What the keeper saw: pools, their slots, and each pool's template.
+impl SlotView {
+    /// Whether a create may claim its sandbox now: ready, on a node not known to be silent
+    /// or draining.
+    pub fn claimable(&self, nodes: &BTreeMap<String, NodeNow>) -> bool {
+        self.sandbox == SlotSandbox::Ready && nodes.get(&self.node_id).is_none_or(|n| *n == NodeNow::Ready)
+    }
+}
+
+/// What the keeper saw: pools, their slots, each pool's template, and the slots' nodes (a
+/// node without a document is taken as ready: only what is known is acted on).
 #[derive(Clone, Debug, Default)]
 pub struct Observed {
     pub pools: Vec<(u64, PoolDoc)>,
     pub slots: Vec<SlotView>,
     pub templates: BTreeMap<String, TemplateNow>,
+    pub nodes: BTreeMap<String, NodeNow>,
+}
+
+/// How long a keeper lets slots wait.
+#[derive(Clone, Copy, Debug)]
+pub struct Waits {
+    /// A slot with no sandbox is freed this long after it was taken.
+    pub grace_ms: u64,
+    /// A ready sandbox is recycled (retired, then refilled) this long after its slot was
+    /// taken: a long-idle start command drifts (caches, clocks, leaked memory), and a pool's
+    /// sandboxes then come from this hour's build of the node's state.
+    pub max_age_ms: u64,
 }
 
 /// One step of the keeper.
@@ -74,9 +114,8 @@ pub enum Action {
     Drop { template_id: String, version: u64 },
 }
 
-/// The keeper's next steps for `observed` at `now` (unix ms); a slot with no sandbox is freed
-/// once `grace_ms` have passed since it was taken.
-pub fn plan(observed: &Observed, now: u64, grace_ms: u64) -> Vec<Action> {
+/// The keeper's next steps for `observed` at `now` (unix ms).
+pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
     let size_of = |template: &str| {
         observed
             .pools
@@ -86,6 +125,8 @@ pub fn plan(observed: &Observed, now: u64, grace_ms: u64) -> Vec<Action> {
     };
     let mut actions = Vec::new();
     let mut held: HashSet<(&str, u32)> = HashSet::new();
+    // Templates with an aged sandbox retired this round.
+    let mut recycled: HashSet<&str> = HashSet::new();
     for slot in &observed.slots {
         let template = slot.doc.template_id.as_str();
         held.insert((template, slot.doc.slot));
@@ -94,15 +135,19 @@ pub fn plan(observed: &Observed, now: u64, grace_ms: u64) -> Vec<Action> {
             id: slot.id.clone(),
             version: slot.version,
         };
+        let node = observed.nodes.get(&slot.node_id).copied();
         match slot.sandbox {
             SlotSandbox::Claimed => actions.push(free),
-            SlotSandbox::Absent if slot.doc.since_unix_ms.saturating_add(grace_ms) <= now => actions.push(free),
+            SlotSandbox::Absent if slot.doc.since_unix_ms.saturating_add(waits.grace_ms) <= now => actions.push(free),
             SlotSandbox::Absent | SlotSandbox::Busy => {}
+            SlotSandbox::Ready if node == Some(NodeNow::Silent) => actions.push(free),
             SlotSandbox::Ready => {
                 let unwanted = slot.doc.slot >= size_of(template)
                     || *now_template == TemplateNow::Gone
-                    || matches!(now_template, TemplateNow::Build(b) if *b != slot.doc.build_id);
-                if unwanted {
+                    || matches!(now_template, TemplateNow::Build(b) if *b != slot.doc.build_id)
+                    || node == Some(NodeNow::Draining);
+                let aged = slot.doc.since_unix_ms.saturating_add(waits.max_age_ms) <= now;
+                if unwanted || (aged && recycled.insert(template)) {
                     actions.push(Action::Retire {
                         id: slot.id.clone(),
                         version: slot.version,
@@ -164,6 +209,8 @@ mod tests {
                 since_unix_ms: since,
             },
             sandbox,
+            node_id: "n1".into(),
+            resources: Capacity::default(),
         }
     }
 
@@ -172,7 +219,17 @@ mod tests {
             pools,
             slots,
             templates: [("t".to_string(), template)].into(),
+            nodes: Default::default(),
         }
+    }
+
+    const WAITS: Waits = Waits {
+        grace_ms: 1000,
+        max_age_ms: 1_000_000,
+    };
+
+    fn waits(grace_ms: u64) -> Waits {
+        Waits { grace_ms, ..WAITS }
     }
 
     fn build(b: &str) -> TemplateNow {
@@ -186,7 +243,7 @@ mod tests {
             vec![slot("t", 1, "b", SlotSandbox::Ready, 0)],
             build("b"),
         );
-        let fills: Vec<u32> = plan(&o, 0, 1000)
+        let fills: Vec<u32> = plan(&o, 0, WAITS)
             .into_iter()
             .filter_map(|a| match a {
                 Action::Fill { slot, .. } => Some(slot),
@@ -207,7 +264,7 @@ mod tests {
             ],
             build("b"),
         );
-        let actions = plan(&o, 1000, 1000);
+        let actions = plan(&o, 1000, waits(1000));
         assert_eq!(
             actions,
             vec![Action::Free {
@@ -216,7 +273,7 @@ mod tests {
             }],
             "slot 1 is within its grace; slot 2 is being created"
         );
-        assert!(plan(&o, 1500, 1000).contains(&Action::Free {
+        assert!(plan(&o, 1500, waits(1000)).contains(&Action::Free {
             id: common::pool::slot_id("t", 1),
             version: 1
         }));
@@ -230,7 +287,7 @@ mod tests {
             slot("t", 2, "new", SlotSandbox::Ready, 0),
         ];
         let retired = |o: &Observed| -> Vec<String> {
-            plan(o, 0, 1000)
+            plan(o, 0, WAITS)
                 .into_iter()
                 .filter_map(|a| match a {
                     Action::Retire { sandbox_id, .. } => Some(sandbox_id),
@@ -243,7 +300,7 @@ mod tests {
         // Not known where the template stands: only the size decides.
         let o = observed(vec![pool("t", 2)], slots.clone(), TemplateNow::Unknown);
         assert_eq!(retired(&o), vec!["s2"]);
-        assert!(!plan(&o, 0, 1000).iter().any(|a| matches!(a, Action::Fill { .. })));
+        assert!(!plan(&o, 0, WAITS).iter().any(|a| matches!(a, Action::Fill { .. })));
         // No pool document at all: everything goes.
         let o = observed(vec![], slots, build("new"));
         assert_eq!(retired(&o).len(), 3);
@@ -256,15 +313,85 @@ mod tests {
             vec![slot("t", 0, "b", SlotSandbox::Ready, 0)],
             TemplateNow::Gone,
         );
-        let actions = plan(&o, 0, 1000);
+        let actions = plan(&o, 0, WAITS);
         assert!(matches!(&actions[..], [Action::Retire { .. }]), "{actions:?}");
         let o = observed(vec![pool("t", 2)], vec![], TemplateNow::Gone);
         assert_eq!(
-            plan(&o, 0, 1000),
+            plan(&o, 0, WAITS),
             vec![Action::Drop {
                 template_id: "t".into(),
                 version: 7
             }]
+        );
+    }
+
+    #[test]
+    fn a_silent_nodes_slots_are_freed_a_draining_nodes_retired_and_none_is_claimable() {
+        let mut o = observed(
+            vec![pool("t", 3)],
+            vec![
+                slot("t", 0, "b", SlotSandbox::Ready, 0),
+                slot("t", 1, "b", SlotSandbox::Ready, 0),
+                slot("t", 2, "b", SlotSandbox::Ready, 0),
+            ],
+            build("b"),
+        );
+        o.slots[1].node_id = "quiet".into();
+        o.slots[2].node_id = "leaving".into();
+        o.nodes = [
+            ("n1".to_string(), NodeNow::Ready),
+            ("quiet".to_string(), NodeNow::Silent),
+            ("leaving".to_string(), NodeNow::Draining),
+        ]
+        .into();
+        assert_eq!(
+            plan(&o, 0, WAITS),
+            vec![
+                Action::Free {
+                    id: common::pool::slot_id("t", 1),
+                    version: 1
+                },
+                Action::Retire {
+                    id: common::pool::slot_id("t", 2),
+                    version: 1,
+                    sandbox_id: "s2".into()
+                },
+            ]
+        );
+        let claimable: Vec<bool> = o.slots.iter().map(|s| s.claimable(&o.nodes)).collect();
+        assert_eq!(claimable, vec![true, false, false]);
+        o.nodes.clear();
+        assert!(
+            o.slots[1].claimable(&o.nodes),
+            "a node with no document is not held against it"
+        );
+    }
+
+    #[test]
+    fn aged_sandboxes_are_recycled_one_a_round_per_template() {
+        let o = observed(
+            vec![pool("t", 3)],
+            vec![
+                slot("t", 0, "b", SlotSandbox::Ready, 0),
+                slot("t", 1, "b", SlotSandbox::Ready, 0),
+                slot("t", 2, "b", SlotSandbox::Ready, 5_000),
+            ],
+            build("b"),
+        );
+        let waits = Waits {
+            grace_ms: 1000,
+            max_age_ms: 10_000,
+        };
+        assert!(plan(&o, 9_999, waits).is_empty(), "none has waited its longest");
+        let retired: Vec<Action> = plan(&o, 12_000, waits);
+        assert_eq!(
+            retired,
+            vec![Action::Retire {
+                id: common::pool::slot_id("t", 0),
+                version: 1,
+                sandbox_id: "s0".into()
+            }],
+            "two have aged; one goes this round"
         );
     }
 }

@@ -19,23 +19,14 @@ impl Sandboxes {
     /// A template with a warm pool is claimed from it when a pooled sandbox fits the request
     /// (see `pool`); otherwise, or when every claim fails, it is created cold.
     ///
-    /// Pooled sandboxes give way first: a create refused for room retires one ready pooled
-    /// sandbox, of any team's pool (the pool's slot waits out a grace before it is filled
-    /// again), and is tried once more. Which node that frees is not chosen: on a cluster of
-    /// several nodes it may not be the one the create fits on.
+    /// Pooled sandboxes give way first: a create that fits no node as it is may be placed on
+    /// a node where it fits once pooled sandboxes go, which it then retires (see
+    /// [`Self::place_and_start`]).
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
         if let Some(doc) = self.claim_pooled(team, &intent).await? {
             return Ok(doc);
         }
-        match self.create_traced(team, intent.clone(), new_sandbox_id()).await {
-            Err(Failure::NoCapacity(why)) => {
-                if !self.evict_pooled().await {
-                    return Err(Failure::NoCapacity(why));
-                }
-                self.create_traced(team, intent, new_sandbox_id()).await
-            }
-            other => other,
-        }
+        self.create_traced(team, intent, new_sandbox_id()).await
     }
 
     /// Creates sandbox `sandbox_id`, in a span of its own.
@@ -188,6 +179,11 @@ impl Sandboxes {
         Ok(doc)
     }
 
+    /// Places `doc` and starts it, on up to [`CREATE_ATTEMPTS`] nodes. A sandbox that fits no
+    /// node as it is (and is not itself pooled) is placed once more counting the room of the
+    /// nodes' pooled sandboxes as free: placement answers with a node and how much of its
+    /// pooled sandboxes must go, and those are retired there before the sandbox starts. A
+    /// reclaim that cannot free enough (claimed meanwhile) gives the room back and refuses.
     pub(super) async fn place_and_start(
         &self,
         doc: &SandboxDoc,
@@ -199,25 +195,27 @@ impl Sandboxes {
         let mut exclude = Vec::new();
         let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
         for attempt in 0..CREATE_ATTEMPTS {
-            let placed = self
-                .placement
-                .clone()
-                .place(pl::PlaceRequest {
-                    sandbox_id: doc.sandbox_id.clone(),
-                    resources: Some(pl::Resources {
-                        vcpus: doc.vcpus,
-                        memory_bytes: doc.memory_bytes,
-                    }),
-                    exclude_nodes: exclude.clone(),
-                    // Nodes holding its layers are preferred (a bounded term): no cold start.
-                    template: if image.layers.is_empty() {
-                        String::new()
-                    } else {
-                        image.build_id.clone()
-                    },
-                    ..Default::default()
-                })
-                .await;
+            let mut request = pl::PlaceRequest {
+                sandbox_id: doc.sandbox_id.clone(),
+                resources: Some(pl::Resources {
+                    vcpus: doc.vcpus,
+                    memory_bytes: doc.memory_bytes,
+                }),
+                exclude_nodes: exclude.clone(),
+                // Nodes holding its layers are preferred (a bounded term): no cold start.
+                template: if image.layers.is_empty() {
+                    String::new()
+                } else {
+                    image.build_id.clone()
+                },
+                ..Default::default()
+            };
+            let mut placed = self.placement.clone().place(request.clone()).await;
+            let may_reclaim = doc.pool.is_none() && self.pools.any_ready();
+            if may_reclaim && matches!(&placed, Err(s) if s.code() == tonic::Code::ResourceExhausted) {
+                request.reclaim_pooled = true;
+                placed = self.placement.clone().place(request).await;
+            }
             let placed = match placed {
                 Ok(placed) => placed.into_inner(),
                 // No other node to try: what the node that failed said is the answer (a
@@ -225,12 +223,25 @@ impl Sandboxes {
                 Err(_) if attempt > 0 => return Err(last),
                 Err(status) => return Err(from_status("placement", status)),
             };
-            let started = self.start_on(doc, image, &env_vars, &placed, attempt).await;
             let sandbox_ref = pl::SandboxRef {
                 sandbox_id: doc.sandbox_id.clone(),
                 node_id: placed.node_id.clone(),
                 resources: None,
             };
+            if let Some(need) = placed.reclaim.filter(|r| r.vcpus > 0 || r.memory_bytes > 0) {
+                let need = common::docs::Capacity {
+                    vcpus: need.vcpus,
+                    memory_bytes: need.memory_bytes,
+                };
+                if !self.evict_on(&placed.node_id, need).await {
+                    let _ = self.placement.clone().release(sandbox_ref).await;
+                    return Err(Failure::NoCapacity(format!(
+                        "no node has room, and the pooled sandboxes on {} could not make enough",
+                        placed.node_id
+                    )));
+                }
+            }
+            let started = self.start_on(doc, image, &env_vars, &placed, attempt).await;
             match started {
                 Ok(envd_address) => {
                     if let Err(status) = self.placement.clone().created(sandbox_ref).await {
@@ -283,6 +294,7 @@ impl Sandboxes {
             }),
             traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
             image: Some(image.clone()),
+            pooled: doc.pool.is_some(),
         })
         .await
         .map_err(|s| match s.code() {

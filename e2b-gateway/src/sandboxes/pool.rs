@@ -40,6 +40,11 @@ pub struct Candidate {
     pub sandbox_id: String,
     pub slot_id: String,
     pub slot_version: u64,
+    /// Where it runs and what it holds there, as the keeper last read (a move may have taken
+    /// it elsewhere since: eviction then frees less than it counted, and the create's start
+    /// on the node is what finds out).
+    pub node_id: String,
+    pub resources: common::docs::Capacity,
 }
 
 /// Which pooled sandboxes are ready, by template: candidates for claims, refreshed by the
@@ -69,6 +74,14 @@ impl PoolIndex {
         }
     }
 
+    /// Takes `id` out of whichever template's list holds it.
+    pub fn remove_anywhere(&self, id: &str) {
+        let mut ready = self.ready.write().unwrap_or_else(PoisonError::into_inner);
+        for ids in ready.values_mut() {
+            ids.retain(|c| c.sandbox_id != id);
+        }
+    }
+
     /// The ready sandboxes of `template`, starting at a different one each call.
     pub fn candidates(&self, template: &str) -> Vec<Candidate> {
         let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
@@ -79,13 +92,35 @@ impl PoolIndex {
         ids[start..].iter().chain(&ids[..start]).cloned().collect()
     }
 
-    /// Every ready sandbox, those of the template with the most ready first (eviction takes
-    /// from the fullest pool).
-    pub fn evictable(&self) -> Vec<Candidate> {
+    /// Whether any pooled sandbox is ready anywhere (a create refused for room may then
+    /// reclaim some).
+    pub fn any_ready(&self) -> bool {
+        let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
+        ready.values().any(|c| !c.is_empty())
+    }
+
+    /// Ready sandboxes on `node_id` that together free at least `need` (vCPUs and bytes), the
+    /// fullest pools' first and, within a pool, the largest first; `None` when all of them
+    /// together would not.
+    pub fn evictable_on(&self, node_id: &str, need: common::docs::Capacity) -> Option<Vec<Candidate>> {
         let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
         let mut pools: Vec<&Vec<Candidate>> = ready.values().filter(|c| !c.is_empty()).collect();
         pools.sort_by_key(|c| std::cmp::Reverse(c.len()));
-        pools.into_iter().flatten().cloned().collect()
+        let mut chosen = Vec::new();
+        let mut freed = common::docs::Capacity::default();
+        for pool in pools {
+            let mut here: Vec<&Candidate> = pool.iter().filter(|c| c.node_id == node_id).collect();
+            here.sort_by_key(|c| std::cmp::Reverse(c.resources.memory_bytes));
+            for candidate in here {
+                if freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes {
+                    return Some(chosen);
+                }
+                freed.vcpus += candidate.resources.vcpus;
+                freed.memory_bytes += candidate.resources.memory_bytes;
+                chosen.push(candidate.clone());
+            }
+        }
+        (freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes).then_some(chosen)
     }
 
     /// How many of `template`'s are ready, as last refreshed.
@@ -284,22 +319,29 @@ impl Sandboxes {
             .await
     }
 
-    /// Retires one ready pooled sandbox, of the template with the most ready, to make room for
-    /// a create that was refused for it; whether one went.
-    pub(super) async fn evict_pooled(&self) -> bool {
-        for candidate in self.pools.evictable() {
+    /// Retires ready pooled sandboxes on `node_id` until `need` is freed there, for a create
+    /// placement put on that node counting their room; whether enough went. Nothing is retired
+    /// when the ready ones there could not free enough together.
+    pub(super) async fn evict_on(&self, node_id: &str, need: common::docs::Capacity) -> bool {
+        let Some(chosen) = self.pools.evictable_on(node_id, need) else {
+            return false;
+        };
+        let mut freed = common::docs::Capacity::default();
+        for candidate in chosen {
             match self.retire_pooled(&candidate.sandbox_id).await {
                 Ok(()) => {
+                    self.pools.remove_anywhere(&candidate.sandbox_id);
                     self.hold_slot(&candidate.slot_id).await;
+                    freed.vcpus += candidate.resources.vcpus;
+                    freed.memory_bytes += candidate.resources.memory_bytes;
                     metrics::counter!("gateway_pool_evicted_total").increment(1);
-                    tracing::info!(sandbox_id = %candidate.sandbox_id, "pooled sandbox evicted to make room");
-                    return true;
+                    tracing::info!(sandbox_id = %candidate.sandbox_id, node_id, "pooled sandbox evicted to make room");
                 }
-                // Claimed or retired meanwhile: the next.
+                // Claimed or retired meanwhile: its room is not this create's.
                 Err(err) => tracing::debug!(sandbox_id = %candidate.sandbox_id, %err, "not evicted"),
             }
         }
-        false
+        freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes
     }
 
     /// Restarts the grace of slot `slot_id` (its sandbox was evicted): the keeper fills it
@@ -430,6 +472,11 @@ mod tests {
             sandbox_id: id.into(),
             slot_id: format!("t#{id}"),
             slot_version: 1,
+            node_id: if id == "y" { "n2".into() } else { "n1".into() },
+            resources: common::docs::Capacity {
+                vcpus: 1,
+                memory_bytes: 512 << 20,
+            },
         };
         index.replace(
             [("t".to_string(), vec![candidate("a"), candidate("b"), candidate("c")])].into(),
@@ -441,18 +488,34 @@ mod tests {
         assert_eq!(index.candidates("t").len(), 3);
         index.remove("t", "b");
         assert_eq!(index.ready("t"), 2);
-        let mut two = index.candidates("t");
-        two.truncate(1);
         index.replace(
             [
-                ("t".to_string(), two),
+                ("t".to_string(), vec![candidate("a")]),
                 ("u".to_string(), vec![candidate("x"), candidate("y")]),
             ]
             .into(),
             Default::default(),
         );
-        assert_eq!(index.evictable()[0].sandbox_id, "x", "the fullest pool gives first");
-        assert_eq!(index.evictable().len(), 3);
+        let need = |memory_bytes| common::docs::Capacity { vcpus: 0, memory_bytes };
+        let ids = |c: Option<Vec<Candidate>>| c.map(|c| c.into_iter().map(|c| c.sandbox_id).collect::<Vec<_>>());
+        assert_eq!(
+            ids(index.evictable_on("n1", need(600 << 20))),
+            Some(vec!["x".to_string(), "a".to_string()]),
+            "on its node only, the fullest pool first, no more than needed"
+        );
+        assert_eq!(ids(index.evictable_on("n1", need(1))), Some(vec!["x".to_string()]));
+        assert_eq!(
+            ids(index.evictable_on("n1", need(2 << 30))),
+            None,
+            "not enough there: none"
+        );
+        assert_eq!(
+            ids(index.evictable_on("n2", need(512 << 20))),
+            Some(vec!["y".to_string()])
+        );
+        assert!(index.any_ready());
+        index.remove_anywhere("y");
+        assert_eq!(ids(index.evictable_on("n2", need(1))), None);
         assert!(index.candidates("other").is_empty());
     }
 }

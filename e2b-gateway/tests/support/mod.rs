@@ -29,9 +29,16 @@ impl std::ops::DerefMut for Stack {
 }
 
 pub async fn stack(node_memory_mb: u64) -> Stack {
-    let started = stack::Stack::builder()
-        .heartbeat(std::time::Duration::from_millis(50))
-        .node(move |c| c.host.capacity.memory_bytes = node_memory_mb << 20)
+    stack_of(&[node_memory_mb]).await
+}
+
+/// A stack with one node of each of these memory sizes (MiB).
+pub async fn stack_of(nodes_memory_mb: &[u64]) -> Stack {
+    let mut builder = stack::Stack::builder().heartbeat(std::time::Duration::from_millis(50));
+    for &mb in nodes_memory_mb {
+        builder = builder.node(move |c| c.host.capacity.memory_bytes = mb << 20);
+    }
+    let started = builder
         .gateway(|c| {
             c.keys = [
                 ("key-a".to_string(), "team-a".to_string()),

@@ -528,6 +528,7 @@ impl Build {
             epoch: 1,
             pgid: 0,
             created_at_unix_ms: now_ms(),
+            pooled: false,
         }
     }
 

@@ -18,9 +18,47 @@ pub struct Claim {
     pub traffic_access_token: Option<String>,
 }
 
-/// The record once `claim` is applied: env vars added over its own, everything else replaced.
+/// What a claim may do with `record`.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Claimable {
+    /// A pooled sandbox waiting: claim it under this epoch.
+    Apply(u64),
+    /// This claim already happened (the same epoch and token: its answer was lost, or the node
+    /// restarted and forgot the operation): answer it again, change nothing.
+    Done,
+}
+
+/// Whether a claim under `epoch` giving `access_token` may take `record`. Only a pooled one is
+/// claimed, and only once: a second create's claim (a newer epoch, another token) of a sandbox
+/// that is already somebody's is refused, whatever the gateways believe.
+pub(super) fn claimable(
+    record: &SandboxRecord,
+    epoch: u64,
+    access_token: Option<&str>,
+) -> Result<Claimable, NodeError> {
+    if record.state != State::Running {
+        return Err(NodeError::Invalid(format!(
+            "sandbox {} is {:?}; only a running sandbox is claimed",
+            record.id, record.state
+        )));
+    }
+    if record.pooled {
+        return Ok(Claimable::Apply(fence(record, epoch)?));
+    }
+    if record.epoch == epoch && record.access_token.as_deref() == access_token {
+        return Ok(Claimable::Done);
+    }
+    Err(NodeError::Invalid(format!(
+        "sandbox {} is no pooled sandbox waiting for a claim: claimed already, or never pooled",
+        record.id
+    )))
+}
+
+/// The record once `claim` is applied: env vars added over its own, everything else replaced,
+/// and no longer pooled.
 pub(super) fn claimed(record: &SandboxRecord, claim: Claim, epoch: u64) -> SandboxRecord {
     let mut next = record.clone();
+    next.pooled = false;
     next.epoch = epoch;
     next.env.extend(claim.env);
     next.metadata = claim.metadata;
@@ -54,13 +92,11 @@ impl Shared {
             let record = turn
                 .record()
                 .ok_or_else(|| NodeError::NotFound(sandbox_id.to_string()))?;
-            if record.state != State::Running {
-                return Err(NodeError::Invalid(format!(
-                    "sandbox {sandbox_id} is {:?}; only a running sandbox is claimed",
-                    record.state
-                )));
-            }
-            let next = claimed(&record, claim.clone(), fence(&record, epoch)?);
+            let epoch = match claimable(&record, epoch, claim.access_token.as_deref())? {
+                Claimable::Apply(epoch) => epoch,
+                Claimable::Done => return Ok(record),
+            };
+            let next = claimed(&record, claim.clone(), epoch);
             // envd told and the record written at once (each waits on its own I/O). Either
             // failing fails the claim, and the caller kills the sandbox rather than hand it out
             // half claimed.
@@ -112,6 +148,7 @@ mod tests {
             epoch: 1,
             pgid: 0,
             created_at_unix_ms: 0,
+            pooled: true,
         };
         let next = claimed(
             &record,
@@ -129,5 +166,63 @@ mod tests {
         assert_eq!(next.access_token.as_deref(), Some("mine"));
         assert_eq!(next.traffic_access_token, None, "an empty token: its ports are public");
         assert_eq!(next.epoch, 2);
+        assert!(!next.pooled, "a claimed sandbox is pooled no more");
+    }
+
+    #[test]
+    fn only_a_pooled_sandbox_is_claimed_and_only_once() {
+        let pooled = SandboxRecord {
+            id: "s".into(),
+            template: "t".into(),
+            resources: Resources::default(),
+            env: Default::default(),
+            metadata: Default::default(),
+            start_command: None,
+            access_token: Some("pool-token".into()),
+            network: None,
+            traffic_access_token: None,
+            image: None,
+            state: State::Running,
+            epoch: 3,
+            pgid: 0,
+            created_at_unix_ms: 0,
+            pooled: true,
+        };
+        assert_eq!(claimable(&pooled, 4, Some("mine")).ok(), Some(Claimable::Apply(4)));
+        assert!(claimable(&pooled, 2, Some("mine")).is_err(), "an older epoch is fenced");
+        let mine = claimed(
+            &pooled,
+            Claim {
+                access_token: Some("mine".into()),
+                ..Claim::default()
+            },
+            4,
+        );
+        assert_eq!(
+            claimable(&mine, 4, Some("mine")).ok(),
+            Some(Claimable::Done),
+            "the same claim again"
+        );
+        assert!(
+            claimable(&mine, 5, Some("theirs")).is_err(),
+            "a second create's claim of a sandbox already claimed"
+        );
+        assert!(
+            claimable(&mine, 4, Some("theirs")).is_err(),
+            "another token under the same epoch"
+        );
+        let never = SandboxRecord {
+            pooled: false,
+            ..pooled.clone()
+        };
+        assert!(
+            claimable(&never, 4, Some("mine")).is_err(),
+            "a team's own sandbox is never claimed"
+        );
+        let paused = SandboxRecord {
+            state: State::Paused,
+            ..pooled
+        };
+        assert!(claimable(&paused, 4, Some("mine")).is_err());
     }
 }

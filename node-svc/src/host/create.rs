@@ -46,6 +46,7 @@ pub(super) fn new_record(spec: CreateSpec, template: Template, now_ms: u64) -> S
         epoch: spec.epoch,
         pgid: 0,
         created_at_unix_ms: now_ms,
+        pooled: spec.pooled,
     }
 }
 

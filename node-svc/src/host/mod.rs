@@ -200,6 +200,8 @@ pub struct CreateSpec {
     pub traffic_access_token: Option<String>,
     /// Its template's build (`None`: the built-in base).
     pub image: Option<common::template::Image>,
+    /// Started for a template's warm pool, to wait unclaimed.
+    pub pooled: bool,
 }
 
 /// How long a template's ready check may take to pass at create.
@@ -219,6 +221,8 @@ pub struct Reported {
 pub struct Picture {
     pub sandboxes: Vec<Reported>,
     pub allocated: Resources,
+    /// What its pooled sandboxes (a warm pool's, unclaimed) hold of `allocated`.
+    pub pooled: Resources,
     pub memory_used_bytes: u64,
     pub memory_available_bytes: u64,
     /// vCPUs the sandboxes used lately (0 where the runtime does not measure CPU time).
@@ -703,6 +707,7 @@ mod tests {
             epoch: 1,
             pgid: 0,
             created_at_unix_ms: 0,
+            pooled: false,
         }
     }
 
@@ -763,9 +768,14 @@ mod tests {
 
     #[test]
     fn a_picture_sums_allocations_and_use() {
+        let pooled = SandboxRecord {
+            pooled: true,
+            ..record("c", State::Running, 400 * MIB)
+        };
         let listed = vec![
             (record("a", State::Running, 100 * MIB), 10 * MIB),
             (record("b", State::Paused, 200 * MIB), 20 * MIB),
+            (pooled, 0),
         ];
         let capacity = Resources {
             vcpus: 4,
@@ -776,10 +786,15 @@ mod tests {
         assert_eq!(
             p.allocated,
             Resources {
-                vcpus: 2,
-                memory_bytes: 300 * MIB,
+                vcpus: 3,
+                memory_bytes: 700 * MIB,
                 disk_bytes: 0,
             }
+        );
+        assert_eq!(
+            (p.pooled.vcpus, p.pooled.memory_bytes),
+            (1, 400 * MIB),
+            "the pooled sandbox counted apart, as part of the allocation"
         );
         assert_eq!(p.memory_used_bytes, 35 * MIB);
         assert_eq!(p.memory_available_bytes, 989 * MIB);

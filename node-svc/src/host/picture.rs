@@ -30,12 +30,17 @@ pub(super) fn picture_of(
     cpu_usage: f64,
 ) -> Picture {
     let mut allocated = Resources::default();
+    let mut pooled = Resources::default();
     let mut used = own_rss;
     let sandboxes = listed
         .into_iter()
         .map(|(r, memory_used)| {
             allocated.vcpus += r.resources.vcpus;
             allocated.memory_bytes += r.resources.memory_bytes;
+            if r.pooled {
+                pooled.vcpus += r.resources.vcpus;
+                pooled.memory_bytes += r.resources.memory_bytes;
+            }
             used += memory_used;
             Reported {
                 sandbox_id: r.id,
@@ -48,6 +53,7 @@ pub(super) fn picture_of(
     Picture {
         sandboxes,
         allocated,
+        pooled,
         memory_used_bytes: used,
         memory_available_bytes: capacity.memory_bytes.saturating_sub(used),
         cpu_usage,

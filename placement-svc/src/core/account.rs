@@ -127,6 +127,8 @@ pub struct Heartbeat {
     pub sandboxes: Vec<Listed>,
     /// Templates (build IDs) whose layers the node holds.
     pub templates: Vec<String>,
+    /// What the node's pooled sandboxes (a warm pool's, unclaimed) hold of `allocated`.
+    pub pooled: Resources,
 }
 
 /// What applying a heartbeat did.
@@ -171,6 +173,9 @@ pub struct NodeView {
     pub removals: HashMap<String, Resources>,
     /// Templates (build IDs) whose layers the last heartbeat said the node holds.
     pub templates: std::collections::BTreeSet<String>,
+    /// What its pooled sandboxes hold, as the last heartbeat said: part of `reported`, and
+    /// room a create may reclaim by retiring them.
+    pub pooled: Resources,
 }
 
 impl NodeView {
@@ -208,6 +213,19 @@ impl NodeView {
         Totals {
             vcpus: self.reported.vcpus + reserved.vcpus - removing.vcpus,
             memory_bytes: self.reported.memory_bytes + reserved.memory_bytes - removing.memory_bytes,
+        }
+    }
+
+    /// What the fit check counts as allocated: everything believed, less the pooled
+    /// sandboxes' room when `reclaim_pooled` (a create that may retire them).
+    pub fn allocation(&self, reclaim_pooled: bool) -> common::fit::Allocation {
+        let mut believed = self.believed();
+        if reclaim_pooled {
+            believed.sub(self.pooled);
+        }
+        common::fit::Allocation {
+            vcpus: believed.vcpus,
+            memory_bytes: believed.memory_bytes,
         }
     }
 
@@ -313,6 +331,7 @@ impl NodeView {
         self.labels = hb.labels.clone();
         self.templates = hb.templates.iter().cloned().collect();
         self.capacity = hb.capacity;
+        self.pooled = hb.pooled;
         self.reported = Totals::from_resources(hb.allocated);
         self.reported_sandboxes = u32::try_from(hb.sandboxes.len()).unwrap_or(u32::MAX);
         self.memory_used_bytes = hb.memory_used_bytes;

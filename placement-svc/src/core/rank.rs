@@ -24,6 +24,9 @@ pub struct Request {
     pub only: Option<String>,
     /// The template build the sandbox starts from (empty: none with layers).
     pub template: String,
+    /// The nodes' pooled sandboxes' room counts as free: the caller retires what
+    /// [`reclaim`] says on the chosen node before it starts the sandbox.
+    pub reclaim_pooled: bool,
 }
 
 /// Tunables of the decision.
@@ -152,14 +155,28 @@ impl Feasibility for Fits {
                 never: true,
             });
         }
-        let believed = node.believed();
-        let allocated = fit::Allocation {
-            vcpus: believed.vcpus,
-            memory_bytes: believed.memory_bytes,
-        };
+        let allocated = node.allocation(req.reclaim_pooled);
         fit::check(&node.capacity.into(), allocated, &req.resources.into(), self.overcommit)
             .err()
             .map(|misfit| Rejection::now(misfit.to_string()))
+    }
+}
+
+/// How much of `node`'s pooled sandboxes must go before it can take `req` (nothing unless the
+/// request may reclaim them): what placement answers with the node it chose.
+pub fn reclaim(node: &NodeView, req: &Request, overcommit: f64) -> Resources {
+    if !req.reclaim_pooled {
+        return Resources::default();
+    }
+    let short = fit::shortfall(
+        &node.capacity.into(),
+        node.allocation(false),
+        &req.resources.into(),
+        overcommit,
+    );
+    Resources {
+        vcpus: short.vcpus,
+        memory_bytes: short.memory_bytes,
     }
 }
 
@@ -288,6 +305,7 @@ pub struct Ranker {
     checks: Vec<Box<dyn Feasibility>>,
     scorers: Vec<(f64, Box<dyn Scorer>)>,
     k: usize,
+    overcommit: f64,
 }
 
 impl Ranker {
@@ -318,7 +336,13 @@ impl Ranker {
                 (config.template_weight, Box::new(TemplateAffinity)),
             ],
             k: config.k.max(1),
+            overcommit: config.overcommit,
         }
+    }
+
+    /// The CPU over-commit its fit check allows.
+    pub fn overcommit(&self) -> f64 {
+        self.overcommit
     }
 
     /// Checks and scores one node.

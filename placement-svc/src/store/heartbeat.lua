@@ -4,7 +4,7 @@
 -- ARGV: node_id, boot_id, seq, now_ms, address, labels (JSON), cap_vcpus, cap_mem,
 --       alloc_vcpus, alloc_mem, mem_used, cpu_usage, mode, max_unconfirmed, templates (the
 --       build IDs the node holds, as ",id,id,": place.lua looks one up with a plain find),
---       then sandbox ids.
+--       pool_vcpus, pool_mem (what its pooled sandboxes hold), then sandbox ids.
 -- Returns: { applied (0/1), reason, confirmed, removed, rebooted (0/1), draining (0/1),
 --            expired ids... }
 --
@@ -47,7 +47,7 @@ if boot == ARGV[2] then
 elseif boot then
   rebooted = 1
 end
-local first_id = 16
+local first_id = 18
 local reconciled = ARGV[13] == 'reconciled'
 
 -- Reconciled accounting: read and parse the reservations and removals before writing anything.
@@ -78,7 +78,8 @@ if not admin then redis.call('HSET', node, 'admin', 'ready') end
 redis.call('HSET', node, 'node_id', ARGV[1], 'boot', ARGV[2], 'seq', ARGV[3], 'hb_ms', ARGV[4],
   'address', ARGV[5], 'labels', ARGV[6], 'cap_vcpus', ARGV[7], 'cap_mem', ARGV[8],
   'rep_vcpus', ARGV[9], 'rep_mem', ARGV[10], 'rep_sbx', int(#ARGV - first_id + 1),
-  'mem_used', ARGV[11], 'cpu_usage', ARGV[12], 'templates', ARGV[15])
+  'mem_used', ARGV[11], 'cpu_usage', ARGV[12], 'templates', ARGV[15], 'pool_vcpus', ARGV[16],
+  'pool_mem', ARGV[17])
 if not reconciled then
   return { 1, '', 0, 0, rebooted, draining }
 end

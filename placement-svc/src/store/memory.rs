@@ -64,12 +64,14 @@ impl PlacementStore for MemoryStore {
         Ok(match decision.chosen {
             Some((i, score)) => {
                 let node = &mut state.nodes[i];
+                let reclaim = crate::core::rank::reclaim(node, req, self.ranker.overcommit());
                 node.reserve(self.mode, &req.sandbox_id, req.resources);
                 Placement::Placed {
                     node_id: node.node_id.clone(),
                     address: node.address.clone(),
                     score,
                     evaluated: decision.evaluated,
+                    reclaim,
                 }
             }
             None => Placement::NoFit {

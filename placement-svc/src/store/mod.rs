@@ -32,6 +32,9 @@ pub enum Placement {
         score: f64,
         /// Every node the decision looked at, for the decision's trace span.
         evaluated: Vec<Evaluation>,
+        /// How much of the node's pooled sandboxes the caller must retire first (zero unless
+        /// the request may reclaim them, and then only what it lacks).
+        reclaim: Resources,
     },
     /// Nothing fits; the reason names what filtered the nodes out. `never`: no node could
     /// take it even empty (the ask is larger than any node), so retrying is pointless.

@@ -6,10 +6,12 @@
 -- ARGV: sandbox_id, vcpus, memory_bytes, now_ms, overcommit, alpha, cpu_weight, memory_weight,
 --       max_starting, unhealthy_after_ms, mode, k (stop after k feasible), commit (1: reserve
 --       on the winner; 0: explain only), template (build ID, "" for none), template_weight,
---       n (label pairs the node must carry), then n label keys and values, then the node ids
---       the request excludes.
--- Returns: { chosen (1-based candidate, 0 = none), chosen score, chosen address, then per
---            candidate looked at:
+--       reclaim (1: the nodes' pooled sandboxes' room counts as free), n (label pairs the
+--       node must carry), then n label keys and values, then the node ids the request
+--       excludes.
+-- Returns: { chosen (1-based candidate, 0 = none), chosen score, chosen address, the vCPUs
+--            and bytes of pooled sandboxes to retire on the chosen node first (as
+--            core::rank::reclaim), then per candidate looked at:
 --            node_id, reason ("" if feasible), score, cpu term, memory term, template term }
 -- Scores and terms come back as integers in units of 1e-12: Redis turns a Lua number into an
 -- integer reply for free, while formatting it as text costs more than the whole decision.
@@ -35,13 +37,14 @@ local k = tonumber(ARGV[12])
 local commit = ARGV[13] == '1'
 local template = ARGV[14]
 local tw = tonumber(ARGV[15])
-local pairs_n = tonumber(ARGV[16])
+local reclaim = ARGV[16] == '1'
+local pairs_n = tonumber(ARGV[17])
 -- The selected labels are checked in the order they arrive, which is the request's key order
 -- (a BTreeMap in Rust): the first missing one is the one named, as in the Rust check.
 local selector = {}
-for j = 1, pairs_n do selector[j] = { ARGV[15 + 2 * j], ARGV[16 + 2 * j] } end
+for j = 1, pairs_n do selector[j] = { ARGV[16 + 2 * j], ARGV[17 + 2 * j] } end
 local exclude = {}
-for j = 17 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
+for j = 18 + 2 * pairs_n, #ARGV do exclude[ARGV[j]] = true end
 -- The delimited form the node's `templates` field holds it in.
 local wanted = ',' .. template .. ','
 local SCALE = 1e12
@@ -79,11 +82,13 @@ end
 
 local out = {}
 local best, best_score, best_address, feasible = 0, 0, '', 0
+-- What the winner lacks without its pooled sandboxes' room (core::rank::reclaim).
+local best_short_v, best_short_m = 0, 0
 local n = #KEYS / 2
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[2 * i - 1], 'node_id', 'admin', 'seq', 'hb_ms', 'labels',
     'cap_vcpus', 'cap_mem', 'rep_vcpus', 'rep_mem', 'res_vcpus', 'res_mem', 'rm_vcpus', 'rm_mem',
-    'pending', 'cpu_usage', 'address', 'templates')
+    'pending', 'cpu_usage', 'address', 'templates', 'pool_vcpus', 'pool_mem')
   local id = h[1]
   local reason = ''
   local score, cpu, mem, tpl, never = 0, 0, 0, 0, 0
@@ -100,6 +105,13 @@ for i = 1, n do
     local bel_m = (tonumber(h[9] or '0') or 0) + (tonumber(h[11] or '0') or 0) - (tonumber(h[13] or '0') or 0)
     local pending = tonumber(h[14] or '0') or 0
     local usage = tonumber(h[15] or '0') or 0
+    -- What the fit check counts (NodeView::allocation): the pooled room is free to reclaim.
+    local fit_v, fit_m = bel_v, bel_m
+    if reclaim then
+      fit_v = bel_v - (tonumber(h[18] or '0') or 0)
+      fit_m = bel_m - (tonumber(h[19] or '0') or 0)
+    end
+    local short_v, short_m = 0, 0
     if exclude[id] then
       reason = 'excluded by the request'
     elseif h[2] == 'draining' then
@@ -116,9 +128,9 @@ for i = 1, n do
         end
       end
       if reason == '' then
-        local cpu_after = bel_v + req_v
+        local cpu_after = fit_v + req_v
         local cpu_limit = cap_v * R
-        local mem_after = bel_m + req_m
+        local mem_after = fit_m + req_m
         -- Too large even for this node empty (the same text as core::rank::Fits).
         if req_v > cpu_limit then
           reason = 'too large for this node: cpu: ' .. rust_float(req_v) .. ' vCPU would exceed ' ..
@@ -136,6 +148,9 @@ for i = 1, n do
             int(math.floor(cap_m / 1048576)) .. ' MiB'
         elseif pending >= max_starting then
           reason = 'too many starting: ' .. int(pending) .. ' creates in flight'
+        elseif reclaim then
+          short_v = math.max(math.ceil(bel_v + req_v - cpu_limit), 0)
+          short_m = math.max(bel_m + req_m - cap_m, 0)
         end
       end
     end
@@ -154,6 +169,7 @@ for i = 1, n do
       feasible = feasible + 1
       if best == 0 or score < best_score then
         best, best_score, best_address = i, score, h[16] or ''
+        best_short_v, best_short_m = short_v, short_m
       end
     end
   end
@@ -191,6 +207,6 @@ if commit and best > 0 and mode ~= 'stale' then
     if old_phase == 'u' then redis.call('HINCRBY', node, 'unconfirmed', -1) end
   end
 end
-local result = { best, math.floor(best_score * SCALE + 0.5), best_address }
-for j = 1, #out do result[3 + j] = out[j] end
+local result = { best, math.floor(best_score * SCALE + 0.5), best_address, best_short_v, best_short_m }
+for j = 1, #out do result[5 + j] = out[j] end
 return result

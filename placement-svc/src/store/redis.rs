@@ -73,8 +73,8 @@ type NodeKeys = (
     HashSet<String>,
 );
 
-/// The winner of a decision: node id, score, address.
-type Chosen = (String, f64, String);
+/// The winner of a decision: node id, score, address, and the pooled room to reclaim there.
+type Chosen = (String, f64, String, Resources);
 
 /// One candidate as the place script reports it.
 struct Scored {
@@ -202,7 +202,7 @@ impl RedisStore {
         candidates: &[String],
         k: usize,
         commit: bool,
-    ) -> Result<(Option<(usize, f64, String)>, Vec<Scored>), StoreError> {
+    ) -> Result<(Option<(usize, f64, String, Resources)>, Vec<Scored>), StoreError> {
         let mut invocation = self.place.prepare_invoke();
         for id in candidates {
             let [node, res, _, _] = self.node_keys(id);
@@ -224,6 +224,7 @@ impl RedisStore {
             .arg(if commit { 1 } else { 0 })
             .arg(&req.template)
             .arg(self.rank.template_weight)
+            .arg(if req.reclaim_pooled { 1 } else { 0 })
             .arg(req.selector.len());
         for (key, value) in &req.selector {
             invocation.arg(key).arg(value);
@@ -235,8 +236,12 @@ impl RedisStore {
         let chosen = reply.first().map(int).unwrap_or(0);
         let score = reply.get(1).map(scaled).unwrap_or(0.0);
         let address = reply.get(2).map(text).unwrap_or_default();
+        let reclaim = Resources {
+            vcpus: u32::try_from(reply.get(3).map(int).unwrap_or(0)).unwrap_or(0),
+            memory_bytes: u64::try_from(reply.get(4).map(int).unwrap_or(0)).unwrap_or(0),
+        };
         let scored = reply
-            .get(3..)
+            .get(5..)
             .unwrap_or_default()
             .chunks(7)
             .filter(|c| c.len() == 7)
@@ -253,7 +258,7 @@ impl RedisStore {
         let chosen = usize::try_from(chosen)
             .ok()
             .filter(|&c| c > 0)
-            .map(|c| (c - 1, score, address));
+            .map(|c| (c - 1, score, address, reclaim));
         Ok((chosen, scored))
     }
 
@@ -283,7 +288,10 @@ impl RedisStore {
             }
             let candidate = [only.clone()];
             let (chosen, scored) = self.run_place(req, now_ms, &candidate, 1, commit).await?;
-            return Ok((chosen.map(|(_, score, address)| (only.clone(), score, address)), scored));
+            return Ok((
+                chosen.map(|(_, score, address, reclaim)| (only.clone(), score, address, reclaim)),
+                scored,
+            ));
         }
         let ids = self.node_ids(false).await?;
         let k = self.rank.k.max(1);
@@ -293,8 +301,8 @@ impl RedisStore {
             .map(|i| ids[i].clone())
             .collect();
         let (chosen, scored) = self.run_place(req, now_ms, &sample, k, commit).await?;
-        if let Some((i, score, address)) = chosen {
-            return Ok((Some((sample[i].clone(), score, address)), scored));
+        if let Some((i, score, address, reclaim)) = chosen {
+            return Ok((Some((sample[i].clone(), score, address, reclaim)), scored));
         }
         let ids = self.node_ids(true).await?;
         if sample.len() == ids.len() {
@@ -311,7 +319,10 @@ impl RedisStore {
             .map(|j| ids[fit[j]].clone())
             .collect();
         let (chosen, _) = self.run_place(req, now_ms, &best, k, commit).await?;
-        Ok((chosen.map(|(i, score, address)| (best[i].clone(), score, address)), all))
+        Ok((
+            chosen.map(|(i, score, address, reclaim)| (best[i].clone(), score, address, reclaim)),
+            all,
+        ))
     }
 
     async fn lifecycle(
@@ -422,6 +433,10 @@ fn view_from(node_id: &str, (fields, reservations, removals, listed): NodeKeys) 
             memory_bytes: num(&fields, "rep_mem"),
         },
         reported_sandboxes: num(&fields, "rep_sbx"),
+        pooled: Resources {
+            vcpus: num(&fields, "pool_vcpus"),
+            memory_bytes: num(&fields, "pool_mem"),
+        },
         memory_used_bytes: num(&fields, "mem_used"),
         cpu_usage: num(&fields, "cpu_usage"),
         listed,
@@ -438,11 +453,12 @@ impl PlacementStore for RedisStore {
     async fn place(&self, req: &Request, now_ms: u64) -> Result<Placement, StoreError> {
         let (chosen, scored) = self.decide(req, now_ms, true).await?;
         Ok(match chosen {
-            Some((node_id, score, address)) => Placement::Placed {
+            Some((node_id, score, address, reclaim)) => Placement::Placed {
                 node_id,
                 address,
                 score,
                 evaluated: scored.into_iter().map(|s| self.evaluation(s)).collect(),
+                reclaim,
             },
             None => {
                 let decision = crate::core::Decision {
@@ -462,7 +478,7 @@ impl PlacementStore for RedisStore {
         let (chosen, scored) = self.decide(req, now_ms, false).await?;
         Ok(Explanation {
             evaluated: scored.into_iter().map(|s| self.evaluation(s)).collect(),
-            chosen: chosen.map(|(id, _, _)| id),
+            chosen: chosen.map(|(id, _, _, _)| id),
         })
     }
 
@@ -504,7 +520,9 @@ impl PlacementStore for RedisStore {
             .arg(hb.cpu_usage)
             .arg(self.mode.name())
             .arg(self.max_unconfirmed)
-            .arg(templates_field(&hb.templates));
+            .arg(templates_field(&hb.templates))
+            .arg(hb.pooled.vcpus)
+            .arg(hb.pooled.memory_bytes);
         for s in &hb.sandboxes {
             invocation.arg(&s.sandbox_id);
         }
