@@ -99,7 +99,7 @@ fn state_of(doc: &SandboxDoc) -> &'static str {
         .lifecycle_owner
         .as_deref()
         .is_some_and(|owner| owner.starts_with(common::docs::USER_CLAIM_PREFIX));
-    if doc.pool.is_some() {
+    if doc.is_pooled() {
         return "pooled";
     }
     if doc.lifecycle_owner.is_some() && !user {
@@ -812,9 +812,16 @@ mod tests {
         view.apply(Change::Sandbox("s1".into(), Some(doc.clone())), 2, 0);
         assert_eq!(view.sandbox("s1").map(|r| r.state), Some("running"));
         doc.pool = Some(common::pool::Pooled::default());
-        view.apply(Change::Sandbox("s1".into(), Some(doc)), 3, 0);
+        view.apply(Change::Sandbox("s1".into(), Some(doc.clone())), 3, 0);
+        assert_eq!(
+            view.sandbox("s1").map(|r| r.state),
+            Some("running"),
+            "claimed from a pool: the team's, its hand-over not yet confirmed"
+        );
+        doc.team_id.clear();
+        view.apply(Change::Sandbox("s1".into(), Some(doc)), 4, 0);
         assert_eq!(view.sandbox("s1").map(|r| r.state), Some("pooled"));
-        view.apply(Change::Sandbox("s1".into(), None), 4, 0);
+        view.apply(Change::Sandbox("s1".into(), None), 5, 0);
         assert!(view.sandbox("s1").is_none());
     }
 

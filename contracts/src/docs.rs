@@ -198,9 +198,25 @@ pub struct SandboxDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hibernation: Option<String>,
     /// Set while it waits in a template's warm pool, unclaimed: it has no team yet, and no
-    /// request reaches it (see `crate::pool`).
+    /// request reaches it (see `crate::pool`). A claim gives it a team and keeps this until
+    /// its node confirmed the hand-over ([`SandboxDoc::claim_unconfirmed`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<crate::pool::Pooled>,
+}
+
+impl SandboxDoc {
+    /// Waits unclaimed in a warm pool: started ahead of any create, nobody's yet.
+    pub fn is_pooled(&self) -> bool {
+        self.pool.is_some() && self.team_id.is_empty()
+    }
+
+    /// A create claimed it from a warm pool and it is the create's team's, but nobody has yet
+    /// recorded that its node took the hand-over (new tokens, the create's env vars). The
+    /// claiming gateway clears it once the node answered; a gateway that stopped between the
+    /// two leaves it to the reaper, which asks the node.
+    pub fn claim_unconfirmed(&self) -> bool {
+        self.pool.is_some() && !self.team_id.is_empty()
+    }
 }
 
 /// What changed from one version of a manifest (`before`; none: it was created) to the next,

@@ -35,13 +35,13 @@ pub struct Route {
     pub(crate) auto_resume: Option<(Arc<str>, u64)>,
 }
 
-/// A sandbox's route; none for one that runs nowhere yet, that is still being created (a
-/// claim of a pooled sandbox runs somewhere already, but is not the team's until it is
-/// written running: a route now would answer its first requests "paused"), or that waits
-/// unclaimed in a warm pool (nobody's requests reach it).
+/// A sandbox's route; none for one that runs nowhere yet, that is still being created, or that
+/// waits unclaimed in a warm pool (nobody's requests reach it). A claimed one is routed from
+/// the claim's write on, which says `running` with the create's tokens: nobody has those
+/// tokens before the create answers, and it answers only once the node took them.
 fn route_of(doc: &SandboxDoc, tokens: &crate::tokens::Tokens) -> Option<Route> {
     let routable = !doc.envd_address.is_empty() || doc.lifecycle_owner.is_some();
-    let anyones = doc.pool.is_none() && doc.phase != SandboxPhase::Creating;
+    let anyones = !doc.is_pooled() && doc.phase != SandboxPhase::Creating;
     (routable && anyones).then(|| Route {
         node_id: doc.node_id.clone(),
         envd: doc.envd_address.clone(),

@@ -69,6 +69,7 @@ pub fn info_to_pb(record: &SandboxRecord, memory_used_bytes: u64) -> pb::Sandbox
         pgid: record.pgid,
         created_at_unix_ms: record.created_at_unix_ms,
         metadata: record.metadata.clone().into_iter().collect(),
+        pooled: record.pooled,
     }
 }
 

@@ -522,6 +522,11 @@ async fn a_create_may_count_pooled_room_as_free_and_is_told_what_to_reclaim(stor
         }
         other => panic!("expected n1, got {other:?}"),
     }
+    assert_eq!(
+        view(&s, "n1").await.pooled.memory_bytes,
+        6 * GIB,
+        "the 2 GiB reclaimed are promised: no other create counts on them"
+    );
     // n1 now believes 66 GiB; a 1 GiB create fits n2 as it is, which wins over reclaiming.
     let mut one = request("one");
     one.reclaim_pooled = true;

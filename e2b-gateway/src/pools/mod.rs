@@ -12,9 +12,10 @@
 //! The sandboxes of a pool take the memory they ask for on their node, but the node reports
 //! them apart (they were created `pooled`), so placement knows that room as reclaimable: a
 //! create that fits nowhere else is placed on a node where it fits once some of them go, and
-//! retires those first (`Sandboxes::place_and_start`). The keeper frees the slots of a node
-//! gone silent and retires the pooled sandboxes of a draining node rather than let them be
-//! moved, and recycles those that waited longer than [`MAX_AGE`].
+//! retires those first (`Sandboxes::place_and_start`). The keeper claims nothing from a node
+//! gone quiet, frees the slots of one gone for long, retires the pooled sandboxes of a
+//! draining node rather than let them be moved, and recycles those that waited longer than
+//! [`MAX_AGE`].
 
 pub mod plan;
 
@@ -44,15 +45,22 @@ const ROUND_GAP: Duration = Duration::from_millis(50);
 const SLOT_GRACE: Duration = Duration::from_secs(30);
 /// How long a pooled sandbox waits for a claim before it is recycled.
 pub const MAX_AGE: Duration = Duration::from_secs(3600);
-/// A node whose document has not been refreshed for this long is silent: placement writes it
-/// every few seconds from the node's heartbeats.
-const NODE_SILENT_AFTER: Duration = Duration::from_secs(20);
+/// A node whose document has not been refreshed for this long is quiet (nothing is claimed
+/// there): placement writes it every few seconds from the node's heartbeats. Compared with
+/// this gateway's clock, so it is far longer than the writes' interval.
+const NODE_QUIET_AFTER: Duration = Duration::from_secs(20);
+/// A node quiet this long is gone: its slots are freed. Long, because a quiet node may be
+/// one that placement (or the ledger) cannot hear, and freeing a slot ends its sandbox.
+const NODE_GONE_AFTER: Duration = Duration::from_secs(600);
 /// Pooled sandboxes one keeper starts at once.
 const FILLS_AT_ONCE: usize = 4;
 /// How long a template whose pooled create failed waits before the next try (doubling up to
 /// [`MAX_BACKOFF`]).
 const FIRST_BACKOFF: Duration = Duration::from_secs(2);
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// Slot ID → its sandbox's manifest, as one round read it.
+type Manifests = HashMap<String, Arc<ledger_client::Versioned<SandboxDoc>>>;
 
 /// Keeps every template's pool full.
 pub struct Keeper {
@@ -100,11 +108,14 @@ impl Keeper {
 
     /// One round: observe, plan, act. Returns how many pools there are.
     pub async fn round(self: &Arc<Self>) -> Result<usize, Failure> {
-        let (observed, resolved) = self.observe().await?;
-        self.publish(&observed);
+        let (observed, resolved, manifests) = self.observe().await?;
+        self.publish(&observed, manifests);
         let waits = Waits {
             grace_ms: SLOT_GRACE.as_millis() as u64,
             max_age_ms: MAX_AGE.as_millis() as u64,
+            budget: plan::TeamBudget {
+                memory_bytes: MAX_TEAM_POOL_MEMORY_BYTES,
+            },
         };
         for action in plan::plan(&observed, now_ms(), waits) {
             match action {
@@ -151,8 +162,9 @@ impl Keeper {
         }
     }
 
-    /// Reads pools, slots, each slot's manifest and each pool's template.
-    async fn observe(&self) -> Result<(Observed, HashMap<String, crate::templates::Resolved>), Failure> {
+    /// Reads pools, slots, each slot's manifest (also returned by slot ID, for claims to write
+    /// against), each pool's template, and the slots' nodes.
+    async fn observe(&self) -> Result<(Observed, HashMap<String, crate::templates::Resolved>, Manifests), Failure> {
         let (pools, _) = self.ledger.list::<PoolDoc>(POOL_KIND, "").await?;
         let (slots, _) = self.ledger.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await?;
         let mut observed = Observed {
@@ -164,12 +176,16 @@ impl Keeper {
             let now = self.template_now(&pool.template_id, &mut resolved).await;
             observed.templates.insert(pool.template_id.clone(), now);
         }
+        for (template_id, r) in &resolved {
+            observed.memory.insert(template_id.clone(), pooled_memory(&r.template));
+        }
+        let mut manifests = Manifests::new();
         for slot in slots {
-            let doc = self
+            let read = self
                 .ledger
                 .get::<SandboxDoc>(SANDBOX_KIND, &slot.value.sandbox_id)
                 .await?;
-            let doc = doc.as_ref().map(|d| &d.value);
+            let doc = read.as_ref().map(|d| &d.value);
             observed.slots.push(SlotView {
                 id: slot.key.id.clone(),
                 version: slot.version,
@@ -181,6 +197,9 @@ impl Keeper {
                 }),
                 doc: slot.value,
             });
+            if let Some(read) = read {
+                manifests.insert(slot.key.id.clone(), Arc::new(read));
+            }
         }
         let nodes: HashSet<String> = observed
             .slots
@@ -194,7 +213,7 @@ impl Keeper {
                 observed.nodes.insert(node_id, node_now(&node.value, now_ms()));
             }
         }
-        Ok((observed, resolved))
+        Ok((observed, resolved, manifests))
     }
 
     async fn template_now(
@@ -219,7 +238,7 @@ impl Keeper {
     }
 
     /// Refreshes the index creates claim from, and the pools' gauges.
-    fn publish(&self, observed: &Observed) {
+    fn publish(&self, observed: &Observed, mut manifests: Manifests) {
         let mut ready: HashMap<String, Vec<Candidate>> = HashMap::new();
         for slot in observed.slots.iter().filter(|s| s.claimable(&observed.nodes)) {
             ready.entry(slot.doc.template_id.clone()).or_default().push(Candidate {
@@ -228,6 +247,7 @@ impl Keeper {
                 slot_version: slot.version,
                 node_id: slot.node_id.clone(),
                 resources: slot.resources,
+                manifest: manifests.remove(&slot.id),
             });
         }
         for (_, pool) in &observed.pools {
@@ -355,8 +375,11 @@ impl Keeper {
 
 /// Where node `node` stands at `now` (unix ms), by its document.
 fn node_now(node: &NodeDoc, now: u64) -> NodeNow {
-    if now.saturating_sub(node.reported_at_unix_ms) > NODE_SILENT_AFTER.as_millis() as u64 {
-        NodeNow::Silent
+    let silent = now.saturating_sub(node.reported_at_unix_ms);
+    if silent > NODE_GONE_AFTER.as_millis() as u64 {
+        NodeNow::Gone
+    } else if silent > NODE_QUIET_AFTER.as_millis() as u64 {
+        NodeNow::Quiet
     } else if node.state == NodeState::Draining {
         NodeNow::Draining
     } else {
@@ -369,7 +392,7 @@ fn slot_sandbox(doc: Option<&SandboxDoc>, slot: &PoolSlotDoc) -> SlotSandbox {
     let Some(doc) = doc else {
         return SlotSandbox::Absent;
     };
-    let Some(pool) = &doc.pool else {
+    let Some(pool) = doc.pool.as_ref().filter(|_| doc.is_pooled()) else {
         return SlotSandbox::Claimed;
     };
     if pool.template_id != slot.template_id || pool.slot != slot.slot {

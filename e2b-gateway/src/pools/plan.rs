@@ -5,13 +5,17 @@
 //! document holds it; *freed* (its document deleted, to be filled again) when its sandbox was
 //! claimed, or when nothing was started for it within the grace (a gateway died between
 //! taking the slot and writing the manifest, or the create failed), or when its sandbox's
-//! node went silent (no claim could reach it there; the reaper ends the sandbox, which no slot
-//! names any more, once its node answers); *retired* (its sandbox killed, then its document
-//! deleted) when the pool no longer wants it: the pool shrank, the template was rebuilt since
-//! the sandbox started, the template is gone, its node is draining (retiring a pooled sandbox
-//! is cheaper than moving it: the refill lands on another node), or it has waited longer than
-//! the pools' longest wait (one such a round per template, so a pool filled at once is not
+//! node has been gone for long (no claim could reach it there; the reaper ends the sandbox,
+//! which no slot names any more, once its node answers); *retired* (its sandbox killed, then
+//! its document deleted) when the pool no longer wants it: the pool shrank, the template was
+//! rebuilt since the sandbox started, the template is gone, its node is draining (retiring a
+//! pooled sandbox is cheaper than moving it: the refill lands on another node), or it has
+//! waited longer than the pools' longest wait (only while every slot of its pool is ready,
+//! and one at a time, so a pool filled at once is recycled one refill after another, never
 //! emptied at once).
+//!
+//! A team's pools are filled only within its budget of memory, counted with each template's
+//! size now: a template rebuilt larger after its pool was sized is not filled past it.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -48,8 +52,11 @@ pub enum NodeNow {
     Ready,
     /// Its sandboxes are being moved away: pooled ones are retired instead.
     Draining,
-    /// No heartbeat reached placement for a while: a claim there would wait and fail.
-    Silent,
+    /// No heartbeat reached placement for a while: a claim there would wait and fail, so
+    /// none is tried, but its slots are kept (placement itself may be what is down).
+    Quiet,
+    /// Silent for long: its slots are freed, to be filled elsewhere.
+    Gone,
 }
 
 /// One slot document and what its sandbox is.
@@ -80,6 +87,14 @@ pub struct Observed {
     pub slots: Vec<SlotView>,
     pub templates: BTreeMap<String, TemplateNow>,
     pub nodes: BTreeMap<String, NodeNow>,
+    /// The memory one sandbox of each template asks for now (its current build's).
+    pub memory: BTreeMap<String, u64>,
+}
+
+/// What a team's pools may hold together.
+#[derive(Clone, Copy, Debug)]
+pub struct TeamBudget {
+    pub memory_bytes: u64,
 }
 
 /// How long a keeper lets slots wait.
@@ -91,6 +106,7 @@ pub struct Waits {
     /// taken: a long-idle start command drifts (caches, clocks, leaked memory), and a pool's
     /// sandboxes then come from this hour's build of the node's state.
     pub max_age_ms: u64,
+    pub budget: TeamBudget,
 }
 
 /// One step of the keeper.
@@ -125,7 +141,17 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
     };
     let mut actions = Vec::new();
     let mut held: HashSet<(&str, u32)> = HashSet::new();
-    // Templates with an aged sandbox retired this round.
+    // A template's pool is whole when every slot it wants holds a ready sandbox: only then is
+    // an aged one recycled, and one at a time.
+    let whole = |template: &str| {
+        let size = size_of(template);
+        (0..size).all(|k| {
+            observed
+                .slots
+                .iter()
+                .any(|s| s.doc.template_id == template && s.doc.slot == k && s.sandbox == SlotSandbox::Ready)
+        })
+    };
     let mut recycled: HashSet<&str> = HashSet::new();
     for slot in &observed.slots {
         let template = slot.doc.template_id.as_str();
@@ -140,14 +166,14 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
             SlotSandbox::Claimed => actions.push(free),
             SlotSandbox::Absent if slot.doc.since_unix_ms.saturating_add(waits.grace_ms) <= now => actions.push(free),
             SlotSandbox::Absent | SlotSandbox::Busy => {}
-            SlotSandbox::Ready if node == Some(NodeNow::Silent) => actions.push(free),
+            SlotSandbox::Ready if node == Some(NodeNow::Gone) => actions.push(free),
             SlotSandbox::Ready => {
                 let unwanted = slot.doc.slot >= size_of(template)
                     || *now_template == TemplateNow::Gone
                     || matches!(now_template, TemplateNow::Build(b) if *b != slot.doc.build_id)
                     || node == Some(NodeNow::Draining);
                 let aged = slot.doc.since_unix_ms.saturating_add(waits.max_age_ms) <= now;
-                if unwanted || (aged && recycled.insert(template)) {
+                if unwanted || (aged && whole(template) && recycled.insert(template)) {
                     actions.push(Action::Retire {
                         id: slot.id.clone(),
                         version: slot.version,
@@ -157,17 +183,40 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
             }
         }
     }
+    // What each team's pools hold now (slots taken, at their template's size now).
+    let team_of = |template: &str| {
+        observed
+            .pools
+            .iter()
+            .find(|(_, p)| p.template_id == template && !p.by_operator())
+            .map(|(_, p)| p.set_by.as_str())
+    };
+    let memory_of = |template: &str| observed.memory.get(template).copied().unwrap_or(0);
+    let mut spent: BTreeMap<&str, u64> = BTreeMap::new();
+    for (template, _) in &held {
+        if let Some(team) = team_of(template) {
+            *spent.entry(team).or_default() += memory_of(template);
+        }
+    }
     for (version, pool) in &observed.pools {
         match observed.templates.get(&pool.template_id) {
             Some(TemplateNow::Build(build_id)) => {
                 for slot in 0..pool.size {
-                    if !held.contains(&(pool.template_id.as_str(), slot)) {
-                        actions.push(Action::Fill {
-                            template_id: pool.template_id.clone(),
-                            slot,
-                            build_id: build_id.clone(),
-                        });
+                    if held.contains(&(pool.template_id.as_str(), slot)) {
+                        continue;
                     }
+                    if let Some(team) = team_of(&pool.template_id) {
+                        let after = spent.get(team).copied().unwrap_or(0) + memory_of(&pool.template_id);
+                        if after > waits.budget.memory_bytes {
+                            continue;
+                        }
+                        spent.insert(team, after);
+                    }
+                    actions.push(Action::Fill {
+                        template_id: pool.template_id.clone(),
+                        slot,
+                        build_id: build_id.clone(),
+                    });
                 }
             }
             Some(TemplateNow::Gone) if !held.iter().any(|(t, _)| *t == pool.template_id) => {
@@ -220,12 +269,14 @@ mod tests {
             slots,
             templates: [("t".to_string(), template)].into(),
             nodes: Default::default(),
+            memory: Default::default(),
         }
     }
 
     const WAITS: Waits = Waits {
         grace_ms: 1000,
         max_age_ms: 1_000_000,
+        budget: TeamBudget { memory_bytes: u64::MAX },
     };
 
     fn waits(grace_ms: u64) -> Waits {
@@ -326,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn a_silent_nodes_slots_are_freed_a_draining_nodes_retired_and_none_is_claimable() {
+    fn a_gone_nodes_slots_are_freed_a_draining_nodes_retired_and_none_is_claimable() {
         let mut o = observed(
             vec![pool("t", 3)],
             vec![
@@ -336,11 +387,11 @@ mod tests {
             ],
             build("b"),
         );
-        o.slots[1].node_id = "quiet".into();
+        o.slots[1].node_id = "gone".into();
         o.slots[2].node_id = "leaving".into();
         o.nodes = [
             ("n1".to_string(), NodeNow::Ready),
-            ("quiet".to_string(), NodeNow::Silent),
+            ("gone".to_string(), NodeNow::Gone),
             ("leaving".to_string(), NodeNow::Draining),
         ]
         .into();
@@ -360,6 +411,10 @@ mod tests {
         );
         let claimable: Vec<bool> = o.slots.iter().map(|s| s.claimable(&o.nodes)).collect();
         assert_eq!(claimable, vec![true, false, false]);
+        // Quiet (placement may be what is down): not claimed from, but kept.
+        o.nodes.insert("gone".into(), NodeNow::Quiet);
+        assert!(!o.slots[1].claimable(&o.nodes));
+        assert!(!plan(&o, 0, WAITS).iter().any(|a| matches!(a, Action::Free { .. })));
         o.nodes.clear();
         assert!(
             o.slots[1].claimable(&o.nodes),
@@ -379,8 +434,8 @@ mod tests {
             build("b"),
         );
         let waits = Waits {
-            grace_ms: 1000,
             max_age_ms: 10_000,
+            ..WAITS
         };
         assert!(plan(&o, 9_999, waits).is_empty(), "none has waited its longest");
         let retired: Vec<Action> = plan(&o, 12_000, waits);
@@ -393,5 +448,42 @@ mod tests {
             }],
             "two have aged; one goes this round"
         );
+        // While one is being refilled, no other aged one goes.
+        let mut refilling = o.clone();
+        refilling.slots[0].sandbox = SlotSandbox::Busy;
+        assert!(
+            plan(&refilling, 12_000, waits).is_empty(),
+            "{:?}",
+            plan(&refilling, 12_000, waits)
+        );
+    }
+
+    #[test]
+    fn a_teams_pools_are_filled_only_within_its_memory_budget_at_the_templates_size_now() {
+        let mut team_pool = pool("t", 4);
+        team_pool.1.set_by = "team-a".into();
+        let mut o = observed(
+            vec![team_pool],
+            vec![slot("t", 0, "b", SlotSandbox::Ready, 0)],
+            build("b"),
+        );
+        // Rebuilt at 1 GiB after the pool was sized: 2.5 GiB of budget holds two of them.
+        o.memory.insert("t".into(), 1 << 30);
+        let waits = Waits {
+            budget: TeamBudget { memory_bytes: 5 << 29 },
+            ..WAITS
+        };
+        let fills = plan(&o, 0, waits)
+            .into_iter()
+            .filter(|a| matches!(a, Action::Fill { .. }))
+            .count();
+        assert_eq!(fills, 1, "one held, one more within 2.5 GiB");
+        // An operator's pool is not a team's to budget.
+        o.pools[0].1.set_by = common::pool::OPERATOR.into();
+        let fills = plan(&o, 0, waits)
+            .into_iter()
+            .filter(|a| matches!(a, Action::Fill { .. }))
+            .count();
+        assert_eq!(fills, 3);
     }
 }

@@ -184,6 +184,8 @@ impl Sandboxes {
     /// nodes' pooled sandboxes as free: placement answers with a node and how much of its
     /// pooled sandboxes must go, and those are retired there before the sandbox starts. A
     /// reclaim that cannot free enough (claimed meanwhile) gives the room back and refuses.
+    /// Only the first attempt reclaims: a create whose start then fails elsewhere must not
+    /// empty the pools of one node after another.
     pub(super) async fn place_and_start(
         &self,
         doc: &SandboxDoc,
@@ -211,7 +213,7 @@ impl Sandboxes {
                 ..Default::default()
             };
             let mut placed = self.placement.clone().place(request.clone()).await;
-            let may_reclaim = doc.pool.is_none() && self.pools.any_ready();
+            let may_reclaim = attempt == 0 && doc.pool.is_none() && self.pools.any_ready();
             if may_reclaim && matches!(&placed, Err(s) if s.code() == tonic::Code::ResourceExhausted) {
                 request.reclaim_pooled = true;
                 placed = self.placement.clone().place(request).await;
@@ -294,7 +296,7 @@ impl Sandboxes {
             }),
             traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
             image: Some(image.clone()),
-            pooled: doc.pool.is_some(),
+            pooled: doc.is_pooled(),
         })
         .await
         .map_err(|s| match s.code() {

@@ -4,13 +4,20 @@
 //!
 //! A claim rewrites the pooled sandbox's manifest in one compare-and-swap: the team, its
 //! metadata, sealed env vars, fresh access tokens and its end replace the pool's, under a new
-//! epoch and phase `creating` (no route yet: nobody's requests reach it before it is written
-//! running); its slot's document is deleted in the same transaction. Two creates racing for one pooled sandbox both read the same
-//! version and only one write lands; the other tries the next candidate, and a create that
-//! finds none left is created cold. The node is then told (`Claim`): the pool's token stops
-//! working, envd adds the env vars. A claim that fails on the node kills the sandbox rather
-//! than hand it out half claimed, and the create goes on cold. A gateway that dies between the
-//! two leaves a `creating` manifest that the reaper ends like any abandoned create.
+//! epoch, phase `running`; its slot's document is deleted in the same transaction. Two creates
+//! racing for one pooled sandbox both read the same version and only one write lands; the
+//! other tries the next candidate, and a create that finds none left is created cold. The
+//! node is then told (`Claim`): the pool's token stops working, envd adds the env vars, and
+//! the node refuses any second claim. Only then does the create answer, so nobody holds the
+//! new tokens before the node does. A claim that fails on the node kills the sandbox rather
+//! than hand it out half claimed, and the create goes on cold.
+//!
+//! The claim's write keeps the manifest's `pool` as a mark: the hand-over is not confirmed
+//! yet ([`SandboxDoc::claim_unconfirmed`]). The create clears it after it answers, off the
+//! create's path (one ledger commit on the path, not two). A gateway that stopped before it
+//! leaves the mark to the reaper, which asks the node: a sandbox the node no longer holds as
+//! pooled was handed over and is confirmed; one the node still holds as pooled never was, and
+//! its create never answered, so it is killed.
 //!
 //! A pooled sandbox has never run a request's code: its start command ran, nothing else. What
 //! the claim changes is everything a request gives a sandbox; its ID (and so its hostname)
@@ -35,7 +42,7 @@ const CLAIM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A ready pooled sandbox and the slot document that holds it: a claim deletes that document
 /// in the same transaction as it rewrites the manifest, so the slot is free to fill at once.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
     pub sandbox_id: String,
     pub slot_id: String,
@@ -45,6 +52,10 @@ pub struct Candidate {
     /// on the node is what finds out).
     pub node_id: String,
     pub resources: common::docs::Capacity,
+    /// Its manifest as the keeper last read it: a claim writes against it without reading it
+    /// again (pooled manifests rarely change), and reads it again only when that write finds
+    /// it changed.
+    pub manifest: Option<std::sync::Arc<Versioned<SandboxDoc>>>,
 }
 
 /// Which pooled sandboxes are ready, by template: candidates for claims, refreshed by the
@@ -155,12 +166,12 @@ pub fn fits(doc: &SandboxDoc, intent: &CreateIntent) -> bool {
 
 /// `pooled` as the create of `team` for `intent` makes it: `fresh` is the manifest a cold
 /// create would write (its tokens, seals, end); where it runs and its epoch (raised) are the
-/// pooled sandbox's. It keeps its `pool` until it is written running: a claim abandoned
-/// half-way (its gateway died, or the node never heard of it) is then ended by the reaper,
-/// never adopted as the team's with the pool's tokens still on the node.
+/// pooled sandbox's, and it runs. It keeps its `pool` as the mark of a hand-over its node has
+/// not confirmed: a claim abandoned half-way (its gateway died before the node heard of it) is
+/// then ended by the reaper, never kept as the team's with the pool's tokens on the node.
 pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
     SandboxDoc {
-        phase: SandboxPhase::Creating,
+        phase: SandboxPhase::Running,
         node_id: pooled.node_id.clone(),
         node_address: pooled.node_address.clone(),
         envd_address: pooled.envd_address.clone(),
@@ -171,6 +182,19 @@ pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
         ..fresh
     }
 }
+
+/// How one claim ended.
+enum Claim {
+    Done(Box<SandboxDoc>),
+    /// Another create (or the keeper retiring it, or a move) changed it first.
+    Lost,
+    /// Its node would not hand it over; it was killed.
+    Failed,
+}
+
+/// Tries a mark's clearing makes against concurrent writes (a kill, a move) before it leaves
+/// the mark to the reaper.
+const CONFIRM_ATTEMPTS: usize = 3;
 
 impl Sandboxes {
     /// A pooled sandbox of `intent`'s template, claimed for `team`; `None` when the template
@@ -185,46 +209,59 @@ impl Sandboxes {
         }
         // A few tries at most: a create pays for each candidate that fails (a node that does
         // not answer, a claim lost to another create), and a cold create is always there.
-        for candidate in candidates.into_iter().take(CLAIM_TRIES) {
+        'candidates: for candidate in candidates.into_iter().take(CLAIM_TRIES) {
             let id = candidate.sandbox_id.clone();
-            let pooled = match self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await {
-                Ok(Some(pooled)) => pooled,
-                Ok(None) => {
-                    self.pools.remove(&intent.template, &id);
-                    continue;
+            let mut known = candidate.manifest.clone();
+            // Twice at most: against the manifest the keeper read, then once more against a
+            // fresh read if that one had changed.
+            loop {
+                let cached = known.is_some();
+                let pooled = match known.take() {
+                    Some(manifest) => (*manifest).clone(),
+                    None => match self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, &id).await {
+                        Ok(Some(pooled)) => pooled,
+                        Ok(None) => {
+                            self.pools.remove(&intent.template, &id);
+                            continue 'candidates;
+                        }
+                        Err(err) => {
+                            tracing::debug!(sandbox_id = %id, %err, "pooled manifest unreadable; created cold");
+                            break 'candidates;
+                        }
+                    },
+                };
+                if !fits(&pooled.value, intent) {
+                    continue 'candidates;
                 }
-                Err(err) => {
-                    tracing::debug!(sandbox_id = %id, %err, "pooled manifest unreadable; created cold");
-                    break;
+                use tracing::Instrument;
+                let span = tracing::info_span!("claim", sandbox_id = %id, template = %intent.template);
+                match self
+                    .claim_one(team, intent, pooled, &candidate)
+                    .instrument(span)
+                    .await?
+                {
+                    Claim::Done(doc) => {
+                        metrics::counter!("gateway_pool_claims_total", "result" => "hit").increment(1);
+                        return Ok(Some(*doc));
+                    }
+                    Claim::Lost if cached => continue,
+                    Claim::Lost | Claim::Failed => continue 'candidates,
                 }
-            };
-            if !fits(&pooled.value, intent) {
-                continue;
-            }
-            use tracing::Instrument;
-            let span = tracing::info_span!("claim", sandbox_id = %id, template = %intent.template);
-            match self.claim_one(team, intent, pooled, &candidate).instrument(span).await {
-                Ok(Some(doc)) => {
-                    metrics::counter!("gateway_pool_claims_total", "result" => "hit").increment(1);
-                    return Ok(Some(doc));
-                }
-                Ok(None) => continue,
-                Err(err) => return Err(err),
             }
         }
         metrics::counter!("gateway_pool_claims_total", "result" => "miss").increment(1);
         Ok(None)
     }
 
-    /// Claims `pooled` for `team`: `None` when another create took it first or its node
-    /// would not hand it over (the sandbox is then killed).
+    /// Claims `pooled` for `team`, answering once its node took the hand-over; the mark of
+    /// an unconfirmed hand-over is cleared after, in the background.
     async fn claim_one(
         &self,
         team: &str,
         intent: &CreateIntent,
         pooled: Versioned<SandboxDoc>,
         candidate: &Candidate,
-    ) -> Result<Option<SandboxDoc>, Failure> {
+    ) -> Result<Claim, Failure> {
         let id = pooled.value.sandbox_id.clone();
         let template = pooled.value.template.clone();
         let fresh = self.new_manifest(team, intent, &id, now_ms());
@@ -240,38 +277,28 @@ impl Sandboxes {
             // changed since the index was made.
             Err(LedgerError::Conflict { .. }) => {
                 self.pools.remove(&template, &id);
-                return Ok(None);
+                return Ok(Claim::Lost);
             }
             Err(err) => return Err(err.into()),
         };
         self.pools.remove(&template, &id);
-        let versioned = |version, value: SandboxDoc| Versioned {
+        let claimed = Versioned {
             key: ledger_client::DocKey::new(common::docs::SANDBOX_KIND, &id),
             version,
             create_revision: 0,
             mod_revision: 0,
-            value,
+            value: doc.clone(),
         };
         if let Err(err) = self.tell_node_claimed(&doc, intent).await {
             tracing::warn!(sandbox_id = %id, %err, "the node did not hand the pooled sandbox over; killing it");
-            self.end_claimed(&versioned(version, doc)).await;
-            return Ok(None);
+            self.end_claimed(&claimed).await;
+            return Ok(Claim::Failed);
         }
-        doc.phase = SandboxPhase::Running;
+        let ledger = self.ledger.clone();
+        tokio::spawn(async move { confirm_claim(&ledger, claimed).await });
         doc.pool = None;
-        match self.save(&versioned(version, doc.clone())).await {
-            Ok(_) => {
-                tracing::info!(sandbox_id = %id, node_id = %doc.node_id, "pooled sandbox claimed");
-                Ok(Some(doc))
-            }
-            // The running write may have landed: the caller is told to look, nothing is undone.
-            Err(err @ Failure::Unknown(_)) => Err(err),
-            Err(err) => {
-                tracing::warn!(sandbox_id = %id, %err, "a claimed sandbox's running write failed; killing it");
-                self.end_claimed(&versioned(version, doc)).await;
-                Ok(None)
-            }
-        }
+        tracing::info!(sandbox_id = %id, node_id = %doc.node_id, "pooled sandbox claimed");
+        Ok(Claim::Done(Box::new(doc)))
     }
 
     async fn tell_node_claimed(&self, doc: &SandboxDoc, intent: &CreateIntent) -> Result<(), Failure> {
@@ -328,7 +355,7 @@ impl Sandboxes {
         };
         let mut freed = common::docs::Capacity::default();
         for candidate in chosen {
-            match self.retire_pooled(&candidate.sandbox_id).await {
+            match self.retire_pooled_on(&candidate.sandbox_id, node_id).await {
                 Ok(()) => {
                     self.pools.remove_anywhere(&candidate.sandbox_id);
                     self.hold_slot(&candidate.slot_id).await;
@@ -366,6 +393,45 @@ impl Sandboxes {
     /// retirement never both go through.
     pub async fn retire_pooled(&self, id: &str) -> Result<(), Failure> {
         self.kill("", id).await
+    }
+
+    /// Retires pooled sandbox `id` only if it still runs on `node_id` (a move may have taken
+    /// it elsewhere since the index was read: its room there is not the room a create needs).
+    async fn retire_pooled_on(&self, id: &str, node_id: &str) -> Result<(), Failure> {
+        match self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, id).await? {
+            Some(doc) if doc.value.is_pooled() && doc.value.node_id == node_id => self.retire_pooled(id).await,
+            _ => Err(Failure::Conflict(format!("{id} is no longer pooled on {node_id}"))),
+        }
+    }
+}
+
+/// Clears the mark of claim `claimed` (its node took the hand-over): written against the
+/// version the claim wrote, and against a fresh read while a concurrent write (a kill's or a
+/// move's claim) keeps it the same team's. What stays unconfirmed the reaper confirms.
+pub(super) async fn confirm_claim(ledger: &ledger_client::LedgerClient, claimed: Versioned<SandboxDoc>) {
+    let team = claimed.value.team_id.clone();
+    let mut current = claimed;
+    for _ in 0..CONFIRM_ATTEMPTS {
+        let mut confirmed = current.value.clone();
+        confirmed.pool = None;
+        let Ok(txn) = Txn::new().update_read(&current, &confirmed) else {
+            return;
+        };
+        match ledger.compare(txn).await {
+            Ok(_) => return,
+            Err(LedgerError::Conflict { .. }) => {}
+            Err(err) => {
+                tracing::debug!(sandbox_id = %current.value.sandbox_id, %err, "a claim's mark stays for the reaper");
+                return;
+            }
+        }
+        match ledger
+            .get::<SandboxDoc>(common::docs::SANDBOX_KIND, &current.value.sandbox_id)
+            .await
+        {
+            Ok(Some(next)) if next.value.claim_unconfirmed() && next.value.team_id == team => current = next,
+            _ => return,
+        }
     }
 }
 
@@ -460,9 +526,10 @@ mod tests {
         assert_eq!(doc.envd_access_token.as_deref(), Some("fresh-seal"));
         assert_eq!(doc.end_at_unix_ms, 99);
         assert_eq!((doc.node_id.as_str(), doc.epoch), ("n1", 4), "its node, a raised epoch");
-        assert_eq!(doc.phase, SandboxPhase::Creating);
-        assert!(doc.pool.is_some(), "marked a claim until it is written running");
-        assert!(!fits(&doc, &intent()), "a claim in progress is no candidate");
+        assert_eq!(doc.phase, SandboxPhase::Running);
+        assert!(doc.claim_unconfirmed(), "marked until its node confirmed the hand-over");
+        assert!(!doc.is_pooled());
+        assert!(!fits(&doc, &intent()), "a claimed one is no candidate");
     }
 
     #[test]
@@ -477,6 +544,7 @@ mod tests {
                 vcpus: 1,
                 memory_bytes: 512 << 20,
             },
+            manifest: None,
         };
         index.replace(
             [("t".to_string(), vec![candidate("a"), candidate("b"), candidate("c")])].into(),

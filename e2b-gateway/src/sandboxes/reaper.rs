@@ -58,7 +58,14 @@ pub(super) enum Reap {
     /// A pause, resume or network change whose gateway stopped (or lost the ledger) before it
     /// ended: the manifest is made to say what the node holds, and released.
     ResolveClaim,
+    /// A pooled sandbox claimed by a create whose mark outlived the create: confirmed if its
+    /// node took the hand-over, else ended (that create never answered).
+    ConfirmPoolClaim,
 }
+
+/// A claim of a pooled sandbox still marked this long after it was written is the reaper's:
+/// longer than the node's hand-over may take (5 s) before its create kills it.
+const UNCONFIRMED_POOL_CLAIM_AFTER_MS: u64 = 15_000;
 
 /// A kill's claim this old is finished by the reaper, whatever the claims' time to live: a kill
 /// that ended without the node's answer (the node died under it) told its caller "kill
@@ -84,6 +91,12 @@ pub(super) fn reap(doc: &SandboxDoc, now: u64, patience: Patience) -> Option<Rea
         if let Some(what) = stale_claim(doc, now, Patience::ms(patience.claim_ttl)) {
             return Some(what);
         }
+    }
+    if doc.phase == SandboxPhase::Running
+        && doc.claim_unconfirmed()
+        && doc.started_at_unix_ms.saturating_add(UNCONFIRMED_POOL_CLAIM_AFTER_MS) <= now
+    {
+        return Some(Reap::ConfirmPoolClaim);
     }
     match doc.phase {
         SandboxPhase::Creating => {
@@ -134,6 +147,7 @@ impl Sandboxes {
                     Reap::Kill => self.kill(&d.team_id, &d.sandbox_id).await,
                     Reap::EndCreate => self.end_abandoned_create(&d.team_id, &d.sandbox_id).await,
                     Reap::ResolveClaim => self.resolve_claim(&d.team_id, &d.sandbox_id).await,
+                    Reap::ConfirmPoolClaim => self.confirm_pool_claim(&d.team_id, &d.sandbox_id).await,
                 };
                 match result {
                     Ok(()) => 1,
@@ -221,6 +235,38 @@ impl Sandboxes {
         let mut node = self.nodes.client(node_id, address).await.map_err(|e| e.to_string())?;
         let listed = node.list(node_pb::ListRequest {}).await.map_err(|s| s.to_string())?;
         Ok(listed.into_inner().sandboxes.into_iter().find(|s| s.sandbox_id == id))
+    }
+
+    /// Confirms or ends claim `id` of a pooled sandbox whose create did not clear its mark (its
+    /// gateway stopped, or lost the ledger): the node is the witness. A sandbox it no longer
+    /// holds as pooled took a claim, and only the claim that won the ledger's compare-and-swap
+    /// is ever sent, so the hand-over was this one and its create may have answered: the mark
+    /// is cleared. One it still holds as pooled, or not at all, never took it, so its create
+    /// never answered: it is killed.
+    async fn confirm_pool_claim(&self, team: &str, id: &str) -> Result<(), Failure> {
+        let Some(doc) = self.ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await? else {
+            return Ok(());
+        };
+        if !doc.value.claim_unconfirmed() {
+            return Ok(());
+        }
+        match self.held_on(&doc.value.node_id, &doc.value.node_address, id).await {
+            Ok(Some(held)) if !held.pooled => {
+                super::pool::confirm_claim(&self.ledger, doc).await;
+                metrics::counter!("gateway_pool_claims_resolved_total", "outcome" => "confirmed").increment(1);
+                tracing::warn!(sandbox_id = %id, "confirmed a pooled sandbox's claim its create left marked");
+                Ok(())
+            }
+            Ok(_) => {
+                metrics::counter!("gateway_pool_claims_resolved_total", "outcome" => "ended").increment(1);
+                tracing::warn!(sandbox_id = %id, "ended a pooled sandbox's claim its node never took");
+                self.kill(team, id).await
+            }
+            Err(why) => Err(Failure::Unavailable(format!(
+                "a pooled sandbox's unconfirmed claim on {id}: its node {} did not answer ({why})",
+                doc.value.node_id
+            ))),
+        }
     }
 
     /// Resolves a create whose gateway stopped before writing where it runs, against the
@@ -331,6 +377,15 @@ mod tests {
             reap(&doc(SandboxPhase::Creating, 0, false), late),
             Some(Reap::EndCreate)
         );
+        // A claim of a pooled sandbox whose mark its create did not clear: the node decides,
+        // once the hand-over's own deadline has long passed.
+        let mut claimed = doc(SandboxPhase::Running, u64::MAX, false);
+        claimed.team_id = "team".into();
+        claimed.pool = Some(common::pool::Pooled::default());
+        assert_eq!(reap(&claimed, 1_000 + 14_999), None, "its create may still be at it");
+        assert_eq!(reap(&claimed, 1_000 + 15_000), Some(Reap::ConfirmPoolClaim));
+        claimed.team_id.clear();
+        assert_eq!(reap(&claimed, late), None, "waiting in its pool, nobody's");
     }
 
     #[test]

@@ -229,6 +229,13 @@ impl NodeView {
         }
     }
 
+    /// `reclaim` of the node's pooled room is promised to a create (it retires that much):
+    /// no other create counts on it until the next heartbeat says what is pooled.
+    pub fn promise_pooled(&mut self, reclaim: Resources) {
+        self.pooled.vcpus = self.pooled.vcpus.saturating_sub(reclaim.vcpus);
+        self.pooled.memory_bytes = self.pooled.memory_bytes.saturating_sub(reclaim.memory_bytes);
+    }
+
     /// Creates in flight to this node.
     pub fn pending(&self) -> u32 {
         let n = self.reservations.values().filter(|r| r.phase == Phase::Pending).count();

@@ -66,6 +66,10 @@ impl PlacementStore for MemoryStore {
                 let node = &mut state.nodes[i];
                 let reclaim = crate::core::rank::reclaim(node, req, self.ranker.overcommit());
                 node.reserve(self.mode, &req.sandbox_id, req.resources);
+                if self.mode != crate::core::Accounting::Stale {
+                    // Stale accounting keeps nothing between heartbeats, this neither.
+                    node.promise_pooled(reclaim);
+                }
                 Placement::Placed {
                     node_id: node.node_id.clone(),
                     address: node.address.clone(),

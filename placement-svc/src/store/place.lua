@@ -200,6 +200,13 @@ if commit and best > 0 and mode ~= 'stale' then
     old_v, old_m = tonumber(old_v), tonumber(old_m)
   end
   redis.call('HSET', res, sandbox, int(req_v) .. ',' .. int(req_m) .. ',p,0')
+  -- As NodeView::promise_pooled: the pooled room this create reclaims is no other's to count
+  -- on until the next heartbeat.
+  if best_short_v > 0 or best_short_m > 0 then
+    local pv, pm = unpack(redis.call('HMGET', node, 'pool_vcpus', 'pool_mem'))
+    redis.call('HSET', node, 'pool_vcpus', int(math.max((tonumber(pv or '0') or 0) - best_short_v, 0)),
+      'pool_mem', int(math.max((tonumber(pm or '0') or 0) - best_short_m, 0)))
+  end
   if req_v ~= old_v then redis.call('HINCRBY', node, 'res_vcpus', int(req_v - old_v)) end
   if req_m ~= old_m then redis.call('HINCRBY', node, 'res_mem', int(req_m - old_m)) end
   if old_phase ~= 'p' then
