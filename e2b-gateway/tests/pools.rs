@@ -256,6 +256,97 @@ async fn a_create_refused_for_room_evicts_pooled_sandboxes_on_the_node_it_then_r
     s.stop().await;
 }
 
+/// Rewrites sandbox `id`'s manifest as `edit` makes it, as a gateway would have written it
+/// (against the newest version: the gateway's own writes may land meanwhile).
+async fn forge(s: &support::Stack, id: &str, edit: impl Fn(&mut common::docs::SandboxDoc)) {
+    for _ in 0..10 {
+        let doc = s
+            .ledger_client
+            .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, id)
+            .await
+            .unwrap()
+            .expect("the manifest exists");
+        let mut value = doc.value.clone();
+        edit(&mut value);
+        let txn = ledger_client::Txn::new().update_read(&doc, &value).unwrap();
+        match s.ledger_client.compare(txn).await {
+            Ok(_) => return,
+            Err(ledger_client::LedgerError::Conflict { .. }) => continue,
+            Err(err) => panic!("{err}"),
+        }
+    }
+    panic!("{id} kept changing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_its_create_left_marked_is_confirmed_or_ended_by_what_its_node_holds() {
+    let s = stack(4096).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 2}"#)).await;
+    assert_eq!(status, 200);
+    let pooled: Vec<String> = ready(&s, "base", 2).await.into_iter().collect();
+    let long_ago = common::clock::now_ms() - 60_000;
+    // A claim whose gateway stopped after its write, before the node heard of it: the node
+    // still holds the sandbox as pooled, so nobody was ever answered with it.
+    let never = pooled[0].clone();
+    // (A claim deletes the slot's document in its write.)
+    let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+    let slot = slots.iter().find(|d| d.value.sandbox_id == never).expect("its slot");
+    let freed = ledger_client::Txn::new().delete(POOL_SLOT_KIND, &slot.key.id, slot.version);
+    s.ledger_client.compare(freed).await.unwrap();
+    forge(&s, &never, |d| {
+        d.team_id = "team-a".into();
+        d.epoch += 1;
+        d.started_at_unix_ms = long_ago;
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while s.node().host().list_ids().await.contains(&never) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the unconfirmed claim was never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let gone = s
+        .ledger_client
+        .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &never)
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "its manifest went with it: {gone:?}");
+    // A claim its node took, whose create answered but never cleared the mark: kept, the
+    // mark cleared.
+    let pooled = ready(&s, "base", 2).await;
+    let (status, created) = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID": "base"}"#))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert!(pooled.contains(&id), "claimed from the pool");
+    forge(&s, &id, |d| {
+        d.pool = Some(common::pool::Pooled::default());
+        d.started_at_unix_ms = long_ago;
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let doc = s
+            .ledger_client
+            .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &id)
+            .await
+            .unwrap()
+            .expect("a confirmed claim is kept");
+        if !doc.value.claim_unconfirmed() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the mark was never cleared");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(s.node().host().list_ids().await.contains(&id));
+    let (status, info) = s.call("GET", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    assert_eq!(status, 200, "{info}");
+    s.stop().await;
+}
+
 /// Builds `name` (tag `default`) from base with one ENV step; returns (template ID, build ID).
 async fn build(s: &support::Stack, name: &str, version: &str) -> (String, String) {
     let (status, made) = s
