@@ -347,6 +347,47 @@ async fn a_claim_its_create_left_marked_is_confirmed_or_ended_by_what_its_node_h
     s.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_with_an_idempotency_key_is_claimed_and_its_retry_gets_that_sandbox() {
+    let s = stack(4096).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 1}"#)).await;
+    assert_eq!(status, 200);
+    let pooled = ready(&s, "base", 1).await;
+    let create = |key: &'static str| {
+        let url = s.url();
+        async move {
+            let r = reqwest::Client::new()
+                .post(format!("{url}/sandboxes"))
+                .header("X-API-Key", "key-a")
+                .header("Idempotency-Key", key)
+                .header("Content-Type", "application/json")
+                .body(r#"{"templateID": "base", "envVars": {"MINE": "1"}}"#)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, first) = create("key-one").await;
+    assert_eq!(status, 201, "{first}");
+    let id = first["sandboxID"].as_str().unwrap().to_string();
+    assert!(pooled.contains(&id), "claimed from the pool: {id} not in {pooled:?}");
+    let (status, again) = create("key-one").await;
+    assert_eq!(status, 201, "{again}");
+    assert_eq!(
+        again["sandboxID"], first["sandboxID"],
+        "the retry gets the claimed sandbox"
+    );
+    let token = first["envdAccessToken"].as_str().unwrap_or_default().to_string();
+    let (status, vars) = envs(&s, &id, &token).await;
+    assert_eq!((status, vars["MINE"].as_str()), (200, Some("1")), "{vars}");
+    let (status, other) = create("key-two").await;
+    assert_eq!(status, 201, "{other}");
+    assert_ne!(other["sandboxID"], first["sandboxID"], "another key, another sandbox");
+    s.stop().await;
+}
+
 /// Builds `name` (tag `default`) from base with one ENV step; returns (template ID, build ID).
 async fn build(s: &support::Stack, name: &str, version: &str) -> (String, String) {
     let (status, made) = s

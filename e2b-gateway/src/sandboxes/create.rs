@@ -23,7 +23,7 @@ impl Sandboxes {
     /// a node where it fits once pooled sandboxes go, which it then retires (see
     /// [`Self::place_and_start`]).
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
-        if let Some(doc) = self.claim_pooled(team, &intent).await? {
+        if let Some(doc) = self.claim_pooled(team, &intent, None).await? {
             return Ok(doc);
         }
         self.create_traced(team, intent, new_sandbox_id()).await

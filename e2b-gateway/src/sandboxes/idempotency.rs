@@ -8,6 +8,9 @@
 //! being created. A create that fails gives the key back (the claim is deleted), so the next
 //! retry tries again. The same key with a different request body is refused (409). Claims are
 //! kept for [`KEEP_CLAIMS`], then removed by the reaper.
+//!
+//! A template with a warm pool is claimed from it as any create is: the pooled sandbox's
+//! claim renames the key to its ID in the same ledger write (see `pool::HeldKey`).
 
 use std::time::Duration;
 
@@ -76,8 +79,17 @@ impl Sandboxes {
             .await;
         match written {
             Ok(committed) => {
-                let version = committed.versions[0];
-                let created = self.create_traced(team, intent, sandbox_id).await;
+                let mut held = super::pool::HeldKey {
+                    id: id.clone(),
+                    version: committed.versions[0],
+                    doc: claim,
+                };
+                let created = match self.claim_pooled(team, &intent, Some(&mut held)).await {
+                    Ok(Some(doc)) => return Ok(doc),
+                    Ok(None) => self.create_traced(team, intent, sandbox_id).await,
+                    Err(err) => Err(err),
+                };
+                let version = held.version;
                 if created.is_err() {
                     // Give the key back: the next retry creates again.
                     let undo = Txn::new().delete(IDEMPOTENCY_KIND, &id, version);

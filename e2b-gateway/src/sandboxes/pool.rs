@@ -183,6 +183,17 @@ pub fn claimed_manifest(pooled: &SandboxDoc, fresh: SandboxDoc) -> SandboxDoc {
     }
 }
 
+/// The `Idempotency-Key` a create holds (`idempotency/<team>/<key>` at `version`, naming the
+/// ID a cold create would use): a claim renames it to the pooled sandbox in the claim's own
+/// write, so a retry with the key finds the claimed sandbox, and a claim that then fails on
+/// its node names the cold ID again.
+#[derive(Clone, Debug)]
+pub(super) struct HeldKey {
+    pub id: String,
+    pub version: u64,
+    pub doc: common::docs::IdempotencyDoc,
+}
+
 /// How one claim ended.
 enum Claim {
     Done(Box<SandboxDoc>),
@@ -199,7 +210,12 @@ const CONFIRM_ATTEMPTS: usize = 3;
 impl Sandboxes {
     /// A pooled sandbox of `intent`'s template, claimed for `team`; `None` when the template
     /// has no pool, none fits or every claim failed (the create then goes cold).
-    pub(super) async fn claim_pooled(&self, team: &str, intent: &CreateIntent) -> Result<Option<SandboxDoc>, Failure> {
+    pub(super) async fn claim_pooled(
+        &self,
+        team: &str,
+        intent: &CreateIntent,
+        mut key: Option<&mut HeldKey>,
+    ) -> Result<Option<SandboxDoc>, Failure> {
         let candidates = self.pools.candidates(&intent.template);
         if candidates.is_empty() {
             if self.pools.has_pool(&intent.template) {
@@ -236,7 +252,7 @@ impl Sandboxes {
                 use tracing::Instrument;
                 let span = tracing::info_span!("claim", sandbox_id = %id, template = %intent.template);
                 match self
-                    .claim_one(team, intent, pooled, &candidate)
+                    .claim_one(team, intent, pooled, &candidate, key.as_deref_mut())
                     .instrument(span)
                     .await?
                 {
@@ -261,18 +277,31 @@ impl Sandboxes {
         intent: &CreateIntent,
         pooled: Versioned<SandboxDoc>,
         candidate: &Candidate,
+        mut key: Option<&mut HeldKey>,
     ) -> Result<Claim, Failure> {
         let id = pooled.value.sandbox_id.clone();
         let template = pooled.value.template.clone();
         let fresh = self.new_manifest(team, intent, &id, now_ms());
         let mut doc = claimed_manifest(&pooled.value, fresh);
-        let txn = Txn::new().update_read(&pooled, &doc)?.delete(
+        let mut txn = Txn::new().update_read(&pooled, &doc)?.delete(
             common::pool::POOL_SLOT_KIND,
             &candidate.slot_id,
             candidate.slot_version,
         );
+        if let Some(key) = key.as_deref() {
+            let renamed = common::docs::IdempotencyDoc {
+                sandbox_id: id.clone(),
+                ..key.doc.clone()
+            };
+            txn = txn.update(common::docs::IDEMPOTENCY_KIND, &key.id, key.version, &renamed)?;
+        }
         let version = match self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await {
-            Ok(done) => done.versions.first().copied().unwrap_or(pooled.version + 1),
+            Ok(done) => {
+                if let Some(key) = key.as_deref_mut() {
+                    key.version = done.versions.get(2).copied().unwrap_or(key.version + 1);
+                }
+                done.versions.first().copied().unwrap_or(pooled.version + 1)
+            }
             // Another create (or the keeper retiring it, or a move) was first, or the slot
             // changed since the index was made.
             Err(LedgerError::Conflict { .. }) => {
@@ -292,6 +321,14 @@ impl Sandboxes {
         if let Err(err) = self.tell_node_claimed(&doc, intent).await {
             tracing::warn!(sandbox_id = %id, %err, "the node did not hand the pooled sandbox over; killing it");
             self.end_claimed(&claimed).await;
+            if let Some(key) = key {
+                // The key names the cold create's ID again (it goes on cold, or to the next
+                // candidate); a key that cannot be renamed back fails the create, whose retry
+                // then finds the key pointing at nothing (404) rather than at a stranger.
+                let txn = Txn::new().update(common::docs::IDEMPOTENCY_KIND, &key.id, key.version, &key.doc)?;
+                let done = self.ledger.compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS).await?;
+                key.version = done.versions.first().copied().unwrap_or(key.version + 1);
+            }
             return Ok(Claim::Failed);
         }
         let ledger = self.ledger.clone();
