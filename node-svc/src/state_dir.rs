@@ -133,9 +133,15 @@ impl StateDir {
     /// Deletes sandbox `id`'s folder: renamed away first (one atomic step that frees the ID
     /// on disk), then deleted.
     pub fn remove(&self, id: &str) -> std::io::Result<()> {
+        crate::disk::remove_folder(&self.discard(id)?)
+    }
+
+    /// Renames sandbox `id`'s folder away, to the returned trash folder, which is the caller's
+    /// to delete (a node that stops first deletes it at its next start).
+    pub fn discard(&self, id: &str) -> std::io::Result<PathBuf> {
         let trash = self.scratch_path(TRASH_PREFIX, id);
         std::fs::rename(self.sandbox_dir(id), &trash)?;
-        crate::disk::remove_folder(&trash)
+        Ok(trash)
     }
 
     /// A new empty folder to unpack a snapshot of sandbox `id` into.
@@ -178,6 +184,54 @@ impl StateDir {
 }
 
 pub use crate::runtime::layout::home_in;
+
+/// Deletes killed sandboxes' trash folders one at a time on a thread of its own, after their
+/// kills answered: deleting a folder (unmounting its disk, unlinking the image and its files)
+/// is the slowest part of a kill, and nobody waits for it. One thread, so a burst of kills
+/// queues its deletions rather than occupy every blocking thread. A folder still queued when
+/// the node stops is a `.trash-` folder, deleted at the next start ([`StateDir::load`]).
+pub struct Janitor {
+    queue: std::sync::mpsc::Sender<PathBuf>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Janitor {
+    pub fn start() -> Self {
+        let (queue, folders) = std::sync::mpsc::channel::<PathBuf>();
+        let spawned = std::thread::Builder::new().name("node-janitor".into()).spawn(move || {
+            for folder in folders {
+                if let Err(err) = crate::disk::remove_folder(&folder) {
+                    tracing::warn!(path = %folder.display(), %err, "a killed sandbox's folder was not deleted");
+                }
+            }
+        });
+        let thread = match spawned {
+            Ok(thread) => Some(thread),
+            Err(err) => {
+                // Every folder is then deleted by its kill (below).
+                tracing::warn!(%err, "no janitor thread: kills delete their folders themselves");
+                None
+            }
+        };
+        Self { queue, thread }
+    }
+
+    /// Deletes what is queued, then stops.
+    pub fn finish(self) {
+        let Self { queue, thread } = self;
+        drop(queue);
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+
+    /// Deletes `folder` later, or now (on this thread) when the janitor is gone.
+    pub fn delete_later(&self, folder: PathBuf) {
+        if let Err(std::sync::mpsc::SendError(folder)) = self.queue.send(folder) {
+            let _ = crate::disk::remove_folder(&folder);
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -233,6 +287,26 @@ mod tests {
         dir.remove("a").expect("remove");
         assert!(!dir.sandbox_dir("a").exists());
         assert!(dir.load().expect("load").is_empty());
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
+    fn a_discarded_folder_frees_its_id_at_once_and_the_janitor_deletes_it_after() {
+        let (base, dir) = scratch();
+        std::fs::create_dir_all(dir.home("k").join("deep/er")).expect("home");
+        dir.persist(&record("k")).expect("persist");
+        let trash = dir.discard("k").expect("discard");
+        assert!(!dir.sandbox_dir("k").exists(), "the ID is free on disk");
+        assert!(trash.join(RECORD).exists(), "its files wait in the trash");
+        let janitor = Janitor::start();
+        janitor.delete_later(trash.clone());
+        janitor.finish();
+        assert!(!trash.exists(), "the janitor deleted it");
+        // Left in the trash by a node that stopped first: deleted at the next start.
+        std::fs::create_dir_all(dir.home("l")).expect("home");
+        let left = dir.discard("l").expect("discard");
+        assert!(dir.load().expect("load").is_empty(), "no record brings it back");
+        assert!(!left.exists());
         let _ = std::fs::remove_dir_all(base);
     }
 

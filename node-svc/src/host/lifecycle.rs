@@ -87,8 +87,10 @@ impl Shared {
             Move::Resume | Move::Kill => None,
         };
         let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
-        // The runtime call and the record's persistence in one trip to a blocking thread.
-        let next = blocking(move || {
+        let gone = id.to_string();
+        // The runtime call and the record's persistence (or, for a kill, its folder renamed
+        // away) in one trip to a blocking thread.
+        let (next, trash) = blocking(move || {
             match action {
                 Move::Pause => runtime.pause(&record.view())?,
                 Move::Resume => {
@@ -106,16 +108,19 @@ impl Shared {
             }
             if next.state != State::Killed {
                 dir.persist(&next).map_err(io)?;
+                return Ok((next, None));
             }
-            Ok(next)
+            // Renamed away: the ID is free on disk for a create of the same ID, and a node
+            // restart deletes what is left rather than bring the sandbox back.
+            let trash = dir.discard(&gone).map_err(io)?;
+            Ok((next, Some(trash)))
         })
         .await?;
         if next.state == State::Killed {
-            // Gone for everyone from here; the turn is held until its files are too, so a
-            // create of the same ID waits for them.
             turn.commit(None);
-            let (dir, gone) = (self.dir.clone(), id.to_string());
-            blocking(move || dir.remove(&gone).map_err(io)).await?;
+            if let Some(trash) = trash {
+                self.janitor.delete_later(trash);
+            }
             tracing::info!(sandbox_id = %id, "sandbox killed");
         } else {
             turn.commit(Some(next.clone()));

@@ -281,6 +281,8 @@ struct Shared {
     layers: Option<Arc<crate::layer_cache::LayerCache>>,
     /// Each sandbox's disk.
     disks: crate::disk::Disks,
+    /// Deletes killed sandboxes' folders after their kills answered.
+    janitor: crate::state_dir::Janitor,
 }
 
 /// Access to a running sandbox's files for one envd request; a pause waits until it is
@@ -349,6 +351,7 @@ impl Host {
                 answers: Mutex::new(Answers::new(ANSWERS_KEPT, ANSWERS_MAX_AGE_MS)),
                 layers,
                 disks,
+                janitor: crate::state_dir::Janitor::start(),
             }),
             boot_id: uuid::Uuid::new_v4().to_string(),
             cpu: Mutex::new(CpuRate::default()),
