@@ -423,7 +423,7 @@ mod tests {
     }
 
     #[test]
-    fn aged_sandboxes_are_recycled_one_a_round_per_template() {
+    fn aged_sandboxes_are_recycled_one_at_a_time_while_the_pool_is_whole() {
         let o = observed(
             vec![pool("t", 3)],
             vec![

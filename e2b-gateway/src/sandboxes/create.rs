@@ -185,7 +185,8 @@ impl Sandboxes {
     /// pooled sandboxes must go, and those are retired there before the sandbox starts. A
     /// reclaim that cannot free enough (claimed meanwhile) gives the room back and refuses.
     /// Only the first attempt reclaims: a create whose start then fails elsewhere must not
-    /// empty the pools of one node after another.
+    /// empty the pools of one node after another; and a team reclaims only so often
+    /// ([`super::pool::RECLAIMS_PER_WINDOW`] a minute).
     pub(super) async fn place_and_start(
         &self,
         doc: &SandboxDoc,
@@ -214,7 +215,10 @@ impl Sandboxes {
             };
             let mut placed = self.placement.clone().place(request.clone()).await;
             let may_reclaim = attempt == 0 && doc.pool.is_none() && self.pools.any_ready();
-            if may_reclaim && matches!(&placed, Err(s) if s.code() == tonic::Code::ResourceExhausted) {
+            if may_reclaim
+                && matches!(&placed, Err(s) if s.code() == tonic::Code::ResourceExhausted)
+                && self.pools.may_reclaim(&doc.team_id)
+            {
                 request.reclaim_pooled = true;
                 placed = self.placement.clone().place(request).await;
             }

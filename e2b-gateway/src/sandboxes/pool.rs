@@ -68,6 +68,36 @@ pub struct PoolIndex {
     /// Where the next claim starts in a template's list, so concurrent claims spread over
     /// the candidates rather than all racing for the first.
     turn: AtomicUsize,
+    /// Creates that reclaimed pooled room lately, by team.
+    reclaims: std::sync::Mutex<ReclaimBudget>,
+}
+
+/// Creates of one team that may reclaim pooled room (retire other pools' sandboxes) in one
+/// window: a team whose creates keep failing after they reclaimed (a start command that never
+/// gets ready, at a size that fits nowhere) would otherwise empty everyone's pools, unbilled.
+pub const RECLAIMS_PER_WINDOW: u32 = 16;
+/// The window [`RECLAIMS_PER_WINDOW`] counts in.
+pub const RECLAIM_WINDOW_MS: u64 = 60_000;
+
+/// Each team's reclaims in its current window: (window start, reclaims in it).
+#[derive(Debug, Default)]
+pub struct ReclaimBudget {
+    teams: HashMap<String, (u64, u32)>,
+}
+
+impl ReclaimBudget {
+    /// Whether `team` may reclaim once more at `now` (unix ms); counts it when it may.
+    pub fn take(&mut self, team: &str, now: u64) -> bool {
+        // Old windows are dropped as they pass, so the map holds only teams of the last minute.
+        self.teams
+            .retain(|_, (start, _)| start.saturating_add(RECLAIM_WINDOW_MS) > now);
+        let (_, used) = self.teams.entry(team.to_string()).or_insert((now, 0));
+        if *used >= RECLAIMS_PER_WINDOW {
+            return false;
+        }
+        *used += 1;
+        true
+    }
 }
 
 impl PoolIndex {
@@ -108,6 +138,23 @@ impl PoolIndex {
     pub fn any_ready(&self) -> bool {
         let ready = self.ready.read().unwrap_or_else(PoisonError::into_inner);
         ready.values().any(|c| !c.is_empty())
+    }
+
+    /// Whether a create of `team` may reclaim pooled room now (see [`ReclaimBudget`]).
+    pub fn may_reclaim(&self, team: &str) -> bool {
+        let allowed = self
+            .reclaims
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take(team, now_ms());
+        if !allowed {
+            metrics::counter!("gateway_pool_reclaims_refused_total").increment(1);
+            tracing::info!(
+                team,
+                "a team's creates reclaimed pooled room too often: refused for room"
+            );
+        }
+        allowed
     }
 
     /// Ready sandboxes on `node_id` that together free at least `need` (vCPUs and bytes), the
@@ -567,6 +614,23 @@ mod tests {
         assert!(doc.claim_unconfirmed(), "marked until its node confirmed the hand-over");
         assert!(!doc.is_pooled());
         assert!(!fits(&doc, &intent()), "a claimed one is no candidate");
+    }
+
+    #[test]
+    fn a_team_reclaims_pooled_room_only_so_often() {
+        let mut budget = ReclaimBudget::default();
+        for _ in 0..RECLAIMS_PER_WINDOW {
+            assert!(budget.take("a", 1_000));
+        }
+        assert!(
+            !budget.take("a", 1_000 + RECLAIM_WINDOW_MS - 1),
+            "spent for this window"
+        );
+        assert!(budget.take("b", 2_000), "another team's budget is its own");
+        assert!(budget.take("a", 1_000 + RECLAIM_WINDOW_MS), "a new window");
+        assert_eq!(budget.teams.len(), 2);
+        assert!(budget.take("c", 2_000 + 2 * RECLAIM_WINDOW_MS));
+        assert_eq!(budget.teams.len(), 1, "passed windows are forgotten");
     }
 
     #[test]
