@@ -185,6 +185,9 @@ impl StateDir {
 
 pub use crate::runtime::layout::home_in;
 
+/// The janitor thread's nice value (0 normal, 19 lowest).
+const JANITOR_NICE: i32 = 10;
+
 /// Deletes killed sandboxes' trash folders one at a time on a thread of its own, after their
 /// kills answered: deleting a folder (unmounting its disk, unlinking the image and its files)
 /// is the slowest part of a kill, and nobody waits for it. One thread, so a burst of kills
@@ -199,6 +202,9 @@ impl Janitor {
     pub fn start() -> Self {
         let (queue, folders) = std::sync::mpsc::channel::<PathBuf>();
         let spawned = std::thread::Builder::new().name("node-janitor".into()).spawn(move || {
+            // Below the node's other work: a burst's deletions must not take the CPU from the
+            // creates beside them. (A thread's own ID names just that thread here.)
+            let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), JANITOR_NICE);
             for folder in folders {
                 if let Err(err) = crate::disk::remove_folder(&folder) {
                     tracing::warn!(path = %folder.display(), %err, "a killed sandbox's folder was not deleted");
