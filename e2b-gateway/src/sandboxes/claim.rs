@@ -28,6 +28,10 @@ pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_secs(120);
 
 /// The operation name of a kill's claim.
 pub(super) const KILL: &str = "kill";
+/// A kill that makes room for a create (a pooled sandbox evicted). Unlike a kill's, its claim
+/// is not taken over by another kill at once: two creates evicting one sandbox must not both
+/// count its room as theirs, so the second waits, finds it gone, and does not.
+pub(super) const EVICT: &str = "evict";
 
 /// Whether user operation `op` may displace the manifest's owner at `now`: a user claim past
 /// its time to live `ttl`, or — for a kill — another kill's claim at once (kills are idempotent,
@@ -125,5 +129,10 @@ mod tests {
         assert!(!may_take_over(&doc(Some("user:kill:1"), 1_000), "resume", 1_000));
         // A move's ownership is the balancer's to resolve, never taken over here.
         assert!(!may_take_over(&doc(Some("plan.0"), 0), "kill", ttl * 10));
+        assert!(
+            !may_take_over(&doc(Some("user:evict:1"), 1_000), EVICT, 1_000),
+            "an eviction is not taken over by another: one create counts the room"
+        );
+        assert!(!may_take_over(&doc(Some("user:evict:1"), 1_000), "kill", 1_000));
     }
 }

@@ -34,7 +34,12 @@ impl Sandboxes {
     /// and keeps the claim — the kill may have landed, so the sandbox stays "being killed",
     /// and the next kill takes the claim over at once and tries again.
     pub async fn kill(&self, team: &str, id: &str) -> Result<(), Failure> {
-        let mut doc = self.claim(team, id, KILL).await?;
+        self.kill_as(team, id, KILL).await
+    }
+
+    /// A kill under a claim for operation `op` (see `claim::EVICT`).
+    pub(super) async fn kill_as(&self, team: &str, id: &str, op: &str) -> Result<(), Failure> {
+        let mut doc = self.claim(team, id, op).await?;
         match self.kill_on_node(&doc.value).await {
             Ok(()) => {}
             // Not confirmed (the node did not answer, or the call broke after it was sent: a

@@ -479,11 +479,15 @@ impl Sandboxes {
         self.kill("", id).await
     }
 
-    /// Retires pooled sandbox `id` only if it still runs on `node_id` (a move may have taken
-    /// it elsewhere since the index was read: its room there is not the room a create needs).
+    /// Retires pooled sandbox `id` for a create's room, only if it still runs on `node_id` (a
+    /// move may have taken it elsewhere since the index was read: its room there is not the
+    /// room the create needs), under an eviction's claim, which no other eviction takes over:
+    /// `Ok` means this create's eviction removed it.
     async fn retire_pooled_on(&self, id: &str, node_id: &str) -> Result<(), Failure> {
         match self.ledger.get::<SandboxDoc>(common::docs::SANDBOX_KIND, id).await? {
-            Some(doc) if doc.value.is_pooled() && doc.value.node_id == node_id => self.retire_pooled(id).await,
+            Some(doc) if doc.value.is_pooled() && doc.value.node_id == node_id => {
+                self.kill_as("", id, super::claim::EVICT).await
+            }
             _ => Err(Failure::Conflict(format!("{id} is no longer pooled on {node_id}"))),
         }
     }
