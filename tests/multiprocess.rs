@@ -41,9 +41,13 @@ fn binary(name: &str) -> PathBuf {
 /// range (32768-60999 here), where `bind(0)` would pick: the children's own outgoing
 /// connections (to Redis, PostgreSQL, each other) draw from that range and once took a port
 /// handed out here before its service could bind it. Never the same port twice per run.
+/// Nor the nodes' DNS forwarder's port, which each node binds as it starts.
 fn free_port() -> u16 {
     static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if handed_out.is_empty() {
+        handed_out.push(node_svc::runtime::container::resolver::default_port());
+    }
     let start = 20_000 + (std::process::id() % 10_000) as u16;
     let port = (0..10_000u16)
         .map(|i| 20_000 + (start - 20_000 + i) % 12_000)

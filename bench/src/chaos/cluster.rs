@@ -36,10 +36,15 @@ pub const ABANDONED_CREATE_AFTER: &str = "8s";
 pub const CLAIM_TTL: &str = "5s";
 
 /// A port for a child to listen on, free now, below the ephemeral range (where the
-/// children's own outgoing connections would take it first), never handed out twice.
+/// children's own outgoing connections would take it first), never handed out twice, and never
+/// the nodes' DNS forwarder's (each node binds it as it starts: once it was handed out here
+/// for a node's gRPC, and that node's forwarder took it first).
 fn free_port() -> anyhow::Result<u16> {
     static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if handed_out.is_empty() {
+        handed_out.push(node_svc::runtime::container::resolver::default_port());
+    }
     let start = (std::process::id() % 12_000) as u16;
     let port = (0..12_000u16)
         .map(|i| 20_000 + (start + i) % 12_000)

@@ -71,7 +71,13 @@ pub struct Keeper {
     filling: Mutex<HashSet<String>>,
     /// Templates whose last pooled create failed: not before this instant, and the next wait.
     backoff: Mutex<HashMap<String, (Instant, Duration)>>,
+    /// Each slot node's standing as last read, and when: node documents are large (they list
+    /// every sandbox) and change every few seconds, while rounds follow manifest changes.
+    nodes_read: Mutex<HashMap<String, (Instant, Option<NodeNow>)>>,
 }
+
+/// How long a node's standing, once read, stands for the keeper's rounds.
+const NODE_READ_EVERY: Duration = Duration::from_secs(2);
 
 impl Keeper {
     pub fn new(ledger: LedgerClient, sandboxes: Arc<Sandboxes>, templates: Arc<Templates>) -> Arc<Self> {
@@ -81,6 +87,7 @@ impl Keeper {
             templates,
             filling: Mutex::default(),
             backoff: Mutex::default(),
+            nodes_read: Mutex::default(),
         })
     }
 
@@ -208,12 +215,35 @@ impl Keeper {
             .map(|s| s.node_id.clone())
             .collect();
         for node_id in nodes {
-            // Unreadable: left out, so nothing is done about its slots this round.
-            if let Ok(Some(node)) = self.ledger.get::<NodeDoc>(NODE_KIND, &node_id).await {
-                observed.nodes.insert(node_id, node_now(&node.value, now_ms()));
+            if let Some(now) = self.node_now(&node_id).await {
+                observed.nodes.insert(node_id, now);
             }
         }
         Ok((observed, resolved, manifests))
+    }
+
+    /// Where node `node_id` stands, read again at most every [`NODE_READ_EVERY`]; `None`
+    /// when its document is missing or unreadable (nothing is then done about its slots).
+    async fn node_now(&self, node_id: &str) -> Option<NodeNow> {
+        let fresh = |at: &Instant| at.elapsed() < NODE_READ_EVERY;
+        if let Some((_, known)) = self
+            .nodes_read
+            .lock()
+            .ok()
+            .and_then(|read| read.get(node_id).copied())
+            .filter(|(at, _)| fresh(at))
+        {
+            return known;
+        }
+        let now = match self.ledger.get::<NodeDoc>(NODE_KIND, node_id).await {
+            Ok(Some(node)) => Some(node_now(&node.value, now_ms())),
+            _ => None,
+        };
+        if let Ok(mut read) = self.nodes_read.lock() {
+            read.retain(|_, (at, _)| fresh(at));
+            read.insert(node_id.to_string(), (Instant::now(), now));
+        }
+        now
     }
 
     async fn template_now(

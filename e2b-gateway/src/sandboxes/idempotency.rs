@@ -124,7 +124,13 @@ impl Sandboxes {
                 .get::<SandboxDoc>(SANDBOX_KIND, &first.value.sandbox_id)
                 .await?
             {
-                Some(doc) if doc.value.team_id == team && doc.value.phase != SandboxPhase::Creating => {
+                // A claim from a warm pool its node has not confirmed yet is not answered: the
+                // node may not hold the tokens yet, or may refuse the hand-over.
+                Some(doc)
+                    if doc.value.team_id == team
+                        && doc.value.phase != SandboxPhase::Creating
+                        && !doc.value.claim_unconfirmed() =>
+                {
                     return Ok(doc.value)
                 }
                 Some(_) => {}
