@@ -46,7 +46,7 @@ fn free_port() -> u16 {
     static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if handed_out.is_empty() {
-        handed_out.push(node_svc::runtime::container::resolver::default_port());
+        handed_out.push(node_svc::runtime::container::network::default_dns_port());
     }
     let start = 20_000 + (std::process::id() % 10_000) as u16;
     let port = (0..10_000u16)

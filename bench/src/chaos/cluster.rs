@@ -43,7 +43,7 @@ fn free_port() -> anyhow::Result<u16> {
     static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if handed_out.is_empty() {
-        handed_out.push(node_svc::runtime::container::resolver::default_port());
+        handed_out.push(node_svc::runtime::container::network::default_dns_port());
     }
     let start = (std::process::id() % 12_000) as u16;
     let port = (0..12_000u16)

@@ -60,6 +60,15 @@ pub use super::HOST_PREFIX;
 pub const TABLE: &str = "sandboxsched";
 /// The pool sandboxes' /30s come from, unless `--sandbox-network` says otherwise.
 pub const DEFAULT_POOL: &str = "10.200.0.0/16";
+
+/// The port a node with the default sandbox network listens on for its sandboxes' names
+/// ([`super::resolver::port_of`] its pool): test and benchmark harnesses that hand out ports
+/// to the services they start on one host must not hand this one out, or a node's forwarder
+/// takes it first.
+pub fn default_dns_port() -> u16 {
+    super::resolver::port_of(&DEFAULT_POOL.parse().unwrap_or(Cidr::ANY))
+}
+
 /// What no sandbox reaches, unless `--egress-deny` says otherwise: this host's and the
 /// control plane's private networks, link-local (cloud metadata at 169.254.169.254), shared
 /// address space, loopback, multicast and the reserved ranges.

@@ -71,13 +71,6 @@ pub fn port_of(pool: &Cidr) -> u16 {
     20_000 + u16::try_from(spread).unwrap_or(0)
 }
 
-/// The port a node with the default sandbox network listens on for its sandboxes' names
-/// ([`port_of`] its pool): test and benchmark harnesses that hand out ports to the services
-/// they start on one host must not hand this one out, or a node's forwarder takes it first.
-pub fn default_port() -> u16 {
-    port_of(&super::network::DEFAULT_POOL.parse().unwrap_or(Cidr::ANY))
-}
-
 /// The name of `pool`'s redirect table.
 fn table_of(pool: &Cidr) -> String {
     format!(
