@@ -170,7 +170,7 @@ impl PoolIndex {
             let mut here: Vec<&Candidate> = pool.iter().filter(|c| c.node_id == node_id).collect();
             here.sort_by_key(|c| std::cmp::Reverse(c.resources.memory_bytes));
             for candidate in here {
-                if freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes {
+                if covers(freed, need) {
                     return Some(chosen);
                 }
                 freed.vcpus += candidate.resources.vcpus;
@@ -178,7 +178,7 @@ impl PoolIndex {
                 chosen.push(candidate.clone());
             }
         }
-        (freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes).then_some(chosen)
+        covers(freed, need).then_some(chosen)
     }
 
     /// How many of `template`'s are ready, as last refreshed.
@@ -194,6 +194,11 @@ impl PoolIndex {
             .unwrap_or_else(PoisonError::into_inner)
             .contains(template)
     }
+}
+
+/// Whether room `freed` is at least `need`, in vCPUs and in bytes.
+fn covers(freed: common::docs::Capacity, need: common::docs::Capacity) -> bool {
+    freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes
 }
 
 /// Whether pooled sandbox `doc` can become the sandbox `intent` asks for: unclaimed, running,
@@ -452,7 +457,7 @@ impl Sandboxes {
                 Err(err) => tracing::debug!(sandbox_id = %candidate.sandbox_id, %err, "not evicted"),
             }
         }
-        freed.vcpus >= need.vcpus && freed.memory_bytes >= need.memory_bytes
+        covers(freed, need)
     }
 
     /// Restarts the grace of slot `slot_id` (its sandbox was evicted): the keeper fills it
