@@ -34,6 +34,15 @@ pub struct Args {
     /// them, out of the timing).
     #[arg(long, default_value_t = 50)]
     warm_creates: usize,
+    /// Cycles of the kernel's floor (the same isolation with nothing of ours around it).
+    #[arg(long, default_value_t = 200)]
+    floor_cycles: usize,
+    /// The runc binary the same pipeline is measured with, in the same run (its own stack).
+    #[arg(long, default_value = "/usr/sbin/runc")]
+    runc: std::path::PathBuf,
+    /// Skip the runc phase (no runc on this host).
+    #[arg(long)]
+    no_runc: bool,
 }
 
 /// E2B's default create: the sandbox may reach the internet, so it gets a link out.
@@ -77,6 +86,24 @@ async fn kill(http: &reqwest::Client, url: &str, id: &str) -> anyhow::Result<()>
 }
 
 pub async fn run(args: Args) -> anyhow::Result<Report> {
+    let stack = start(&args, None).await?;
+    // Measured apart from the stack's start and shut-down, so a failed run still kills every
+    // sandbox it made instead of leaving them running on the host.
+    let measured = measure(&stack, &args).await;
+    stack.shut_down().await;
+    let measured = measured?;
+    let cycles = args.floor_cycles;
+    let floor = tokio::task::spawn_blocking(move || crate::kernel_floor::measure(cycles)).await??;
+    let runc = match args.no_runc {
+        true => None,
+        false => Some(with_runc(&args).await?),
+    };
+    Ok(report(&args, measured, &floor, runc.as_ref()))
+}
+
+/// The whole stack in this process, its node's sandboxes run by `oci_runtime` (the node's own
+/// jail when `None`).
+async fn start(args: &Args, oci_runtime: Option<std::path::PathBuf>) -> anyhow::Result<stack::Stack> {
     // Room for every client's sandbox twice over (a killed one's reservation is released a
     // moment after its kill answers): a create refused for room would end the run.
     let vcpus = u32::try_from(args.clients.saturating_mul(4))
@@ -87,7 +114,7 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         stack = stack.plaintext();
     }
     let own_disks = !args.no_disks;
-    let stack = stack
+    stack
         // Placement publishes no node documents here: the figure is the create path's alone.
         .placement(|c| c.ledger_endpoint = None)
         .heartbeat(Duration::from_millis(200))
@@ -103,18 +130,47 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             // disk may promise. The benchmark promises knowingly, as `up --disk-overcommit`
             // lets an operator (without it, every create past free/2 GiB is refused for room).
             c.host.disk_overcommit = 1_000.0;
+            c.runtime = node_svc::server::RuntimeKind::Container { oci_runtime };
         })
         .gateway(|c| {
             c.keys = [("bench".to_string(), "bench".to_string())].into();
             c.reap_interval = Duration::from_secs(5);
         })
         .start()
-        .await?;
-    // Measured apart from the stack's start and shut-down, so a failed run still kills every
-    // sandbox it made instead of leaving them running on the host.
-    let measured = measure(&stack, &args).await;
+        .await
+        .map_err(Into::into)
+}
+
+/// Until the node's first heartbeat lands, nothing can be placed: creates until one succeeds.
+async fn first_create(http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    let ready = Instant::now();
+    while create_and_kill(http, url, LINKED).await.is_err() {
+        anyhow::ensure!(
+            ready.elapsed() < Duration::from_secs(10),
+            "the stack never accepted a create"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// The concurrent phase again on a stack whose node runs Debian's runc.
+async fn with_runc(args: &Args) -> anyhow::Result<Throughput> {
+    anyhow::ensure!(
+        args.runc.is_file(),
+        "{} is missing: install runc (scripts/services does), or pass --no-runc",
+        args.runc.display()
+    );
+    let stack = start(args, Some(args.runc.clone())).await?;
+    let measured = async {
+        let url = stack.gateway.as_ref().context("the stack has a gateway")?.url();
+        let http = reqwest::Client::new();
+        first_create(&http, &url).await?;
+        throughput(&http, &url, args, LINKED).await
+    }
+    .await;
     stack.shut_down().await;
-    Ok(report(&args, measured?))
+    measured
 }
 
 /// What one run measures.
@@ -148,15 +204,7 @@ async fn measure(stack: &stack::Stack, args: &Args) -> anyhow::Result<Figures> {
     let gateway = stack.gateway.as_ref().context("the stack has a gateway")?;
     let url = gateway.url();
     let http = reqwest::Client::new();
-    // Until the node's first heartbeat lands, nothing can be placed.
-    let ready = Instant::now();
-    while create_and_kill(&http, &url, LINKED).await.is_err() {
-        anyhow::ensure!(
-            ready.elapsed() < Duration::from_secs(10),
-            "the stack never accepted a create"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    first_create(&http, &url).await?;
 
     let mut latencies = Vec::with_capacity(args.creates);
     for _ in 0..args.creates {
@@ -215,7 +263,7 @@ struct Warm {
     creates: usize,
 }
 
-fn report(args: &Args, figures: Figures) -> Report {
+fn report(args: &Args, figures: Figures, floor: &crate::kernel_floor::Floor, runc: Option<&Throughput>) -> Report {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let mut report = Report::new(format!(
         "gateway-create: REST create until running, then kill; embedded default, containers ({} sequential, {} concurrent clients, {})",
@@ -265,7 +313,40 @@ fn report(args: &Args, figures: Figures) -> Report {
             "warm_hits",
             format!("{}/{}", figures.warm.hits, figures.warm.creates),
             "warm creates that were claims",
+        )
+        .figure(
+            "kernel_floor_cpu_ms",
+            round(floor.cpu_ms),
+            "ms of host CPU per cycle of the same isolation with nothing of ours (cgroups, overlay, unshare --fork true)",
+        )
+        .figure(
+            "kernel_floor_wall_ms",
+            round(floor.wall_ms),
+            "ms per floor cycle, one at a time",
+        )
+        .figure(
+            "cpu_vs_kernel_floor",
+            round(figures.linked.cpu_ms / floor.cpu_ms.max(f64::MIN_POSITIVE)),
+            "cpu_ms_per_create / kernel_floor_cpu_ms",
         );
+    if let Some(runc) = runc {
+        report
+            .figure(
+                "runc_creates_per_sec",
+                runc.per_sec.round() as u64,
+                "creates/s (each followed by its kill), the node running Debian's runc",
+            )
+            .figure(
+                "runc_cpu_ms_per_create",
+                round(runc.cpu_ms),
+                "ms of host CPU per create and kill with runc",
+            )
+            .figure(
+                "creates_vs_runc",
+                round(figures.linked.per_sec / runc.per_sec.max(f64::MIN_POSITIVE)),
+                "creates_per_sec / runc_creates_per_sec",
+            );
+    }
     report
 }
 

@@ -11,6 +11,7 @@ mod console;
 mod fixture;
 mod gateway_create;
 mod host_cpu;
+mod kernel_floor;
 mod ledger_cas;
 mod migration;
 mod move_faults;

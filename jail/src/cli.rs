@@ -17,6 +17,10 @@
 //! ```
 //!
 //! Global flags go before the command, as with runc.
+//!
+//! One command is not runc's and is hidden from `--help`: `helper`, the node's pre-forked
+//! launcher of `run` (see [`crate::helper`]). Only the node starts it, with its control socket
+//! as fd 3; a node pointed at runc never does.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -95,6 +99,10 @@ pub enum Command {
         /// Signal name (KILL, SIGKILL, term) or number; default TERM.
         signal: Option<String>,
     },
+    /// Not runc's: the node's pre-forked launcher of `run` (see `helper`). The node starts it
+    /// with its control socket as fd 3; it is not for people, so `--help` does not list it.
+    #[command(hide = true)]
+    Helper,
     /// Delete a stopped container (or, with --force, any container).
     Delete {
         /// Kill the container if it is still running.

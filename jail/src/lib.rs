@@ -5,10 +5,12 @@
 //! Debian's `runc` instead, so the command line is a strict subset of runc's with the same
 //! meanings (see [`cli`]).
 //!
-//! The node re-executes its own binary as `<node-binary> jail <args...>` and calls
-//! [`main`] with the arguments after `jail`; the stand-alone binary `sandboxsched-jail`
-//! does the same with its own arguments. Either way the process is fresh and
-//! single-threaded, which the container setup relies on (see [`init`]).
+//! The node starts its own binary as `<node-binary> jail <args...>`, which calls [`main`]
+//! with the arguments after `jail`; the stand-alone binary `sandboxsched-jail` does the same
+//! with its own arguments. The node starts it once, as its [`helper`], and each `run` is a
+//! fork of that small process; a runc-style caller starts it once per command. Either way
+//! `run` works in a process of its own that is single-threaded, which the container setup
+//! relies on (see [`init`]).
 //!
 //! How `run` works, module by module:
 //!
@@ -28,6 +30,7 @@ pub mod capabilities;
 pub mod cgroup;
 pub mod cli;
 pub mod container;
+pub mod helper;
 pub mod init;
 pub mod namespaces;
 pub mod process;
@@ -65,21 +68,31 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     };
     let dir = StateDir::new(&cli.root);
     let result = match &cli.command {
-        Command::Run(a) => container::run(&dir, &log, a),
-        Command::State { id } => container::state(&dir, id).map(|json| {
-            let _ = std::io::stdout().write_all(json.as_bytes());
-        }),
-        Command::Pause { id } => container::pause(&dir, id),
-        Command::Resume { id } => container::resume(&dir, id),
-        Command::Kill { id, signal } => container::kill(&dir, id, signal.as_deref()),
-        Command::Delete { id, force } => container::delete(&dir, id, *force),
+        Command::Helper => helper::serve(&dir).map_err(|e| e.to_string()),
+        command => container_command(&dir, &log, command).map_err(|e| e.to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            log.error(&e.to_string());
+            log.error(&e);
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The runc commands.
+fn container_command(dir: &StateDir, log: &Logger, command: &Command) -> Result<(), container::ContainerError> {
+    match command {
+        Command::Run(a) => container::run(dir, log, a),
+        Command::State { id } => container::state(dir, id).map(|json| {
+            let _ = std::io::stdout().write_all(json.as_bytes());
+        }),
+        Command::Pause { id } => container::pause(dir, id),
+        Command::Resume { id } => container::resume(dir, id),
+        Command::Kill { id, signal } => container::kill(dir, id, signal.as_deref()),
+        Command::Delete { id, force } => container::delete(dir, id, *force),
+        // Served by `main` itself: it is no container command.
+        Command::Helper => Ok(()),
     }
 }
 

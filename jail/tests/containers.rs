@@ -1306,3 +1306,118 @@ fn joining_a_namespace_that_is_not_there_or_not_ours_fails_cleanly() {
         assert_nothing_left(&b);
     }
 }
+
+/// A helper (`sandboxsched-jail --root ROOT helper`) as the node keeps one: its control socket
+/// at fd 3 of the process, the other end here.
+struct Helper {
+    control: OwnedFd,
+    process: std::process::Child,
+}
+
+impl Helper {
+    fn start(root: &Path) -> Helper {
+        use rustix::net::{AddressFamily, SocketFlags, SocketType};
+        let (ours, theirs) =
+            rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+        let mut cmd = Command::new(JAIL);
+        cmd.arg("--root").arg(root).arg("helper");
+        let raw = theirs.as_raw_fd();
+        // SAFETY: dup2 is async-signal-safe; runs in the forked child before exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(raw, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let process = cmd.spawn().unwrap();
+        Helper { control: ours, process }
+    }
+
+    /// `run` of `b` through the helper, fd 3 its report pipe (only it: the caller's other
+    /// descriptors stay here); the run's wait status, what it wrote, and the pipe's read end.
+    fn run(&self, b: &Bundle) -> (i32, String, fs::File) {
+        use std::io::Seek as _;
+        use std::os::fd::AsFd as _;
+        b.write_spec();
+        let (r, w) = pipe();
+        let mut output = tempfile::tempfile_in(b.path()).unwrap();
+        let request = jail::helper::Request {
+            id: b.id.clone(),
+            bundle: b.path().to_path_buf(),
+            pid_file: b.path().join("pid"),
+        };
+        let status = jail::helper::send(self.control.as_fd(), &request, output.as_fd(), &[w.as_fd()]).unwrap();
+        drop(w);
+        let mut said = String::new();
+        output.rewind().unwrap();
+        output.read_to_string(&mut said).unwrap();
+        (status, said, r)
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// The node's pre-forked launcher starts the same container the command line does: the same
+/// isolation seen from inside, only the passed descriptor open, and when it answers, the
+/// container's init is already this process's (the subreaper's) to reap. A run it refuses
+/// is answered with its failure and its error in the run's own output, and the helper serves
+/// on.
+#[test]
+fn the_helper_runs_containers_as_the_command_line_does() {
+    require_root!();
+    let script = r#"exec >&3 2>/dev/null
+echo "uid=$(id -u)"
+echo "pid=$$"
+echo "netdev=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ' ')"
+echo "nnp=$(grep NoNewPrivs /proc/self/status | cut -f2)"
+if test -e /proc/self/fd/4; then echo fd4=open; else echo fd4=closed; fi
+echo "fds=$(ls /proc/self/fd | tr '\n' ' ')"
+ls /work >/dev/null 2>&1 && echo work=visible || echo work=hidden
+echo done=1
+"#;
+    let b = Bundle::new("helped", script);
+    let helper = Helper::start(&b.state_root());
+    // A descriptor of the caller's that must not reach the container.
+    let _kept_here = fs::File::open("/dev/null").unwrap();
+    let (status, said, r) = helper.run(&b);
+    assert_eq!(status, 0, "run through the helper failed: {said}");
+    let pid: i32 = fs::read_to_string(b.path().join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let rep = report(r);
+    assert_eq!(field(&rep, "done"), "1", "{rep}");
+    assert_eq!(field(&rep, "uid"), "0", "root inside (a host uid outside)");
+    assert_eq!(field(&rep, "pid"), "1");
+    assert_eq!(field(&rep, "netdev").trim(), "lo");
+    assert_eq!(field(&rep, "nnp"), "1");
+    assert_eq!(field(&rep, "fd4"), "closed", "only the passed descriptor: {rep}");
+    assert_eq!(field(&rep, "work"), "hidden");
+    // Reaped here: the helper answered after its child had exited, so the init was ours.
+    reap(pid);
+    assert_eq!(b.state()["status"], "stopped");
+
+    // The same ID again: refused, in the run's own output, and the helper still serves.
+    let (status, said, _r) = helper.run(&b);
+    assert_ne!(status, 0);
+    assert_eq!(said.trim(), "container \"helped\" already exists");
+    let out = b.jail(&["delete", "helped"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (status, said, r) = helper.run(&b);
+    assert_eq!(status, 0, "{said}");
+    let pid: i32 = fs::read_to_string(b.path().join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(field(&report(r), "done"), "1");
+    reap(pid);
+}

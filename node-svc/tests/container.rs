@@ -1949,3 +1949,76 @@ async fn a_sandbox_whose_envd_died_is_started_again() {
     assert!(log.contains("envd died"), "{log}");
     n.stop().await;
 }
+
+/// The PIDs of the jail helpers serving the node whose state folder is `dir` (their command
+/// line names that node's runtime root).
+fn jail_helpers(dir: &std::path::Path) -> Vec<i32> {
+    let root = node_svc::runtime::container::run_dir(dir).join("runtime");
+    let root = root.to_string_lossy().into_owned();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.iter().any(|a| a == "helper") && args.contains(&root) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// The node's own runtime starts containers through one helper process (no runtime process
+/// per create). That helper holds nothing of the node's but its control socket and the
+/// standard streams; killed, it is replaced by the next create, which succeeds, and a
+/// sandbox started before it died keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_runtime_helper_died_starts_another_at_the_next_create() {
+    let n = node(None).await;
+    n.create("before", 256 << 20).await;
+    let helpers = jail_helpers(&n.dir);
+    assert_eq!(helpers.len(), 1, "one helper after the first create: {helpers:?}");
+    let helper = helpers[0];
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{helper}/fd"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut fds: Vec<i32> = fds.iter().filter_map(|f| f.parse().ok()).collect();
+    fds.sort();
+    let what: Vec<String> = fds
+        .iter()
+        .map(|fd| format!("{fd}: {:?}", std::fs::read_link(format!("/proc/{helper}/fd/{fd}"))))
+        .collect();
+    assert_eq!(
+        fds,
+        vec![0, 1, 2, 3],
+        "the helper's descriptors: stdio and its socket: {what:?}"
+    );
+    n.create("second", 256 << 20).await;
+    assert_eq!(
+        jail_helpers(&n.dir),
+        vec![helper],
+        "the same helper serves every create"
+    );
+
+    let pid = rustix::process::Pid::from_raw(helper).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    n.create("after", 256 << 20).await;
+    let now = jail_helpers(&n.dir);
+    assert!(
+        now.len() == 1 && now[0] != helper,
+        "a new helper: {now:?} (was {helper})"
+    );
+    for sandbox in ["before", "second", "after"] {
+        let (out, code) = n.sh(sandbox, "user", "echo alive").await;
+        assert_eq!((out.as_str(), code), ("alive\n", 0), "{sandbox}");
+    }
+    n.stop().await;
+}

@@ -1,6 +1,7 @@
 //! The node's own runtime, the `jail` crate this binary links.
 //!
-//! Only `run` is a process: it clones the container from a small, single-threaded program.
+//! `run` is done by the jail's helper ([`Helper`]), a small, single-threaded process started
+//! once, which forks the process each container is cloned from.
 //! `state`, `pause`, `resume` and `delete` are library calls in this process: none of them
 //! forks or changes anything of the caller (they read the container's state, write its
 //! freezer, signal it through a pidfd, empty and remove its cgroups and state), and a runtime
@@ -10,17 +11,23 @@
 use ::jail::container::{self, ContainerError};
 use ::jail::state::{self, StateDir, StateError};
 
+use std::os::fd::BorrowedFd;
+use std::path::Path;
+
+use super::helper::Helper;
 use super::{Engine, EngineError, Launcher, Status};
 
 pub struct Jail {
     launcher: Launcher,
     dir: StateDir,
+    helper: Helper,
 }
 
 impl Jail {
     pub fn new(launcher: Launcher) -> Self {
         let dir = StateDir::new(&launcher.root);
-        Self { launcher, dir }
+        let helper = Helper::new(launcher.clone());
+        Self { launcher, dir, helper }
     }
 }
 
@@ -32,6 +39,25 @@ fn unknown(e: &ContainerError) -> bool {
 impl Engine for Jail {
     fn launcher(&self) -> &Launcher {
         &self.launcher
+    }
+
+    fn run(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError> {
+        let out = super::open_log(log)?;
+        let status = self
+            .helper
+            .run(id, bundle, pid_file, &out, passed)
+            .map_err(|source| EngineError::Spawn {
+                runtime: self.describe(),
+                source,
+            })?;
+        self.launcher.ran(status, log)
     }
 
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError> {

@@ -1,16 +1,18 @@
 //! Driving an OCI runtime: the verbs a sandbox needs, behind [`Engine`].
 //!
 //! Two engines speak them:
-//! - [`Jail`], the node's own runtime (the `jail` crate). Its `run` is a process of its own
-//!   (it clones the container from a small, single-threaded program); `state`, `pause`,
-//!   `resume` and `delete` are calls into the `jail` library in this process;
+//! - [`Jail`], the node's own runtime (the `jail` crate). Its `run` is done by the jail's
+//!   helper ([`helper`]), a small, single-threaded process the node starts once and that
+//!   forks for each container; `state`, `pause`, `resume` and `delete` are calls into the
+//!   `jail` library in this process;
 //! - [`CommandLine`], any binary with runc's command line (runc, crun, runsc, Kata's
 //!   shim-less runtime): every verb a process.
 //!
-//! Both start `run --detach` the same way ([`Launcher`]): envd's listening socket and its boot
-//! pipe passed as fds 3 and 4 with `--preserve-fds 2`, the container's output to its log.
+//! Both start `run --detach` with the same descriptors: envd's listening socket and its boot
+//! pipe passed as fds 3 and 4 (`--preserve-fds 2`), the container's output to its log.
 
 mod command_line;
+mod helper;
 mod jail;
 mod spawn;
 
@@ -124,7 +126,7 @@ impl Launcher {
         parts.join(" ")
     }
 
-    /// `run --detach`, which every engine starts as a process.
+    /// `run --detach`, which every engine but the jail's starts as a process.
     fn run(
         &self,
         id: &str,
@@ -133,14 +135,7 @@ impl Launcher {
         log: &Path,
         passed: &[BorrowedFd<'_>],
     ) -> Result<(), EngineError> {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .map_err(|source| EngineError::Log {
-                path: log.to_path_buf(),
-                source,
-            })?;
+        let out = open_log(log)?;
         let mut args: Vec<OsString> = self.prefix.clone();
         args.extend(
             [
@@ -163,6 +158,11 @@ impl Launcher {
                 runtime: self.describe(),
                 source,
             })?;
+        self.ran(status, log)
+    }
+
+    /// What a `run` that exited with `status` means: the end of its log when it failed.
+    fn ran(&self, status: std::process::ExitStatus, log: &Path) -> Result<(), EngineError> {
         if status.success() {
             return Ok(());
         }
@@ -176,4 +176,16 @@ impl Launcher {
             said: said.join(" / "),
         })
     }
+}
+
+/// The container's log, opened for appending: the run's stdout and stderr.
+fn open_log(log: &Path) -> Result<std::fs::File, EngineError> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|source| EngineError::Log {
+            path: log.to_path_buf(),
+            source,
+        })
 }

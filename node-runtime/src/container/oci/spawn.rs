@@ -13,6 +13,16 @@ const MAX_PASSED: usize = 8;
 
 /// Runs `program args` with stdin from `/dev/null`, stdout and stderr to `output`, and
 /// `passed` as its fds 3, 4, ..., and waits for it to exit.
+pub(super) fn spawn_and_wait(
+    program: &Path,
+    args: &[OsString],
+    output: &std::fs::File,
+    passed: &[BorrowedFd<'_>],
+) -> std::io::Result<ExitStatus> {
+    wait(spawn(program, args, output, passed)?)
+}
+
+/// Starts `program args` as [`spawn_and_wait`] does, without waiting: its PID, for [`wait`].
 ///
 /// `posix_spawn` rather than `Command` with a `pre_exec` that moves the descriptors: a
 /// `pre_exec` makes the standard library fork, and forking the node (a large, many-threaded
@@ -20,12 +30,12 @@ const MAX_PASSED: usize = 8;
 /// its teardown were a fifth of the CPU a create-and-kill cycle cost. The C library's
 /// `posix_spawn` shares the address space until `exec` and places descriptors with file
 /// actions instead.
-pub(super) fn spawn_and_wait(
+pub(super) fn spawn(
     program: &Path,
     args: &[OsString],
     output: &std::fs::File,
     passed: &[BorrowedFd<'_>],
-) -> std::io::Result<ExitStatus> {
+) -> std::io::Result<rustix::process::Pid> {
     use nix::spawn::{posix_spawn, posix_spawnp, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
     use nix::sys::signal::{SigSet, Signal};
 
@@ -81,8 +91,11 @@ pub(super) fn spawn_and_wait(
         posix_spawnp(path.as_c_str(), &actions, &attr, &argv, &envp)?
     };
     drop(moved);
-    let child =
-        rustix::process::Pid::from_raw(child.as_raw()).ok_or_else(|| std::io::Error::other("no child has PID 0"))?;
+    rustix::process::Pid::from_raw(child.as_raw()).ok_or_else(|| std::io::Error::other("no child has PID 0"))
+}
+
+/// Waits for child `child` to exit: its status.
+pub(super) fn wait(child: rustix::process::Pid) -> std::io::Result<ExitStatus> {
     loop {
         match rustix::process::waitpid(Some(child), rustix::process::WaitOptions::empty()) {
             Ok(Some((_, status))) => return Ok(ExitStatus::from_raw(status.as_raw())),

@@ -1,0 +1,125 @@
+//! The kernel's floor under a sandbox's create and kill: the same isolation made and undone
+//! with nothing of ours in between, so a create's CPU can be read as a multiple of it.
+//!
+//! One cycle is what the kernel must do for a container like ours, whoever asks it:
+//! - four cgroup folders made and removed (memory, cpu, pids and freezer on cgroup v1; one
+//!   folder on v2, where one folder holds every controller);
+//! - an overlay root mounted over a lower layer and unmounted;
+//! - two `exec`s and a clone into six new namespaces (user, PID, mount, network, IPC, UTS):
+//!   util-linux's `unshare --fork` is executed (a runtime's exec) and clones and executes
+//!   `true` inside them (envd's exec), then everything is torn down as the process exits.
+//!
+//! The cycles run one after another and their CPU is counted host-wide ([`HostCpu`]: the
+//! kernel threads that tear down namespaces are counted too), so the figure is directly
+//! comparable to the create path's `cpu_ms_per_create` measured the same way.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::Context;
+
+use crate::host_cpu::HostCpu;
+
+/// Where util-linux puts `unshare` on Debian.
+const UNSHARE: &str = "/usr/bin/unshare";
+
+/// What the loop measured.
+pub struct Floor {
+    /// Host CPU per cycle, in milliseconds.
+    pub cpu_ms: f64,
+    /// Wall time per cycle, in milliseconds.
+    pub wall_ms: f64,
+}
+
+/// The cgroup folders one cycle makes, under `/sys/fs/cgroup`.
+fn cgroup_parents(tag: &str) -> Vec<PathBuf> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("memory").is_dir() {
+        ["memory", "cpu", "pids", "freezer"]
+            .iter()
+            .map(|c| root.join(c).join(tag))
+            .collect()
+    } else {
+        vec![root.join(tag)]
+    }
+}
+
+/// Runs `cycles` cycles (after one unmeasured, which finds every binary and page cached).
+pub fn measure(cycles: usize) -> anyhow::Result<Floor> {
+    anyhow::ensure!(cycles > 0, "--floor-cycles must be at least 1");
+    anyhow::ensure!(Path::new(UNSHARE).is_file(), "{UNSHARE} is missing: install util-linux");
+    let scratch = tempfile::tempdir().context("a scratch folder")?;
+    let lower = scratch.path().join("lower");
+    std::fs::create_dir(&lower)?;
+    std::fs::write(lower.join("file"), b"lower")?;
+    let tag = format!("sandboxsched-bench-floor-{}", std::process::id());
+    let parents = cgroup_parents(&tag);
+    let result = (|| {
+        cycle(scratch.path(), &lower, &parents, 0)?;
+        let cpu_before = HostCpu::read()?;
+        let started = Instant::now();
+        for i in 1..=cycles {
+            cycle(scratch.path(), &lower, &parents, i)?;
+        }
+        let wall = started.elapsed();
+        let cpu = HostCpu::read()?.since(&cpu_before);
+        Ok(Floor {
+            cpu_ms: cpu / cycles as f64,
+            wall_ms: wall.as_secs_f64() * 1000.0 / cycles as f64,
+        })
+    })();
+    for parent in &parents {
+        let _ = std::fs::remove_dir(parent);
+    }
+    result
+}
+
+/// One cycle: cgroups, overlay, the clone and its two execs, and all of it undone.
+fn cycle(scratch: &Path, lower: &Path, parents: &[PathBuf], i: usize) -> anyhow::Result<()> {
+    use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
+    let groups: Vec<PathBuf> = parents.iter().map(|p| p.join(i.to_string())).collect();
+    for g in &groups {
+        std::fs::create_dir_all(g).with_context(|| format!("creating cgroup {}", g.display()))?;
+    }
+    let dir = scratch.join(format!("c{i}"));
+    let (upper, work, root) = (dir.join("upper"), dir.join("work"), dir.join("root"));
+    for d in [&upper, &work, &root] {
+        std::fs::create_dir_all(d)?;
+    }
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    let options = std::ffi::CString::new(options).context("overlay options")?;
+    mount(
+        "overlay",
+        &root,
+        "overlay",
+        MountFlags::empty(),
+        Some(options.as_c_str()),
+    )
+    .context("mounting overlay")?;
+    let ran = Command::new(UNSHARE)
+        .args([
+            "--user", "--pid", "--mount", "--net", "--ipc", "--uts", "--fork", "true",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    unmount(&root, UnmountFlags::DETACH).context("unmounting overlay")?;
+    std::fs::remove_dir_all(&dir)?;
+    for g in &groups {
+        std::fs::remove_dir(g).with_context(|| format!("removing cgroup {}", g.display()))?;
+    }
+    let ran = ran.context("running unshare")?;
+    anyhow::ensure!(
+        ran.status.success(),
+        "unshare failed: {}",
+        String::from_utf8_lossy(&ran.stderr).trim()
+    );
+    Ok(())
+}
