@@ -6,8 +6,14 @@
 //!   folder on v2, where one folder holds every controller);
 //! - an overlay root mounted over a lower layer and unmounted;
 //! - two `exec`s and a clone into six new namespaces (user, PID, mount, network, IPC, UTS):
-//!   util-linux's `unshare --fork` is executed (a runtime's exec) and clones and executes
-//!   `true` inside them (envd's exec), then everything is torn down as the process exits.
+//!   util-linux's `unshare --fork` is executed (a runtime's exec), writes the user
+//!   namespace's maps, and clones and executes `true` inside them (envd's exec), then
+//!   everything is torn down as the process exits.
+//!
+//! It is a floor, not the same work: the container's root is not pivoted into, no `/proc`,
+//! `/dev` or `/sys` is mounted in it, no seccomp filter or capability set applied, no limit
+//! written, and the process never joins the cgroups; and a linked sandbox joins a network
+//! namespace made ahead (a slot) where this makes and tears down a new one each cycle.
 //!
 //! The cycles run one after another and their CPU is counted host-wide ([`HostCpu`]: the
 //! kernel threads that tear down namespaces are counted too), so the figure is directly
@@ -54,6 +60,7 @@ pub fn measure(cycles: usize) -> anyhow::Result<Floor> {
     std::fs::create_dir(&lower)?;
     std::fs::write(lower.join("file"), b"lower")?;
     let tag = format!("sandboxsched-bench-floor-{}", std::process::id());
+    // A cycle's `Made` undoes what it made; these folders are then empty.
     let parents = cgroup_parents(&tag);
     let result = (|| {
         cycle(scratch.path(), &lower, &parents, 0)?;
@@ -75,15 +82,57 @@ pub fn measure(cycles: usize) -> anyhow::Result<Floor> {
     result
 }
 
+/// What one cycle made, undone when dropped (in reverse), whether the cycle got to the end
+/// or not: a failed run leaves no cgroup or overlay on the host.
+struct Made {
+    groups: Vec<PathBuf>,
+    mounted: Option<PathBuf>,
+    dir: PathBuf,
+}
+
+impl Made {
+    /// Undoes everything; the first failure, if any.
+    fn undo(&mut self) -> anyhow::Result<()> {
+        let mut first = None;
+        if let Some(root) = self.mounted.take() {
+            if let Err(e) = rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH) {
+                first.get_or_insert(anyhow::anyhow!("unmounting overlay {}: {e}", root.display()));
+            }
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                first.get_or_insert(anyhow::anyhow!("removing {}: {e}", self.dir.display()));
+            }
+        }
+        for g in self.groups.drain(..) {
+            if let Err(e) = std::fs::remove_dir(&g) {
+                first.get_or_insert(anyhow::anyhow!("removing cgroup {}: {e}", g.display()));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        let _ = self.undo();
+    }
+}
+
 /// One cycle: cgroups, overlay, the clone and its two execs, and all of it undone.
 fn cycle(scratch: &Path, lower: &Path, parents: &[PathBuf], i: usize) -> anyhow::Result<()> {
-    use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
-    let groups: Vec<PathBuf> = parents.iter().map(|p| p.join(i.to_string())).collect();
-    for g in &groups {
-        std::fs::create_dir_all(g).with_context(|| format!("creating cgroup {}", g.display()))?;
+    use rustix::mount::{mount, MountFlags};
+    let mut made = Made {
+        groups: Vec::new(),
+        mounted: None,
+        dir: scratch.join(format!("c{i}")),
+    };
+    for parent in parents {
+        let g = parent.join(i.to_string());
+        std::fs::create_dir_all(&g).with_context(|| format!("creating cgroup {}", g.display()))?;
+        made.groups.push(g);
     }
-    let dir = scratch.join(format!("c{i}"));
-    let (upper, work, root) = (dir.join("upper"), dir.join("work"), dir.join("root"));
+    let (upper, work, root) = (made.dir.join("upper"), made.dir.join("work"), made.dir.join("root"));
     for d in [&upper, &work, &root] {
         std::fs::create_dir_all(d)?;
     }
@@ -102,24 +151,29 @@ fn cycle(scratch: &Path, lower: &Path, parents: &[PathBuf], i: usize) -> anyhow:
         Some(options.as_c_str()),
     )
     .context("mounting overlay")?;
+    made.mounted = Some(root);
+    // `--map-root-user`: the uid and gid maps written, as for every sandbox.
     let ran = Command::new(UNSHARE)
         .args([
-            "--user", "--pid", "--mount", "--net", "--ipc", "--uts", "--fork", "true",
+            "--user",
+            "--map-root-user",
+            "--pid",
+            "--mount",
+            "--net",
+            "--ipc",
+            "--uts",
+            "--fork",
+            "true",
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .output();
-    unmount(&root, UnmountFlags::DETACH).context("unmounting overlay")?;
-    std::fs::remove_dir_all(&dir)?;
-    for g in &groups {
-        std::fs::remove_dir(g).with_context(|| format!("removing cgroup {}", g.display()))?;
-    }
-    let ran = ran.context("running unshare")?;
+        .output()
+        .context("running unshare")?;
     anyhow::ensure!(
         ran.status.success(),
         "unshare failed: {}",
         String::from_utf8_lossy(&ran.stderr).trim()
     );
-    Ok(())
+    made.undo()
 }

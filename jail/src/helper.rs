@@ -19,7 +19,9 @@
 //!
 //! The helper answers after reaping the child, not the child before exiting, for what a
 //! caller of a runtime process relies on: when it hears, the container's init has already
-//! been handed to the nearest subreaper (the node), which can wait for it.
+//! been handed to the nearest subreaper (the node), which can wait for it. The child holds
+//! the reply socket until it exits, so if the helper dies first, the caller's end of file
+//! still comes only once the run is over: never while it may yet create a container.
 //!
 //! Only the holder of the socket pair's other end can send (it has no path and no name). The
 //! helper ends when that end closes (the node has gone); runs in flight finish and answer.
@@ -125,8 +127,9 @@ impl Request {
 /// stdout and stderr, `passed` its descriptors 3, 4, ...
 ///
 /// An error of kind `BrokenPipe` means the helper was gone before it got the request (start
-/// another and send again); `UnexpectedEof`, that it went while the run was in flight (the
-/// container may or may not have started).
+/// another and send again); `UnexpectedEof`, that it went while the run was in flight. That
+/// run has ended by then (its process holds the reply socket until it exits), but whether it
+/// left a container is unknown: ask the runtime's state, as after any failed run.
 pub fn send(
     control: BorrowedFd<'_>,
     request: &Request,
@@ -265,7 +268,16 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
     let mut running: Vec<Child> = Vec::new();
     let mut open = true;
     while open || !running.is_empty() {
-        let readable = wait_for_work(&control, open, &running)?;
+        let readable = match wait_for_work(&control, open, &running) {
+            Ok(readable) => readable,
+            Err(e) => {
+                // Not one more request; every run in flight still answered, the slow way.
+                for child in running.drain(..) {
+                    answer(&child.reply, reap(child.pid));
+                }
+                return Err(e);
+            }
+        };
         running.retain(|child| {
             let done = child
                 .pidfd
@@ -279,9 +291,18 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
         if !open || !readable.contains(&control.as_raw_fd()) {
             continue;
         }
-        match receive(control.as_fd())? {
-            None => open = false,
-            Some(received) => {
+        match receive(control.as_fd()) {
+            Ok(None) => open = false,
+            // No more requests; the runs in flight are still answered.
+            Err(e) => {
+                Logger {
+                    path: None,
+                    format: LogFormat::Text,
+                }
+                .error(&e.to_string());
+                open = false;
+            }
+            Ok(Some(received)) => {
                 if let Some(child) = start(dir, &control, &running, received) {
                     match child.pidfd {
                         Some(_) => running.push(child),
@@ -368,16 +389,21 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
             None
         }
         0 => {
-            // The child: nothing of the helper's stays open in it (a run in flight holding
-            // another's reply socket, or the control socket, would keep them from closing).
-            drop(reply);
-            let code = match place_descriptors(control, running, output, passed) {
-                Ok(preserve_fds) => run(dir, &log, request, preserve_fds),
-                Err(e) => {
-                    log.error(&e.to_string());
-                    1
+            // The child. It keeps its copy of the reply socket open until it exits, so the
+            // caller's end of file (should the helper die first) also means this run has
+            // ended: a caller never takes a run for failed while it may still create its
+            // container. Nothing else of the helper's stays open in it (another run's reply
+            // socket, or the control socket, would keep those from closing).
+            let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                match place_descriptors(control, running, output, passed, reply) {
+                    Ok((preserve_fds, _reply)) => run(dir, &log, request, preserve_fds),
+                    Err(e) => {
+                        log.error(&e.to_string());
+                        1
+                    }
                 }
-            };
+            }))
+            .unwrap_or(101);
             sys::exit_now(code)
         }
         pid => {
@@ -390,13 +416,16 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
 }
 
 /// In the child: closes what belongs to the helper, and puts `/dev/null` at 0, `output` at 1
-/// and 2 and `passed` at 3, 4, ... as the command line's caller would have; how many passed.
+/// and 2 and `passed` at 3, 4, ... as the command line's caller would have; how many passed,
+/// and `reply` renumbered above them (close-on-exec: the container's init, a clone of this
+/// process, drops it at its `execve`).
 fn place_descriptors(
     control: &OwnedFd,
     running: &[Child],
     output: OwnedFd,
     passed: Vec<OwnedFd>,
-) -> Result<u32, HelperError> {
+    reply: OwnedFd,
+) -> Result<(u32, OwnedFd), HelperError> {
     let close = |fd: RawFd| {
         // SAFETY: the child's copy of a descriptor the helper owns; the helper's copy is its
         // own, and the child never uses this one again.
@@ -409,31 +438,25 @@ fn place_descriptors(
             close(fd.as_raw_fd());
         }
     }
+    let renumber = |errno| HelperError::Sys {
+        what: "renumber a descriptor",
+        errno,
+    };
+    // Above every target first, so placing one never overwrites another still to be placed.
+    let above = CONTROL_FD + MAX_PASSED as RawFd + 1;
+    let reply = sys::move_above(reply, above).map_err(renumber)?;
     let null = rustix::fs::open(
         "/dev/null",
         rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
     .map_err(sys_err("open /dev/null"))?;
-    // Above every target first, so placing one never overwrites another still to be placed.
-    let above = CONTROL_FD + MAX_PASSED as RawFd + 1;
-    let mut sources = vec![
-        null,
-        output.try_clone().map_err(|e| HelperError::Sys {
-            what: "duplicate the output",
-            errno: Errno(e.raw_os_error().unwrap_or(libc::EBADF)),
-        })?,
-        output,
-    ];
+    let second = rustix::io::fcntl_dupfd_cloexec(&output, above).map_err(sys_err("duplicate the output"))?;
+    let mut sources = vec![null, second, output];
     sources.extend(passed);
     let sources = sources
         .into_iter()
-        .map(|fd| {
-            sys::move_above(fd, above).map_err(|errno| HelperError::Sys {
-                what: "renumber",
-                errno,
-            })
-        })
+        .map(|fd| sys::move_above(fd, above).map_err(renumber))
         .collect::<Result<Vec<_>, _>>()?;
     for (target, fd) in sources.iter().enumerate() {
         // dup2 leaves the copy without close-on-exec: the run inherits it, as from a spawn.
@@ -445,7 +468,7 @@ fn place_descriptors(
     // The copies above: the run must not hold a passed descriptor twice (a pipe's writer
     // kept open here would keep its reader waiting for end of file).
     drop(sources);
-    Ok(preserve_fds)
+    Ok((preserve_fds, reply))
 }
 
 /// In the child: `run --detach` as the command line runs it; the exit code.

@@ -1382,7 +1382,7 @@ echo "fds=$(ls /proc/self/fd | tr '\n' ' ')"
 ls /work >/dev/null 2>&1 && echo work=visible || echo work=hidden
 echo done=1
 "#;
-    let b = Bundle::new("helped", script);
+    let mut b = Bundle::new("helped", script);
     let helper = Helper::start(&b.state_root());
     // A descriptor of the caller's that must not reach the container.
     let _kept_here = fs::File::open("/dev/null").unwrap();
@@ -1419,5 +1419,29 @@ echo done=1
         .parse()
         .unwrap();
     assert_eq!(field(&report(r), "done"), "1");
+    reap(pid);
+
+    // A container that keeps running: the moment the helper answers, its init is already a
+    // child of this process (the subreaper), so it can be waited for at once.
+    let out = b.jail(&["delete", "helped"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    b.spec["process"]["args"] = json!(["sh", "-c", "echo started >&3; exec 3>&-; exec sleep 1000"]);
+    let (status, said, r) = helper.run(&b);
+    assert_eq!(status, 0, "{said}");
+    let pid: i32 = fs::read_to_string(b.path().join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut wstatus = 0;
+    // SAFETY: a non-blocking wait for one PID.
+    let waited = unsafe { libc::waitpid(pid, &mut wstatus, libc::WNOHANG) };
+    assert_eq!(
+        waited, 0,
+        "the init is ours and running when the helper answers (-1 is ECHILD: not reparented yet)"
+    );
+    assert_eq!(report(r).trim(), "started");
+    let out = b.jail(&["delete", "--force", "helped"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     reap(pid);
 }

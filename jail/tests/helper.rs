@@ -7,6 +7,7 @@
 use std::io::{IoSlice, Read as _, Seek as _};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -30,15 +31,22 @@ struct Helper {
 
 impl Helper {
     fn start() -> Helper {
+        Self::start_inheriting(None)
+    }
+
+    /// A helper started as a careless parent would: `extra` left open (not close-on-exec) as
+    /// its fd 7.
+    fn start_inheriting(extra: Option<&std::fs::File>) -> Helper {
         let root = tempfile::tempdir().unwrap();
         let (ours, theirs) = seqpacket_pair();
         let mut cmd = Command::new(JAIL);
         cmd.arg("--root").arg(root.path()).arg("helper").stdin(Stdio::null());
         let raw = theirs.as_raw_fd();
+        let extra = extra.map(|f| f.as_raw_fd());
         // SAFETY: dup2 is async-signal-safe; runs in the forked child before exec.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(raw, 3) < 0 {
+                if libc::dup2(raw, 3) < 0 || extra.is_some_and(|fd| libc::dup2(fd, 7) < 0) {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -229,4 +237,84 @@ fn the_helper_refuses_to_start_without_its_control_socket() {
     // And `--help` does not offer it to people.
     let help = Command::new(JAIL).arg("--help").output().unwrap();
     assert!(!String::from_utf8_lossy(&help.stdout).contains("helper"));
+}
+
+#[test]
+fn the_helper_keeps_no_descriptor_it_inherited() {
+    let stray = tempfile::tempfile().unwrap();
+    let helper = Helper::start_inheriting(Some(&stray));
+    // Once it has served a request, it is past its start.
+    let (status, _) = helper.run_missing("one");
+    assert_eq!(status, EXIT_1);
+    let pid = helper.process.as_ref().unwrap().id();
+    let mut fds: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+        .collect();
+    fds.sort();
+    assert_eq!(
+        fds,
+        vec![0, 1, 2, 3],
+        "stdio and the control socket only (fd 7 was left open to it)"
+    );
+}
+
+/// A request's caller hears of a helper that died during its run only once that run is over:
+/// the run's process holds the reply socket until it exits, so "failed" never means "may
+/// still create a container". The run here blocks reading its `config.json`, a FIFO.
+#[test]
+fn a_run_in_flight_when_the_helper_dies_is_over_before_its_caller_hears() {
+    let mut helper = Helper::start();
+    let bundle = tempfile::tempdir().unwrap();
+    let fifo = bundle.path().join("config.json");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let control = helper.control.take().unwrap();
+    let request = Request {
+        id: "blocked".into(),
+        bundle: bundle.path().to_path_buf(),
+        pid_file: bundle.path().join("pid"),
+    };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let output = tempfile::tempfile().unwrap();
+        let _ = tx.send(helper::send(control.as_fd(), &request, output.as_fd(), &[]));
+    });
+    // The run is reading the FIFO once a writer can open it without blocking.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let writer = loop {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+        {
+            Ok(w) => break w,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("the run never opened its config.json: {e}"),
+        }
+    };
+    let mut process = helper.process.take().unwrap();
+    process.kill().unwrap();
+    process.wait().unwrap();
+    assert!(
+        rx.recv_timeout(Duration::from_millis(500)).is_err(),
+        "the caller heard while the run was still going"
+    );
+    // The run reads something that is no spec, fails and exits: now the caller hears.
+    use std::io::Write as _;
+    (&writer).write_all(b"not a spec").unwrap();
+    drop(writer);
+    let answer = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("no answer after the run ended");
+    assert_eq!(answer.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
 }

@@ -35,7 +35,10 @@ impl Helper {
     }
 
     /// Runs container `id` from `bundle` through the helper: the run's exit status, as a
-    /// runtime process would have exited.
+    /// runtime process would have exited. `BrokenPipe`: no helper would take the request (one
+    /// started again was gone at once too: a runtime binary without the `helper` command), so
+    /// nothing of it ran; `UnexpectedEof`: the helper died during the run, which has ended
+    /// but may have left a container.
     pub fn run(
         &self,
         id: &str,
@@ -95,7 +98,9 @@ impl Helper {
         use rustix::net::{AddressFamily, SocketFlags, SocketType};
         let (ours, theirs) =
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-        let stderr = std::fs::File::from(rustix::io::dup(std::io::stderr().as_fd())?);
+        // Close-on-exec here, as everything the node opens: another thread's child started at
+        // this moment must not inherit it. The helper gets it by a spawn file action.
+        let stderr = std::fs::File::from(rustix::io::fcntl_dupfd_cloexec(std::io::stderr().as_fd(), 0)?);
         let launcher = &self.launcher;
         let mut args = launcher.prefix.clone();
         args.extend(["--root".into(), launcher.root.clone().into_os_string(), "helper".into()]);

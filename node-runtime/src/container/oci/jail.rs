@@ -50,13 +50,21 @@ impl Engine for Jail {
         passed: &[BorrowedFd<'_>],
     ) -> Result<(), EngineError> {
         let out = super::open_log(log)?;
-        let status = self
-            .helper
-            .run(id, bundle, pid_file, &out, passed)
-            .map_err(|source| EngineError::Spawn {
-                runtime: self.describe(),
-                source,
-            })?;
+        let status = match self.helper.run(id, bundle, pid_file, &out, passed) {
+            Ok(status) => status,
+            // No helper runs here (a runtime binary older than the helper, say): a runtime
+            // process for this one, as before there was a helper.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                tracing::warn!(sandbox_id = %id, err = %e, "no runtime helper: running the runtime once for this create");
+                return self.launcher.run(id, bundle, pid_file, log, passed);
+            }
+            Err(source) => {
+                return Err(EngineError::Spawn {
+                    runtime: self.describe(),
+                    source,
+                })
+            }
+        };
         self.launcher.ran(status, log)
     }
 
