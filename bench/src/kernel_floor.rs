@@ -60,7 +60,13 @@ const BATCHES: usize = 5;
 /// and whatever else the host ran meanwhile (a shared machine's neighbours) only ever adds
 /// to a batch's count, so the lowest is the one least polluted by it.
 pub fn measure(cycles: usize) -> anyhow::Result<Floor> {
-    anyhow::ensure!(cycles >= BATCHES, "--floor-cycles must be at least {BATCHES}");
+    // `/proc/stat` counts in 10 ms ticks: a batch must run long enough that one tick more or
+    // less does not move its figure much (20 cycles of about 4 ms: 80 ms, 8 ticks, per core).
+    anyhow::ensure!(
+        cycles >= 20 * BATCHES,
+        "--floor-cycles must be at least {}",
+        20 * BATCHES
+    );
     anyhow::ensure!(Path::new(UNSHARE).is_file(), "{UNSHARE} is missing: install util-linux");
     let scratch = tempfile::tempdir().context("a scratch folder")?;
     let lower = scratch.path().join("lower");
