@@ -243,12 +243,16 @@ impl Bundle {
             "run failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let pid: i32 = fs::read_to_string(self.path().join("pid"))
+        (self.pid(), r)
+    }
+
+    /// The init's host PID, from the pid file `run` wrote.
+    fn pid(&self) -> i32 {
+        fs::read_to_string(self.path().join("pid"))
             .unwrap()
             .trim()
             .parse()
-            .unwrap();
-        (pid, r)
+            .unwrap()
     }
 
     fn state(&self) -> Value {
@@ -802,13 +806,7 @@ fn no_pivot_and_no_user_namespace() {
     drop(w);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(report(r).trim(), "uid=0 pid=1 host=jailtest");
-    reap(
-        fs::read_to_string(b.path().join("pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap(),
-    );
+    reap(b.pid());
 
     // Host root without a user namespace (runc's rootful mode): still isolated.
     let mut b = Bundle::new("rootful", "echo \"uid=$(id -u) pid=$$\" >&3; touch /shared/f");
@@ -919,11 +917,7 @@ fn runc_compatibility() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert_eq!(report(r).trim(), format!("host=jailtest uid=0"), "{name}");
-        let pid: i32 = fs::read_to_string(b.path().join("pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let pid = b.pid();
 
         let out = run(&["state", &id], None);
         assert!(
@@ -1384,15 +1378,9 @@ echo done=1
 "#;
     let mut b = Bundle::new("helped", script);
     let helper = Helper::start(&b.state_root());
-    // A descriptor of the caller's that must not reach the container.
-    let _kept_here = fs::File::open("/dev/null").unwrap();
     let (status, said, r) = helper.run(&b);
     assert_eq!(status, 0, "run through the helper failed: {said}");
-    let pid: i32 = fs::read_to_string(b.path().join("pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = b.pid();
     let rep = report(r);
     assert_eq!(field(&rep, "done"), "1", "{rep}");
     assert_eq!(field(&rep, "uid"), "0", "root inside (a host uid outside)");
@@ -1413,11 +1401,7 @@ echo done=1
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (status, said, r) = helper.run(&b);
     assert_eq!(status, 0, "{said}");
-    let pid: i32 = fs::read_to_string(b.path().join("pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = b.pid();
     assert_eq!(field(&report(r), "done"), "1");
     reap(pid);
 
@@ -1428,11 +1412,7 @@ echo done=1
     b.spec["process"]["args"] = json!(["sh", "-c", "echo started >&3; exec 3>&-; exec sleep 1000"]);
     let (status, said, r) = helper.run(&b);
     assert_eq!(status, 0, "{said}");
-    let pid: i32 = fs::read_to_string(b.path().join("pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = b.pid();
     let mut wstatus = 0;
     // SAFETY: a non-blocking wait for one PID.
     let waited = unsafe { libc::waitpid(pid, &mut wstatus, libc::WNOHANG) };
