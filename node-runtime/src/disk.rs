@@ -138,19 +138,40 @@ static ADMISSION: std::sync::Mutex<Option<std::collections::HashMap<PathBuf, Sca
 const RESCAN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What the disks of one sandboxes folder promised when last walked, plus every disk admitted
-/// since, at its whole size.
+/// since, at its whole size, and the host's free space at the walk.
 ///
 /// Walking every sandbox's image on every create was 5 % of a busy node's CPU (a `statx` per
 /// sandbox, under the lock every create takes), and grows with the sandboxes a node holds.
-/// Between walks this never says less than the walk would: since the walk, images only
-/// appeared through admission (counted whole), their held blocks only grew (a disk is mounted
-/// without `discard`, so freed blocks stay in the image: its promise only shrinks), and
-/// images deleted since still count. So what it admits the walk would have admitted; what it
-/// would refuse is walked again before it is refused.
+/// Between walks, [`Scan::trusted`] never says less than a walk would:
+/// - images appear only through admission, counted whole here;
+/// - an image's held blocks grow as it is written, which only shrinks its promise;
+/// - they shrink only where blocks are punched out of it (the disks are mounted `nodiscard`,
+///   but a host's `fstrim`, or ext4 zero-filling a split extent, still punches), and a punch
+///   frees as much host space as it adds to the promise: every byte the host's free space
+///   rose since the walk is counted as promised;
+/// - images deleted since still count.
+///
+/// So what it admits a walk would have admitted; what it would refuse is walked again before
+/// it is refused. (A punch that the host's own writes hide from the free space, within the
+/// 5 s, is what it can miss.)
 #[derive(Clone, Copy, Debug)]
 struct Scan {
     at: std::time::Instant,
     promised: Promised,
+    free_at_walk: u64,
+}
+
+impl Scan {
+    /// What the disks may still take by this scan, with the host's free space now `free`.
+    fn trusted(&self, free: u64) -> Promised {
+        Promised {
+            disks: self.promised.disks,
+            bytes: self
+                .promised
+                .bytes
+                .saturating_add(free.saturating_sub(self.free_at_walk)),
+        }
+    }
 }
 
 /// Whether a new disk of `bytes` may be made in `sandboxes` (see [`admit`]); on admission,
@@ -163,14 +184,17 @@ fn admit_in(
 ) -> io::Result<()> {
     let free = free_bytes(sandboxes)?;
     let cached = scans.get(sandboxes).filter(|scan| scan.at.elapsed() < RESCAN).copied();
-    let admitted = match cached.map(|scan| admit(scan.promised, free, bytes, overcommit)) {
+    let admitted = match cached.map(|scan| admit(scan.trusted(free), free, bytes, overcommit)) {
         Some(Ok(())) => Ok(()),
         // No scan, an old one, or one that would refuse: walk the folder now.
         _ => {
             let scan = Scan {
                 at: std::time::Instant::now(),
                 promised: promised(sandboxes)?,
+                free_at_walk: free,
             };
+            // One entry per folder a node keeps its sandboxes in; old ones go.
+            scans.retain(|_, old| old.at.elapsed() < RESCAN);
             scans.insert(sandboxes.to_path_buf(), scan);
             admit(scan.promised, free, bytes, overcommit)
         }
@@ -501,7 +525,10 @@ fn mount_image(image: &Path, mount: &Path) -> io::Result<()> {
     let backing = std::fs::OpenOptions::new().read(true).write(true).open(image)?;
     let device = bind_loop(&backing)?;
     let flags = rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV;
-    if let Err(err) = rustix::mount::mount(&device.1, mount, "ext4", flags, c"noinit_itable") {
+    // `nodiscard` whatever the image's default mount options say: a tenant's deleted files
+    // are not punched out of the image, so what it holds does not shrink behind admission's
+    // back (see `Scan`).
+    if let Err(err) = rustix::mount::mount(&device.1, mount, "ext4", flags, c"noinit_itable,nodiscard") {
         // The device frees itself when `device.0` closes (autoclear) only once mounted:
         // unbind it by hand.
         // SAFETY: LOOP_CLR_FD takes no argument.
@@ -715,28 +742,55 @@ mod tests {
             },
             "an empty folder walked, and the admitted disk counted whole"
         );
-        // An image appearing behind admission's back (nothing makes one so) and promising
-        // nearly all the free space: the walk is not repeated while it admits.
+        // An image appearing behind admission's back (nothing makes one so) promising more
+        // than the host has: any walk now refuses every disk, so an admission is the scan's.
         let free = free_bytes(&sandboxes).unwrap();
         std::fs::create_dir_all(sandboxes.join("x")).unwrap();
         File::create(sandboxes.join("x").join(IMAGE))
             .unwrap()
-            .set_len(free.saturating_sub(64 << 20))
+            .set_len(free + (1 << 30))
             .unwrap();
+        scans.get_mut(&sandboxes).unwrap().at = std::time::Instant::now();
         admit_in(&mut scans, &sandboxes, 1 << 20, 1.0).unwrap();
-        assert_eq!(scans[&sandboxes].promised.disks, 2, "the last walk, trusted");
-        // One the last walk would refuse: walked again first (it finds only `x`), and refused.
-        let refused = admit_in(&mut scans, &sandboxes, free, 1.0).unwrap_err();
+        assert_eq!(scans[&sandboxes].promised.bytes, 2 << 20, "the last walk, trusted");
+        // One the scan would refuse (past the free space by far more than it can change in
+        // between): walked again first, finding only `x`, and refused.
+        let refused = admit_in(&mut scans, &sandboxes, free + (512 << 20), 1.0).unwrap_err();
         assert_eq!(refused.kind(), io::ErrorKind::StorageFull);
         assert_eq!(scans[&sandboxes].promised.disks, 1, "walked again before refusing");
         // An old walk is not trusted even when it would admit.
-        scans.get_mut(&sandboxes).unwrap().at -= RESCAN;
-        scans.get_mut(&sandboxes).unwrap().promised = Promised::default();
+        let scan = scans.get_mut(&sandboxes).unwrap();
+        scan.at = std::time::Instant::now()
+            .checked_sub(RESCAN)
+            .expect("the machine has been up 5 s");
+        scan.promised = Promised::default();
         assert!(
-            admit_in(&mut scans, &sandboxes, 256 << 20, 1.0).is_err(),
+            admit_in(&mut scans, &sandboxes, 1 << 20, 1.0).is_err(),
             "x's promise, found again"
         );
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Every byte the host's free space rose since the walk may be a block punched out of an
+    /// image, which its promise got back: counted as promised.
+    #[test]
+    fn a_scan_counts_free_space_that_appeared_since_its_walk_as_promised() {
+        let scan = Scan {
+            at: std::time::Instant::now(),
+            promised: Promised {
+                disks: 2,
+                bytes: 100 << 20,
+            },
+            free_at_walk: 1 << 30,
+        };
+        assert_eq!(scan.trusted(1 << 30).bytes, 100 << 20);
+        assert_eq!(
+            scan.trusted((1 << 30) + (7 << 20)).bytes,
+            107 << 20,
+            "7 MiB punched, perhaps"
+        );
+        assert_eq!(scan.trusted(1 << 29).bytes, 100 << 20, "written: promises only shrink");
+        assert_eq!(scan.trusted(1 << 30).disks, 2);
     }
 
     #[test]
