@@ -38,7 +38,7 @@ use rustix::net::{
     SendFlags,
 };
 
-use crate::cli::{LogFormat, RunArgs};
+use crate::cli::RunArgs;
 use crate::state::StateDir;
 use crate::sys::{self, Errno};
 use crate::Logger;
@@ -295,11 +295,7 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
             Ok(None) => open = false,
             // No more requests; the runs in flight are still answered.
             Err(e) => {
-                Logger {
-                    path: None,
-                    format: LogFormat::Text,
-                }
-                .error(&e.to_string());
+                Logger::stderr().error(&e.to_string());
                 open = false;
             }
             Ok(Some(received)) => {
@@ -360,10 +356,7 @@ fn reap(pid: rustix::process::Pid) -> i32 {
 /// or the fork failed).
 fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Received) -> Option<Child> {
     let Received { request, mut fds } = received;
-    let log = Logger {
-        path: None,
-        format: LogFormat::Text,
-    };
+    let log = Logger::stderr();
     let request = match request {
         Ok(r) => r,
         Err(e) => {

@@ -104,6 +104,15 @@ pub struct Logger {
 }
 
 impl Logger {
+    /// Lines on stderr only (no `--log`): the helper's, whose stderr is the node's and, in each
+    /// run's process, the container's log.
+    pub fn stderr() -> Self {
+        Self {
+            path: None,
+            format: LogFormat::Text,
+        }
+    }
+
     pub fn error(&self, msg: &str) {
         self.emit("error", msg);
     }

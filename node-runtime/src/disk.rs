@@ -42,6 +42,7 @@
 //! `e2fsck` first. Every folder that may hold a mounted disk is deleted through
 //! [`remove_folder`], which unmounts it first.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd as _;
@@ -131,7 +132,7 @@ pub fn free_bytes(path: &Path) -> io::Result<u64> {
 
 /// Held from a new disk's admission until its image exists, so two creates cannot both be
 /// admitted into the same free space; it keeps each sandboxes folder's last [`Scan`].
-static ADMISSION: std::sync::Mutex<Option<std::collections::HashMap<PathBuf, Scan>>> = std::sync::Mutex::new(None);
+static ADMISSION: std::sync::Mutex<BTreeMap<PathBuf, Scan>> = std::sync::Mutex::new(BTreeMap::new());
 
 /// How long a scan of the disks' promise is used before the next admission walks the folder
 /// again (a refusal always walks it first).
@@ -176,12 +177,7 @@ impl Scan {
 
 /// Whether a new disk of `bytes` may be made in `sandboxes` (see [`admit`]); on admission,
 /// the disk is counted in the folder's scan.
-fn admit_in(
-    scans: &mut std::collections::HashMap<PathBuf, Scan>,
-    sandboxes: &Path,
-    bytes: u64,
-    overcommit: f64,
-) -> io::Result<()> {
+fn admit_in(scans: &mut BTreeMap<PathBuf, Scan>, sandboxes: &Path, bytes: u64, overcommit: f64) -> io::Result<()> {
     let free = free_bytes(sandboxes)?;
     let cached = scans.get(sandboxes).filter(|scan| scan.at.elapsed() < RESCAN).copied();
     let admitted = match cached.map(|scan| admit(scan.trusted(free), free, bytes, overcommit)) {
@@ -300,12 +296,7 @@ impl Disks {
             let bytes = self.size(bytes);
             let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some(sandboxes) = dir.parent() {
-                admit_in(
-                    scans.get_or_insert_with(Default::default),
-                    sandboxes,
-                    bytes,
-                    self.overcommit,
-                )?;
+                admit_in(&mut scans, sandboxes, bytes, self.overcommit)?;
             }
             // Under the lock until the image exists: the next admission's walk must see it.
             self.make(mkfs, &image, bytes)?;
@@ -732,7 +723,7 @@ mod tests {
         let root = std::env::temp_dir().join(format!("disk-scan-{}", uuid::Uuid::new_v4().simple()));
         let sandboxes = root.join("sandboxes");
         std::fs::create_dir_all(&sandboxes).unwrap();
-        let mut scans = std::collections::HashMap::new();
+        let mut scans = BTreeMap::new();
         admit_in(&mut scans, &sandboxes, 1 << 20, 1.0).unwrap();
         assert_eq!(
             scans[&sandboxes].promised,

@@ -19,21 +19,14 @@ use std::sync::{Arc, Mutex};
 
 use super::{spawn, Launcher};
 
-/// The node's side of the jail's helper.
+/// The node's side of the jail's helper: the control socket of the helper running now, if one
+/// is. Started from the runtime binary the `Launcher` each call is given names.
+#[derive(Default)]
 pub struct Helper {
-    launcher: Launcher,
-    /// The control socket of the helper running now, if one is.
     control: Mutex<Option<Arc<OwnedFd>>>,
 }
 
 impl Helper {
-    pub fn new(launcher: Launcher) -> Self {
-        Self {
-            launcher,
-            control: Mutex::new(None),
-        }
-    }
-
     /// Runs container `id` from `bundle` through the helper: the run's exit status, as a
     /// runtime process would have exited. `BrokenPipe`: no helper would take the request (one
     /// started again was gone at once too: a runtime binary without the `helper` command), so
@@ -41,6 +34,7 @@ impl Helper {
     /// but may have left a container.
     pub fn run(
         &self,
+        launcher: &Launcher,
         id: &str,
         bundle: &Path,
         pid_file: &Path,
@@ -54,7 +48,7 @@ impl Helper {
         };
         let mut restarted = false;
         loop {
-            let control = self.control()?;
+            let control = self.control(launcher)?;
             match jail::helper::send(control.as_fd(), &request, output.as_fd(), passed) {
                 Ok(status) => return Ok(ExitStatus::from_raw(status)),
                 // Gone before it read the request: nothing of it ran, so a new helper may.
@@ -74,12 +68,12 @@ impl Helper {
     }
 
     /// The running helper's control socket, starting the helper if none runs.
-    fn control(&self) -> std::io::Result<Arc<OwnedFd>> {
+    fn control(&self, launcher: &Launcher) -> std::io::Result<Arc<OwnedFd>> {
         let mut current = self.control.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(control) = current.as_ref() {
             return Ok(control.clone());
         }
-        let control = Arc::new(self.start()?);
+        let control = Arc::new(Self::start(launcher)?);
         *current = Some(control.clone());
         Ok(control)
     }
@@ -94,14 +88,13 @@ impl Helper {
 
     /// Starts a helper: its control socket. Its own errors go to the node's stderr; a thread
     /// waits for it to exit, so it never lingers as a zombie.
-    fn start(&self) -> std::io::Result<OwnedFd> {
+    fn start(launcher: &Launcher) -> std::io::Result<OwnedFd> {
         use rustix::net::{AddressFamily, SocketFlags, SocketType};
         let (ours, theirs) =
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
         // Close-on-exec here, as everything the node opens: another thread's child started at
         // this moment must not inherit it. The helper gets it by a spawn file action.
         let stderr = std::fs::File::from(rustix::io::fcntl_dupfd_cloexec(std::io::stderr().as_fd(), 0)?);
-        let launcher = &self.launcher;
         let mut args = launcher.prefix.clone();
         args.extend(["--root".into(), launcher.root.clone().into_os_string(), "helper".into()]);
         // The helper's end becomes its fd 3 (`jail::helper::CONTROL_FD`).

@@ -26,8 +26,11 @@ pub struct Jail {
 impl Jail {
     pub fn new(launcher: Launcher) -> Self {
         let dir = StateDir::new(&launcher.root);
-        let helper = Helper::new(launcher.clone());
-        Self { launcher, dir, helper }
+        Self {
+            launcher,
+            dir,
+            helper: Helper::default(),
+        }
     }
 }
 
@@ -50,7 +53,7 @@ impl Engine for Jail {
         passed: &[BorrowedFd<'_>],
     ) -> Result<(), EngineError> {
         let out = super::open_log(log)?;
-        let status = match self.helper.run(id, bundle, pid_file, &out, passed) {
+        let status = match self.helper.run(&self.launcher, id, bundle, pid_file, &out, passed) {
             Ok(status) => status,
             // No helper runs here (a runtime binary older than the helper, say): a runtime
             // process for this one, as before there was a helper.
