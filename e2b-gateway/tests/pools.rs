@@ -299,20 +299,25 @@ async fn a_claim_its_create_left_marked_is_confirmed_or_ended_by_what_its_node_h
         d.started_at_unix_ms = long_ago;
     })
     .await;
+    // The kill ends the container first and deletes the manifest after: wait for both,
+    // since between them the sandbox is already gone from the node but still listed.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while s.node().host().list_ids().await.contains(&never) {
+    loop {
+        let held = s.node().host().list_ids().await.contains(&never);
+        let manifest = s
+            .ledger_client
+            .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &never)
+            .await
+            .unwrap();
+        if !held && manifest.is_none() {
+            break;
+        }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the unconfirmed claim was never ended"
+            "the unconfirmed claim was never ended (on its node: {held}, manifest: {manifest:?})"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let gone = s
-        .ledger_client
-        .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &never)
-        .await
-        .unwrap();
-    assert!(gone.is_none(), "its manifest went with it: {gone:?}");
     // A claim its node took, whose create answered but never cleared the mark: kept, the
     // mark cleared.
     let pooled = ready(&s, "base", 2).await;
