@@ -48,6 +48,9 @@ use std::io;
 use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+
+mod spares;
 
 /// The mount point of a sandbox's disk, in its folder.
 pub const MOUNT: &str = "disk";
@@ -68,7 +71,13 @@ pub struct Disks {
     blanks: Option<PathBuf>,
     /// How many times the host's free space the disks may promise (1: never more than it has).
     overcommit: f64,
+    /// Disks of the default size made before they are asked for (see [`spares`]).
+    spares: Option<Arc<spares::Spares>>,
 }
+
+/// What readies a new disk in a sandbox folder before a sandbox is given it (the runtime's
+/// folders on it): run on each spare once it is mounted.
+pub type Prepare = Arc<dyn Fn(&Path) -> io::Result<()> + Send + Sync>;
 
 /// The host's disk has no room for another sandbox's disk: what was asked, what the disks
 /// already promise, what is free.
@@ -236,6 +245,26 @@ impl Disks {
             default_bytes,
             blanks: None,
             overcommit: 1.0,
+            spares: None,
+        }
+    }
+
+    /// Keeps `count` disks of the default size made and mounted in `sandboxes` (the folder of
+    /// the sandboxes' folders), each readied by `prepare` once mounted, so a create takes one
+    /// rather than making it (see [`spares`]). None are kept for plain folders, which cost
+    /// nothing to make.
+    pub fn with_spares(self, sandboxes: PathBuf, count: usize, prepare: Prepare) -> Self {
+        if count == 0 || !matches!(self.kind, Kind::Loop { .. }) {
+            return Self { spares: None, ..self };
+        }
+        let maker = Self {
+            spares: None,
+            ..self.clone()
+        };
+        let spares = spares::Spares::keep(maker, prepare, sandboxes, self.default_bytes, count);
+        Self {
+            spares: Some(Arc::new(spares)),
+            ..self
         }
     }
 
@@ -278,6 +307,9 @@ impl Disks {
     pub fn attach(&self, dir: &Path, bytes: u64) -> io::Result<()> {
         let mount = dir.join(MOUNT);
         if mounted(&mount) {
+            return Ok(());
+        }
+        if self.spares.as_ref().is_some_and(|s| s.place(dir, self.size(bytes))) {
             return Ok(());
         }
         std::fs::create_dir_all(dir)?;
@@ -665,6 +697,137 @@ mod tests {
         );
         std::fs::write(other.join(MOUNT).join("mine"), "x").unwrap();
         remove_folder(&other).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// The spare folders in `sandboxes`.
+    fn spare_folders(sandboxes: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(sandboxes)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(".spare-"))
+            })
+            .collect()
+    }
+
+    /// Spares: made and mounted ahead, moved whole into a new sandbox's folder, never into one
+    /// that exists, never a disk a sandbox had, made again after each take, and deleted (with
+    /// their mounts) when the node's disks are dropped.
+    #[test]
+    fn a_create_takes_a_new_spare_disk_and_the_next_is_made() {
+        let root = std::env::temp_dir().join(format!("disk-spares-{}", uuid::Uuid::new_v4().simple()));
+        let sandboxes = root.join("sandboxes");
+        std::fs::create_dir_all(&sandboxes).unwrap();
+        let disks = Disks::probe(true, 32 << 20)
+            .with_blanks(root.join("blanks"))
+            .with_spares(
+                sandboxes.clone(),
+                2,
+                Arc::new(|dir: &Path| std::fs::create_dir(dir.join(MOUNT).join("home"))),
+            );
+        let spares = disks.spares.clone().expect("spares kept");
+        assert!(
+            spares.wait_ready(2, std::time::Duration::from_secs(20)),
+            "two spares made"
+        );
+        let made = spare_folders(&sandboxes);
+        assert_eq!(made.len(), 2);
+        assert!(made.iter().all(|s| mounted(&s.join(MOUNT))), "each mounted ahead");
+        assert!(made.iter().all(|s| s.join(MOUNT).join("home").is_dir()), "and readied");
+
+        // A new sandbox's folder is a spare, moved: mounted, and the spare is gone.
+        use std::os::unix::fs::MetadataExt as _;
+        let image_of = |dir: &Path| std::fs::metadata(dir.join(IMAGE)).unwrap().ino();
+        let spare_images: Vec<u64> = made.iter().map(|s| image_of(s)).collect();
+        let a = sandboxes.join("a");
+        disks.attach(&a, 0).unwrap();
+        assert!(mounted(&a.join(MOUNT)));
+        let taken = spare_images
+            .iter()
+            .position(|ino| *ino == image_of(&a))
+            .expect("a spare's image");
+        assert!(!made[taken].exists(), "moved, not copied");
+        std::fs::write(a.join(MOUNT).join("tenant-a"), "secret").unwrap();
+        assert!(
+            spares.wait_ready(2, std::time::Duration::from_secs(20)),
+            "the next made"
+        );
+
+        // A folder that exists (a restore's files) makes its own disk there: no spare taken.
+        let b = sandboxes.join("b");
+        let before: Vec<u64> = spare_folders(&sandboxes).iter().map(|s| image_of(s)).collect();
+        std::fs::create_dir_all(&b).unwrap();
+        std::fs::write(b.join("record"), "kept").unwrap();
+        disks.attach(&b, 0).unwrap();
+        assert!(!before.contains(&image_of(&b)), "no spare moved over existing files");
+        assert!(b.join("record").exists());
+
+        // A disk of another size is made, not taken.
+        let c = sandboxes.join("c");
+        disks.attach(&c, 64 << 20).unwrap();
+        assert!(!before.contains(&image_of(&c)), "another size is made");
+
+        // A sandbox killed: its disk is deleted, and what the next create takes is a new one.
+        remove_folder(&a).unwrap();
+        let d = sandboxes.join("d");
+        disks.attach(&d, 0).unwrap();
+        let files: Vec<_> = std::fs::read_dir(d.join(MOUNT))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(files.len(), 2, "an empty disk: {files:?}");
+        assert!(!d.join(MOUNT).join("tenant-a").exists());
+        assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
+
+        // Dropped with the node's disks: the ready spares go, mounts and all.
+        let left = spare_folders(&sandboxes);
+        drop(spares);
+        drop(disks);
+        for spare in &left {
+            assert!(!spare.exists(), "{} deleted", spare.display());
+        }
+        for dir in ["b", "c", "d"] {
+            remove_folder(&sandboxes.join(dir)).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Spares are admitted as any disk: on 80 MiB of host, two 32 MiB spares take the room,
+    /// two creates take them without an admission of their own, no third spare is made, and a
+    /// third create is refused for room.
+    #[test]
+    fn spares_count_in_what_the_disks_promise() {
+        let root = std::env::temp_dir().join(format!("disk-spare-room-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&root).unwrap();
+        rustix::mount::mount("tmpfs", &root, "tmpfs", rustix::mount::MountFlags::empty(), c"size=80m")
+            .expect("a tmpfs of 80 MiB");
+        let sandboxes = root.join("sandboxes");
+        std::fs::create_dir_all(&sandboxes).unwrap();
+        let disks = Disks::probe(true, 32 << 20)
+            .with_blanks(root.join("blanks"))
+            .with_spares(
+                sandboxes.clone(),
+                2,
+                Arc::new(|dir: &Path| std::fs::create_dir(dir.join(MOUNT).join("home"))),
+            );
+        let spares = disks.spares.clone().expect("spares kept");
+        assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
+        assert_eq!(promised(&sandboxes).unwrap().disks, 2, "the spares are promised");
+        disks.attach(&sandboxes.join("a"), 0).unwrap();
+        disks.attach(&sandboxes.join("b"), 0).unwrap();
+        let refused = disks.attach(&sandboxes.join("c"), 0).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
+        assert!(spare_folders(&sandboxes).is_empty(), "no spare past the room");
+        drop(spares);
+        drop(disks);
+        for dir in ["a", "b"] {
+            remove_folder(&sandboxes.join(dir)).unwrap();
+        }
+        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
         let _ = std::fs::remove_dir_all(&root);
     }
 

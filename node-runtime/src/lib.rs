@@ -158,6 +158,14 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Readies a new, empty disk mounted in sandbox folder `dir` before any sandbox is given
+    /// it (a spare, see `crate::disk`): the folders this runtime's start would otherwise make
+    /// on the create's path, the first writes of a fresh filesystem.
+    fn prepare_disk(&self, dir: &Path) -> std::io::Result<()> {
+        let _ = dir;
+        Ok(())
+    }
+
     /// Why this runtime cannot run a template with its own root filesystem (an OCI image's),
     /// if it cannot.
     fn images_refused(&self) -> Option<String> {

@@ -108,6 +108,11 @@ struct Args {
     /// still fill to its size; above 1 the operator takes that risk knowingly.
     #[arg(long, env = "NODE_DISK_OVERCOMMIT", default_value_t = 1.0, value_parser = overcommit)]
     disk_overcommit: f64,
+    /// Disks of the default size kept made and mounted before creates ask for them: a create
+    /// takes one instead of making its own (a copy of the blank, a loop device, a mount).
+    /// 0 turns them off.
+    #[arg(long, env = "NODE_SPARE_DISKS", default_value_t = node_svc::host::DEFAULT_SPARE_DISKS)]
+    spare_disks: usize,
     /// Megabytes of disk each builder container of a template build gets.
     #[arg(long, env = "NODE_BUILD_DISK_MB", default_value_t = node_svc::host::DEFAULT_BUILD_DISK_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..))]
     build_disk_mb: u64,
@@ -162,6 +167,7 @@ async fn serve() -> anyhow::Result<()> {
     config.host.build_disk_bytes = args.build_disk_mb << 20;
     config.host.own_disks = !args.no_sandbox_disks;
     config.host.disk_overcommit = args.disk_overcommit;
+    config.host.spare_disks = args.spare_disks;
     config.host.private_registries = args.private_registries;
     config.host.blob_store = Some(if args.blob_store.contains("://") {
         args.blob_store

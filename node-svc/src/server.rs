@@ -108,6 +108,7 @@ impl NodeConfig {
                 build_disk_bytes: crate::host::DEFAULT_BUILD_DISK_BYTES,
                 own_disks: true,
                 disk_overcommit: 1.0,
+                spare_disks: crate::host::DEFAULT_SPARE_DISKS,
             },
             runtime: RuntimeKind::Container { oci_runtime: None },
             network: Default::default(),

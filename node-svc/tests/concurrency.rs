@@ -173,6 +173,7 @@ impl Node {
             build_disk_bytes: node_svc::host::DEFAULT_BUILD_DISK_BYTES,
             own_disks: true,
             disk_overcommit: 1.0,
+            spare_disks: node_svc::host::DEFAULT_SPARE_DISKS,
         };
         let host = Arc::new(Host::open(config, runtime.clone()).await.expect("host opens"));
 

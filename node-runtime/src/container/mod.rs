@@ -852,6 +852,11 @@ impl Runtime for ContainerRuntime {
         true
     }
 
+    fn prepare_disk(&self, dir: &Path) -> io::Result<()> {
+        let home = layout::home_in(dir);
+        rootfs::prepare_upper(&home, &parts(&self.run, &home).work)
+    }
+
     fn log_file(&self, home: &Path) -> Option<PathBuf> {
         Some(parts(&self.run, home).log)
     }
