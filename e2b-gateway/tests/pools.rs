@@ -151,7 +151,10 @@ async fn a_create_takes_a_ready_pooled_sandbox_as_its_own_and_the_pool_refills()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_creates_never_share_a_pooled_sandbox() {
-    let s = stack(8192).await;
+    // Nine sandboxes at once (three claimed, three cold, three refills): more vCPUs than a
+    // two-core host's default, so no create races a refill for the last one. (Placement's
+    // view can trail the node's by a heartbeat, and the node then refuses the create.)
+    let s = support::stack_with_vcpus(8192, 32).await;
     let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 3}"#)).await;
     assert_eq!(status, 200);
     let pooled = ready(&s, "base", 3).await;

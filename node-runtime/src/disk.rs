@@ -185,7 +185,8 @@ impl Scan {
 }
 
 /// Whether a new disk of `bytes` may be made in `sandboxes` (see [`admit`]); on admission,
-/// the disk is counted in the folder's scan.
+/// the disk is counted in the folder's scan. With 0 bytes: whether what the disks promise
+/// still fits, counting nothing.
 fn admit_in(scans: &mut BTreeMap<PathBuf, Scan>, sandboxes: &Path, bytes: u64, overcommit: f64) -> io::Result<()> {
     let free = free_bytes(sandboxes)?;
     let cached = scans.get(sandboxes).filter(|scan| scan.at.elapsed() < RESCAN).copied();
@@ -205,7 +206,7 @@ fn admit_in(scans: &mut BTreeMap<PathBuf, Scan>, sandboxes: &Path, bytes: u64, o
         }
     };
     admitted.map_err(|no_room| io::Error::new(io::ErrorKind::StorageFull, no_room))?;
-    if let Some(scan) = scans.get_mut(sandboxes) {
+    if let Some(scan) = scans.get_mut(sandboxes).filter(|_| bytes > 0) {
         scan.promised.disks += 1;
         scan.promised.bytes = scan.promised.bytes.saturating_add(bytes);
     }
@@ -309,7 +310,7 @@ impl Disks {
         if mounted(&mount) {
             return Ok(());
         }
-        if self.spares.as_ref().is_some_and(|s| s.place(dir, self.size(bytes))) {
+        if self.place_spare(dir, bytes) {
             return Ok(());
         }
         std::fs::create_dir_all(dir)?;
@@ -328,7 +329,7 @@ impl Disks {
             let bytes = self.size(bytes);
             let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some(sandboxes) = dir.parent() {
-                admit_in(&mut scans, sandboxes, bytes, self.overcommit)?;
+                self.admit(&mut scans, sandboxes, bytes)?;
             }
             // Under the lock until the image exists: the next admission's walk must see it.
             self.make(mkfs, &image, bytes)?;
@@ -336,6 +337,42 @@ impl Disks {
         }
         std::fs::create_dir_all(&mount)?;
         mount_image(&image, &mount)
+    }
+
+    /// Moves a spare into new sandbox folder `dir` when one of its size is ready: whether it
+    /// did. A spare was admitted when it was made, maybe long ago; it is given out only while
+    /// what every disk may still take fits in the host's free space now (layers fetched since,
+    /// or anything else of the host's, may have taken the room).
+    fn place_spare(&self, dir: &Path, bytes: u64) -> bool {
+        let (Some(spares), Some(sandboxes)) = (&self.spares, dir.parent()) else {
+            return false;
+        };
+        let bytes = self.size(bytes);
+        if !spares.may_place(dir, bytes) {
+            return false;
+        }
+        let fits = {
+            let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            admit_in(&mut scans, sandboxes, 0, self.overcommit).is_ok()
+        };
+        fits && spares.place(dir, bytes)
+    }
+
+    /// Admits a new disk of `bytes` in `sandboxes` (see [`admit_in`]); one refused for room
+    /// is admitted in the room of spares, deleted one at a time, before it is refused: a spare
+    /// is only ever a create's head start, never the reason a restore, a build or a create
+    /// of another size is turned away.
+    fn admit(&self, scans: &mut BTreeMap<PathBuf, Scan>, sandboxes: &Path, bytes: u64) -> io::Result<()> {
+        loop {
+            match admit_in(scans, sandboxes, bytes, self.overcommit) {
+                Err(err) if err.kind() == io::ErrorKind::StorageFull => {
+                    if !self.spares.as_ref().is_some_and(|s| s.give_up_one()) {
+                        return Err(err);
+                    }
+                }
+                admitted => return admitted,
+            }
+        }
     }
 
     /// Makes a new disk of `bytes` at `image`: a sparse copy of the blank of that size
@@ -821,12 +858,80 @@ mod tests {
         disks.attach(&sandboxes.join("b"), 0).unwrap();
         let refused = disks.attach(&sandboxes.join("c"), 0).unwrap_err();
         assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
-        assert!(spare_folders(&sandboxes).is_empty(), "no spare past the room");
+        assert_eq!(spares.ready(), 0, "no spare past the room");
         drop(spares);
         drop(disks);
         for dir in ["a", "b"] {
             remove_folder(&sandboxes.join(dir)).unwrap();
         }
+        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A tmpfs of `mib` MiB at a new folder, with a node's disks of 32 MiB and two spares
+    /// ready in its `sandboxes`: (root, sandboxes, disks, spares).
+    fn small_host_with_spares(name: &str, mib: u64) -> (PathBuf, PathBuf, Disks, Arc<spares::Spares>) {
+        let root = std::env::temp_dir().join(format!("{name}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&root).unwrap();
+        let size = std::ffi::CString::new(format!("size={mib}m")).unwrap();
+        rustix::mount::mount(
+            "tmpfs",
+            &root,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            size.as_c_str(),
+        )
+        .expect("a tmpfs");
+        let sandboxes = root.join("sandboxes");
+        std::fs::create_dir_all(&sandboxes).unwrap();
+        let disks = Disks::probe(true, 32 << 20)
+            .with_blanks(root.join("blanks"))
+            .with_spares(sandboxes.clone(), 2, Arc::new(|_: &Path| Ok(())));
+        let spares = disks.spares.clone().expect("spares kept");
+        assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
+        (root, sandboxes, disks, spares)
+    }
+
+    /// Spares never cost a sandbox its disk: on 80 MiB of host with two 32 MiB spares ready, a
+    /// restore's disk (its folder exists, so it takes no spare) is admitted in a spare's room
+    /// (the spare is deleted for it) rather than refused.
+    #[test]
+    fn a_disk_refused_for_room_takes_the_room_of_a_spare() {
+        let (root, sandboxes, disks, spares) = small_host_with_spares("disk-spare-gives", 80);
+        let restored = sandboxes.join("restored");
+        std::fs::create_dir_all(&restored).unwrap();
+        disks.attach(&restored, 0).expect("admitted in a spare's room");
+        assert!(mounted(&restored.join(MOUNT)));
+        assert_eq!(spares.ready(), 1, "one spare gave its room");
+        assert_eq!(promised(&sandboxes).unwrap().disks, 2);
+        drop(spares);
+        drop(disks);
+        remove_folder(&restored).unwrap();
+        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A spare made while the host had room is not handed out once the host has filled: on
+    /// 100 MiB with two 32 MiB spares ready, the host's own 60 MiB leaves room for one disk's
+    /// promise. The create takes no spare (the two would promise more than the host has); its
+    /// disk is admitted in the room the spares give back, and none is left past the room.
+    #[test]
+    fn a_spare_is_handed_out_only_while_the_disks_promise_fits() {
+        let (root, sandboxes, disks, spares) = small_host_with_spares("disk-spare-full", 100);
+        // The host fills (a template's layers, say) after the spares were made.
+        let mut file = File::create(root.join("layers")).unwrap();
+        let chunk = vec![7u8; 1 << 20];
+        (0..60).for_each(|_| io::Write::write_all(&mut file, &chunk).unwrap());
+        drop(file);
+        let a = sandboxes.join("a");
+        disks.attach(&a, 0).expect("one disk's promise fits");
+        assert!(mounted(&a.join(MOUNT)));
+        assert_eq!(spares.ready(), 0, "the other spare gave its room");
+        let refused = disks.attach(&sandboxes.join("b"), 0).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
+        drop(spares);
+        drop(disks);
+        remove_folder(&a).unwrap();
         rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
         let _ = std::fs::remove_dir_all(&root);
     }

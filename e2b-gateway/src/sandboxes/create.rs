@@ -110,34 +110,18 @@ impl Sandboxes {
             doc.timeout_secs = 0;
             doc.pool = pool;
         }
-        let image = node_pb::TemplateImage::from(&intent.image);
-        // Placement is asked while the manifest is written, not after: a reservation is only
-        // a promise, released below if the write fails, and expiring by itself should this
-        // gateway stop first. No node is asked to start anything before the manifest exists.
-        let first_place = {
-            let mut placement = self.placement.clone();
-            let request = place_request(&doc, &image, Vec::new());
-            tokio::spawn(async move { placement.place(request).await }.in_current_span())
-        };
         // A lost reply is resolved by reading back; only a ledger that stays unreadable
-        // leaves this create's outcome unknown (a 503; nothing was started).
-        let written = match Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc) {
-            Ok(txn) => self
-                .ledger
-                .compare_resolving(txn, LEDGER_RESOLVE_ATTEMPTS)
-                .await
-                .map_err(Failure::from),
-            Err(err) => Err(Failure::from(err)),
-        };
-        let version = match written {
-            Ok(committed) => committed.versions[0],
-            Err(err) => {
-                if let Ok(placed) = first_place.await {
-                    self.release_placed(&sandbox_id, placed).await;
-                }
-                return Err(err);
-            }
-        };
+        // leaves this create's outcome unknown (a 503; nothing was started). Written before
+        // placement is asked: a reservation still pending never expires, and the reaper finds
+        // (and releases) one only through the manifest of its create.
+        let version = self
+            .ledger
+            .compare_resolving(
+                Txn::new().create(SANDBOX_KIND, &sandbox_id, &doc)?,
+                LEDGER_RESOLVE_ATTEMPTS,
+            )
+            .await?
+            .versions[0];
         let undo_manifest = || async {
             if let Err(err) = self
                 .ledger
@@ -150,7 +134,8 @@ impl Sandboxes {
                 tracing::error!(%err, "could not delete the manifest of a failed create");
             }
         };
-        let placed = match self.place_and_start(&doc, &image, first_place).await {
+        let image = node_pb::TemplateImage::from(&intent.image);
+        let placed = match self.place_and_start(&doc, &image).await {
             Ok(placed) => placed,
             // A placement or node call that broke after it was sent may have reserved or
             // started something this gateway cannot name: the manifest stays `creating`, and
@@ -206,38 +191,19 @@ impl Sandboxes {
     /// Only the first attempt reclaims: a create whose start then fails elsewhere must not
     /// empty the pools of one node after another; and a team reclaims only so often
     /// ([`super::pool::RECLAIMS_PER_WINDOW`] a minute).
-    ///
-    /// `first_place` is the first attempt's placement, asked already (see `create_with`).
     pub(super) async fn place_and_start(
         &self,
         doc: &SandboxDoc,
         image: &node_pb::TemplateImage,
-        first_place: tokio::task::JoinHandle<Result<tonic::Response<pl::PlaceResponse>, tonic::Status>>,
     ) -> Result<Placed, Failure> {
-        let mut first_placed = Some(
-            first_place
-                .await
-                .unwrap_or_else(|e| Err(tonic::Status::unknown(format!("placement task: {e}")))),
-        );
         // Opened once, before any node is asked: a seal this gateway cannot open is its own
         // fault (a token key unlike its peers'), not a node's to be retried elsewhere.
-        let env_vars = match self.sealed_env(doc) {
-            Ok(env_vars) => env_vars,
-            Err(err) => {
-                if let Some(placed) = first_placed.take() {
-                    self.release_placed(&doc.sandbox_id, placed).await;
-                }
-                return Err(err);
-            }
-        };
+        let env_vars = self.sealed_env(doc)?;
         let mut exclude = Vec::new();
         let mut last = Failure::NoCapacity("no node could start the sandbox".to_string());
         for attempt in 0..CREATE_ATTEMPTS {
             let mut request = place_request(doc, image, exclude.clone());
-            let mut placed = match first_placed.take() {
-                Some(placed) => placed,
-                None => self.placement.clone().place(request.clone()).await,
-            };
+            let mut placed = self.placement.clone().place(request.clone()).await;
             let may_reclaim = attempt == 0 && doc.pool.is_none() && self.pools.any_ready();
             if may_reclaim
                 && matches!(&placed, Err(s) if s.code() == tonic::Code::ResourceExhausted)
@@ -299,24 +265,6 @@ impl Sandboxes {
             }
         }
         Err(last)
-    }
-
-    /// Gives back the reservation a placement answered for `sandbox_id`, if it made one (for
-    /// a create that ends before any node was asked).
-    async fn release_placed(
-        &self,
-        sandbox_id: &str,
-        placed: Result<tonic::Response<pl::PlaceResponse>, tonic::Status>,
-    ) {
-        let Ok(placed) = placed else { return };
-        let reservation = pl::SandboxRef {
-            sandbox_id: sandbox_id.to_string(),
-            node_id: placed.into_inner().node_id,
-            resources: None,
-        };
-        if let Err(status) = self.placement.clone().release(reservation).await {
-            tracing::warn!(%status, "placement did not hear a reservation given back; it will expire");
-        }
     }
 
     pub(super) async fn start_on(

@@ -34,9 +34,25 @@ pub async fn stack(node_memory_mb: u64) -> Stack {
 
 /// A stack with one node of each of these memory sizes (MiB).
 pub async fn stack_of(nodes_memory_mb: &[u64]) -> Stack {
+    stack_sized(nodes_memory_mb, None).await
+}
+
+/// A stack with one node of `node_memory_mb` and `vcpus`: for a test whose creates must not
+/// run out of CPU before memory (the host's cores decide the default).
+#[allow(dead_code)]
+pub async fn stack_with_vcpus(node_memory_mb: u64, vcpus: u32) -> Stack {
+    stack_sized(&[node_memory_mb], Some(vcpus)).await
+}
+
+async fn stack_sized(nodes_memory_mb: &[u64], vcpus: Option<u32>) -> Stack {
     let mut builder = stack::Stack::builder().heartbeat(std::time::Duration::from_millis(50));
     for &mb in nodes_memory_mb {
-        builder = builder.node(move |c| c.host.capacity.memory_bytes = mb << 20);
+        builder = builder.node(move |c| {
+            c.host.capacity.memory_bytes = mb << 20;
+            if let Some(vcpus) = vcpus {
+                c.host.capacity.vcpus = vcpus;
+            }
+        });
     }
     let started = builder
         .gateway(|c| {

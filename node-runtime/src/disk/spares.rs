@@ -10,8 +10,10 @@
 //! - **A spare is a new disk**, a copy of the blank, never one a sandbox had: nothing of one
 //!   tenant's reaches another through it.
 //! - **Spares are admitted as any disk** (see [`super::admit`]): they count in what the disks
-//!   promise, so the create that takes one needs no admission of its own, and a host short of
-//!   room makes no spares rather than refusing creates for them.
+//!   promise. A create takes one only while that promise still fits the host's free space (the
+//!   host may have filled since the spare was made), and a disk refused for room (a restore,
+//!   a build, a create of another size) is admitted in the room of spares, deleted one at a
+//!   time, before it is refused: spares never cost a sandbox its disk.
 //! - **Only a folder that does not exist yet** takes one (`RENAME_NOREPLACE`): a restore or a
 //!   move brings files into its folder first and makes its disk there, as before.
 //! - **Left by a node that stopped**, spares are scratch: a dot-folder of the sandboxes folder,
@@ -29,9 +31,11 @@ const PREFIX: &str = ".spare-";
 /// How long the worker waits after a spare could not be made.
 const RETRY: Duration = Duration::from_secs(5);
 
-/// The spares of one sandboxes folder; the ready ones are deleted when it is dropped.
+/// The spares of one sandboxes folder; the ready ones are deleted when it is dropped, after
+/// its worker has stopped.
 pub(super) struct Spares {
     shared: Arc<Shared>,
+    worker: Option<std::thread::JoinHandle<()>>,
 }
 
 struct Shared {
@@ -72,10 +76,27 @@ impl Spares {
         let spawned = std::thread::Builder::new()
             .name("spare-disks".into())
             .spawn(move || keep_ready(&worker, &maker, &prepare));
-        if let Err(err) = spawned {
-            tracing::warn!(%err, "no thread for spare disks: every create makes its own");
-        }
-        Self { shared }
+        let worker = spawned
+            .inspect_err(|err| tracing::warn!(%err, "no thread for spare disks: every create makes its own"))
+            .ok();
+        Self { shared, worker }
+    }
+
+    /// Whether [`Spares::place`] could move a spare to `dir` now.
+    pub(super) fn may_place(&self, dir: &Path, bytes: u64) -> bool {
+        bytes == self.shared.bytes && std::fs::symlink_metadata(dir).is_err() && !self.shared.state().ready.is_empty()
+    }
+
+    /// Deletes one ready spare, giving its room back: whether there was one. The worker is
+    /// not woken for it; it makes the next when a create takes one, or after its pause.
+    pub(super) fn give_up_one(&self) -> bool {
+        let Some(spare) = self.shared.state().ready.pop() else {
+            return false;
+        };
+        tracing::info!(spare = %spare.display(), "a spare disk gives its room to a disk refused for room");
+        metrics::counter!("node_spare_disks_given_up_total").increment(1);
+        let _ = super::remove_folder(&spare);
+        true
     }
 
     /// Moves a ready spare to `dir` when a disk of `bytes` is wanted there and `dir` does not
@@ -98,6 +119,7 @@ impl Spares {
             // Made meanwhile by someone else: the spare waits for the next create.
             Err(rustix::io::Errno::EXIST) => {
                 self.shared.state().ready.push(spare);
+                self.shared.changed.notify_all();
                 false
             }
             Err(err) => {
@@ -111,6 +133,11 @@ impl Spares {
 
 #[cfg(test)]
 impl Spares {
+    /// How many spares are ready now.
+    pub(super) fn ready(&self) -> usize {
+        self.shared.state().ready.len()
+    }
+
     /// Waits until `count` spares are ready, up to `timeout`: whether they are.
     pub(super) fn wait_ready(&self, count: usize, timeout: Duration) -> bool {
         let state = self.shared.state();
@@ -135,12 +162,13 @@ impl std::fmt::Debug for Spares {
 
 impl Drop for Spares {
     fn drop(&mut self) {
-        let ready = {
-            let mut state = self.shared.state();
-            state.closing = true;
-            std::mem::take(&mut state.ready)
-        };
+        self.shared.state().closing = true;
         self.shared.changed.notify_all();
+        // The worker deletes a spare it was making; what it made before is in `ready`.
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+        let ready = std::mem::take(&mut self.shared.state().ready);
         for spare in ready {
             let _ = super::remove_folder(&spare);
         }
@@ -193,7 +221,12 @@ fn keep_ready(shared: &Shared, maker: &super::Disks, prepare: &super::Prepare) {
                 shared.changed.notify_all();
             }
             Err(err) => {
-                tracing::warn!(%err, "a spare disk could not be made; creates make their own meanwhile");
+                // No room is the host's ordinary state at its edge; anything else is news.
+                if err.kind() == std::io::ErrorKind::StorageFull {
+                    tracing::debug!(%err, "no room for a spare disk; creates make their own meanwhile");
+                } else {
+                    tracing::warn!(%err, "a spare disk could not be made; creates make their own meanwhile");
+                }
                 let _ = super::remove_folder(&spare);
                 pause_until = Some(Instant::now() + RETRY);
             }

@@ -329,9 +329,14 @@ impl Host {
             .await?
         };
         // Made once the folder is swept: the sweep deletes every dot-folder a previous run left.
+        // Weak: the spares' worker must not keep the runtime (and its network slots) alive
+        // past the host that owns it.
         let prepare = {
-            let runtime = runtime.clone();
-            Arc::new(move |dir: &std::path::Path| runtime.prepare_disk(dir))
+            let runtime = Arc::downgrade(&runtime);
+            Arc::new(move |dir: &std::path::Path| match runtime.upgrade() {
+                Some(runtime) => runtime.prepare_disk(dir),
+                None => Err(std::io::Error::other("the node's runtime is gone")),
+            })
         };
         let disks = disks.with_spares(dir.root().to_path_buf(), config.spare_disks, prepare);
         let slots = adopted
