@@ -838,58 +838,70 @@ mod tests {
     /// third create is refused for room.
     #[test]
     fn spares_count_in_what_the_disks_promise() {
-        let root = std::env::temp_dir().join(format!("disk-spare-room-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&root).unwrap();
-        rustix::mount::mount("tmpfs", &root, "tmpfs", rustix::mount::MountFlags::empty(), c"size=80m")
-            .expect("a tmpfs of 80 MiB");
-        let sandboxes = root.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes).unwrap();
-        let disks = Disks::probe(true, 32 << 20)
-            .with_blanks(root.join("blanks"))
-            .with_spares(
-                sandboxes.clone(),
-                2,
-                Arc::new(|dir: &Path| std::fs::create_dir(dir.join(MOUNT).join("home"))),
-            );
-        let spares = disks.spares.clone().expect("spares kept");
-        assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
-        assert_eq!(promised(&sandboxes).unwrap().disks, 2, "the spares are promised");
-        disks.attach(&sandboxes.join("a"), 0).unwrap();
-        disks.attach(&sandboxes.join("b"), 0).unwrap();
-        let refused = disks.attach(&sandboxes.join("c"), 0).unwrap_err();
+        let host = SmallHost::with_spares("disk-spare-room", 80);
+        let sandboxes = &host.sandboxes;
+        assert_eq!(promised(sandboxes).unwrap().disks, 2, "the spares are promised");
+        host.disks.attach(&sandboxes.join("a"), 0).unwrap();
+        host.disks.attach(&sandboxes.join("b"), 0).unwrap();
+        let refused = host.disks.attach(&sandboxes.join("c"), 0).unwrap_err();
         assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
-        assert_eq!(spares.ready(), 0, "no spare past the room");
-        drop(spares);
-        drop(disks);
-        for dir in ["a", "b"] {
-            remove_folder(&sandboxes.join(dir)).unwrap();
-        }
-        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
-        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(host.spares.ready(), 0, "no spare past the room");
+        host.tear_down(&["a", "b"]);
     }
 
-    /// A tmpfs of `mib` MiB at a new folder, with a node's disks of 32 MiB and two spares
-    /// ready in its `sandboxes`: (root, sandboxes, disks, spares).
-    fn small_host_with_spares(name: &str, mib: u64) -> (PathBuf, PathBuf, Disks, Arc<spares::Spares>) {
-        let root = std::env::temp_dir().join(format!("{name}-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&root).unwrap();
-        let size = std::ffi::CString::new(format!("size={mib}m")).unwrap();
-        rustix::mount::mount(
-            "tmpfs",
-            &root,
-            "tmpfs",
-            rustix::mount::MountFlags::empty(),
-            size.as_c_str(),
-        )
-        .expect("a tmpfs");
-        let sandboxes = root.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes).unwrap();
-        let disks = Disks::probe(true, 32 << 20)
-            .with_blanks(root.join("blanks"))
-            .with_spares(sandboxes.clone(), 2, Arc::new(|_: &Path| Ok(())));
-        let spares = disks.spares.clone().expect("spares kept");
-        assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
-        (root, sandboxes, disks, spares)
+    /// A host filesystem of a few MiB (a tmpfs) whose node has disks of 32 MiB and two spares
+    /// ready in its `sandboxes`.
+    struct SmallHost {
+        root: PathBuf,
+        sandboxes: PathBuf,
+        disks: Disks,
+        spares: Arc<spares::Spares>,
+    }
+
+    impl SmallHost {
+        fn with_spares(name: &str, mib: u64) -> Self {
+            let root = std::env::temp_dir().join(format!("{name}-{}", uuid::Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&root).unwrap();
+            let size = std::ffi::CString::new(format!("size={mib}m")).unwrap();
+            rustix::mount::mount(
+                "tmpfs",
+                &root,
+                "tmpfs",
+                rustix::mount::MountFlags::empty(),
+                size.as_c_str(),
+            )
+            .expect("a tmpfs");
+            let sandboxes = root.join("sandboxes");
+            std::fs::create_dir_all(&sandboxes).unwrap();
+            let disks = Disks::probe(true, 32 << 20)
+                .with_blanks(root.join("blanks"))
+                .with_spares(sandboxes.clone(), 2, Arc::new(|_: &Path| Ok(())));
+            let spares = disks.spares.clone().expect("spares kept");
+            assert!(spares.wait_ready(2, std::time::Duration::from_secs(20)));
+            Self {
+                root,
+                sandboxes,
+                disks,
+                spares,
+            }
+        }
+
+        /// Drops the node's disks (and spares), deletes the sandbox folders `dirs`, unmounts.
+        fn tear_down(self, dirs: &[&str]) {
+            let Self {
+                root,
+                sandboxes,
+                disks,
+                spares,
+            } = self;
+            drop(spares);
+            drop(disks);
+            for dir in dirs {
+                remove_folder(&sandboxes.join(dir)).unwrap();
+            }
+            rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
+            let _ = std::fs::remove_dir_all(&root);
+        }
     }
 
     /// Spares never cost a sandbox its disk: on 80 MiB of host with two 32 MiB spares ready, a
@@ -897,18 +909,14 @@ mod tests {
     /// (the spare is deleted for it) rather than refused.
     #[test]
     fn a_disk_refused_for_room_takes_the_room_of_a_spare() {
-        let (root, sandboxes, disks, spares) = small_host_with_spares("disk-spare-gives", 80);
-        let restored = sandboxes.join("restored");
+        let host = SmallHost::with_spares("disk-spare-gives", 80);
+        let restored = host.sandboxes.join("restored");
         std::fs::create_dir_all(&restored).unwrap();
-        disks.attach(&restored, 0).expect("admitted in a spare's room");
+        host.disks.attach(&restored, 0).expect("admitted in a spare's room");
         assert!(mounted(&restored.join(MOUNT)));
-        assert_eq!(spares.ready(), 1, "one spare gave its room");
-        assert_eq!(promised(&sandboxes).unwrap().disks, 2);
-        drop(spares);
-        drop(disks);
-        remove_folder(&restored).unwrap();
-        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
-        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(host.spares.ready(), 1, "one spare gave its room");
+        assert_eq!(promised(&host.sandboxes).unwrap().disks, 2);
+        host.tear_down(&["restored"]);
     }
 
     /// A spare made while the host had room is not handed out once the host has filled: on
@@ -917,23 +925,19 @@ mod tests {
     /// disk is admitted in the room the spares give back, and none is left past the room.
     #[test]
     fn a_spare_is_handed_out_only_while_the_disks_promise_fits() {
-        let (root, sandboxes, disks, spares) = small_host_with_spares("disk-spare-full", 100);
+        let host = SmallHost::with_spares("disk-spare-full", 100);
         // The host fills (a template's layers, say) after the spares were made.
-        let mut file = File::create(root.join("layers")).unwrap();
+        let mut file = File::create(host.root.join("layers")).unwrap();
         let chunk = vec![7u8; 1 << 20];
         (0..60).for_each(|_| io::Write::write_all(&mut file, &chunk).unwrap());
         drop(file);
-        let a = sandboxes.join("a");
-        disks.attach(&a, 0).expect("one disk's promise fits");
+        let a = host.sandboxes.join("a");
+        host.disks.attach(&a, 0).expect("one disk's promise fits");
         assert!(mounted(&a.join(MOUNT)));
-        assert_eq!(spares.ready(), 0, "the other spare gave its room");
-        let refused = disks.attach(&sandboxes.join("b"), 0).unwrap_err();
+        assert_eq!(host.spares.ready(), 0, "the other spare gave its room");
+        let refused = host.disks.attach(&host.sandboxes.join("b"), 0).unwrap_err();
         assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");
-        drop(spares);
-        drop(disks);
-        remove_folder(&a).unwrap();
-        rustix::mount::unmount(&root, rustix::mount::UnmountFlags::DETACH).unwrap();
-        let _ = std::fs::remove_dir_all(&root);
+        host.tear_down(&["a"]);
     }
 
     /// A tenant cannot be promised disk the host does not have: on a host filesystem of 80 MiB
