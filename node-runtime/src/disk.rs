@@ -342,7 +342,9 @@ impl Disks {
     /// Moves a spare into new sandbox folder `dir` when one of its size is ready: whether it
     /// did. A spare was admitted when it was made, maybe long ago; it is given out only while
     /// what every disk may still take fits in the host's free space now (layers fetched since,
-    /// or anything else of the host's, may have taken the room).
+    /// or anything else of the host's, may have taken the room): other spares give their room
+    /// first, one at a time. Under the admission lock, rename included, so no walk of the
+    /// folder runs while a spare changes its name in it.
     fn place_spare(&self, dir: &Path, bytes: u64) -> bool {
         let (Some(spares), Some(sandboxes)) = (&self.spares, dir.parent()) else {
             return false;
@@ -351,11 +353,15 @@ impl Disks {
         if !spares.may_place(dir, bytes) {
             return false;
         }
-        let fits = {
-            let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            admit_in(&mut scans, sandboxes, 0, self.overcommit).is_ok()
-        };
-        fits && spares.place(dir, bytes)
+        let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while admit_in(&mut scans, sandboxes, 0, self.overcommit).is_err() {
+            // The last one is not given up for itself: without room for it, the create makes
+            // its own disk and is refused for room there.
+            if spares.ready() < 2 || !spares.give_up_one() {
+                return false;
+            }
+        }
+        spares.place(dir, bytes)
     }
 
     /// Admits a new disk of `bytes` in `sandboxes` (see [`admit_in`]); one refused for room
@@ -906,7 +912,8 @@ mod tests {
 
     /// Spares never cost a sandbox its disk: on 80 MiB of host with two 32 MiB spares ready, a
     /// restore's disk (its folder exists, so it takes no spare) is admitted in a spare's room
-    /// (the spare is deleted for it) rather than refused.
+    /// (the spare is deleted for it) rather than refused; once that disk goes, the spares are
+    /// made again.
     #[test]
     fn a_disk_refused_for_room_takes_the_room_of_a_spare() {
         let host = SmallHost::with_spares("disk-spare-gives", 80);
@@ -916,13 +923,19 @@ mod tests {
         assert!(mounted(&restored.join(MOUNT)));
         assert_eq!(host.spares.ready(), 1, "one spare gave its room");
         assert_eq!(promised(&host.sandboxes).unwrap().disks, 2);
-        host.tear_down(&["restored"]);
+        // Once the room is free again, the spares come back (after the worker's pause).
+        remove_folder(&restored).unwrap();
+        assert!(
+            host.spares.wait_ready(2, std::time::Duration::from_secs(20)),
+            "spares made again once there is room"
+        );
+        host.tear_down(&[]);
     }
 
-    /// A spare made while the host had room is not handed out once the host has filled: on
-    /// 100 MiB with two 32 MiB spares ready, the host's own 60 MiB leaves room for one disk's
-    /// promise. The create takes no spare (the two would promise more than the host has); its
-    /// disk is admitted in the room the spares give back, and none is left past the room.
+    /// A spare made while the host had room is not handed out as is once the host has filled:
+    /// on 100 MiB with two 32 MiB spares ready, the host's own 60 MiB leaves room for one
+    /// disk's promise. One spare gives its room, the create is handed the other, and the next
+    /// create is refused for room.
     #[test]
     fn a_spare_is_handed_out_only_while_the_disks_promise_fits() {
         let host = SmallHost::with_spares("disk-spare-full", 100);
@@ -931,9 +944,13 @@ mod tests {
         let chunk = vec![7u8; 1 << 20];
         (0..60).for_each(|_| io::Write::write_all(&mut file, &chunk).unwrap());
         drop(file);
+        use std::os::unix::fs::MetadataExt as _;
+        let image_of = |dir: &Path| std::fs::metadata(dir.join(IMAGE)).unwrap().ino();
+        let spare_images: Vec<u64> = spare_folders(&host.sandboxes).iter().map(|s| image_of(s)).collect();
         let a = host.sandboxes.join("a");
         host.disks.attach(&a, 0).expect("one disk's promise fits");
         assert!(mounted(&a.join(MOUNT)));
+        assert!(spare_images.contains(&image_of(&a)), "handed a spare");
         assert_eq!(host.spares.ready(), 0, "the other spare gave its room");
         let refused = host.disks.attach(&host.sandboxes.join("b"), 0).unwrap_err();
         assert_eq!(refused.kind(), io::ErrorKind::StorageFull, "{refused}");

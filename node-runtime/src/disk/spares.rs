@@ -53,6 +53,9 @@ struct Shared {
 struct State {
     ready: Vec<PathBuf>,
     closing: bool,
+    /// The worker waits with all it wants ready (what a test waits for before it takes any).
+    #[cfg_attr(not(test), allow(dead_code))]
+    idle: bool,
 }
 
 impl Shared {
@@ -88,15 +91,25 @@ impl Spares {
     }
 
     /// Deletes one ready spare, giving its room back: whether there was one. The worker is
-    /// not woken for it; it makes the next when a create takes one, or after its pause.
+    /// woken to make another, which its admission refuses (and it pauses) while the room is
+    /// still wanted, so spares come back once the host has room again.
     pub(super) fn give_up_one(&self) -> bool {
         let Some(spare) = self.shared.state().ready.pop() else {
             return false;
         };
         tracing::info!(spare = %spare.display(), "a spare disk gives its room to a disk refused for room");
         metrics::counter!("node_spare_disks_given_up_total").increment(1);
-        let _ = super::remove_folder(&spare);
+        if let Err(err) = super::remove_folder(&spare) {
+            tracing::warn!(spare = %spare.display(), %err, "a spare given up could not be deleted; its room is back at the node's next start");
+        }
+        metrics::gauge!("node_spare_disks_ready").set(self.ready() as f64);
+        self.shared.changed.notify_all();
         true
+    }
+
+    /// How many spares are ready now.
+    pub(super) fn ready(&self) -> usize {
+        self.shared.state().ready.len()
     }
 
     /// Moves a ready spare to `dir` when a disk of `bytes` is wanted there and `dir` does not
@@ -108,12 +121,14 @@ impl Spares {
         let Some(spare) = self.shared.state().ready.pop() else {
             return false;
         };
-        self.shared.changed.notify_all();
         let cwd = rustix::fs::CWD;
-        match rustix::fs::renameat_with(cwd, &spare, cwd, dir, rustix::fs::RenameFlags::NOREPLACE) {
+        let moved = rustix::fs::renameat_with(cwd, &spare, cwd, dir, rustix::fs::RenameFlags::NOREPLACE);
+        // The worker makes the next one once this one has its new name.
+        self.shared.changed.notify_all();
+        match moved {
             Ok(()) => {
                 metrics::counter!("node_spare_disks_taken_total").increment(1);
-                metrics::gauge!("node_spare_disks_ready").set(self.shared.state().ready.len() as f64);
+                metrics::gauge!("node_spare_disks_ready").set(self.ready() as f64);
                 true
             }
             // Made meanwhile by someone else: the spare waits for the next create.
@@ -133,20 +148,16 @@ impl Spares {
 
 #[cfg(test)]
 impl Spares {
-    /// How many spares are ready now.
-    pub(super) fn ready(&self) -> usize {
-        self.shared.state().ready.len()
-    }
-
-    /// Waits until `count` spares are ready, up to `timeout`: whether they are.
+    /// Waits until `count` spares are ready and the worker waits for a change, up to
+    /// `timeout`: whether they are.
     pub(super) fn wait_ready(&self, count: usize, timeout: Duration) -> bool {
         let state = self.shared.state();
         let (state, _) = self
             .shared
             .changed
-            .wait_timeout_while(state, timeout, |s| s.ready.len() != count)
+            .wait_timeout_while(state, timeout, |s| s.ready.len() != count || !s.idle)
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        state.ready.len() == count
+        state.ready.len() == count && state.idle
     }
 }
 
@@ -197,10 +208,13 @@ fn keep_ready(shared: &Shared, maker: &super::Disks, prepare: &super::Prepare) {
                     }
                     None if state.ready.len() < shared.want => break,
                     None => {
+                        state.idle = true;
+                        shared.changed.notify_all();
                         state = shared
                             .changed
                             .wait(state)
                             .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        state.idle = false;
                     }
                 }
             }
