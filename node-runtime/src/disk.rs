@@ -52,6 +52,10 @@ use std::sync::Arc;
 
 mod spares;
 
+/// The prefix of a spare disk's folder in the sandboxes folder: the node's own, listed as no
+/// sandbox (see [`spares`]).
+pub use spares::PREFIX as SPARE_PREFIX;
+
 /// The mount point of a sandbox's disk, in its folder.
 pub const MOUNT: &str = "disk";
 /// The image file of a sandbox's disk, in its folder.

@@ -188,9 +188,18 @@ pub fn check(history: &[Event], obs: &Observation) -> Verdict {
                 v.note(format!("{node} holds {}, which no manifest places there", copy.id));
             }
         }
-        for unlisted in holding
+        // Spare disks are the node's own, listed as no sandbox: a leak only past as many as
+        // it keeps.
+        let (spares, folders): (Vec<&String>, Vec<&String>) = holding
             .folders
             .iter()
+            .partition(|f| f.starts_with(node_svc::disk::SPARE_PREFIX));
+        if spares.len() > node_svc::host::DEFAULT_SPARE_DISKS {
+            v.leaked += (spares.len() - node_svc::host::DEFAULT_SPARE_DISKS) as u64;
+            v.note(format!("{node} keeps {} spare disks: {spares:?}", spares.len()));
+        }
+        for unlisted in folders
+            .into_iter()
             .chain(&holding.cgroups)
             .filter(|f| !listed.contains(f.as_str()))
         {
@@ -357,6 +366,19 @@ mod tests {
         n2.belief.as_mut().unwrap().pending = 2;
         let v = check(&history, &obs);
         assert_eq!((v.stuck_manifests, v.leaked, v.accounting_error), (2, 2, 2), "{v:?}");
+    }
+
+    #[test]
+    fn a_nodes_spare_disks_are_no_leak_up_to_as_many_as_it_keeps() {
+        let (history, mut obs) = healthy();
+        let n2 = obs.nodes.get_mut("n2").unwrap();
+        let spare = |n: usize| format!("{}{n}", node_svc::disk::SPARE_PREFIX);
+        n2.folders.extend((0..node_svc::host::DEFAULT_SPARE_DISKS).map(spare));
+        assert_eq!(check(&history, &obs).leaked, 0);
+        let n2 = obs.nodes.get_mut("n2").unwrap();
+        n2.folders.insert(spare(node_svc::host::DEFAULT_SPARE_DISKS));
+        let v = check(&history, &obs);
+        assert_eq!(v.leaked, 1, "{v:?}");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The prefix of a spare's folder: a dot-folder, scratch to the node's state directory.
-const PREFIX: &str = ".spare-";
+pub const PREFIX: &str = ".spare-";
 /// How long the worker waits after a spare could not be made.
 const RETRY: Duration = Duration::from_secs(5);
 
