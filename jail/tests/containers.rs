@@ -465,7 +465,10 @@ fn memory_limit_oom_kills_inside_only() {
     require_root!();
     let mut b = Bundle::new(
         "oom",
-        r#"sh -c 'x=$(head -c 300000000 /dev/zero | tr "\0" a); echo survived'; echo "rc=$?" >&3"#,
+        // The allocating shell asks to be the OOM killer's first choice (raising one's own
+        // score needs no privilege): otherwise, on a busy host, the kernel may pick the
+        // reporting shell instead, and the report comes back empty.
+        r#"sh -c 'echo 1000 > /proc/self/oom_score_adj; x=$(head -c 300000000 /dev/zero | tr "\0" a); echo survived'; echo "rc=$?" >&3"#,
     );
     let limit = 32 * 1024 * 1024;
     b.spec["linux"]["resources"] = json!({"memory": {"limit": limit, "swap": limit}, "pids": {"limit": 64}});
