@@ -333,7 +333,7 @@ impl Disks {
             let bytes = self.size(bytes);
             let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some(sandboxes) = dir.parent() {
-                self.admit(&mut scans, sandboxes, bytes)?;
+                self.admit_keeping(&mut scans, sandboxes, bytes, 0)?;
             }
             // Under the lock until the image exists: the next admission's walk must see it.
             self.make(mkfs, &image, bytes)?;
@@ -358,25 +358,30 @@ impl Disks {
             return false;
         }
         let mut scans = ADMISSION.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while admit_in(&mut scans, sandboxes, 0, self.overcommit).is_err() {
-            // The last one is not given up for itself: without room for it, the create makes
-            // its own disk and is refused for room there.
-            if spares.ready() < 2 || !spares.give_up_one() {
-                return false;
-            }
-        }
-        spares.place(dir, bytes)
+        // The last one is not given up for itself: without room for it, the create makes its
+        // own disk and is refused for room there.
+        self.admit_keeping(&mut scans, sandboxes, 0, 1).is_ok() && spares.place(dir)
     }
 
     /// Admits a new disk of `bytes` in `sandboxes` (see [`admit_in`]); one refused for room
-    /// is admitted in the room of spares, deleted one at a time, before it is refused: a spare
-    /// is only ever a create's head start, never the reason a restore, a build or a create
-    /// of another size is turned away.
-    fn admit(&self, scans: &mut BTreeMap<PathBuf, Scan>, sandboxes: &Path, bytes: u64) -> io::Result<()> {
+    /// is admitted in the room of spares, deleted one at a time down to `keep`, before it is
+    /// refused: a spare is only ever a create's head start, never the reason a restore, a
+    /// build or a create of another size is turned away.
+    fn admit_keeping(
+        &self,
+        scans: &mut BTreeMap<PathBuf, Scan>,
+        sandboxes: &Path,
+        bytes: u64,
+        keep: usize,
+    ) -> io::Result<()> {
         loop {
             match admit_in(scans, sandboxes, bytes, self.overcommit) {
                 Err(err) if err.kind() == io::ErrorKind::StorageFull => {
-                    if !self.spares.as_ref().is_some_and(|s| s.give_up_one()) {
+                    let gave = self
+                        .spares
+                        .as_ref()
+                        .is_some_and(|s| s.ready() > keep && s.give_up_one());
+                    if !gave {
                         return Err(err);
                     }
                 }
@@ -755,7 +760,7 @@ mod tests {
             .map(|e| e.path())
             .filter(|p| {
                 p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with(".spare-"))
+                    .is_some_and(|n| n.to_string_lossy().starts_with(SPARE_PREFIX))
             })
             .collect()
     }

@@ -39,7 +39,6 @@ pub async fn stack_of(nodes_memory_mb: &[u64]) -> Stack {
 
 /// A stack with one node of `node_memory_mb` and `vcpus`: for a test whose creates must not
 /// run out of CPU before memory (the host's cores decide the default).
-#[allow(dead_code)]
 pub async fn stack_with_vcpus(node_memory_mb: u64, vcpus: u32) -> Stack {
     stack_sized(&[node_memory_mb], Some(vcpus)).await
 }

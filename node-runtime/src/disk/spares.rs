@@ -112,12 +112,9 @@ impl Spares {
         self.shared.state().ready.len()
     }
 
-    /// Moves a ready spare to `dir` when a disk of `bytes` is wanted there and `dir` does not
-    /// exist yet: whether it did (then `dir` holds a mounted, empty disk).
-    pub(super) fn place(&self, dir: &Path, bytes: u64) -> bool {
-        if bytes != self.shared.bytes || std::fs::symlink_metadata(dir).is_ok() {
-            return false;
-        }
+    /// Moves a ready spare to `dir` (asked of [`Spares::may_place`] first; a `dir` made since
+    /// is never replaced): whether it did (then `dir` holds a mounted, empty disk).
+    pub(super) fn place(&self, dir: &Path) -> bool {
         let Some(spare) = self.shared.state().ready.pop() else {
             return false;
         };
