@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use placement_svc::core::{Accounting, Heartbeat, NodeView, RankConfig, Ranker, Request, Resources};
+use placement_svc::core::{Accounting, Expiry, Heartbeat, NodeView, RankConfig, Ranker, Request, Resources};
 use placement_svc::server::{PlacementConfig, StoreConfig};
 use proto::placement::v1 as pb;
 use proto::placement::v1::placement_client::PlacementClient;
@@ -329,7 +329,7 @@ fn pure_decisions(nodes: usize) -> f64 {
                 },
                 ..Heartbeat::default()
             };
-            v.apply_heartbeat(Accounting::Reconciled, &hb, 1_000, 3);
+            v.apply_heartbeat(Accounting::Reconciled, &hb, 1_000, Expiry::DEFAULT);
             v
         })
         .collect();

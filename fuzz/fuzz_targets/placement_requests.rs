@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use placement_svc::api::PlacementApi;
-use placement_svc::core::account::Accounting;
+use placement_svc::core::account::{Accounting, Expiry};
 use placement_svc::core::rank::RankConfig;
 use placement_svc::store::memory::MemoryStore;
 use prost::Message;
@@ -20,7 +20,7 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let store = Arc::new(MemoryStore::new(Accounting::Reconciled, &RankConfig::default(), 3, 1));
+    let store = Arc::new(MemoryStore::new(Accounting::Reconciled, &RankConfig::default(), Expiry::DEFAULT, 1));
     let api = PlacementApi::new(store, 6_000, None);
     runtime().block_on(async {
         let node = pb::HeartbeatRequest {

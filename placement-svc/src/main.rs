@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use placement_svc::core::{Accounting, RankConfig};
+use placement_svc::core::{Accounting, Expiry, RankConfig};
 use placement_svc::server::{PlacementConfig, StoreConfig};
 
 /// Chooses a node for each sandbox (Best-of-K) with ID-reconciled accounting.
@@ -60,6 +60,13 @@ struct Args {
     /// A node without a heartbeat for this long (ms) gets nothing.
     #[arg(long, env = "PLACEMENT_UNHEALTHY_AFTER_MS", default_value_t = 6_000)]
     unhealthy_after_ms: u64,
+    /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
+    #[arg(long, env = "PLACEMENT_UNCONFIRMED_HEARTBEATS", default_value_t = Expiry::DEFAULT.unconfirmed_heartbeats)]
+    unconfirmed_heartbeats: u32,
+    /// Seconds a create may stay in flight (no `Created` or `Release` heard) before its
+    /// reservation is dropped: a lost reply would otherwise hold the node's room for good.
+    #[arg(long, env = "PLACEMENT_PENDING_EXPIRES_SECS", default_value_t = Expiry::DEFAULT.pending_ms / 1000)]
+    pending_expires_secs: u64,
     /// Seconds between node document writes per node.
     #[arg(long, env = "PLACEMENT_NODE_DOC_INTERVAL_SECS", default_value_t = 5)]
     node_doc_interval_secs: u64,
@@ -96,6 +103,10 @@ async fn main() -> anyhow::Result<()> {
         template_weight: args.template_weight,
         max_starting: args.max_starting,
         unhealthy_after_ms: args.unhealthy_after_ms,
+    };
+    config.expiry = Expiry {
+        unconfirmed_heartbeats: args.unconfirmed_heartbeats,
+        pending_ms: args.pending_expires_secs.saturating_mul(1000),
     };
     config.ledger_endpoint = Some(args.ledger);
     config.node_doc_interval = Duration::from_secs(args.node_doc_interval_secs);

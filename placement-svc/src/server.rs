@@ -10,7 +10,7 @@ use mtls::Role;
 use proto::placement::v1::placement_server::PlacementServer;
 
 use crate::api::PlacementApi;
-use crate::core::{Accounting, RankConfig};
+use crate::core::{Accounting, Expiry, RankConfig};
 use crate::node_docs::NodeDocs;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -46,8 +46,8 @@ pub struct PlacementConfig {
     pub store: StoreConfig,
     pub rank: RankConfig,
     pub accounting: Accounting,
-    /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
-    pub max_unconfirmed_heartbeats: u32,
+    /// How long a reservation may stand unlisted by heartbeats before it is dropped.
+    pub expiry: Expiry,
     /// ledger-svc to publish node documents to (`http://HOST:PORT`), if any.
     pub ledger_endpoint: Option<String>,
     /// At most one node document write per node per this interval.
@@ -81,7 +81,7 @@ impl PlacementConfig {
             store: StoreConfig::Memory,
             rank: RankConfig::default(),
             accounting: Accounting::Reconciled,
-            max_unconfirmed_heartbeats: 3,
+            expiry: Expiry::DEFAULT,
             ledger_endpoint: None,
             node_doc_interval: Duration::from_secs(5),
             security: mtls::Security::Plaintext,
@@ -105,6 +105,12 @@ impl PlacementConfig {
         }
         if r.unhealthy_after_ms == 0 {
             return Err("unhealthy-after must be positive".into());
+        }
+        if self.expiry.pending_ms < 1000 {
+            return Err(format!(
+                "pending-expires must be at least 1 s (got {} ms): a create in flight must keep its room",
+                self.expiry.pending_ms
+            ));
         }
         if let StoreConfig::Redis { url, .. } = &self.store {
             if !url.starts_with("redis://") && !url.starts_with("rediss://") {
@@ -171,18 +177,11 @@ pub async fn start(config: PlacementConfig) -> Result<RunningPlacement, StartErr
             let seed = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64);
-            let store = MemoryStore::new(config.accounting, &config.rank, config.max_unconfirmed_heartbeats, seed);
+            let store = MemoryStore::new(config.accounting, &config.rank, config.expiry, seed);
             serve(config, store, docs).await
         }
         StoreConfig::Redis { url, prefix } => {
-            let store = RedisStore::connect(
-                url,
-                prefix,
-                config.accounting,
-                &config.rank,
-                config.max_unconfirmed_heartbeats,
-            )
-            .await?;
+            let store = RedisStore::connect(url, prefix, config.accounting, &config.rank, config.expiry).await?;
             serve(config, store, docs).await
         }
     }

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::core::{Accounting, Heartbeat, Listed, NodeView, RankConfig, Ranker, Request, Resources};
+use crate::core::{Accounting, Expiry, Heartbeat, Listed, NodeView, RankConfig, Ranker, Request, Resources};
 
 /// How creates arrive.
 #[derive(Clone, Debug, PartialEq)]
@@ -230,7 +230,7 @@ struct Sim<'a> {
     scenario: &'a Scenario,
     mode: Accounting,
     ranker: Ranker,
-    max_unconfirmed: u32,
+    expiry: Expiry,
     rng: SmallRng,
     now: u64,
     queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
@@ -288,7 +288,7 @@ impl Sim<'_> {
 
     fn apply(&mut self, node: usize, hb: &Heartbeat) {
         for view in &mut self.views {
-            view[node].apply_heartbeat(self.mode, hb, self.now, self.max_unconfirmed);
+            view[node].apply_heartbeat(self.mode, hb, self.now, self.expiry);
         }
     }
 
@@ -330,7 +330,7 @@ impl Sim<'_> {
                 match decision.chosen {
                     None => self.rejected += 1,
                     Some((node, _)) => {
-                        self.views[vi][node].reserve(self.mode, &req.sandbox_id, req.resources);
+                        self.views[vi][node].reserve(self.mode, &req.sandbox_id, req.resources, self.now);
                         self.truth[node].in_flight.insert(n, req.resources);
                         self.placed_on[node] += 1;
                         if template.is_some() && !self.truth[node].templates.contains(&req.template) {
@@ -423,7 +423,7 @@ pub fn run(scenario: &Scenario, mode: Accounting, rank: &RankConfig) -> ModeResu
         scenario,
         mode,
         ranker: Ranker::new(&rank),
-        max_unconfirmed: 3,
+        expiry: Expiry::DEFAULT,
         rng: SmallRng::seed_from_u64(scenario.seed ^ 0x5eed),
         now: 0,
         queue: BinaryHeap::new(),

@@ -45,7 +45,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
 
 use placement_svc::core::{
-    Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, Listed, NodeView, RankConfig, Request, Resources,
+    Accounting, AdminState, Evaluation, Expiry, Heartbeat, HeartbeatOutcome, Listed, NodeView, Phase, RankConfig,
+    Request, Resources,
 };
 use placement_svc::store::memory::MemoryStore;
 use placement_svc::store::redis::RedisStore;
@@ -155,7 +156,7 @@ struct Run {
     raw: redis::aio::MultiplexedConnection,
     prefix: String,
     config: RankConfig,
-    max_unconfirmed: u32,
+    expiry: Expiry,
     nodes: Vec<NodeSpec>,
     sandboxes: Vec<Sandbox>,
     next_sandbox: u32,
@@ -233,9 +234,13 @@ impl Run {
             max_starting: rng.random_range(2..=8),
             unhealthy_after_ms: rng.random_range(3_000..=10_000),
         };
-        let max_unconfirmed = rng.random_range(1..=4);
+        // Pending bounds short enough that quiet spells (up to 20 s) expire creates in flight.
+        let expiry = Expiry {
+            unconfirmed_heartbeats: rng.random_range(1..=4),
+            pending_ms: rng.random_range(1_000..=15_000),
+        };
         let prefix = format!("diff-{}", uuid::Uuid::new_v4().simple());
-        let redis = RedisStore::connect(&redis_url(), &prefix, mode, &config, max_unconfirmed)
+        let redis = RedisStore::connect(&redis_url(), &prefix, mode, &config, expiry)
             .await
             .unwrap_or_else(|err| redis_missing(err));
         let client = redis::Client::open(redis_url()).unwrap_or_else(|err| redis_missing(err));
@@ -243,7 +248,7 @@ impl Run {
             .get_multiplexed_async_connection()
             .await
             .unwrap_or_else(|err| redis_missing(err));
-        let memory = MemoryStore::new(mode, &config, max_unconfirmed, seed);
+        let memory = MemoryStore::new(mode, &config, expiry, seed);
         let cleanup = Cleanup { prefix: prefix.clone() };
         let run = Self {
             seed,
@@ -254,7 +259,7 @@ impl Run {
             raw,
             prefix,
             config,
-            max_unconfirmed,
+            expiry,
             nodes,
             sandboxes: Vec::new(),
             next_sandbox: 0,
@@ -278,12 +283,12 @@ impl Run {
     /// Runs `steps` random operations, comparing the stores after each.
     async fn run(&mut self, steps: usize) {
         let header = format!(
-            "seed {} ({} accounting), {} nodes, {:?}, max_unconfirmed {}",
+            "seed {} ({} accounting), {} nodes, {:?}, {:?}",
             self.seed,
             self.mode.name(),
             self.nodes.len(),
             self.config,
-            self.max_unconfirmed
+            self.expiry
         );
         for step in 0..steps {
             self.step = step;
@@ -575,12 +580,26 @@ impl Run {
         if seq > 1 << 53 {
             self.corner("heartbeat seq past 2^53");
         }
+        let pending: HashSet<String> = self
+            .memory
+            .nodes()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|v| v.node_id == hb.node_id)
+            .flat_map(|v| v.reservations.into_iter())
+            .filter(|(_, r)| matches!(r.phase, Phase::Pending { .. }))
+            .map(|(id, _)| id)
+            .collect();
         let m = self.memory.heartbeat(&hb, self.now_ms).await;
         let r = self.redis.heartbeat(&hb, self.now_ms).await;
         match (m, r) {
             (Ok(m), Ok(r)) => {
                 if !m.applied && m.draining {
                     self.corner("ignored heartbeat of a draining node");
+                }
+                if m.expired.iter().any(|id| pending.contains(id)) {
+                    self.corner("pending reservation expired");
                 }
                 self.confirmed += m.confirmed;
                 self.completed_removals += m.removed;
@@ -1270,10 +1289,10 @@ async fn fresh_pair() -> (MemoryStore, RedisStore, Cleanup) {
 
 async fn fresh_pair_with(mode: Accounting, config: &RankConfig) -> (MemoryStore, RedisStore, Cleanup) {
     let prefix = format!("diff-{}", uuid::Uuid::new_v4().simple());
-    let redis = RedisStore::connect(&redis_url(), &prefix, mode, config, 3)
+    let redis = RedisStore::connect(&redis_url(), &prefix, mode, config, Expiry::DEFAULT)
         .await
         .unwrap_or_else(|err| redis_missing(err));
-    let memory = MemoryStore::new(mode, config, 3, 1);
+    let memory = MemoryStore::new(mode, config, Expiry::DEFAULT, 1);
     (memory, redis, Cleanup { prefix })
 }
 

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use placement_svc::core::{Accounting, AdminState, Heartbeat, Listed, NodeView, RankConfig, Request, Resources};
+use placement_svc::core::{
+    Accounting, AdminState, Expiry, Heartbeat, Listed, NodeView, RankConfig, Request, Resources,
+};
 use placement_svc::store::memory::MemoryStore;
 use placement_svc::store::redis::RedisStore;
 use placement_svc::store::{NodeGauge, Placement, PlacementStore, StoreError};
@@ -18,7 +20,7 @@ const ONE: Resources = Resources {
 };
 
 async fn redis_store(prefix: &str, mode: Accounting) -> RedisStore {
-    RedisStore::connect(&redis_url(), prefix, mode, &RankConfig::default(), 3)
+    RedisStore::connect(&redis_url(), prefix, mode, &RankConfig::default(), Expiry::DEFAULT)
         .await
         .unwrap_or_else(|err| stack::services::redis_missing(err))
 }
@@ -62,7 +64,12 @@ impl Fixture {
     {
         match self.kind {
             Kind::Memory => {
-                let store = Arc::new(MemoryStore::new(Accounting::Reconciled, &RankConfig::default(), 3, 7));
+                let store = Arc::new(MemoryStore::new(
+                    Accounting::Reconciled,
+                    &RankConfig::default(),
+                    Expiry::DEFAULT,
+                    7,
+                ));
                 test(Arc::new(move || StoreBox::Memory(store.clone()))).await;
             }
             Kind::Redis => {

@@ -84,10 +84,41 @@ impl Accounting {
 /// Where a reservation stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
-    /// The create RPC is in flight.
-    Pending,
+    /// The create RPC is in flight, since `since_ms` (the placer's clock at `Place`).
+    Pending { since_ms: u64 },
     /// The create succeeded; waiting for a heartbeat that lists the sandbox.
     Unconfirmed { heartbeats_unlisted: u32 },
+}
+
+/// How long a reservation may stand without a heartbeat that lists its sandbox.
+///
+/// Neither bound is about correctness of a create that is going well: the heartbeat that lists
+/// its sandbox confirms it long before. They bound what a lost reply costs: a `Created` or
+/// `Release` that never arrived would otherwise hold the node's room (and, while pending, one
+/// of its starting slots) for as long as the placer runs. Releasing too early is safe: the
+/// node admits every create against its own room, so the cost is a refusal there, not an
+/// over-committed node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expiry {
+    /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
+    pub unconfirmed_heartbeats: u32,
+    /// How long (ms) a create may stay in flight before its reservation is dropped: by then
+    /// its caller has given up on it (the gateway abandons a create after five minutes).
+    pub pending_ms: u64,
+}
+
+impl Expiry {
+    /// Three heartbeats; five minutes in flight.
+    pub const DEFAULT: Expiry = Expiry {
+        unconfirmed_heartbeats: 3,
+        pending_ms: 5 * 60 * 1000,
+    };
+}
+
+impl Default for Expiry {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,7 +269,11 @@ impl NodeView {
 
     /// Creates in flight to this node.
     pub fn pending(&self) -> u32 {
-        let n = self.reservations.values().filter(|r| r.phase == Phase::Pending).count();
+        let n = self
+            .reservations
+            .values()
+            .filter(|r| matches!(r.phase, Phase::Pending { .. }))
+            .count();
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
@@ -247,8 +282,8 @@ impl NodeView {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    /// Place chose this node for `sandbox_id`.
-    pub fn reserve(&mut self, mode: Accounting, sandbox_id: &str, resources: Resources) {
+    /// Place chose this node for `sandbox_id` at `now_ms`.
+    pub fn reserve(&mut self, mode: Accounting, sandbox_id: &str, resources: Resources, now_ms: u64) {
         if mode == Accounting::Stale {
             return;
         }
@@ -256,7 +291,7 @@ impl NodeView {
             sandbox_id.to_string(),
             Reservation {
                 resources,
-                phase: Phase::Pending,
+                phase: Phase::Pending { since_ms: now_ms },
             },
         );
     }
@@ -274,7 +309,7 @@ impl NodeView {
             }
             Accounting::Reconciled => {
                 if let Some(r) = self.reservations.get_mut(sandbox_id) {
-                    if r.phase == Phase::Pending {
+                    if matches!(r.phase, Phase::Pending { .. }) {
                         r.phase = Phase::Unconfirmed { heartbeats_unlisted: 0 };
                     }
                 }
@@ -307,13 +342,14 @@ impl NodeView {
     }
 
     /// Applies a heartbeat received at `now_ms`. Older or repeated sequence numbers of the
-    /// same boot are ignored; a new boot ID resets the view.
+    /// same boot are ignored; a new boot ID resets the view. Reservations it does not list and
+    /// that have stood longer than `expiry` allows are dropped.
     pub fn apply_heartbeat(
         &mut self,
         mode: Accounting,
         hb: &Heartbeat,
         now_ms: u64,
-        max_unconfirmed_heartbeats: u32,
+        expiry: Expiry,
     ) -> HeartbeatOutcome {
         let mut outcome = HeartbeatOutcome {
             draining: self.admin == AdminState::Draining,
@@ -353,14 +389,19 @@ impl NodeView {
                 outcome.confirmed += 1;
                 return false;
             }
-            if let Phase::Unconfirmed { heartbeats_unlisted } = &mut r.phase {
-                *heartbeats_unlisted += 1;
-                if *heartbeats_unlisted > max_unconfirmed_heartbeats {
-                    outcome.expired.push(id.clone());
-                    return false;
+            let expired = match &mut r.phase {
+                Phase::Unconfirmed { heartbeats_unlisted } => {
+                    *heartbeats_unlisted += 1;
+                    *heartbeats_unlisted > expiry.unconfirmed_heartbeats
                 }
+                // A create whose reply was lost (or whose caller died) before it told
+                // `Created` or `Release`.
+                Phase::Pending { since_ms } => now_ms.saturating_sub(*since_ms) > expiry.pending_ms,
+            };
+            if expired {
+                outcome.expired.push(id.clone());
             }
-            true
+            !expired
         });
         self.removals.retain(|id, _| {
             let still = listed.contains(id);
@@ -409,19 +450,23 @@ mod tests {
     }
 
     const R: Accounting = Accounting::Reconciled;
+    const EXPIRY: Expiry = Expiry {
+        unconfirmed_heartbeats: 3,
+        pending_ms: 1_000,
+    };
 
     #[test]
     fn reservation_counts_until_a_heartbeat_lists_it() {
         let mut v = NodeView::new("n");
-        v.apply_heartbeat(R, &hb(1, &[]), 0, 3);
-        v.reserve(R, "a", ONE);
+        v.apply_heartbeat(R, &hb(1, &[]), 0, EXPIRY);
+        v.reserve(R, "a", ONE, 0);
         assert_eq!(v.believed().vcpus, 1);
         v.created(R, "a");
         // Measured before the create landed: does not list it; the reservation must stay.
-        v.apply_heartbeat(R, &hb(2, &[]), 10, 3);
+        v.apply_heartbeat(R, &hb(2, &[]), 10, EXPIRY);
         assert_eq!(v.believed().vcpus, 1);
         // Lists it: the heartbeat's own totals include it now.
-        let out = v.apply_heartbeat(R, &hb(3, &["a"]), 20, 3);
+        let out = v.apply_heartbeat(R, &hb(3, &["a"]), 20, EXPIRY);
         assert_eq!(out.confirmed, 1);
         assert!(v.reservations.is_empty());
         assert_eq!(v.believed().vcpus, 1);
@@ -430,9 +475,9 @@ mod tests {
     #[test]
     fn heartbeat_that_already_lists_a_pending_create_does_not_double_count() {
         let mut v = NodeView::new("n");
-        v.apply_heartbeat(R, &hb(1, &[]), 0, 3);
-        v.reserve(R, "a", ONE);
-        v.apply_heartbeat(R, &hb(2, &["a"]), 5, 3);
+        v.apply_heartbeat(R, &hb(1, &[]), 0, EXPIRY);
+        v.reserve(R, "a", ONE, 0);
+        v.apply_heartbeat(R, &hb(2, &["a"]), 5, EXPIRY);
         v.created(R, "a");
         assert_eq!(v.believed().vcpus, 1);
     }
@@ -440,13 +485,13 @@ mod tests {
     #[test]
     fn removal_subtracts_while_listed_then_disappears() {
         let mut v = NodeView::new("n");
-        v.apply_heartbeat(R, &hb(1, &["a", "b"]), 0, 3);
+        v.apply_heartbeat(R, &hb(1, &["a", "b"]), 0, EXPIRY);
         v.removed(R, "a", ONE);
         assert_eq!(v.believed().vcpus, 1);
         // A heartbeat measured before the kill still lists it: still subtracted once.
-        v.apply_heartbeat(R, &hb(2, &["a", "b"]), 5, 3);
+        v.apply_heartbeat(R, &hb(2, &["a", "b"]), 5, EXPIRY);
         assert_eq!(v.believed().vcpus, 1);
-        v.apply_heartbeat(R, &hb(3, &["b"]), 10, 3);
+        v.apply_heartbeat(R, &hb(3, &["b"]), 10, EXPIRY);
         assert!(v.removals.is_empty());
         assert_eq!(v.believed().vcpus, 1);
     }
@@ -454,13 +499,13 @@ mod tests {
     #[test]
     fn stale_sequences_are_ignored_and_a_new_boot_resets() {
         let mut v = NodeView::new("n");
-        v.apply_heartbeat(R, &hb(5, &["a"]), 0, 3);
-        let out = v.apply_heartbeat(R, &hb(4, &[]), 1, 3);
+        v.apply_heartbeat(R, &hb(5, &["a"]), 0, EXPIRY);
+        let out = v.apply_heartbeat(R, &hb(4, &[]), 1, EXPIRY);
         assert!(!out.applied);
         assert_eq!(v.believed().vcpus, 1);
         let mut rebooted = hb(1, &[]);
         rebooted.boot_id = "b2".into();
-        let out = v.apply_heartbeat(R, &rebooted, 2, 3);
+        let out = v.apply_heartbeat(R, &rebooted, 2, EXPIRY);
         assert!(out.applied && out.rebooted);
         assert_eq!(v.believed().vcpus, 0);
     }
@@ -468,38 +513,49 @@ mod tests {
     #[test]
     fn unconfirmed_reservation_expires_after_the_bound() {
         let mut v = NodeView::new("n");
-        v.reserve(R, "ghost", ONE);
+        v.reserve(R, "ghost", ONE, 0);
         v.created(R, "ghost");
         for seq in 1..=3 {
-            assert!(v.apply_heartbeat(R, &hb(seq, &[]), seq, 3).expired.is_empty());
+            assert!(v.apply_heartbeat(R, &hb(seq, &[]), seq, EXPIRY).expired.is_empty());
         }
         assert_eq!(
-            v.apply_heartbeat(R, &hb(4, &[]), 4, 3).expired,
+            v.apply_heartbeat(R, &hb(4, &[]), 4, EXPIRY).expired,
             vec!["ghost".to_string()]
         );
         assert_eq!(v.believed().vcpus, 0);
     }
 
     #[test]
-    fn pending_reservation_never_expires_while_the_create_is_in_flight() {
+    fn pending_reservation_stands_while_the_create_may_be_in_flight_and_no_longer() {
         let mut v = NodeView::new("n");
-        v.reserve(R, "slow", ONE);
+        v.reserve(R, "slow", ONE, 500);
+        // However many heartbeats pass, a create in flight keeps its room...
         for seq in 1..=10 {
-            v.apply_heartbeat(R, &hb(seq, &[]), seq, 3);
+            assert!(v
+                .apply_heartbeat(R, &hb(seq, &[]), 500 + seq * 100, EXPIRY)
+                .expired
+                .is_empty());
         }
         assert_eq!(v.pending(), 1);
+        // ...up to the bound: one whose `Created` or `Release` was lost gives it back.
+        assert!(v.apply_heartbeat(R, &hb(11, &[]), 1_500, EXPIRY).expired.is_empty());
+        assert_eq!(
+            v.apply_heartbeat(R, &hb(12, &[]), 1_501, EXPIRY).expired,
+            vec!["slow".to_string()]
+        );
+        assert_eq!((v.pending(), v.believed().vcpus), (0, 0));
     }
 
     #[test]
     fn optimistic_add_is_erased_by_a_heartbeat_measured_before_the_create() {
         let o = Accounting::Optimistic;
         let mut v = NodeView::new("n");
-        v.apply_heartbeat(o, &hb(1, &[]), 0, 3);
-        v.reserve(o, "a", ONE);
+        v.apply_heartbeat(o, &hb(1, &[]), 0, EXPIRY);
+        v.reserve(o, "a", ONE, 0);
         v.created(o, "a");
         assert_eq!(v.believed().vcpus, 1);
         // The undercount: a heartbeat measured before the create erases the optimistic add.
-        v.apply_heartbeat(o, &hb(2, &[]), 10, 3);
+        v.apply_heartbeat(o, &hb(2, &[]), 10, EXPIRY);
         assert_eq!(v.believed().vcpus, 0);
     }
 
@@ -507,10 +563,10 @@ mod tests {
     fn stale_mode_sees_heartbeats_only() {
         let s = Accounting::Stale;
         let mut v = NodeView::new("n");
-        v.reserve(s, "a", ONE);
+        v.reserve(s, "a", ONE, 0);
         v.created(s, "a");
         assert_eq!(v.believed().vcpus, 0);
-        v.apply_heartbeat(s, &hb(1, &["a"]), 0, 3);
+        v.apply_heartbeat(s, &hb(1, &["a"]), 0, EXPIRY);
         assert_eq!(v.believed().vcpus, 1);
     }
 }

@@ -6,6 +6,7 @@ pub mod rank;
 pub mod sample;
 
 pub use account::{
-    Accounting, AdminState, Heartbeat, HeartbeatOutcome, Listed, NodeView, Phase, Reservation, Resources, Totals,
+    Accounting, AdminState, Expiry, Heartbeat, HeartbeatOutcome, Listed, NodeView, Phase, Reservation, Resources,
+    Totals,
 };
 pub use rank::{Decision, Evaluation, RankConfig, Ranker, Request};

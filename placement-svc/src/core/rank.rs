@@ -452,7 +452,7 @@ pub fn unknown_node(node_id: &str) -> Evaluation {
 
 #[cfg(test)]
 mod tests {
-    use super::super::account::{Accounting, Heartbeat};
+    use super::super::account::{Accounting, Expiry, Heartbeat};
     use super::*;
     use rand::rngs::SmallRng;
     use rand::SeedableRng;
@@ -473,7 +473,7 @@ mod tests {
             },
             ..Heartbeat::default()
         };
-        v.apply_heartbeat(Accounting::Reconciled, &hb, 1_000, 3);
+        v.apply_heartbeat(Accounting::Reconciled, &hb, 1_000, Expiry::DEFAULT);
         v
     }
 
@@ -539,6 +539,7 @@ mod tests {
                 vcpus: 1,
                 memory_bytes: 1 << 30,
             },
+            1_000,
         );
         let d = ranker.decide(std::slice::from_ref(&n), &r, 1_000, &mut SmallRng::seed_from_u64(1));
         assert!(!d.never_fits(), "full now is not never: {}", d.why_nothing_fit());
@@ -558,7 +559,7 @@ mod tests {
     fn starting_cap_spills_a_burst_over() {
         let mut n = node("a", 0);
         for i in 0..2 {
-            n.reserve(Accounting::Reconciled, &format!("s{i}"), req().resources);
+            n.reserve(Accounting::Reconciled, &format!("s{i}"), req().resources, 1_000);
         }
         let ranker = Ranker::new(&RankConfig {
             max_starting: 2,

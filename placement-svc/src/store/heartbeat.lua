@@ -4,7 +4,14 @@
 -- ARGV: node_id, boot_id, seq, now_ms, address, labels (JSON), cap_vcpus, cap_mem,
 --       alloc_vcpus, alloc_mem, mem_used, cpu_usage, mode, max_unconfirmed, templates (the
 --       build IDs the node holds, as ",id,id,": place.lua looks one up with a plain find),
---       pool_vcpus, pool_mem (what its pooled sandboxes hold), then sandbox ids.
+--       pool_vcpus, pool_mem (what its pooled sandboxes hold), max_pending_ms, then sandbox
+--       ids.
+--
+-- A reservation is `vcpus,memory,phase,n`: `p` (pending) with n the placer's clock (ms) at
+-- Place, or `u` (unconfirmed) with n the heartbeats that have not listed it since. One made
+-- by a placer older than pending expiry reads `p,0`: it expires at the first heartbeat, which
+-- costs creates in flight during the upgrade only their reservation (the node admits every
+-- create against its own room).
 -- Returns: { applied (0/1), reason, confirmed, removed, rebooted (0/1), draining (0/1),
 --            expired ids... }
 --
@@ -47,7 +54,7 @@ if boot == ARGV[2] then
 elseif boot then
   rebooted = 1
 end
-local first_id = 18
+local first_id = 19
 local reconciled = ARGV[13] == 'reconciled'
 
 -- Reconciled accounting: read and parse the reservations and removals before writing anything.
@@ -84,6 +91,8 @@ if not reconciled then
   return { 1, '', 0, 0, rebooted, draining }
 end
 local max_unconfirmed = tonumber(ARGV[14])
+local max_pending_ms = tonumber(ARGV[18])
+local now = tonumber(ARGV[4])
 redis.call('DEL', listed_key)
 local batch = {}
 for i = first_id, #ARGV do
@@ -112,6 +121,10 @@ for _, r in ipairs(reservations) do
       redis.call('HSET', res_key, id, int(v) .. ',' .. int(m) .. ',u,' .. int(unlisted))
       res_v, res_m, unconfirmed = res_v + v, res_m + m, unconfirmed + 1
     end
+  elseif now - unlisted > max_pending_ms then
+    -- Pending since `unlisted` (ms): a create whose Created or Release was lost.
+    redis.call('HDEL', res_key, id)
+    table.insert(expired, id)
   else
     res_v, res_m, pending = res_v + v, res_m + m, pending + 1
   end

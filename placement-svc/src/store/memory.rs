@@ -9,7 +9,7 @@ use rand::SeedableRng;
 
 use super::{Explanation, NodeGauge, Placement, PlacementStore, StoreError};
 use crate::core::{
-    Accounting, AdminState, Heartbeat, HeartbeatOutcome, NodeView, RankConfig, Ranker, Request, Resources,
+    Accounting, AdminState, Expiry, Heartbeat, HeartbeatOutcome, NodeView, RankConfig, Ranker, Request, Resources,
 };
 
 struct State {
@@ -22,16 +22,16 @@ struct State {
 pub struct MemoryStore {
     mode: Accounting,
     ranker: Ranker,
-    max_unconfirmed: u32,
+    expiry: Expiry,
     state: Mutex<State>,
 }
 
 impl MemoryStore {
-    pub fn new(mode: Accounting, rank: &RankConfig, max_unconfirmed: u32, seed: u64) -> Self {
+    pub fn new(mode: Accounting, rank: &RankConfig, expiry: Expiry, seed: u64) -> Self {
         Self {
             mode,
             ranker: Ranker::new(rank),
-            max_unconfirmed,
+            expiry,
             state: Mutex::new(State {
                 nodes: Vec::new(),
                 index: HashMap::new(),
@@ -65,7 +65,7 @@ impl PlacementStore for MemoryStore {
             Some((i, score)) => {
                 let node = &mut state.nodes[i];
                 let reclaim = crate::core::rank::reclaim(node, req, self.ranker.overcommit());
-                node.reserve(self.mode, &req.sandbox_id, req.resources);
+                node.reserve(self.mode, &req.sandbox_id, req.resources, now_ms);
                 if self.mode != crate::core::Accounting::Stale {
                     // Stale accounting keeps nothing between heartbeats, this neither.
                     node.promise_pooled(reclaim);
@@ -119,7 +119,7 @@ impl PlacementStore for MemoryStore {
                 state.nodes.len() - 1
             }
         };
-        Ok(state.nodes[i].apply_heartbeat(self.mode, hb, now_ms, self.max_unconfirmed))
+        Ok(state.nodes[i].apply_heartbeat(self.mode, hb, now_ms, self.expiry))
     }
 
     async fn nodes(&self) -> Result<Vec<NodeView>, StoreError> {

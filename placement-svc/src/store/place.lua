@@ -199,7 +199,8 @@ if commit and best > 0 and mode ~= 'stale' then
     end
     old_v, old_m = tonumber(old_v), tonumber(old_m)
   end
-  redis.call('HSET', res, sandbox, int(req_v) .. ',' .. int(req_m) .. ',p,0')
+  -- A pending reservation's last field is when it was made (heartbeat.lua expires it).
+  redis.call('HSET', res, sandbox, int(req_v) .. ',' .. int(req_m) .. ',p,' .. int(now))
   -- As NodeView::promise_pooled: the pooled room this create reclaims is no other's to count
   -- on until the next heartbeat.
   if best_short_v > 0 or best_short_m > 0 then

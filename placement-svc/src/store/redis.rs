@@ -24,8 +24,8 @@ use redis::{AsyncCommands, Script, Value};
 use super::{Explanation, NodeGauge, Placement, PlacementStore, StoreError};
 use crate::core::sample::sample_distinct;
 use crate::core::{
-    Accounting, AdminState, Evaluation, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig, Request, Reservation,
-    Resources, Totals,
+    Accounting, AdminState, Evaluation, Expiry, Heartbeat, HeartbeatOutcome, NodeView, Phase, RankConfig, Request,
+    Reservation, Resources, Totals,
 };
 
 /// How long the cached list of node ids (what sampling draws from) may be old.
@@ -55,7 +55,7 @@ pub struct RedisStore {
     prefix: String,
     mode: Accounting,
     rank: RankConfig,
-    max_unconfirmed: u32,
+    expiry: Expiry,
     place: Script,
     heartbeat: Script,
     lifecycle: Script,
@@ -122,7 +122,7 @@ impl RedisStore {
         prefix: &str,
         mode: Accounting,
         rank: &RankConfig,
-        max_unconfirmed: u32,
+        expiry: Expiry,
     ) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)
             .map_err(|e| StoreError::Internal(format!("bad redis url {:?}: {e}", common::config::redacted(url))))?;
@@ -136,7 +136,7 @@ impl RedisStore {
             prefix: prefix.to_string(),
             mode,
             rank: rank.clone(),
-            max_unconfirmed,
+            expiry,
             place: Script::new(include_str!("place.lua")),
             heartbeat: Script::new(include_str!("heartbeat.lua")),
             lifecycle: Script::new(include_str!("lifecycle.lua")),
@@ -396,11 +396,12 @@ fn view_from(node_id: &str, (fields, reservations, removals, listed): NodeKeys) 
         .iter()
         .filter_map(|(id, v)| {
             let (resources, rest) = parse(v)?;
+            let n = rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(0);
             let phase = match rest.first().map(String::as_str) {
                 Some("u") => Phase::Unconfirmed {
-                    heartbeats_unlisted: rest.get(1).and_then(|s| s.parse().ok()).unwrap_or(0),
+                    heartbeats_unlisted: u32::try_from(n).unwrap_or(u32::MAX),
                 },
-                _ => Phase::Pending,
+                _ => Phase::Pending { since_ms: n },
             };
             Some((id.clone(), Reservation { resources, phase }))
         })
@@ -519,10 +520,11 @@ impl PlacementStore for RedisStore {
             .arg(hb.memory_used_bytes)
             .arg(hb.cpu_usage)
             .arg(self.mode.name())
-            .arg(self.max_unconfirmed)
+            .arg(self.expiry.unconfirmed_heartbeats)
             .arg(templates_field(&hb.templates))
             .arg(hb.pooled.vcpus)
-            .arg(hb.pooled.memory_bytes);
+            .arg(hb.pooled.memory_bytes)
+            .arg(self.expiry.pending_ms);
         for s in &hb.sandboxes {
             invocation.arg(&s.sandbox_id);
         }
