@@ -185,8 +185,10 @@ pub const DEFAULT_SPARE_DISKS: usize = 2;
 /// Template layers a node keeps cached unless told otherwise: 20 GiB.
 pub const DEFAULT_LAYER_CACHE_BYTES: u64 = 20 << 30;
 
-/// A sandbox's disk unless it asks for another size: 2 GiB.
-pub const DEFAULT_DISK_BYTES: u64 = 2 << 30;
+/// A sandbox's disk unless it asks for another size: the size the gateway writes into a
+/// manifest that states none, so a node's spare disks (made at this size) fit the creates
+/// that come by default.
+pub const DEFAULT_DISK_BYTES: u64 = common::resources::DEFAULT_DISK_BYTES;
 
 /// A builder container's disk unless told otherwise: 8 GiB (package installs need room).
 pub const DEFAULT_BUILD_DISK_BYTES: u64 = 8 << 30;
