@@ -31,6 +31,7 @@ use common::pool::{
 };
 use common::template::{TemplateDoc, DEFAULT_TAG, TEMPLATE_KIND};
 use ledger_client::{LedgerClient, LedgerError, Txn};
+use tracing::Instrument as _;
 
 use crate::intent::{self, NewSandbox};
 use crate::sandboxes::{Candidate, Failure, Sandboxes};
@@ -69,6 +70,8 @@ pub struct Keeper {
     templates: Arc<Templates>,
     /// Slots this keeper is filling now.
     filling: Mutex<HashSet<String>>,
+    /// Slots whose sandbox this keeper is retiring now.
+    retiring: Mutex<HashSet<String>>,
     /// Templates whose last pooled create failed: not before this instant, and the next wait.
     backoff: Mutex<HashMap<String, (Instant, Duration)>>,
     /// Each slot node's standing as last read, and when: node documents are large (they list
@@ -86,6 +89,7 @@ impl Keeper {
             sandboxes,
             templates,
             filling: Mutex::default(),
+            retiring: Mutex::default(),
             backoff: Mutex::default(),
             nodes_read: Mutex::default(),
         })
@@ -140,14 +144,7 @@ impl Keeper {
                     id,
                     version,
                     sandbox_id,
-                } => {
-                    match self.sandboxes.retire_pooled(&sandbox_id).await {
-                        // Gone already, or claimed between the read and the kill.
-                        Ok(()) | Err(Failure::NotFound(_)) => self.delete_slot(&id, version).await,
-                        Err(err) => tracing::warn!(%sandbox_id, %err, "could not retire a pooled sandbox"),
-                    }
-                    metrics::counter!("gateway_pool_retired_total").increment(1);
-                }
+                } => self.retire(id, version, sandbox_id),
                 Action::Drop { template_id, version } => {
                     let txn = Txn::new().delete(POOL_KIND, &template_id, version);
                     if let Err(err) = self.ledger.compare(txn).await {
@@ -157,6 +154,35 @@ impl Keeper {
             }
         }
         Ok(observed.pools.len().max(usize::from(!observed.slots.is_empty())))
+    }
+
+    /// Retires slot `id`'s sandbox and then frees the slot, in a task of its own: a kill
+    /// waits for whatever owns the sandbox (a move of a draining node's sandboxes, up to its
+    /// deadline), and the round, with every other pool's refills, must not wait with it. A
+    /// slot already being retired is left to that task.
+    fn retire(self: &Arc<Self>, id: String, version: u64, sandbox_id: String) {
+        {
+            let Ok(mut retiring) = self.retiring.lock() else { return };
+            if !retiring.insert(id.clone()) {
+                return;
+            }
+        }
+        let keeper = self.clone();
+        let span = tracing::info_span!("retire", %sandbox_id);
+        tokio::spawn(
+            async move {
+                match keeper.sandboxes.retire_pooled(&sandbox_id).await {
+                    // Gone already, or claimed between the read and the kill.
+                    Ok(()) | Err(Failure::NotFound(_)) => keeper.delete_slot(&id, version).await,
+                    Err(err) => tracing::warn!(%err, "could not retire a pooled sandbox"),
+                }
+                metrics::counter!("gateway_pool_retired_total").increment(1);
+                if let Ok(mut retiring) = keeper.retiring.lock() {
+                    retiring.remove(&id);
+                }
+            }
+            .instrument(span),
+        );
     }
 
     async fn delete_slot(&self, id: &str, version: u64) {
