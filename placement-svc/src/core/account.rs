@@ -95,9 +95,9 @@ pub enum Phase {
 /// Neither bound is about correctness of a create that is going well: the heartbeat that lists
 /// its sandbox confirms it long before. They bound what a lost reply costs: a `Created` or
 /// `Release` that never arrived would otherwise hold the node's room (and, while pending, one
-/// of its starting slots) for as long as the placer runs. Releasing too early is safe: the
-/// node admits every create against its own room, so the cost is a refusal there, not an
-/// over-committed node.
+/// of its starting slots) for as long as the placer runs. A create still going when its
+/// reservation is dropped is undercounted only until its node's next heartbeat lists it (a
+/// few seconds), which is why the pending bound is the gateway's own limit on a create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Expiry {
     /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.

@@ -10,8 +10,8 @@
 -- A reservation is `vcpus,memory,phase,n`: `p` (pending) with n the placer's clock (ms) at
 -- Place, or `u` (unconfirmed) with n the heartbeats that have not listed it since. One made
 -- by a placer older than pending expiry reads `p,0`: it expires at the first heartbeat, which
--- costs creates in flight during the upgrade only their reservation (the node admits every
--- create against its own room).
+-- leaves a create in flight during the upgrade uncounted until its node lists it (a heartbeat
+-- or two).
 -- Returns: { applied (0/1), reason, confirmed, removed, rebooted (0/1), draining (0/1),
 --            expired ids... }
 --
