@@ -400,7 +400,7 @@ impl<S: PlacementStore> pb::placement_server::Placement for PlacementApi<S> {
             tracing::info!(node_id = %hb.node_id, boot_id = %hb.boot_id, "node restarted; its view was reset");
         }
         for sandbox_id in &outcome.expired {
-            tracing::warn!(node_id = %hb.node_id, %sandbox_id, "reservation never confirmed by a heartbeat; released");
+            tracing::warn!(node_id = %hb.node_id, %sandbox_id, "reservation dropped: no heartbeat listed its sandbox in time (unconfirmed), or nothing said how its work ended (pending)");
         }
         if outcome.applied {
             if let Some(docs) = &self.node_docs {

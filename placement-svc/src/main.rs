@@ -63,8 +63,9 @@ struct Args {
     /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
     #[arg(long, env = "PLACEMENT_UNCONFIRMED_HEARTBEATS", default_value_t = Expiry::DEFAULT.unconfirmed_heartbeats)]
     unconfirmed_heartbeats: u32,
-    /// Seconds a create may stay in flight (no `Created` or `Release` heard) before its
-    /// reservation is dropped: a lost reply would otherwise hold the node's room for good.
+    /// Seconds a reservation may stay pending (no `Created` or `Release` heard) before it is
+    /// dropped: a lost reply would otherwise hold the node's room for good. Longer than a
+    /// template build may take (an hour), which holds its reservation pending throughout.
     #[arg(long, env = "PLACEMENT_PENDING_EXPIRES_SECS", default_value_t = Expiry::DEFAULT.pending_ms / 1000)]
     pending_expires_secs: u64,
     /// Seconds between node document writes per node.

@@ -1407,6 +1407,36 @@ async fn second_removal_of_a_sandbox_replaces_its_marker() {
     assert_same_node(&m, &r, &cleanup).await;
 }
 
+/// A pending reservation written by a placer from before pending expiry (`p,0` in Redis; a
+/// place at time 0 makes the same here) starts its clock at the next heartbeat, and expires
+/// the pending bound after that, alike in both stores.
+#[tokio::test]
+async fn a_pending_reservation_without_its_time_starts_its_clock_at_a_heartbeat() {
+    let (m, r, cleanup) = fresh_pair().await;
+    both!(m, r, heartbeat(&simple_heartbeat(1, &[]), 0));
+    let req = Request {
+        sandbox_id: "s".to_string(),
+        resources: Resources {
+            vcpus: 1,
+            memory_bytes: GIB,
+        },
+        ..Request::default()
+    };
+    let (mp, rp) = both!(m, r, place(&req, 0));
+    assert!(matches!(mp, Placement::Placed { .. }), "{mp:?}");
+    assert!(matches!(rp, Placement::Placed { .. }), "{rp:?}");
+    let (mo, ro) = both!(m, r, heartbeat(&simple_heartbeat(2, &[]), 50_000));
+    assert!(mo.expired.is_empty() && ro.expired.is_empty(), "{mo:?} {ro:?}");
+    let (mv, _) = only_views(&m, &r).await;
+    assert_eq!(mv.reservations["s"].phase, Phase::Pending { since_ms: 50_000 });
+    assert_same_node(&m, &r, &cleanup).await;
+    let after = 50_000 + Expiry::DEFAULT.pending_ms + 1;
+    let (mo, ro) = both!(m, r, heartbeat(&simple_heartbeat(3, &[]), after));
+    assert_eq!(mo.expired, vec!["s".to_string()]);
+    assert_eq!(mo, ro);
+    assert_same_node(&m, &r, &cleanup).await;
+}
+
 #[tokio::test]
 async fn place_again_with_a_reserved_id_replaces_the_reservation() {
     let (m, r, cleanup) = fresh_pair().await;

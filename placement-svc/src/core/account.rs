@@ -95,23 +95,27 @@ pub enum Phase {
 /// Neither bound is about correctness of a create that is going well: the heartbeat that lists
 /// its sandbox confirms it long before. They bound what a lost reply costs: a `Created` or
 /// `Release` that never arrived would otherwise hold the node's room (and, while pending, one
-/// of its starting slots) for as long as the placer runs. A create still going when its
-/// reservation is dropped is undercounted only until its node's next heartbeat lists it (a
-/// few seconds), which is why the pending bound is the gateway's own limit on a create.
+/// of its starting slots) for as long as the placer runs. The pending bound must outlast
+/// everything that holds a reservation pending: a create (its layers fetched, its ready
+/// command passed: minutes at most), a move's or a wake's restore, and a template build,
+/// which reserves its builder's room and never says `Created` (up to an hour). A reservation
+/// dropped while its work still runs leaves that work uncounted until a heartbeat lists it
+/// (a builder: never), and a node does not refuse a create for memory itself. Only
+/// reconciled accounting expires reservations; the others keep none past a heartbeat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Expiry {
     /// Heartbeats a created sandbox may go unlisted before its reservation is dropped.
     pub unconfirmed_heartbeats: u32,
-    /// How long (ms) a create may stay in flight before its reservation is dropped: by then
-    /// its caller has given up on it (the gateway abandons a create after five minutes).
+    /// How long (ms) a reservation may stay pending (no `Created`, no `Release`) before it is
+    /// dropped.
     pub pending_ms: u64,
 }
 
 impl Expiry {
-    /// Three heartbeats; five minutes in flight.
+    /// Three heartbeats; two hours pending (a template build may take one).
     pub const DEFAULT: Expiry = Expiry {
         unconfirmed_heartbeats: 3,
-        pending_ms: 5 * 60 * 1000,
+        pending_ms: 2 * 60 * 60 * 1000,
     };
 }
 
@@ -394,8 +398,13 @@ impl NodeView {
                     *heartbeats_unlisted += 1;
                     *heartbeats_unlisted > expiry.unconfirmed_heartbeats
                 }
-                // A create whose reply was lost (or whose caller died) before it told
-                // `Created` or `Release`.
+                // Made by a placer that kept no time (before pending expiry): its clock starts
+                // now, as if it had just been placed.
+                Phase::Pending { since_ms } if *since_ms == 0 => {
+                    *since_ms = now_ms;
+                    false
+                }
+                // Work whose caller died, or whose `Created` or `Release` was lost.
                 Phase::Pending { since_ms } => now_ms.saturating_sub(*since_ms) > expiry.pending_ms,
             };
             if expired {
@@ -544,6 +553,20 @@ mod tests {
             vec!["slow".to_string()]
         );
         assert_eq!((v.pending(), v.believed().vcpus), (0, 0));
+    }
+
+    #[test]
+    fn a_pending_reservation_of_a_placer_that_kept_no_time_starts_its_clock_at_a_heartbeat() {
+        let mut v = NodeView::new("n");
+        // As Redis holds one written by a placer from before pending expiry (`p,0`).
+        v.reserve(R, "old", ONE, 0);
+        assert!(v.apply_heartbeat(R, &hb(1, &[]), 50_000, EXPIRY).expired.is_empty());
+        assert_eq!(v.reservations["old"].phase, Phase::Pending { since_ms: 50_000 });
+        assert!(v.apply_heartbeat(R, &hb(2, &[]), 51_000, EXPIRY).expired.is_empty());
+        assert_eq!(
+            v.apply_heartbeat(R, &hb(3, &[]), 51_001, EXPIRY).expired,
+            vec!["old".to_string()]
+        );
     }
 
     #[test]

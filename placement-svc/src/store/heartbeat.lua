@@ -9,9 +9,8 @@
 --
 -- A reservation is `vcpus,memory,phase,n`: `p` (pending) with n the placer's clock (ms) at
 -- Place, or `u` (unconfirmed) with n the heartbeats that have not listed it since. One made
--- by a placer older than pending expiry reads `p,0`: it expires at the first heartbeat, which
--- leaves a create in flight during the upgrade uncounted until its node lists it (a heartbeat
--- or two).
+-- by a placer older than pending expiry (during a rolling upgrade) reads `p,0`: its clock
+-- starts at this heartbeat, as NodeView::apply_heartbeat's does.
 -- Returns: { applied (0/1), reason, confirmed, removed, rebooted (0/1), draining (0/1),
 --            expired ids... }
 --
@@ -121,6 +120,9 @@ for _, r in ipairs(reservations) do
       redis.call('HSET', res_key, id, int(v) .. ',' .. int(m) .. ',u,' .. int(unlisted))
       res_v, res_m, unconfirmed = res_v + v, res_m + m, unconfirmed + 1
     end
+  elseif unlisted == 0 then
+    redis.call('HSET', res_key, id, int(v) .. ',' .. int(m) .. ',p,' .. int(now))
+    res_v, res_m, pending = res_v + v, res_m + m, pending + 1
   elseif now - unlisted > max_pending_ms then
     -- Pending since `unlisted` (ms): a create whose Created or Release was lost.
     redis.call('HDEL', res_key, id)
