@@ -222,6 +222,16 @@ impl Txn {
         self.push(kind, id, version, pb::compare_entry::Action::Delete(pb::Delete {}))
     }
 
+    /// Deletes the document read as `read` if it is still that document at that version (its
+    /// create revision guarded too, as [`Txn::update_read`] does).
+    pub fn delete_read<R>(self, read: &Versioned<R>) -> Self {
+        let mut txn = self.delete(&read.key.kind, &read.key.id, read.version);
+        if let Some(entry) = txn.entries.last_mut() {
+            entry.expected_create_revision = read.create_revision;
+        }
+        txn
+    }
+
     /// Requires the document to be at `version` (0: absent) without writing it. Use it only for
     /// documents that must hold still for this write to be right, never for documents other
     /// writers update on their own schedule.

@@ -20,7 +20,7 @@
 pub mod plan;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use common::clock::now_ms;
@@ -55,6 +55,9 @@ const NODE_QUIET_AFTER: Duration = Duration::from_secs(20);
 const NODE_GONE_AFTER: Duration = Duration::from_secs(600);
 /// Pooled sandboxes one keeper starts at once.
 const FILLS_AT_ONCE: usize = 4;
+/// Pooled sandboxes one keeper retires at once: a rebuilt template's whole pool is not
+/// killed in one burst.
+const RETIRES_AT_ONCE: usize = 4;
 /// How long a template whose pooled create failed waits before the next try (doubling up to
 /// [`MAX_BACKOFF`]).
 const FIRST_BACKOFF: Duration = Duration::from_secs(2);
@@ -69,14 +72,42 @@ pub struct Keeper {
     sandboxes: Arc<Sandboxes>,
     templates: Arc<Templates>,
     /// Slots this keeper is filling now.
-    filling: Mutex<HashSet<String>>,
+    filling: Arc<Mutex<HashSet<String>>>,
     /// Slots whose sandbox this keeper is retiring now.
-    retiring: Mutex<HashSet<String>>,
+    retiring: Arc<Mutex<HashSet<String>>>,
     /// Templates whose last pooled create failed: not before this instant, and the next wait.
     backoff: Mutex<HashMap<String, (Instant, Duration)>>,
     /// Each slot node's standing as last read, and when: node documents are large (they list
     /// every sandbox) and change every few seconds, while rounds follow manifest changes.
     nodes_read: Mutex<HashMap<String, (Instant, Option<NodeNow>)>>,
+}
+
+/// A slot's place in one of the keeper's sets of work in flight (`filling`, `retiring`),
+/// given back when dropped: when its task ends, however it ends (a panic too), so a slot is
+/// never left marked busy for the life of the process.
+struct Held {
+    set: Arc<Mutex<HashSet<String>>>,
+    id: String,
+}
+
+impl Held {
+    /// Marks `id` in `set`, unless it is there already or `set` holds `at_most`.
+    fn take(set: &Arc<Mutex<HashSet<String>>>, id: &str, at_most: usize) -> Option<Held> {
+        let mut marked = set.lock().unwrap_or_else(PoisonError::into_inner);
+        if marked.len() >= at_most || !marked.insert(id.to_string()) {
+            return None;
+        }
+        Some(Held {
+            set: set.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+    }
 }
 
 /// How long a node's standing, once read, stands for the keeper's rounds.
@@ -88,8 +119,8 @@ impl Keeper {
             ledger,
             sandboxes,
             templates,
-            filling: Mutex::default(),
-            retiring: Mutex::default(),
+            filling: Arc::default(),
+            retiring: Arc::default(),
             backoff: Mutex::default(),
             nodes_read: Mutex::default(),
         })
@@ -140,11 +171,7 @@ impl Keeper {
                     }
                 }
                 Action::Free { id, version } => self.delete_slot(&id, version).await,
-                Action::Retire {
-                    id,
-                    version,
-                    sandbox_id,
-                } => self.retire(id, version, sandbox_id),
+                Action::Retire { id, sandbox_id, .. } => self.retire(id, sandbox_id),
                 Action::Drop { template_id, version } => {
                     let txn = Txn::new().delete(POOL_KIND, &template_id, version);
                     if let Err(err) = self.ledger.compare(txn).await {
@@ -159,30 +186,41 @@ impl Keeper {
     /// Retires slot `id`'s sandbox and then frees the slot, in a task of its own: a kill
     /// waits for whatever owns the sandbox (a move of a draining node's sandboxes, up to its
     /// deadline), and the round, with every other pool's refills, must not wait with it. A
-    /// slot already being retired is left to that task.
-    fn retire(self: &Arc<Self>, id: String, version: u64, sandbox_id: String) {
-        {
-            let Ok(mut retiring) = self.retiring.lock() else { return };
-            if !retiring.insert(id.clone()) {
-                return;
-            }
-        }
+    /// slot already being retired is left to that task; past [`RETIRES_AT_ONCE`], to a later
+    /// round.
+    fn retire(self: &Arc<Self>, id: String, sandbox_id: String) {
+        let Some(held) = Held::take(&self.retiring, &id, RETIRES_AT_ONCE) else {
+            return;
+        };
         let keeper = self.clone();
         let span = tracing::info_span!("retire", %sandbox_id);
         tokio::spawn(
             async move {
+                let _held = held;
                 match keeper.sandboxes.retire_pooled(&sandbox_id).await {
                     // Gone already, or claimed between the read and the kill.
-                    Ok(()) | Err(Failure::NotFound(_)) => keeper.delete_slot(&id, version).await,
+                    Ok(()) | Err(Failure::NotFound(_)) => keeper.free_slot_of(&id, &sandbox_id).await,
                     Err(err) => tracing::warn!(%err, "could not retire a pooled sandbox"),
                 }
                 metrics::counter!("gateway_pool_retired_total").increment(1);
-                if let Ok(mut retiring) = keeper.retiring.lock() {
-                    retiring.remove(&id);
-                }
             }
             .instrument(span),
         );
+    }
+
+    /// Frees slot `id` if it still holds `sandbox_id`: read again rather than deleted at the
+    /// version a round saw, since a slot freed meanwhile (a claim, another keeper) and taken
+    /// by a new fill starts again at version 1, and that fill's sandbox must keep its slot.
+    async fn free_slot_of(&self, id: &str, sandbox_id: &str) {
+        match self.ledger.get::<PoolSlotDoc>(POOL_SLOT_KIND, id).await {
+            Ok(Some(slot)) if slot.value.sandbox_id == sandbox_id => {
+                if let Err(err) = self.ledger.compare(Txn::new().delete_read(&slot)).await {
+                    tracing::debug!(slot = %id, %err, "pool slot not freed (changed meanwhile)");
+                }
+            }
+            Ok(_) => {}
+            Err(err) => tracing::debug!(slot = %id, %err, "pool slot not read; a later round frees it"),
+        }
     }
 
     async fn delete_slot(&self, id: &str, version: u64) {
@@ -323,24 +361,22 @@ impl Keeper {
     /// Takes slot `slot` and starts its sandbox in the background.
     fn fill(self: &Arc<Self>, template_id: &str, slot: u32, build_id: &str, resolved: &crate::templates::Resolved) {
         let slot_id = common::pool::slot_id(template_id, slot);
-        {
-            let Ok(mut filling) = self.filling.lock() else { return };
-            if filling.len() >= FILLS_AT_ONCE || filling.contains(&slot_id) {
-                return;
-            }
-            if let Ok(backoff) = self.backoff.lock() {
-                if backoff
-                    .get(template_id)
-                    .is_some_and(|(until, _)| Instant::now() < *until)
-                {
-                    return;
-                }
-            }
-            filling.insert(slot_id.clone());
+        let backing_off = self
+            .backoff
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(template_id)
+            .is_some_and(|(until, _)| Instant::now() < *until);
+        if backing_off {
+            return;
         }
+        let Some(held) = Held::take(&self.filling, &slot_id, FILLS_AT_ONCE) else {
+            return;
+        };
         let keeper = self.clone();
         let (template_id, build_id, resolved) = (template_id.to_string(), build_id.to_string(), resolved.clone());
         tokio::spawn(async move {
+            let _held = held;
             let outcome = keeper.fill_now(&slot_id, &template_id, slot, &build_id, resolved).await;
             if let Ok(mut backoff) = keeper.backoff.lock() {
                 match outcome {
@@ -354,9 +390,6 @@ impl Keeper {
                         backoff.insert(template_id.clone(), (Instant::now() + wait, wait));
                     }
                 }
-            }
-            if let Ok(mut filling) = keeper.filling.lock() {
-                filling.remove(&slot_id);
             }
         });
     }
