@@ -51,7 +51,7 @@ struct Burst {
 }
 
 /// Creates `count` sandboxes with a link out on the node behind `client`, then kills them
-/// all at once while one client keeps creating (and killing) loopback-only sandboxes.
+/// all at once while one client keeps creating loopback-only sandboxes (killed after it).
 async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize) -> anyhow::Result<Burst> {
     let mut c = client.clone();
     for i in 0..count {
@@ -64,6 +64,8 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
         c.create(request).await.context("a linked sandbox for the burst")?;
     }
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Killed only after the burst: a kill of its own would queue behind the burst's and leave
+    // one create to measure.
     let creating = {
         let (mut c, done) = (client.clone(), done.clone());
         tokio::spawn(async move {
@@ -74,7 +76,6 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
                 let started = Instant::now();
                 c.create(create_request(100_000 + i, &id)).await?;
                 samples.push(started.elapsed());
-                c.kill(lifecycle(&id, format!("kbck{i}"))).await?;
                 i += 1;
             }
             anyhow::Ok(samples)
@@ -93,6 +94,10 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
     let elapsed = started.elapsed();
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let creates_during = creating.await??;
+    let mut c = client.clone();
+    for i in 0..creates_during.len() {
+        c.kill(lifecycle(&format!("kbc{i}"), format!("kbck{i}"))).await?;
+    }
     Ok(Burst {
         kills_per_sec: count as f64 / elapsed.as_secs_f64(),
         creates_during,

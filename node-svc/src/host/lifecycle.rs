@@ -86,6 +86,11 @@ impl Shared {
             Move::Pause => Some(turn.slot.files.clone().write_owned().await),
             Move::Resume | Move::Kill => None,
         };
+        // Never closed, so acquiring fails only if it were: then the kill goes on unbounded.
+        let _kill_turn = match action {
+            Move::Kill => self.kills.clone().acquire_owned().await.ok(),
+            Move::Pause | Move::Resume => None,
+        };
         let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
         let gone = id.to_string();
         // The runtime call and the record's persistence (or, for a kill, its folder renamed
