@@ -64,19 +64,19 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
         c.create(request).await.context("a linked sandbox for the burst")?;
     }
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let made = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Killed only after the burst: a kill of its own would queue behind the burst's and leave
     // one create to measure.
     let creating = {
-        let (mut c, done) = (client.clone(), done.clone());
+        let (mut c, done, made) = (client.clone(), done.clone(), made.clone());
         tokio::spawn(async move {
             let mut samples = Vec::new();
-            let mut i = 0;
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let i = made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let id = format!("kbc{i}");
                 let started = Instant::now();
                 c.create(create_request(100_000 + i, &id)).await?;
                 samples.push(started.elapsed());
-                i += 1;
             }
             anyhow::Ok(samples)
         })
@@ -88,16 +88,27 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
             tokio::spawn(async move { c.kill(lifecycle(&format!("kb{i}"), format!("kbk{i}"))).await })
         })
         .collect();
+    let mut burst = Ok(());
     for kill in kills {
-        kill.await??;
+        if let Err(err) = kill
+            .await
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r.map_err(Into::into))
+        {
+            burst = burst.and(Err(err));
+        }
     }
     let elapsed = started.elapsed();
+    // Whatever the burst's outcome, the creates stop and every sandbox they made (or may have
+    // made) goes, so nothing of this phase weighs on the figures after it.
     done.store(true, std::sync::atomic::Ordering::Relaxed);
-    let creates_during = creating.await??;
+    let creating = creating.await;
     let mut c = client.clone();
-    for i in 0..creates_during.len() {
-        c.kill(lifecycle(&format!("kbc{i}"), format!("kbck{i}"))).await?;
+    for i in 0..made.load(std::sync::atomic::Ordering::Relaxed) {
+        let _ = c.kill(lifecycle(&format!("kbc{i}"), format!("kbck{i}"))).await;
     }
+    burst.context("a kill of the burst")?;
+    let creates_during = creating??;
     Ok(Burst {
         kills_per_sec: count as f64 / elapsed.as_secs_f64(),
         creates_during,

@@ -222,12 +222,13 @@ impl Txn {
         self.push(kind, id, version, pb::compare_entry::Action::Delete(pb::Delete {}))
     }
 
-    /// Deletes the document read as `read` if it is still that document at that version (its
-    /// create revision guarded too, as [`Txn::update_read`] does).
-    pub fn delete_read<R>(self, read: &Versioned<R>) -> Self {
-        let mut txn = self.delete(&read.key.kind, &read.key.id, read.version);
+    /// Deletes the document if it is still at `version` and is the one created at revision
+    /// `create_revision` (a document deleted and created again since restarts its versions,
+    /// as [`Txn::update_read`] guards against too).
+    pub fn delete_created(self, kind: &str, id: &str, version: u64, create_revision: u64) -> Self {
+        let mut txn = self.delete(kind, id, version);
         if let Some(entry) = txn.entries.last_mut() {
-            entry.expected_create_revision = read.create_revision;
+            entry.expected_create_revision = create_revision;
         }
         txn
     }

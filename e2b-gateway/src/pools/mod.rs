@@ -170,8 +170,17 @@ impl Keeper {
                         self.fill(&template_id, slot, &build_id, resolved);
                     }
                 }
-                Action::Free { id, version } => self.delete_slot(&id, version).await,
-                Action::Retire { id, sandbox_id, .. } => self.retire(id, sandbox_id),
+                Action::Free {
+                    id,
+                    version,
+                    create_revision,
+                } => self.delete_slot(&id, version, create_revision).await,
+                Action::Retire {
+                    id,
+                    version,
+                    create_revision,
+                    sandbox_id,
+                } => self.retire(id, version, create_revision, sandbox_id),
                 Action::Drop { template_id, version } => {
                     let txn = Txn::new().delete(POOL_KIND, &template_id, version);
                     if let Err(err) = self.ledger.compare(txn).await {
@@ -187,8 +196,9 @@ impl Keeper {
     /// waits for whatever owns the sandbox (a move of a draining node's sandboxes, up to its
     /// deadline), and the round, with every other pool's refills, must not wait with it. A
     /// slot already being retired is left to that task; past [`RETIRES_AT_ONCE`], to a later
-    /// round.
-    fn retire(self: &Arc<Self>, id: String, sandbox_id: String) {
+    /// round. The slot is freed only as the round saw it: one changed since (an eviction's
+    /// hold, a refill after a claim) is not this retirement's to free.
+    fn retire(self: &Arc<Self>, id: String, version: u64, create_revision: u64, sandbox_id: String) {
         let Some(held) = Held::take(&self.retiring, &id, RETIRES_AT_ONCE) else {
             return;
         };
@@ -199,7 +209,7 @@ impl Keeper {
                 let _held = held;
                 match keeper.sandboxes.retire_pooled(&sandbox_id).await {
                     // Gone already, or claimed between the read and the kill.
-                    Ok(()) | Err(Failure::NotFound(_)) => keeper.free_slot_of(&id, &sandbox_id).await,
+                    Ok(()) | Err(Failure::NotFound(_)) => keeper.delete_slot(&id, version, create_revision).await,
                     Err(err) => tracing::warn!(%err, "could not retire a pooled sandbox"),
                 }
                 metrics::counter!("gateway_pool_retired_total").increment(1);
@@ -208,28 +218,13 @@ impl Keeper {
         );
     }
 
-    /// Frees slot `id` if it still holds `sandbox_id`: read again rather than deleted at the
-    /// version a round saw, since a slot freed meanwhile (a claim, another keeper) and taken
-    /// by a new fill starts again at version 1, and that fill's sandbox must keep its slot.
-    async fn free_slot_of(&self, id: &str, sandbox_id: &str) {
-        match self.ledger.get::<PoolSlotDoc>(POOL_SLOT_KIND, id).await {
-            Ok(Some(slot)) if slot.value.sandbox_id == sandbox_id => {
-                if let Err(err) = self.ledger.compare(Txn::new().delete_read(&slot)).await {
-                    tracing::debug!(slot = %id, %err, "pool slot not freed (changed meanwhile)");
-                }
-            }
-            Ok(_) => {}
-            Err(err) => tracing::debug!(slot = %id, %err, "pool slot not read; a later round frees it"),
-        }
-    }
-
-    async fn delete_slot(&self, id: &str, version: u64) {
-        if let Err(err) = self
-            .ledger
-            .compare(Txn::new().delete(POOL_SLOT_KIND, id, version))
-            .await
-        {
-            tracing::debug!(slot = %id, %err, "pool slot not freed (another keeper was first?)");
+    /// Deletes slot document `id` if it is still the one created at `create_revision`, at
+    /// `version`: a slot freed meanwhile and taken by a new fill restarts at version 1, and
+    /// that fill's sandbox must keep it.
+    async fn delete_slot(&self, id: &str, version: u64, create_revision: u64) {
+        let txn = Txn::new().delete_created(POOL_SLOT_KIND, id, version, create_revision);
+        if let Err(err) = self.ledger.compare(txn).await {
+            tracing::debug!(slot = %id, %err, "pool slot not freed (changed meanwhile, or another keeper was first)");
         }
     }
 
@@ -260,6 +255,7 @@ impl Keeper {
             observed.slots.push(SlotView {
                 id: slot.key.id.clone(),
                 version: slot.version,
+                create_revision: slot.create_revision,
                 sandbox: slot_sandbox(doc, &slot.value),
                 node_id: doc.map(|d| d.node_id.clone()).unwrap_or_default(),
                 resources: doc.map_or(Capacity::default(), |d| Capacity {
@@ -378,7 +374,8 @@ impl Keeper {
         tokio::spawn(async move {
             let _held = held;
             let outcome = keeper.fill_now(&slot_id, &template_id, slot, &build_id, resolved).await;
-            if let Ok(mut backoff) = keeper.backoff.lock() {
+            {
+                let mut backoff = keeper.backoff.lock().unwrap_or_else(PoisonError::into_inner);
                 match outcome {
                     Ok(()) => {
                         backoff.remove(&template_id);
@@ -411,12 +408,13 @@ impl Keeper {
             build_id: build_id.to_string(),
             since_unix_ms: now_ms(),
         };
-        let version = match self
+        // The slot as this fill created it: the commit's revision is its create revision.
+        let (version, create_revision) = match self
             .ledger
             .compare(Txn::new().create(POOL_SLOT_KIND, slot_id, &doc)?)
             .await
         {
-            Ok(done) => done.versions.first().copied().unwrap_or(1),
+            Ok(done) => (done.versions.first().copied().unwrap_or(1), done.revision),
             // Another keeper took it.
             Err(LedgerError::Conflict { .. }) => return Ok(()),
             Err(err) => return Err(err.into()),
@@ -454,7 +452,7 @@ impl Keeper {
                 // A create of unknown outcome keeps its manifest for the reaper; the slot is
                 // freed after the grace either way.
                 if !matches!(err, Failure::Unknown(_)) {
-                    self.delete_slot(slot_id, version).await;
+                    self.delete_slot(slot_id, version, create_revision).await;
                 }
                 Err(err)
             }

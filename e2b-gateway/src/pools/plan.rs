@@ -64,6 +64,9 @@ pub enum NodeNow {
 pub struct SlotView {
     pub id: String,
     pub version: u64,
+    /// The ledger revision that created the slot document: a slot freed and taken again
+    /// restarts at version 1, and only this tells the two apart.
+    pub create_revision: u64,
     pub doc: PoolSlotDoc,
     pub sandbox: SlotSandbox,
     /// The node its sandbox runs on (empty: none yet) and what it holds there.
@@ -118,12 +121,19 @@ pub enum Action {
         slot: u32,
         build_id: String,
     },
-    /// Delete slot document `id` (at `version`): its sandbox is claimed or never came.
-    Free { id: String, version: u64 },
-    /// Kill `sandbox_id`, then delete slot document `id` (at `version`).
+    /// Delete slot document `id` (at `version`, as created at `create_revision`): its sandbox
+    /// is claimed or never came.
+    Free {
+        id: String,
+        version: u64,
+        create_revision: u64,
+    },
+    /// Kill `sandbox_id`, then delete slot document `id` (at `version`, as created at
+    /// `create_revision`).
     Retire {
         id: String,
         version: u64,
+        create_revision: u64,
         sandbox_id: String,
     },
     /// Delete the pool document of a template that is gone, once its slots are.
@@ -160,6 +170,7 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
         let free = Action::Free {
             id: slot.id.clone(),
             version: slot.version,
+            create_revision: slot.create_revision,
         };
         let node = observed.nodes.get(&slot.node_id).copied();
         match slot.sandbox {
@@ -177,6 +188,7 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
                     actions.push(Action::Retire {
                         id: slot.id.clone(),
                         version: slot.version,
+                        create_revision: slot.create_revision,
                         sandbox_id: slot.doc.sandbox_id.clone(),
                     });
                 }
@@ -250,6 +262,7 @@ mod tests {
         SlotView {
             id: common::pool::slot_id(template, k),
             version: 1,
+            create_revision: 1,
             doc: PoolSlotDoc {
                 template_id: template.into(),
                 slot: k,
@@ -320,13 +333,15 @@ mod tests {
             actions,
             vec![Action::Free {
                 id: common::pool::slot_id("t", 0),
-                version: 1
+                version: 1,
+                create_revision: 1
             }],
             "slot 1 is within its grace; slot 2 is being created"
         );
         assert!(plan(&o, 1500, waits(1000)).contains(&Action::Free {
             id: common::pool::slot_id("t", 1),
-            version: 1
+            version: 1,
+            create_revision: 1
         }));
     }
 
@@ -400,11 +415,13 @@ mod tests {
             vec![
                 Action::Free {
                     id: common::pool::slot_id("t", 1),
-                    version: 1
+                    version: 1,
+                    create_revision: 1
                 },
                 Action::Retire {
                     id: common::pool::slot_id("t", 2),
                     version: 1,
+                    create_revision: 1,
                     sandbox_id: "s2".into()
                 },
             ]
@@ -444,6 +461,7 @@ mod tests {
             vec![Action::Retire {
                 id: common::pool::slot_id("t", 0),
                 version: 1,
+                create_revision: 1,
                 sandbox_id: "s0".into()
             }],
             "two have aged; one goes this round"

@@ -86,8 +86,9 @@ impl Shared {
             Move::Pause => Some(turn.slot.files.clone().write_owned().await),
             Move::Resume | Move::Kill => None,
         };
-        // Never closed, so acquiring fails only if it were: then the kill goes on unbounded.
-        let _kill_turn = match action {
+        // Held for the runtime's work only (moved into it). Never closed, so acquiring fails
+        // only if it were: then the kill goes on unbounded.
+        let kill_turn = match action {
             Move::Kill => self.kills.clone().acquire_owned().await.ok(),
             Move::Pause | Move::Resume => None,
         };
@@ -96,6 +97,7 @@ impl Shared {
         // The runtime call and the record's persistence (or, for a kill, its folder renamed
         // away) in one trip to a blocking thread.
         let (next, trash) = blocking(move || {
+            let _kill_turn = kill_turn;
             match action {
                 Move::Pause => runtime.pause(&record.view())?,
                 Move::Resume => {

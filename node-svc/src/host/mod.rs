@@ -296,14 +296,15 @@ struct Shared {
     kills: Arc<tokio::sync::Semaphore>,
 }
 
-/// How many kills do their runtime work at once: four per core. A kill is mostly CPU (the
+/// How many kills (those of `lifecycle_now`: a user's, the reaper's, a move's source, a pool's
+/// retirement) do their runtime work at once: four per core. A kill is mostly CPU (the
 /// container's processes ended, its mounts and namespaces torn down, about 4–5 ms of it) with
 /// some waiting (processes exiting), so a few per core keep the cores busy; every one more
 /// only takes its share of the CPU from the creates beside it. Unbounded, 300 kills at once
 /// (a reaper's sweep, a team's clean-up) had 300 threads in the runtime, and a create made
 /// meanwhile waited 0.2–0.5 s; bounded, 40–55 ms, while the burst itself went 7–25 % slower
-/// (`bench node --kill-burst 300`). The rest of a burst queues here, holding nothing but its
-/// sandbox's turn.
+/// (`bench node --kill-burst 300`). The rest of a burst queues here, holding its sandbox's turn
+/// (and a restore's replace, the copy it unpacked).
 fn kills_at_once() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get()) * 4
 }
