@@ -89,7 +89,14 @@ impl Shared {
         // Held for the runtime's work only (moved into it). Never closed, so acquiring fails
         // only if it were: then the kill goes on unbounded.
         let kill_turn = match action {
-            Move::Kill => self.kills.clone().acquire_owned().await.ok(),
+            Move::Kill => {
+                // Kills queued behind a burst, for whoever wonders why theirs is slow.
+                let waiting = metrics::gauge!("node_kills_waiting");
+                waiting.increment(1.0);
+                let permit = self.kills.clone().acquire_owned().await.ok();
+                waiting.decrement(1.0);
+                permit
+            }
             Move::Pause | Move::Resume => None,
         };
         let (runtime, dir, home) = (self.runtime.clone(), self.dir.clone(), self.dir.home(id));
