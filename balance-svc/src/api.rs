@@ -131,6 +131,16 @@ pub fn plan_view(p: &PlanDoc) -> pb::PlanView {
         finished_at_unix_ms: p.finished_at_unix_ms.unwrap_or(0),
         moves: p.moves.iter().map(move_view).collect(),
         skips: p.skips.clone().into_iter().collect(),
+        drops: p
+            .drops
+            .iter()
+            .map(|d| pb::DropView {
+                sandbox_id: d.sandbox_id.clone(),
+                from_node: d.from_node.clone(),
+                memory_bytes: d.memory_bytes,
+                asked_at_unix_ms: d.asked_at_unix_ms,
+            })
+            .collect(),
     }
 }
 

@@ -4,7 +4,9 @@
 //! Observation and planning read node documents and manifests; nothing they read is ever in
 //! a compare-and-swap guard. The plan commit creates the plan document and guards nothing
 //! else: node documents are rewritten every few seconds by placement, and a commit that
-//! compared them would always fail and no plan would ever start.
+//! compared them would always fail and no plan would ever start. The one manifest a plan
+//! rewrites before its commit is a pooled sandbox's it drops instead of moving (see
+//! [`DropRecord`]), guarded by the version listed: that write is the drop.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -22,7 +24,7 @@ use crate::migrate::{MoveError, Mover};
 use crate::orphan::{self, Copy, Sightings, Why};
 use crate::plan::{self, ScanResult, Status, Tuning};
 use crate::record::{
-    ControlDoc, MoveRecord, ObservationDoc, PlanDoc, PlanReason, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
+    ControlDoc, DropRecord, MoveRecord, ObservationDoc, PlanDoc, PlanReason, CONTROL_ID, CONTROL_KIND, OBSERVATION_ID,
     OBSERVATION_KIND, PLAN_KIND,
 };
 use crate::view;
@@ -79,10 +81,11 @@ pub struct Known {
     pub stuck: BTreeMap<String, crate::stuck::Stuck>,
 }
 
-/// A finished plan's moves waiting for a heartbeat to show them.
+/// A finished plan's moves and drops waiting for a heartbeat to show them.
 #[derive(Default)]
 struct Awaiting {
     moves: Vec<MoveRecord>,
+    drops: Vec<DropRecord>,
     since_ms: u64,
 }
 
@@ -149,8 +152,18 @@ impl Balancer {
 
         let (nodes, _) = self.ledger.list::<NodeDoc>(NODE_KIND, "").await?;
         let nodes: Vec<NodeDoc> = nodes.into_iter().map(|n| n.value).collect();
-        let (manifests, _) = self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?;
-        let manifests: Vec<SandboxDoc> = manifests.into_iter().map(|m| m.value).collect();
+        let (listed, _) = self.ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await?;
+        // Pooled sandboxes are dropped rather than moved: their versions guard the asks.
+        let mut pooled: HashMap<String, Versioned<SandboxDoc>> = HashMap::new();
+        let manifests: Vec<SandboxDoc> = listed
+            .into_iter()
+            .map(|m| {
+                if m.value.is_pooled() {
+                    pooled.insert(m.value.sandbox_id.clone(), m.clone());
+                }
+                m.value
+            })
+            .collect();
         let now = now_ms();
         let mut snapshot = view::snapshot(
             &nodes,
@@ -205,6 +218,12 @@ impl Balancer {
         }
         let addresses: BTreeMap<&str, &str> = nodes.iter().map(|n| (n.node_id.as_str(), n.address.as_str())).collect();
         let plan_id = format!("{now:013}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let (to_drop, to_move): (Vec<&plan::Move>, Vec<&plan::Move>) =
+            found.moves.iter().partition(|m| pooled.contains_key(&m.sandbox_id));
+        let drops = self.ask_to_go(&plan_id, &to_drop, &pooled).await;
+        if to_move.is_empty() && drops.is_empty() {
+            return Ok(Some(status.label()));
+        }
         let doc = PlanDoc {
             plan_id: plan_id.clone(),
             reason,
@@ -213,8 +232,7 @@ impl Balancer {
             skips,
             created_at_unix_ms: now,
             finished_at_unix_ms: None,
-            moves: found
-                .moves
+            moves: to_move
                 .iter()
                 .enumerate()
                 .map(|(i, m)| {
@@ -228,12 +246,65 @@ impl Balancer {
                     )
                 })
                 .collect(),
+            drops,
         };
         let committed = self.commit(&doc).await?;
-        tracing::info!(%plan_id, moves = doc.moves.len(), "plan started");
+        tracing::info!(%plan_id, moves = doc.moves.len(), drops = doc.drops.len(), "plan started");
         self.run(committed).await?;
         self.prune().await?;
         Ok(Some(status.label()))
+    }
+
+    /// Asks the keepers of `planned`'s pooled sandboxes to retire them, each ask guarded by the
+    /// manifest's version as listed (a claim or an eviction since wins, and that sandbox is
+    /// neither dropped nor recorded). Returns the drops asked, or asked already by an earlier
+    /// plan (still leaving, so still the room this plan counts on).
+    async fn ask_to_go(
+        &self,
+        plan_id: &str,
+        planned: &[&plan::Move],
+        pooled: &HashMap<String, Versioned<SandboxDoc>>,
+    ) -> Vec<DropRecord> {
+        let asker = format!("balance plan {plan_id}");
+        let mut drops = Vec::new();
+        for m in planned {
+            let Some(listed) = pooled.get(&m.sandbox_id) else {
+                continue;
+            };
+            let already = listed.value.pool.as_ref().is_some_and(|p| p.retire_asked.is_some());
+            let outcome = match view::asked_to_go(&listed.value, &asker) {
+                None if already => "asked_before",
+                None => "skipped",
+                Some(asked) => match Txn::new().update_read(listed, &asked) {
+                    Err(err) => {
+                        tracing::warn!(sandbox_id = %m.sandbox_id, %err, "a drop's ask could not be written");
+                        "error"
+                    }
+                    Ok(txn) => match self.ledger.compare_resolving(txn, 3).await {
+                        Ok(_) => "asked",
+                        Err(LedgerError::Conflict { .. }) => "changed",
+                        Err(err) => {
+                            tracing::warn!(sandbox_id = %m.sandbox_id, %err, "a drop's ask did not land");
+                            "error"
+                        }
+                    },
+                },
+            };
+            metrics::counter!("balance_pool_drops_total", "outcome" => outcome).increment(1);
+            tracing::info!(
+                %plan_id, sandbox_id = %m.sandbox_id, node_id = %m.from, outcome,
+                "pooled sandbox dropped instead of moved"
+            );
+            if matches!(outcome, "asked" | "asked_before") {
+                drops.push(DropRecord {
+                    sandbox_id: m.sandbox_id.clone(),
+                    from_node: m.from.clone(),
+                    memory_bytes: m.memory_bytes,
+                    asked_at_unix_ms: now_ms(),
+                });
+            }
+        }
+        drops
     }
 
     /// Creates the plan document: the one document this write guards.
@@ -276,6 +347,7 @@ impl Balancer {
         self.note_failures(&done.moves).await;
         let mut awaiting = self.awaiting.lock().await;
         awaiting.moves = done.moves.into_iter().filter(|m| m.step.is_final()).collect();
+        awaiting.drops = done.drops;
         awaiting.since_ms = now_ms();
         Ok(())
     }
@@ -316,16 +388,18 @@ impl Balancer {
     /// True while a finished move is not yet visible in the node documents (bounded).
     async fn still_awaiting(&self, nodes: &[NodeDoc], now: u64) -> bool {
         let mut awaiting = self.awaiting.lock().await;
-        if awaiting.moves.is_empty() {
+        if awaiting.moves.is_empty() && awaiting.drops.is_empty() {
             return false;
         }
-        let seen = awaiting.moves.iter().all(|m| view::reflected(m, nodes));
+        let seen = awaiting.moves.iter().all(|m| view::reflected(m, nodes))
+            && awaiting.drops.iter().all(|d| view::drop_reflected(d, nodes));
         let expired = now.saturating_sub(awaiting.since_ms) > self.tuning.reflect_timeout.as_millis() as u64;
         if seen || expired {
             if expired && !seen {
                 tracing::warn!("moves not reflected by heartbeats in time; judging anyway");
             }
             awaiting.moves.clear();
+            awaiting.drops.clear();
             return false;
         }
         true

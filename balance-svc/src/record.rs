@@ -222,6 +222,24 @@ pub struct PlanDoc {
     #[serde(default)]
     pub finished_at_unix_ms: Option<u64>,
     pub moves: Vec<MoveRecord>,
+    /// Pooled sandboxes the plan drops instead of moving (see [`DropRecord`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drops: Vec<DropRecord>,
+}
+
+/// A pooled sandbox a plan lets go of instead of moving it. It waits unclaimed in a warm pool
+/// and never ran anyone's code, so a copy of it is worth nothing a new one is not: the plan
+/// asks its pool's keeper (in its manifest) to retire it, the keeper kills it and fills the
+/// slot again wherever placement puts the refill. Its source sheds the room as a move's
+/// would, without a pause, a snapshot or a restore. Its step is its ask: once written, the
+/// rest is the keeper's (a sandbox claimed before the ask landed is not dropped, and not
+/// recorded).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DropRecord {
+    pub sandbox_id: String,
+    pub from_node: String,
+    pub memory_bytes: u64,
+    pub asked_at_unix_ms: u64,
 }
 
 impl PlanDoc {
@@ -243,6 +261,7 @@ impl PlanDoc {
                 to,
                 memory_bytes,
             )],
+            drops: Vec::new(),
         }
     }
 

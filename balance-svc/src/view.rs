@@ -7,7 +7,7 @@ use common::docs::{Capacity, NodeDoc, NodeState, SandboxDoc, SandboxPhase};
 use common::fit::Allocation;
 
 use crate::plan::{Candidate, NodeMemory, Snapshot};
-use crate::record::{ControlDoc, MoveRecord, Step};
+use crate::record::{ControlDoc, DropRecord, MoveRecord, Step};
 
 /// Whether `node` reported within `stale_after_ms` of `now_ms`.
 pub fn reported_lately(node: &NodeDoc, now_ms: u64, stale_after_ms: u64) -> bool {
@@ -99,6 +99,30 @@ pub fn reflected(m: &MoveRecord, nodes: &[NodeDoc]) -> bool {
         Step::RolledBack => on_source != Some(false) && on_target != Some(true),
         _ => true,
     }
+}
+
+/// Pooled sandbox `doc` as a plan's drop leaves it: asked to be retired by `asker`. `None`
+/// when it is no longer one to drop: claimed, owned by an operation (a claim, a retirement),
+/// not running, or asked already.
+pub fn asked_to_go(doc: &SandboxDoc, asker: &str) -> Option<SandboxDoc> {
+    let pool = doc.pool.as_ref().filter(|_| doc.is_pooled())?;
+    if doc.phase != SandboxPhase::Running || doc.lifecycle_owner.is_some() || pool.retire_asked.is_some() {
+        return None;
+    }
+    let mut asked = doc.clone();
+    if let Some(pool) = asked.pool.as_mut() {
+        pool.retire_asked = Some(asker.to_string());
+    }
+    Some(asked)
+}
+
+/// A drop is reflected once its source's latest document no longer lists the sandbox (or the
+/// source has no document to wait for).
+pub fn drop_reflected(d: &DropRecord, nodes: &[NodeDoc]) -> bool {
+    nodes
+        .iter()
+        .find(|n| n.node_id == d.from_node)
+        .is_none_or(|n| n.sandboxes.iter().all(|s| s.sandbox_id != d.sandbox_id))
 }
 
 #[cfg(test)]
@@ -220,5 +244,58 @@ pub(crate) mod tests {
         undone.step = Step::RolledBack;
         assert!(reflected(&undone, &before));
         assert!(!reflected(&undone, &half));
+    }
+
+    #[test]
+    fn only_a_running_unowned_pooled_sandbox_is_asked_to_go_and_only_once() {
+        let mut pooled = manifest("s", "a", SandboxPhase::Running);
+        pooled.team_id.clear();
+        pooled.pool = Some(common::pool::Pooled::default());
+        let asked = asked_to_go(&pooled, "balance plan p").expect("a pooled sandbox is asked");
+        assert_eq!(
+            asked.pool.as_ref().and_then(|p| p.retire_asked.as_deref()),
+            Some("balance plan p")
+        );
+        assert_eq!(
+            SandboxDoc {
+                pool: None,
+                ..asked.clone()
+            },
+            SandboxDoc {
+                pool: None,
+                ..pooled.clone()
+            },
+            "nothing else of the manifest changes"
+        );
+        assert!(asked_to_go(&asked, "balance plan q").is_none(), "asked already");
+        let claimed = SandboxDoc {
+            team_id: "t".into(),
+            ..pooled.clone()
+        };
+        assert!(asked_to_go(&claimed, "x").is_none(), "claimed (a team's now)");
+        let owned = SandboxDoc {
+            lifecycle_owner: Some("user:evict:1".into()),
+            ..pooled.clone()
+        };
+        assert!(asked_to_go(&owned, "x").is_none(), "an operation owns it");
+        let creating = SandboxDoc {
+            phase: SandboxPhase::Creating,
+            ..pooled
+        };
+        assert!(asked_to_go(&creating, "x").is_none());
+        assert!(asked_to_go(&manifest("u", "a", SandboxPhase::Running), "x").is_none());
+    }
+
+    #[test]
+    fn a_drop_is_reflected_once_its_source_lists_the_sandbox_no_more() {
+        let dropped = DropRecord {
+            sandbox_id: "s".into(),
+            from_node: "a".into(),
+            memory_bytes: 1,
+            asked_at_unix_ms: 0,
+        };
+        assert!(!drop_reflected(&dropped, &[node("a", "ready", 0, &[("s", 1)], 0)]));
+        assert!(drop_reflected(&dropped, &[node("a", "ready", 0, &[("t", 1)], 0)]));
+        assert!(drop_reflected(&dropped, &[]), "no document to wait for");
     }
 }

@@ -184,6 +184,7 @@ async fn plan_commits_land_while_node_documents_change_every_100ms() {
             created_at_unix_ms: 0,
             finished_at_unix_ms: Some(1),
             moves: Vec::new(),
+            drops: Vec::new(),
         };
         let balancer = balance_svc::balancer::Balancer::new(
             cluster.client.clone(),
@@ -337,6 +338,99 @@ async fn a_drained_node_is_emptied() {
         .nodes;
     let drained = nodes.iter().find(|n| n.node_id == cluster.node_id(0)).unwrap();
     assert_eq!(drained.state, proto::placement::v1::NodeState::Draining as i32);
+    balance.stop().await;
+    cluster.stop().await;
+}
+
+/// A pooled sandbox on a draining node is dropped, not moved: the plan asks its pool's keeper
+/// (in its manifest) to retire it and records the drop, and the drain is over once it is gone,
+/// while the team's sandbox beside it moves as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pooled_sandbox_is_dropped_not_moved() {
+    let cluster = cluster(&[2048, 2048]).await;
+    cluster.sandbox(0, "team0", "sleep 600").await;
+    cluster.sandbox(0, "pool0", "sleep 600").await;
+    let listed = cluster
+        .client
+        .get::<SandboxDoc>(SANDBOX_KIND, "pool0")
+        .await
+        .unwrap()
+        .unwrap();
+    let mut pooled = listed.value.clone();
+    pooled.team_id.clear();
+    pooled.pool = Some(common::pool::Pooled {
+        template_id: "base".into(),
+        ..Default::default()
+    });
+    cluster
+        .client
+        .compare(Txn::new().update_read(&listed, &pooled).unwrap())
+        .await
+        .unwrap();
+    let balance = cluster.balance(None).await;
+    let mut api = BalanceClient::new(cluster.stack.channel(&balance.endpoint(), stack::Role::Balance));
+    api.drain(bpb::DrainRequest {
+        node_id: cluster.node_id(0),
+        undo: false,
+    })
+    .await
+    .unwrap();
+    let asked = cluster
+        .until("the pooled sandbox asked to go", || async {
+            let doc = cluster.client.get::<SandboxDoc>(SANDBOX_KIND, "pool0").await.ok()??;
+            doc.value.pool.clone()?.retire_asked
+        })
+        .await;
+    assert!(asked.starts_with("balance plan "), "{asked}");
+    // The keeper's part, done by hand: the sandbox killed on its node, its manifest deleted.
+    let mut node = NodeClient::new(cluster.stack.channel(&cluster.node(0).endpoint(), stack::Role::Node));
+    node.kill(npb::LifecycleRequest {
+        operation_id: "keeper-retire".into(),
+        epoch: 2,
+        sandbox_id: "pool0".into(),
+    })
+    .await
+    .unwrap();
+    let doc = cluster
+        .client
+        .get::<SandboxDoc>(SANDBOX_KIND, "pool0")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.value.node_id, cluster.node_id(0), "never moved");
+    assert_eq!(doc.value.lifecycle_owner, None, "never owned by a move");
+    cluster
+        .client
+        .compare(Txn::new().delete(SANDBOX_KIND, "pool0", doc.version))
+        .await
+        .unwrap();
+    cluster
+        .until("the drained node is empty", || async {
+            let team0 = cluster.client.get::<SandboxDoc>(SANDBOX_KIND, "team0").await.ok()??;
+            let moved = team0.value.node_id == cluster.node_id(1) && team0.value.lifecycle_owner.is_none();
+            (moved && cluster.node(0).host().list().await.is_empty()).then_some(())
+        })
+        .await;
+    cluster.assert_runs_once("team0", 1).await;
+    let history = api
+        .history(bpb::HistoryRequest { limit: 10 })
+        .await
+        .unwrap()
+        .into_inner()
+        .plans;
+    let dropped: Vec<&str> = history
+        .iter()
+        .flat_map(|p| &p.drops)
+        .map(|d| d.sandbox_id.as_str())
+        .collect();
+    let moved: Vec<&str> = history
+        .iter()
+        .flat_map(|p| &p.moves)
+        .map(|m| m.sandbox_id.as_str())
+        .collect();
+    assert!(dropped.contains(&"pool0"), "{history:?}");
+    assert!(!moved.contains(&"pool0"), "{history:?}");
+    assert!(moved.contains(&"team0"), "{history:?}");
     balance.stop().await;
     cluster.stop().await;
 }

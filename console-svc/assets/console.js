@@ -625,7 +625,7 @@
           "summary",
           {},
           el("span", { class: `pill ${tone(p.state)}`, text: p.state }),
-          ` ${p.planId} · ${p.reason} · spread ${num(p.spreadBefore).toFixed(3)} → ${num(p.spreadExpected).toFixed(3)} · ${p.moves.length} moves${skips ? ` · ${skips}` : ""} · ${when(p.createdAtMs)}${p.finishedAtMs ? ` · took ${age(p.finishedAtMs - p.createdAtMs)}` : ""}`,
+          ` ${p.planId} · ${p.reason} · spread ${num(p.spreadBefore).toFixed(3)} → ${num(p.spreadExpected).toFixed(3)} · ${p.moves.length} moves${(p.drops || []).length ? ` · ${p.drops.length} pooled dropped` : ""}${skips ? ` · ${skips}` : ""} · ${when(p.createdAtMs)}${p.finishedAtMs ? ` · took ${age(p.finishedAtMs - p.createdAtMs)}` : ""}`,
         ),
         el(
           "table",
@@ -644,6 +644,20 @@
                 el("td", {}, steps(m.step)),
                 el("td", { class: "num", text: m.downtimeMs ? `${m.downtimeMs} ms` : "—" }),
                 el("td", { text: m.error || "" }),
+              ),
+            ).concat(
+              // A pooled sandbox is dropped, not moved: its pool refills wherever placement puts it.
+              (p.drops || []).map((d) =>
+                el(
+                  "tr",
+                  { class: "drop", "data-sandbox-id": d.sandboxId },
+                  el("td", {}, el("a", { href: `/console/sandboxes/${encodeURIComponent(d.sandboxId)}`, text: d.sandboxId })),
+                  el("td", { text: `${d.from} → dropped (its pool refills)` }),
+                  el("td", { class: "num", text: mib(d.memoryMib) }),
+                  el("td", {}, el("span", { class: "pill", text: "Dropped" })),
+                  el("td", { class: "num", text: "—" }),
+                  el("td", { text: "" }),
+                ),
               ),
             ),
           ),

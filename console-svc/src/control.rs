@@ -305,5 +305,9 @@ fn plan_json(p: &bpb::PlanView) -> Value {
             "memoryMib": m.memory_bytes >> 20, "step": m.step, "epoch": m.epoch,
             "error": m.error, "downtimeMs": m.downtime_ms,
         })).collect::<Vec<_>>(),
+        "drops": p.drops.iter().map(|d| json!({
+            "sandboxId": d.sandbox_id, "from": d.from_node, "memoryMib": d.memory_bytes >> 20,
+            "askedAtMs": d.asked_at_unix_ms,
+        })).collect::<Vec<_>>(),
     })
 }

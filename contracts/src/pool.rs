@@ -73,6 +73,12 @@ pub struct Pooled {
     pub slot: u32,
     /// When it became ready, for the refill latency.
     pub ready_at_unix_ms: u64,
+    /// Who asked for it to be retired rather than kept, and why (the balancer, levelling
+    /// memory: dropping a pooled sandbox costs a kill and a refill wherever placement puts
+    /// it, where a move would copy a sandbox nobody uses yet). Once set, no create claims
+    /// it and its pool's keeper retires it, then fills its slot again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retire_asked: Option<String>,
 }
 
 /// The ID of slot `slot` of `template_id`'s pool.

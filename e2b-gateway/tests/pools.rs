@@ -281,6 +281,51 @@ async fn forge(s: &support::Stack, id: &str, edit: impl Fn(&mut common::docs::Sa
     panic!("{id} kept changing");
 }
 
+/// The balancer drops a pooled sandbox (rather than move it) by asking, in its manifest, for
+/// it to be retired: no create claims it from then on, the keeper retires it and fills its
+/// slot with another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_sandbox_asked_to_go_is_never_claimed_and_is_replaced() {
+    let s = stack(4096).await;
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 1}"#)).await;
+    assert_eq!(status, 200);
+    let dropped: String = ready(&s, "base", 1).await.into_iter().next().unwrap();
+    forge(&s, &dropped, |doc| {
+        if let Some(pool) = doc.pool.as_mut() {
+            pool.retire_asked = Some("balance plan test".into());
+        }
+    })
+    .await;
+    let (status, created) = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID": "base"}"#))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert_ne!(id, dropped, "a sandbox asked to go was claimed");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (slots, _) = s.ledger_client.list::<PoolSlotDoc>(POOL_SLOT_KIND, "").await.unwrap();
+        let live = s.node().host().list_ids().await;
+        let manifest = s
+            .ledger_client
+            .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &dropped)
+            .await
+            .unwrap();
+        let replaced = slots.len() == 1 && slots[0].value.sandbox_id != dropped;
+        if replaced && manifest.is_none() && !live.contains(&dropped) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{dropped} not retired and replaced: {slots:?} {live:?} {manifest:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ready(&s, "base", 1).await;
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_its_create_left_marked_is_confirmed_or_ended_by_what_its_node_holds() {
     let s = stack(4096).await;

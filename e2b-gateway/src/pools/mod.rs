@@ -434,6 +434,7 @@ impl Keeper {
             build_id: build_id.to_string(),
             slot,
             ready_at_unix_ms: 0,
+            retire_asked: None,
         };
         let created = match intent::normalise(request, Some(&template)) {
             Ok(intent) => self.sandboxes.create_pooled(intent, sandbox_id.clone(), pooled).await,
@@ -487,6 +488,7 @@ fn slot_sandbox(doc: Option<&SandboxDoc>, slot: &PoolSlotDoc) -> SlotSandbox {
         return SlotSandbox::Claimed;
     }
     match doc.phase {
+        SandboxPhase::Running if doc.lifecycle_owner.is_none() && pool.retire_asked.is_some() => SlotSandbox::Unwanted,
         SandboxPhase::Running if doc.lifecycle_owner.is_none() => SlotSandbox::Ready,
         _ => SlotSandbox::Busy,
     }
@@ -743,6 +745,11 @@ mod tests {
             ..pooled.clone()
         };
         assert_eq!(slot_sandbox(Some(&moving), &slot), SlotSandbox::Busy);
+        let mut dropped = pooled.clone();
+        if let Some(pool) = dropped.pool.as_mut() {
+            pool.retire_asked = Some("balance plan p".into());
+        }
+        assert_eq!(slot_sandbox(Some(&dropped), &slot), SlotSandbox::Unwanted);
         let claimed = SandboxDoc { pool: None, ..pooled };
         assert_eq!(slot_sandbox(Some(&claimed), &slot), SlotSandbox::Claimed);
     }

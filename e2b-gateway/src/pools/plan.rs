@@ -12,7 +12,8 @@
 //! pooled sandbox is cheaper than moving it: the refill lands on another node), or it has
 //! waited longer than the pools' longest wait (only while every slot of its pool is ready,
 //! and one at a time, so a pool filled at once is recycled one refill after another, never
-//! emptied at once).
+//! emptied at once), or someone asked for it to go (the balancer, which drops a pooled
+//! sandbox rather than move it).
 //!
 //! A team's pools are filled only within its budget of memory, counted with each template's
 //! size now: a template rebuilt larger after its pool was sized is not filled past it.
@@ -38,6 +39,9 @@ pub enum TemplateNow {
 pub enum SlotSandbox {
     /// Running, unclaimed, owned by no operation: claimable.
     Ready,
+    /// Running and unowned, but someone asked for it to be retired (the balancer dropped it
+    /// rather than move it): never claimed, retired as soon as a retirement may start.
+    Unwanted,
     /// Being created, or owned by an operation (a move, a retirement): left alone this round.
     Busy,
     /// Claimed by a create: the slot is free to fill again.
@@ -172,12 +176,19 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
             version: slot.version,
             create_revision: slot.create_revision,
         };
+        let retire = || Action::Retire {
+            id: slot.id.clone(),
+            version: slot.version,
+            create_revision: slot.create_revision,
+            sandbox_id: slot.doc.sandbox_id.clone(),
+        };
         let node = observed.nodes.get(&slot.node_id).copied();
         match slot.sandbox {
             SlotSandbox::Claimed => actions.push(free),
             SlotSandbox::Absent if slot.doc.since_unix_ms.saturating_add(waits.grace_ms) <= now => actions.push(free),
             SlotSandbox::Absent | SlotSandbox::Busy => {}
-            SlotSandbox::Ready if node == Some(NodeNow::Gone) => actions.push(free),
+            SlotSandbox::Ready | SlotSandbox::Unwanted if node == Some(NodeNow::Gone) => actions.push(free),
+            SlotSandbox::Unwanted => actions.push(retire()),
             SlotSandbox::Ready => {
                 let unwanted = slot.doc.slot >= size_of(template)
                     || *now_template == TemplateNow::Gone
@@ -185,12 +196,7 @@ pub fn plan(observed: &Observed, now: u64, waits: Waits) -> Vec<Action> {
                     || node == Some(NodeNow::Draining);
                 let aged = slot.doc.since_unix_ms.saturating_add(waits.max_age_ms) <= now;
                 if unwanted || (aged && whole(template) && recycled.insert(template)) {
-                    actions.push(Action::Retire {
-                        id: slot.id.clone(),
-                        version: slot.version,
-                        create_revision: slot.create_revision,
-                        sandbox_id: slot.doc.sandbox_id.clone(),
-                    });
+                    actions.push(retire());
                 }
             }
         }
@@ -370,6 +376,30 @@ mod tests {
         // No pool document at all: everything goes.
         let o = observed(vec![], slots, build("new"));
         assert_eq!(retired(&o).len(), 3);
+    }
+
+    #[test]
+    fn a_sandbox_asked_to_go_is_retired_never_claimed_and_its_pool_not_whole() {
+        let o = observed(
+            vec![pool("t", 2)],
+            vec![
+                slot("t", 0, "b", SlotSandbox::Unwanted, 0),
+                // Aged: recycled only while its pool is whole, which a slot asked to go is not.
+                slot("t", 1, "b", SlotSandbox::Ready, 0),
+            ],
+            build("b"),
+        );
+        assert_eq!(
+            plan(&o, 2_000_000, WAITS),
+            vec![Action::Retire {
+                id: "t#0".into(),
+                version: 1,
+                create_revision: 1,
+                sandbox_id: "s0".into(),
+            }]
+        );
+        assert!(!o.slots[0].claimable(&o.nodes));
+        assert!(o.slots[1].claimable(&o.nodes));
     }
 
     #[test]

@@ -209,6 +209,7 @@ pub fn fits(doc: &SandboxDoc, intent: &CreateIntent) -> bool {
     doc.phase == SandboxPhase::Running
         && doc.lifecycle_owner.is_none()
         && doc.team_id.is_empty()
+        && pool.retire_asked.is_none()
         && pool.build_id == intent.image.build_id
         && doc.template == intent.template
         && doc.vcpus == intent.vcpus
@@ -572,6 +573,7 @@ mod tests {
                 build_id: "b1".into(),
                 slot: 0,
                 ready_at_unix_ms: 1,
+                retire_asked: None,
             }),
             ..SandboxDoc::default()
         }
@@ -599,6 +601,11 @@ mod tests {
             ..pooled()
         };
         assert!(!fits(&moving, &intent()), "one a move owns");
+        let mut dropped = pooled();
+        if let Some(pool) = dropped.pool.as_mut() {
+            pool.retire_asked = Some("balance plan p".into());
+        }
+        assert!(!fits(&dropped, &intent()), "one the balancer asked to go");
         let unpooled = SandboxDoc { pool: None, ..pooled() };
         assert!(!fits(&unpooled, &intent()));
     }
