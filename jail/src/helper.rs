@@ -31,6 +31,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
 use rustix::net::{
@@ -122,6 +123,12 @@ impl Request {
     }
 }
 
+/// The longest [`send`] waits for a run's answer. A run ends once the container's first
+/// process is executing, which takes milliseconds even on a busy host; one that takes this
+/// long is stuck (its bundle on a file system that hangs, a kernel lock held elsewhere), and
+/// a caller waiting on it for ever would hold its thread and its sandbox's turn for good.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(60);
+
 /// Sends `request` to the helper behind `control` and waits for its answer: the wait status
 /// of the process that ran it (`ExitStatus::from_raw` reads it). `output` becomes the run's
 /// stdout and stderr, `passed` its descriptors 3, 4, ...
@@ -129,12 +136,26 @@ impl Request {
 /// An error of kind `BrokenPipe` means the helper was gone before it got the request (start
 /// another and send again); `UnexpectedEof`, that it went while the run was in flight. That
 /// run has ended by then (its process holds the reply socket until it exits), but whether it
-/// left a container is unknown: ask the runtime's state, as after any failed run.
+/// left a container is unknown: ask the runtime's state, as after any failed run. `TimedOut`:
+/// no answer within [`ANSWER_WITHIN`]; the run may still be going, and may yet leave a
+/// container, so the caller deletes whatever the runtime knows of it (the helper serves
+/// other runs meanwhile: each runs in a child of its own).
 pub fn send(
     control: BorrowedFd<'_>,
     request: &Request,
     output: BorrowedFd<'_>,
     passed: &[BorrowedFd<'_>],
+) -> std::io::Result<i32> {
+    send_within(control, request, output, passed, ANSWER_WITHIN)
+}
+
+/// [`send`], waiting at most `within` for the answer.
+pub fn send_within(
+    control: BorrowedFd<'_>,
+    request: &Request,
+    output: BorrowedFd<'_>,
+    passed: &[BorrowedFd<'_>],
+    within: Duration,
 ) -> std::io::Result<i32> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     if passed.len() > MAX_PASSED {
@@ -168,9 +189,16 @@ pub fn send(
     }
     // Only the helper holds the other end now: its end of file is an answer too.
     drop(theirs);
+    rustix::net::sockopt::set_socket_timeout(&ours, rustix::net::sockopt::Timeout::Recv, Some(within))?;
     let mut status = [0u8; 4];
     loop {
         match rustix::io::read(&ours, &mut status) {
+            Err(rustix::io::Errno::AGAIN) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the runtime's helper did not answer within {within:?}"),
+                ))
+            }
             Ok(4) => return Ok(i32::from_le_bytes(status)),
             Ok(_) => {
                 return Err(std::io::Error::new(

@@ -221,6 +221,44 @@ fn a_request_to_a_helper_that_is_gone_says_so() {
     assert_eq!(helper.exits(), Some(0));
 }
 
+/// A run that never ends (its bundle's `config.json` a FIFO nobody writes, as a file system
+/// that hangs would leave it) is given up on within the bound the caller gave, and the helper
+/// answers other runs meanwhile and after.
+#[test]
+fn a_run_that_hangs_is_given_up_on_and_the_helper_serves_on() {
+    let helper = Helper::start();
+    let bundle = tempfile::tempdir().unwrap();
+    let fifo = bundle.path().join("config.json");
+    let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let output = tempfile::tempfile().unwrap();
+    let request = Request {
+        id: "hangs".into(),
+        bundle: bundle.path().into(),
+        pid_file: bundle.path().join("pid"),
+    };
+    let started = std::time::Instant::now();
+    let err = helper::send_within(
+        helper.control(),
+        &request,
+        output.as_fd(),
+        &[],
+        Duration::from_millis(500),
+    )
+    .unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+    assert!(
+        (Duration::from_millis(500)..Duration::from_secs(10)).contains(&waited),
+        "{waited:?}"
+    );
+    assert_eq!(helper.run_missing("meanwhile").0, EXIT_1);
+    // The stuck run ends once its read does (the answer goes to a socket nobody reads).
+    std::fs::write(&fifo, b"{}").unwrap();
+    assert_eq!(helper.run_missing("after").0, EXIT_1);
+}
+
 #[test]
 fn the_helper_refuses_to_start_without_its_control_socket() {
     let root = tempfile::tempdir().unwrap();
