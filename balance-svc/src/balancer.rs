@@ -4,9 +4,9 @@
 //! Observation and planning read node documents and manifests; nothing they read is ever in
 //! a compare-and-swap guard. The plan commit creates the plan document and guards nothing
 //! else: node documents are rewritten every few seconds by placement, and a commit that
-//! compared them would always fail and no plan would ever start. The one manifest a plan
-//! rewrites before its commit is a pooled sandbox's it drops instead of moving (see
-//! [`DropRecord`]), guarded by the version listed: that write is the drop.
+//! compared them would always fail and no plan would ever start. The manifests a plan
+//! rewrites before its commit are those of the pooled sandboxes it drops instead of moving
+//! (see [`DropRecord`]), each guarded by the version listed: that write is the drop.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -158,7 +158,7 @@ impl Balancer {
         let manifests: Vec<SandboxDoc> = listed
             .into_iter()
             .map(|m| {
-                if m.value.is_pooled() {
+                if view::droppable(&m.value) {
                     pooled.insert(m.value.sandbox_id.clone(), m.clone());
                 }
                 m.value
@@ -218,9 +218,12 @@ impl Balancer {
         }
         let addresses: BTreeMap<&str, &str> = nodes.iter().map(|n| (n.node_id.as_str(), n.address.as_str())).collect();
         let plan_id = format!("{now:013}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let (to_drop, to_move): (Vec<&plan::Move>, Vec<&plan::Move>) =
-            found.moves.iter().partition(|m| pooled.contains_key(&m.sandbox_id));
-        let drops = self.ask_to_go(&plan_id, &to_drop, &pooled).await;
+        let templates: HashMap<String, String> = pooled
+            .iter()
+            .map(|(id, m)| (id.clone(), m.value.template.clone()))
+            .collect();
+        let (to_move, to_drop) = view::split_drops(&found.moves, &templates, reason == PlanReason::Drain);
+        let drops = self.ask_to_go(&plan_id, &to_drop, &pooled).await?;
         if to_move.is_empty() && drops.is_empty() {
             return Ok(Some(status.label()));
         }
@@ -256,31 +259,35 @@ impl Balancer {
     }
 
     /// Asks the keepers of `planned`'s pooled sandboxes to retire them, each ask guarded by the
-    /// manifest's version as listed (a claim or an eviction since wins, and that sandbox is
-    /// neither dropped nor recorded). Returns the drops asked, or asked already by an earlier
-    /// plan (still leaving, so still the room this plan counts on).
+    /// manifest's version as listed: a claim, an eviction or a keeper's retirement since wins,
+    /// and that sandbox is neither dropped nor recorded (the next plan sees what it became).
+    /// Returns the drops asked. Acts only while the lease is held, as the executor does.
     async fn ask_to_go(
         &self,
         plan_id: &str,
         planned: &[&plan::Move],
         pooled: &HashMap<String, Versioned<SandboxDoc>>,
-    ) -> Vec<DropRecord> {
-        let asker = format!("balance plan {plan_id}");
+    ) -> Result<Vec<DropRecord>, CycleError> {
+        let by = format!("balance plan {plan_id}");
         let mut drops = Vec::new();
         for m in planned {
+            if !self.lease.confirmed() {
+                return Err(
+                    MoveError::Fenced("the executor lease is not confirmed; asking no more drops".into()).into(),
+                );
+            }
             let Some(listed) = pooled.get(&m.sandbox_id) else {
                 continue;
             };
-            let already = listed.value.pool.as_ref().is_some_and(|p| p.retire_asked.is_some());
-            let outcome = match view::asked_to_go(&listed.value, &asker) {
-                None if already => "asked_before",
-                None => "skipped",
-                Some(asked) => match Txn::new().update_read(listed, &asked) {
-                    Err(err) => {
+            let now = now_ms();
+            let outcome =
+                match view::asked_to_go(&listed.value, &by, now).map(|asked| Txn::new().update_read(listed, &asked)) {
+                    None => "changed",
+                    Some(Err(err)) => {
                         tracing::warn!(sandbox_id = %m.sandbox_id, %err, "a drop's ask could not be written");
                         "error"
                     }
-                    Ok(txn) => match self.ledger.compare_resolving(txn, 3).await {
+                    Some(Ok(txn)) => match self.ledger.compare_resolving(txn, 3).await {
                         Ok(_) => "asked",
                         Err(LedgerError::Conflict { .. }) => "changed",
                         Err(err) => {
@@ -288,23 +295,22 @@ impl Balancer {
                             "error"
                         }
                     },
-                },
-            };
+                };
             metrics::counter!("balance_pool_drops_total", "outcome" => outcome).increment(1);
             tracing::info!(
                 %plan_id, sandbox_id = %m.sandbox_id, node_id = %m.from, outcome,
                 "pooled sandbox dropped instead of moved"
             );
-            if matches!(outcome, "asked" | "asked_before") {
+            if outcome == "asked" {
                 drops.push(DropRecord {
                     sandbox_id: m.sandbox_id.clone(),
                     from_node: m.from.clone(),
                     memory_bytes: m.memory_bytes,
-                    asked_at_unix_ms: now_ms(),
+                    asked_at_unix_ms: now,
                 });
             }
         }
-        drops
+        Ok(drops)
     }
 
     /// Creates the plan document: the one document this write guards.
@@ -396,7 +402,7 @@ impl Balancer {
         let expired = now.saturating_sub(awaiting.since_ms) > self.tuning.reflect_timeout.as_millis() as u64;
         if seen || expired {
             if expired && !seen {
-                tracing::warn!("moves not reflected by heartbeats in time; judging anyway");
+                tracing::warn!("moves or drops not reflected by heartbeats in time; judging anyway");
             }
             awaiting.moves.clear();
             awaiting.drops.clear();

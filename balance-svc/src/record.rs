@@ -229,11 +229,13 @@ pub struct PlanDoc {
 
 /// A pooled sandbox a plan lets go of instead of moving it. It waits unclaimed in a warm pool
 /// and never ran anyone's code, so a copy of it is worth nothing a new one is not: the plan
-/// asks its pool's keeper (in its manifest) to retire it, the keeper kills it and fills the
-/// slot again wherever placement puts the refill. Its source sheds the room as a move's
-/// would, without a pause, a snapshot or a restore. Its step is its ask: once written, the
-/// rest is the keeper's (a sandbox claimed before the ask landed is not dropped, and not
-/// recorded).
+/// asks its pool's keeper (in its manifest) to retire it, and the keeper kills it and fills
+/// the slot again wherever placement puts the refill. Its source sheds the room without a
+/// pause, a snapshot or a restore. The plan counted the room as arriving on the node it chose
+/// for a move; placement chooses the refill's node by its own ranking (the roomiest of a few
+/// it samples), so the next plan corrects what differs. Once the ask is written the rest is
+/// the keeper's; one whose keeper has not acted within [`crate::view::DROP_PATIENCE_MS`] is
+/// planned, and moved, like any other sandbox.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DropRecord {
     pub sandbox_id: String,

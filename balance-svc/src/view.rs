@@ -1,12 +1,14 @@
 //! From ledger documents to the planner's [`Snapshot`], and whether a finished move has been
 //! seen by a heartbeat yet. Pure: the balancer reads the documents, this decides what they say.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use common::docs::{Capacity, NodeDoc, NodeState, SandboxDoc, SandboxPhase};
 use common::fit::Allocation;
 
-use crate::plan::{Candidate, NodeMemory, Snapshot};
+use common::pool::RetireAsk;
+
+use crate::plan::{Candidate, Move, NodeMemory, Snapshot};
 use crate::record::{ControlDoc, DropRecord, MoveRecord, Step};
 
 /// Whether `node` reported within `stale_after_ms` of `now_ms`.
@@ -64,7 +66,8 @@ pub fn snapshot(
                 sandbox_id: m.sandbox_id.clone(),
                 node_id: m.node_id.clone(),
                 memory_bytes: if measured > 0 { measured } else { m.memory_bytes },
-                lifecycle_owned: m.lifecycle_owner.is_some(),
+                // A pooled sandbox asked to go is its keeper's to retire, for a while.
+                lifecycle_owned: m.lifecycle_owner.is_some() || leaving(m, now_ms),
                 last_moved_ms: m.last_moved_unix_ms,
                 movable: m.phase == SandboxPhase::Running,
                 requested: Capacity {
@@ -101,19 +104,60 @@ pub fn reflected(m: &MoveRecord, nodes: &[NodeDoc]) -> bool {
     }
 }
 
-/// Pooled sandbox `doc` as a plan's drop leaves it: asked to be retired by `asker`. `None`
-/// when it is no longer one to drop: claimed, owned by an operation (a claim, a retirement),
-/// not running, or asked already.
-pub fn asked_to_go(doc: &SandboxDoc, asker: &str) -> Option<SandboxDoc> {
-    let pool = doc.pool.as_ref().filter(|_| doc.is_pooled())?;
-    if doc.phase != SandboxPhase::Running || doc.lifecycle_owner.is_some() || pool.retire_asked.is_some() {
+/// How long a pooled sandbox asked to go is left to its keeper: not planned again meanwhile
+/// (its room is counted as leaving). A keeper retires it within seconds; one that has not after
+/// this long is not coming (a gateway from before drops, none running), and the sandbox is
+/// planned, and moved, like any other.
+pub const DROP_PATIENCE_MS: u64 = 120_000;
+
+/// Whether pooled sandbox `doc` was asked to go less than [`DROP_PATIENCE_MS`] before `now_ms`.
+fn leaving(doc: &SandboxDoc, now_ms: u64) -> bool {
+    doc.pool
+        .as_ref()
+        .and_then(|p| p.retire_asked.as_ref())
+        .is_some_and(|ask| now_ms.saturating_sub(ask.at_unix_ms) < DROP_PATIENCE_MS)
+}
+
+/// Whether a planned move of `doc` may be a drop instead: pooled, running, owned by no
+/// operation, and never asked to go (one asked before whose keeper did not act is moved).
+pub fn droppable(doc: &SandboxDoc) -> bool {
+    doc.pool.as_ref().filter(|_| doc.is_pooled()).is_some_and(|p| {
+        p.retire_asked.is_none() && doc.phase == SandboxPhase::Running && doc.lifecycle_owner.is_none()
+    })
+}
+
+/// Droppable `doc` (see [`droppable`]) as a plan's drop leaves it: asked to go by `by` at
+/// `at_unix_ms`. `None` when it is not droppable.
+pub fn asked_to_go(doc: &SandboxDoc, by: &str, at_unix_ms: u64) -> Option<SandboxDoc> {
+    if !droppable(doc) {
         return None;
     }
     let mut asked = doc.clone();
     if let Some(pool) = asked.pool.as_mut() {
-        pool.retire_asked = Some(asker.to_string());
+        pool.retire_asked = Some(RetireAsk {
+            by: by.to_string(),
+            at_unix_ms,
+        });
     }
     Some(asked)
+}
+
+/// Splits a plan's moves into those to make and those to drop (`templates`: each droppable
+/// sandbox's template). A plan that levels drops at most one sandbox of a template, so a pool
+/// is never emptied at once (the rest of its planned moves are made: the plan counts on
+/// them); a drain drops every one, as the keeper retires a draining node's pooled sandboxes
+/// itself.
+pub fn split_drops<'a>(
+    moves: &'a [Move],
+    templates: &HashMap<String, String>,
+    drain: bool,
+) -> (Vec<&'a Move>, Vec<&'a Move>) {
+    let mut dropped: HashSet<&str> = HashSet::new();
+    moves.iter().partition(|m| {
+        !templates
+            .get(&m.sandbox_id)
+            .is_some_and(|template| drain || dropped.insert(template.as_str()))
+    })
 }
 
 /// A drop is reflected once its source's latest document no longer lists the sandbox (or the
@@ -246,15 +290,23 @@ pub(crate) mod tests {
         assert!(!reflected(&undone, &half));
     }
 
-    #[test]
-    fn only_a_running_unowned_pooled_sandbox_is_asked_to_go_and_only_once() {
-        let mut pooled = manifest("s", "a", SandboxPhase::Running);
+    fn pooled(id: &str, node: &str) -> SandboxDoc {
+        let mut pooled = manifest(id, node, SandboxPhase::Running);
         pooled.team_id.clear();
         pooled.pool = Some(common::pool::Pooled::default());
-        let asked = asked_to_go(&pooled, "balance plan p").expect("a pooled sandbox is asked");
+        pooled
+    }
+
+    #[test]
+    fn only_a_running_unowned_pooled_sandbox_is_asked_to_go_and_only_once() {
+        let pooled = pooled("s", "a");
+        let asked = asked_to_go(&pooled, "balance plan p", 7).expect("a pooled sandbox is asked");
         assert_eq!(
-            asked.pool.as_ref().and_then(|p| p.retire_asked.as_deref()),
-            Some("balance plan p")
+            asked.pool.as_ref().and_then(|p| p.retire_asked.clone()),
+            Some(RetireAsk {
+                by: "balance plan p".into(),
+                at_unix_ms: 7
+            })
         );
         assert_eq!(
             SandboxDoc {
@@ -267,23 +319,58 @@ pub(crate) mod tests {
             },
             "nothing else of the manifest changes"
         );
-        assert!(asked_to_go(&asked, "balance plan q").is_none(), "asked already");
+        assert!(asked_to_go(&asked, "balance plan q", 8).is_none(), "asked already");
         let claimed = SandboxDoc {
             team_id: "t".into(),
             ..pooled.clone()
         };
-        assert!(asked_to_go(&claimed, "x").is_none(), "claimed (a team's now)");
+        assert!(asked_to_go(&claimed, "x", 0).is_none(), "claimed (a team's now)");
         let owned = SandboxDoc {
             lifecycle_owner: Some("user:evict:1".into()),
             ..pooled.clone()
         };
-        assert!(asked_to_go(&owned, "x").is_none(), "an operation owns it");
+        assert!(asked_to_go(&owned, "x", 0).is_none(), "an operation owns it");
         let creating = SandboxDoc {
             phase: SandboxPhase::Creating,
             ..pooled
         };
-        assert!(asked_to_go(&creating, "x").is_none());
-        assert!(asked_to_go(&manifest("u", "a", SandboxPhase::Running), "x").is_none());
+        assert!(asked_to_go(&creating, "x", 0).is_none());
+        assert!(asked_to_go(&manifest("u", "a", SandboxPhase::Running), "x", 0).is_none());
+    }
+
+    #[test]
+    fn a_sandbox_asked_to_go_is_its_keepers_for_a_while_then_anyones_to_move() {
+        let nodes = vec![node("a", "ready", 400, &[("s", 300)], 10_000)];
+        let control = ControlDoc::default();
+        let asked = asked_to_go(&pooled("s", "a"), "balance plan p", 10_000).unwrap();
+        let owned = |now: u64| {
+            snapshot(&nodes, std::slice::from_ref(&asked), &control, now, u64::MAX).sandboxes[0].lifecycle_owned
+        };
+        assert!(owned(10_000 + DROP_PATIENCE_MS - 1), "left to its keeper");
+        assert!(!owned(10_000 + DROP_PATIENCE_MS), "no keeper came: planned again");
+        assert!(!droppable(&asked), "and then moved, not asked again");
+    }
+
+    #[test]
+    fn a_plan_that_levels_drops_one_sandbox_of_a_template_and_a_drain_all() {
+        let mv = |id: &str| Move {
+            sandbox_id: id.into(),
+            from: "a".into(),
+            to: "b".into(),
+            memory_bytes: 1,
+        };
+        let moves = vec![mv("t1"), mv("p1"), mv("p2"), mv("q1"), mv("t2")];
+        let templates: HashMap<String, String> = [("p1", "P"), ("p2", "P"), ("q1", "Q")]
+            .into_iter()
+            .map(|(id, t)| (id.to_string(), t.to_string()))
+            .collect();
+        let ids = |v: Vec<&Move>| v.into_iter().map(|m| m.sandbox_id.clone()).collect::<Vec<_>>();
+        let (moved, dropped) = split_drops(&moves, &templates, false);
+        assert_eq!(ids(moved), ["t1", "p2", "t2"]);
+        assert_eq!(ids(dropped), ["p1", "q1"]);
+        let (moved, dropped) = split_drops(&moves, &templates, true);
+        assert_eq!(ids(moved), ["t1", "t2"]);
+        assert_eq!(ids(dropped), ["p1", "p2", "q1"]);
     }
 
     #[test]

@@ -381,7 +381,7 @@ async fn a_pooled_sandbox_is_dropped_not_moved() {
             doc.value.pool.clone()?.retire_asked
         })
         .await;
-    assert!(asked.starts_with("balance plan "), "{asked}");
+    assert!(asked.by.starts_with("balance plan "), "{asked:?}");
     // The keeper's part, done by hand: the sandbox killed on its node, its manifest deleted.
     let mut node = NodeClient::new(cluster.stack.channel(&cluster.node(0).endpoint(), stack::Role::Node));
     node.kill(npb::LifecycleRequest {

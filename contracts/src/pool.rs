@@ -73,12 +73,21 @@ pub struct Pooled {
     pub slot: u32,
     /// When it became ready, for the refill latency.
     pub ready_at_unix_ms: u64,
-    /// Who asked for it to be retired rather than kept, and why (the balancer, levelling
-    /// memory: dropping a pooled sandbox costs a kill and a refill wherever placement puts
-    /// it, where a move would copy a sandbox nobody uses yet). Once set, no create claims
-    /// it and its pool's keeper retires it, then fills its slot again.
+    /// An ask that it be retired rather than kept (the balancer's, levelling memory or
+    /// draining a node: dropping a pooled sandbox costs a kill and a refill wherever placement
+    /// puts it, where a move would copy a sandbox nobody uses yet). Once set, no create of a
+    /// gateway that knows the field claims it, and its pool's keeper retires it, then fills
+    /// its slot again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retire_asked: Option<String>,
+    pub retire_asked: Option<RetireAsk>,
+}
+
+/// Who asked for a pooled sandbox to be retired, and when.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetireAsk {
+    /// `balance plan <plan_id>`.
+    pub by: String,
+    pub at_unix_ms: u64,
 }
 
 /// The ID of slot `slot` of `template_id`'s pool.

@@ -292,7 +292,10 @@ async fn a_pooled_sandbox_asked_to_go_is_never_claimed_and_is_replaced() {
     let dropped: String = ready(&s, "base", 1).await.into_iter().next().unwrap();
     forge(&s, &dropped, |doc| {
         if let Some(pool) = doc.pool.as_mut() {
-            pool.retire_asked = Some("balance plan test".into());
+            pool.retire_asked = Some(common::pool::RetireAsk {
+                by: "balance plan test".into(),
+                at_unix_ms: common::clock::now_ms(),
+            });
         }
     })
     .await;

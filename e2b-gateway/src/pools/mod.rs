@@ -747,7 +747,7 @@ mod tests {
         assert_eq!(slot_sandbox(Some(&moving), &slot), SlotSandbox::Busy);
         let mut dropped = pooled.clone();
         if let Some(pool) = dropped.pool.as_mut() {
-            pool.retire_asked = Some("balance plan p".into());
+            pool.retire_asked = Some(common::pool::RetireAsk::default());
         }
         assert_eq!(slot_sandbox(Some(&dropped), &slot), SlotSandbox::Unwanted);
         let claimed = SandboxDoc { pool: None, ..pooled };

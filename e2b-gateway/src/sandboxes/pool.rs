@@ -603,7 +603,7 @@ mod tests {
         assert!(!fits(&moving, &intent()), "one a move owns");
         let mut dropped = pooled();
         if let Some(pool) = dropped.pool.as_mut() {
-            pool.retire_asked = Some("balance plan p".into());
+            pool.retire_asked = Some(common::pool::RetireAsk::default());
         }
         assert!(!fits(&dropped, &intent()), "one the balancer asked to go");
         let unpooled = SandboxDoc { pool: None, ..pooled() };
