@@ -1,13 +1,18 @@
 //! Where each sandbox runs, for the envd proxy: a routing table kept fresh by a ledger watch
 //! on the sandbox manifests (no ledger read per request). A miss (a sandbox created a moment
 //! ago, before the watch delivered it) is read from the ledger once and remembered.
+//!
+//! The same watch keeps the manifests that carry a pool's mark (pooled sandboxes, and claims
+//! of them not yet confirmed) whole, for the pool keeper: its rounds run on every manifest
+//! change, and one ledger read per slot per round would grow with the pools times the
+//! cluster's churn.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
 use futures::StreamExt;
-use ledger_client::{LedgerClient, WatchEvent};
+use ledger_client::{LedgerClient, Versioned, WatchEvent};
 use tokio::sync::RwLock;
 
 /// Sandbox → envd endpoint, for running sandboxes.
@@ -18,6 +23,8 @@ pub struct Routes {
     changed: Arc<tokio::sync::Notify>,
     /// Opens the seals manifests keep into the tokens requests must carry.
     tokens: crate::tokens::Tokens,
+    /// The manifests with a pool's mark, as the watch last delivered them.
+    pooled: Arc<std::sync::RwLock<HashMap<String, Arc<Versioned<SandboxDoc>>>>>,
 }
 
 #[derive(Clone, Debug)]
@@ -64,7 +71,35 @@ impl Routes {
             table: Arc::default(),
             changed: Arc::default(),
             tokens,
+            pooled: Arc::default(),
         }
+    }
+
+    /// Manifest `id` as the watch last delivered it, if it carries a pool's mark. A miss says
+    /// nothing (claimed and confirmed, deleted, or not delivered yet): read the ledger.
+    pub fn pooled_manifest(&self, id: &str) -> Option<Arc<Versioned<SandboxDoc>>> {
+        self.pooled
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .cloned()
+    }
+
+    /// Keeps `doc` among the pooled manifests while it carries a pool's mark.
+    fn note_pooled(&self, doc: Versioned<SandboxDoc>) {
+        let mut pooled = self.pooled.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if doc.value.pool.is_some() {
+            pooled.insert(doc.value.sandbox_id.clone(), Arc::new(doc));
+        } else {
+            pooled.remove(&doc.value.sandbox_id);
+        }
+    }
+
+    fn forget_pooled(&self, id: &str) {
+        self.pooled
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(id);
     }
 
     /// Lists the manifests, then follows the ledger from that revision on.
@@ -78,10 +113,16 @@ impl Routes {
                     Ok((docs, revision)) => {
                         let mut table = routes.table.write().await;
                         table.clear();
+                        routes
+                            .pooled
+                            .write()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .clear();
                         for d in docs {
                             if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
+                            routes.note_pooled(d);
                         }
                         backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
                         revision + 1
@@ -100,15 +141,17 @@ impl Routes {
                     for event in update.events {
                         match event {
                             WatchEvent::Put(doc) => {
-                                if let Ok(d) = serde_json::from_str::<SandboxDoc>(&doc.payload) {
-                                    match route_of(&d, &routes.tokens) {
-                                        Some(r) => table.insert(d.sandbox_id.clone(), r),
-                                        None => table.remove(&d.sandbox_id),
+                                if let Ok(d) = Versioned::decode::<SandboxDoc>(doc) {
+                                    match route_of(&d.value, &routes.tokens) {
+                                        Some(r) => table.insert(d.value.sandbox_id.clone(), r),
+                                        None => table.remove(&d.value.sandbox_id),
                                     };
+                                    routes.note_pooled(d);
                                 }
                             }
                             WatchEvent::Deleted { key, .. } => {
                                 table.remove(&key.id);
+                                routes.forget_pooled(&key.id);
                             }
                         }
                     }

@@ -329,6 +329,61 @@ async fn a_pooled_sandbox_asked_to_go_is_never_claimed_and_is_replaced() {
     s.stop().await;
 }
 
+/// The routing table's watch keeps the pooled manifests whole (the keeper's rounds read them
+/// there, not from the ledger one by one): each as the ledger holds it, gone once claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routing_watch_keeps_pooled_manifests_as_the_ledger_holds_them() {
+    let s = stack(4096).await;
+    let routes =
+        e2b_gateway::routes::Routes::new(e2b_gateway::tokens::Tokens::new(envd_wire::sealed::TokenKey::random()));
+    let follower = routes.follow(s.ledger_client.clone());
+    let (status, _) = as_operator(&s, "PUT", "/templates/base/pool", Some(r#"{"size": 2}"#)).await;
+    assert_eq!(status, 200);
+    let pooled = ready(&s, "base", 2).await;
+    let as_held = |id: &str| {
+        let id = id.to_string();
+        let routes = routes.clone();
+        let ledger = s.ledger_client.clone();
+        async move {
+            let held = ledger
+                .get::<common::docs::SandboxDoc>(common::docs::SANDBOX_KIND, &id)
+                .await
+                .unwrap();
+            let known = routes.pooled_manifest(&id);
+            match (held, known) {
+                (Some(h), Some(k)) => h.version == k.version && h.value == k.value,
+                (None, None) => true,
+                (Some(h), None) => h.value.pool.is_none(),
+                (None, Some(_)) => false,
+            }
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for id in &pooled {
+        while !as_held(id).await || routes.pooled_manifest(id).is_none() {
+            assert!(tokio::time::Instant::now() < deadline, "{id} not kept");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let (status, created) = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID": "base"}"#))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    assert!(pooled.contains(&id));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while routes.pooled_manifest(&id).is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a claimed sandbox is still kept as pooled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    follower.abort();
+    s.call("DELETE", &format!("/sandboxes/{id}"), Some("key-a"), None).await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_its_create_left_marked_is_confirmed_or_ended_by_what_its_node_holds() {
     let s = stack(4096).await;

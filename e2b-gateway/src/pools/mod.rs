@@ -247,10 +247,18 @@ impl Keeper {
         }
         let mut manifests = Manifests::new();
         for slot in slots {
-            let read = self
-                .ledger
-                .get::<SandboxDoc>(SANDBOX_KIND, &slot.value.sandbox_id)
-                .await?;
+            // From the routing table's watch while the manifest carries its pool's mark;
+            // otherwise (claimed, gone, or not delivered yet) from the ledger. What is acted
+            // on is guarded again where it is acted on: a claim compares the manifest's
+            // version, a retirement kills only a sandbox still nobody's.
+            let read = match self.sandboxes.routes.pooled_manifest(&slot.value.sandbox_id) {
+                Some(known) => Some(known),
+                None => self
+                    .ledger
+                    .get::<SandboxDoc>(SANDBOX_KIND, &slot.value.sandbox_id)
+                    .await?
+                    .map(Arc::new),
+            };
             let doc = read.as_ref().map(|d| &d.value);
             observed.slots.push(SlotView {
                 id: slot.key.id.clone(),
@@ -265,7 +273,7 @@ impl Keeper {
                 doc: slot.value,
             });
             if let Some(read) = read {
-                manifests.insert(slot.key.id.clone(), Arc::new(read));
+                manifests.insert(slot.key.id.clone(), read);
             }
         }
         let nodes: HashSet<String> = observed
