@@ -102,7 +102,12 @@ pub enum Command {
     /// Not runc's: the node's pre-forked launcher of `run` (see `helper`). The node starts it
     /// with its control socket as fd 3; it is not for people, so `--help` does not list it.
     #[command(hide = true)]
-    Helper,
+    Helper {
+        /// A run still going after this many milliseconds is killed (and answered once it
+        /// has ended).
+        #[arg(long, default_value_t = crate::helper::RUN_DEADLINE.as_millis() as u64)]
+        run_deadline_ms: u64,
+    },
     /// Delete a stopped container (or, with --force, any container).
     Delete {
         /// Kill the container if it is still running.

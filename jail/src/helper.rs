@@ -23,6 +23,13 @@
 //! the reply socket until it exits, so if the helper dies first, the caller's end of file
 //! still comes only once the run is over: never while it may yet create a container.
 //!
+//! A run that is still going after the helper's deadline ([`RUN_DEADLINE`] unless the node
+//! says otherwise) is stuck: its bundle on a file system that hangs, a kernel lock held
+//! elsewhere. The helper kills it, says so in its output, and answers once it has ended, as
+//! any other run: its caller (holding a sandbox's turn and a thread) is not kept for ever,
+//! and still never hears before the run can no longer create a container. A run stuck in an
+//! uninterruptible wait dies when that wait returns.
+//!
 //! Only the holder of the socket pair's other end can send (it has no path and no name). The
 //! helper ends when that end closes (the node has gone); runs in flight finish and answer.
 
@@ -31,7 +38,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
 use rustix::net::{
@@ -123,12 +130,6 @@ impl Request {
     }
 }
 
-/// The longest [`send`] waits for a run's answer. A run ends once the container's first
-/// process is executing, which takes milliseconds even on a busy host; one that takes this
-/// long is stuck (its bundle on a file system that hangs, a kernel lock held elsewhere), and
-/// a caller waiting on it for ever would hold its thread and its sandbox's turn for good.
-pub const ANSWER_WITHIN: Duration = Duration::from_secs(60);
-
 /// Sends `request` to the helper behind `control` and waits for its answer: the wait status
 /// of the process that ran it (`ExitStatus::from_raw` reads it). `output` becomes the run's
 /// stdout and stderr, `passed` its descriptors 3, 4, ...
@@ -136,26 +137,12 @@ pub const ANSWER_WITHIN: Duration = Duration::from_secs(60);
 /// An error of kind `BrokenPipe` means the helper was gone before it got the request (start
 /// another and send again); `UnexpectedEof`, that it went while the run was in flight. That
 /// run has ended by then (its process holds the reply socket until it exits), but whether it
-/// left a container is unknown: ask the runtime's state, as after any failed run. `TimedOut`:
-/// no answer within [`ANSWER_WITHIN`]; the run may still be going, and may yet leave a
-/// container, so the caller deletes whatever the runtime knows of it (the helper serves
-/// other runs meanwhile: each runs in a child of its own).
+/// left a container is unknown: ask the runtime's state, as after any failed run.
 pub fn send(
     control: BorrowedFd<'_>,
     request: &Request,
     output: BorrowedFd<'_>,
     passed: &[BorrowedFd<'_>],
-) -> std::io::Result<i32> {
-    send_within(control, request, output, passed, ANSWER_WITHIN)
-}
-
-/// [`send`], waiting at most `within` for the answer.
-pub fn send_within(
-    control: BorrowedFd<'_>,
-    request: &Request,
-    output: BorrowedFd<'_>,
-    passed: &[BorrowedFd<'_>],
-    within: Duration,
 ) -> std::io::Result<i32> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     if passed.len() > MAX_PASSED {
@@ -189,16 +176,9 @@ pub fn send_within(
     }
     // Only the helper holds the other end now: its end of file is an answer too.
     drop(theirs);
-    rustix::net::sockopt::set_socket_timeout(&ours, rustix::net::sockopt::Timeout::Recv, Some(within))?;
     let mut status = [0u8; 4];
     loop {
         match rustix::io::read(&ours, &mut status) {
-            Err(rustix::io::Errno::AGAIN) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("the runtime's helper did not answer within {within:?}"),
-                ))
-            }
             Ok(4) => return Ok(i32::from_le_bytes(status)),
             Ok(_) => {
                 return Err(std::io::Error::new(
@@ -212,13 +192,37 @@ pub fn send_within(
     }
 }
 
+/// How long a run may go before the helper kills it. A run ends once the container's first
+/// process is executing, which takes milliseconds even on a busy host.
+pub const RUN_DEADLINE: Duration = Duration::from_secs(60);
+
 /// A run in flight: the child doing it, and where its answer goes.
 struct Child {
+    id: String,
     pid: rustix::process::Pid,
     /// Readable once the child has exited; `None` where the kernel has no pidfds (the
-    /// helper then waits for each child before it reads the next request).
+    /// helper then waits for each child before it reads the next request, and cannot keep a
+    /// deadline).
     pidfd: Option<OwnedFd>,
     reply: OwnedFd,
+    /// The run's output, where a kill for its deadline is told.
+    output: OwnedFd,
+    /// Killed at this instant unless it has ended; `None` once killed.
+    deadline: Option<Instant>,
+}
+
+impl Child {
+    /// Kills the run if it is past its deadline (once), and says why in its output.
+    fn enforce(&mut self, now: Instant, limit: Duration) {
+        if self.deadline.is_none_or(|at| now < at) {
+            return;
+        }
+        self.deadline = None;
+        let _ = rustix::process::kill_process(self.pid, rustix::process::Signal::KILL);
+        let line = format!("run {}: still going after {limit:?}; killed\n", self.id);
+        let _ = sys::write_all(self.output.as_raw_fd(), line.as_bytes());
+        Logger::stderr().error(line.trim_end());
+    }
 }
 
 /// A request as it arrived: what to run and its descriptors (reply, output, passed...).
@@ -273,8 +277,8 @@ fn exited(code: i32) -> i32 {
 }
 
 /// Serves the node on [`CONTROL_FD`] until it closes its end, running each request's
-/// container under `dir`.
-pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
+/// container under `dir` and killing a run still going after `deadline`.
+pub fn serve(dir: &StateDir, deadline: Duration) -> Result<(), HelperError> {
     let stat = rustix::fs::fstat(
         // SAFETY: only probed; a descriptor that is not open fails fstat with EBADF.
         unsafe { BorrowedFd::borrow_raw(CONTROL_FD) },
@@ -296,7 +300,7 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
     let mut running: Vec<Child> = Vec::new();
     let mut open = true;
     while open || !running.is_empty() {
-        let readable = match wait_for_work(&control, open, &running) {
+        let readable = match wait_for_work(&control, open, &running, Instant::now()) {
             Ok(readable) => readable,
             Err(e) => {
                 // Not one more request; every run in flight still answered, the slow way.
@@ -306,6 +310,10 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
                 return Err(e);
             }
         };
+        let now = Instant::now();
+        for child in &mut running {
+            child.enforce(now, deadline);
+        }
         running.retain(|child| {
             let done = child
                 .pidfd
@@ -327,7 +335,7 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
                 open = false;
             }
             Ok(Some(received)) => {
-                if let Some(child) = start(dir, &control, &running, received) {
+                if let Some(child) = start(dir, &control, &running, received, Instant::now() + deadline) {
                     match child.pidfd {
                         Some(_) => running.push(child),
                         None => answer(&child.reply, reap(child.pid)),
@@ -339,9 +347,9 @@ pub fn serve(dir: &StateDir) -> Result<(), HelperError> {
     Ok(())
 }
 
-/// Blocks until the control socket has a request (while `open`) or a child has exited; the
-/// descriptors that are ready.
-fn wait_for_work(control: &OwnedFd, open: bool, running: &[Child]) -> Result<Vec<RawFd>, HelperError> {
+/// Blocks until the control socket has a request (while `open`), a child has exited or a
+/// child's deadline has come; the descriptors that are ready.
+fn wait_for_work(control: &OwnedFd, open: bool, running: &[Child], now: Instant) -> Result<Vec<RawFd>, HelperError> {
     let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(running.len() + 1);
     if open {
         fds.push(PollFd::new(control, PollFlags::IN));
@@ -352,8 +360,16 @@ fn wait_for_work(control: &OwnedFd, open: bool, running: &[Child]) -> Result<Vec
             .filter_map(|c| c.pidfd.as_ref())
             .map(|fd| PollFd::new(fd, PollFlags::IN)),
     );
+    let next = running.iter().filter_map(|c| c.deadline).min();
+    let timeout = next.map(|at| {
+        let left = at.saturating_duration_since(now);
+        rustix::time::Timespec {
+            tv_sec: left.as_secs().try_into().unwrap_or(i64::MAX),
+            tv_nsec: left.subsec_nanos().into(),
+        }
+    });
     loop {
-        match rustix::event::poll(&mut fds, None) {
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
             Err(rustix::io::Errno::INTR) => {}
             other => {
                 other.map_err(sys_err("poll"))?;
@@ -382,7 +398,7 @@ fn reap(pid: rustix::process::Pid) -> i32 {
 
 /// Forks the child for one request; `None` when the request was answered at once (malformed,
 /// or the fork failed).
-fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Received) -> Option<Child> {
+fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Received, deadline: Instant) -> Option<Child> {
     let Received { request, mut fds } = received;
     let log = Logger::stderr();
     let request = match request {
@@ -399,6 +415,17 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
     let passed = fds.split_off(OWN_FDS);
     let output = fds.pop()?;
     let reply = fds.pop()?;
+    // The helper's own copy, to tell the run's log why it was killed (close-on-exec, and
+    // closed in every later run's child with the rest of the helper's).
+    let told = match rustix::io::fcntl_dupfd_cloexec(&output, 0) {
+        Ok(fd) => fd,
+        Err(errno) => {
+            let line = format!("helper: keep the output: {errno}\n");
+            let _ = sys::write_all(output.as_raw_fd(), line.as_bytes());
+            answer(&reply, exited(1));
+            return None;
+        }
+    };
     // SAFETY: the helper is single-threaded (it never starts a thread), so the child is a
     // whole copy of it and may allocate, as the runtime's own process does.
     match unsafe { libc::fork() } {
@@ -431,7 +458,14 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
             let pid = rustix::process::Pid::from_raw(pid)?;
             // The child is ours and not reaped: its PID names it until we wait.
             let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok();
-            Some(Child { pid, pidfd, reply })
+            Some(Child {
+                id: request.id,
+                pid,
+                pidfd,
+                reply,
+                output: told,
+                deadline: Some(deadline),
+            })
         }
     }
 }
@@ -455,6 +489,7 @@ fn place_descriptors(
     close(control.as_raw_fd());
     for child in running {
         close(child.reply.as_raw_fd());
+        close(child.output.as_raw_fd());
         if let Some(fd) = &child.pidfd {
             close(fd.as_raw_fd());
         }

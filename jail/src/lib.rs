@@ -68,7 +68,9 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     };
     let dir = StateDir::new(&cli.root);
     let result = match &cli.command {
-        Command::Helper => helper::serve(&dir).map_err(|e| e.to_string()),
+        Command::Helper { run_deadline_ms } => {
+            helper::serve(&dir, std::time::Duration::from_millis(*run_deadline_ms)).map_err(|e| e.to_string())
+        }
         command => container_command(&dir, &log, command).map_err(|e| e.to_string()),
     };
     match result {
@@ -92,7 +94,7 @@ fn container_command(dir: &StateDir, log: &Logger, command: &Command) -> Result<
         Command::Kill { id, signal } => container::kill(dir, id, signal.as_deref()),
         Command::Delete { id, force } => container::delete(dir, id, *force),
         // Served by `main` itself: it is no container command.
-        Command::Helper => Ok(()),
+        Command::Helper { .. } => Ok(()),
     }
 }
 

@@ -8,7 +8,7 @@ use std::io::{IoSlice, Read as _, Seek as _};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt as _;
-use std::os::unix::process::CommandExt as _;
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -31,16 +31,20 @@ struct Helper {
 
 impl Helper {
     fn start() -> Helper {
-        Self::start_inheriting(None)
+        Self::start_inheriting(None, &[])
     }
 
     /// A helper started as a careless parent would: `extra` left open (not close-on-exec) as
-    /// its fd 7.
-    fn start_inheriting(extra: Option<&std::fs::File>) -> Helper {
+    /// its fd 7; `args` after `helper`.
+    fn start_inheriting(extra: Option<&std::fs::File>, args: &[&str]) -> Helper {
         let root = tempfile::tempdir().unwrap();
         let (ours, theirs) = seqpacket_pair();
         let mut cmd = Command::new(JAIL);
-        cmd.arg("--root").arg(root.path()).arg("helper").stdin(Stdio::null());
+        cmd.arg("--root")
+            .arg(root.path())
+            .arg("helper")
+            .args(args)
+            .stdin(Stdio::null());
         let raw = theirs.as_raw_fd();
         let extra = extra.map(|f| f.as_raw_fd());
         // SAFETY: dup2 is async-signal-safe; runs in the forked child before exec.
@@ -221,41 +225,39 @@ fn a_request_to_a_helper_that_is_gone_says_so() {
     assert_eq!(helper.exits(), Some(0));
 }
 
-/// A run that never ends (its bundle's `config.json` a FIFO nobody writes, as a file system
-/// that hangs would leave it) is given up on within the bound the caller gave, and the helper
-/// answers other runs meanwhile and after.
+/// A run still going at the helper's deadline (its bundle's `config.json` a FIFO nobody
+/// writes, as a file system that hangs would leave it) is killed, told so in its output and
+/// answered once it has ended; the helper serves other runs meanwhile and after.
 #[test]
-fn a_run_that_hangs_is_given_up_on_and_the_helper_serves_on() {
-    let helper = Helper::start();
+fn a_run_past_its_deadline_is_killed_and_answered() {
+    let helper = Helper::start_inheriting(None, &["--run-deadline-ms", "300"]);
     let bundle = tempfile::tempdir().unwrap();
     let fifo = bundle.path().join("config.json");
     let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
-    let output = tempfile::tempfile().unwrap();
+    let control = helper.control.as_ref().unwrap().try_clone().unwrap();
     let request = Request {
-        id: "hangs".into(),
-        bundle: bundle.path().into(),
+        id: "stuck".into(),
+        bundle: bundle.path().to_path_buf(),
         pid_file: bundle.path().join("pid"),
     };
+    let (tx, rx) = mpsc::channel();
     let started = std::time::Instant::now();
-    let err = helper::send_within(
-        helper.control(),
-        &request,
-        output.as_fd(),
-        &[],
-        Duration::from_millis(500),
-    )
-    .unwrap_err();
-    let waited = started.elapsed();
-    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
-    assert!(
-        (Duration::from_millis(500)..Duration::from_secs(10)).contains(&waited),
-        "{waited:?}"
-    );
+    std::thread::spawn(move || {
+        let mut output = tempfile::tempfile().unwrap();
+        let status = helper::send(control.as_fd(), &request, output.as_fd(), &[]);
+        let _ = tx.send((status, read_all(&mut output)));
+    });
     assert_eq!(helper.run_missing("meanwhile").0, EXIT_1);
-    // The stuck run ends once its read does (the answer goes to a socket nobody reads).
-    std::fs::write(&fifo, b"{}").unwrap();
+    let (status, said) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a stuck run was never answered");
+    let waited = started.elapsed();
+    let status = std::process::ExitStatus::from_raw(status.unwrap());
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}: {said}");
+    assert!(said.contains("run stuck: still going after 300ms; killed"), "{said:?}");
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
     assert_eq!(helper.run_missing("after").0, EXIT_1);
 }
 
@@ -280,7 +282,7 @@ fn the_helper_refuses_to_start_without_its_control_socket() {
 #[test]
 fn the_helper_keeps_no_descriptor_it_inherited() {
     let stray = tempfile::tempfile().unwrap();
-    let helper = Helper::start_inheriting(Some(&stray));
+    let helper = Helper::start_inheriting(Some(&stray), &[]);
     // Once it has served a request, it is past its start.
     let (status, _) = helper.run_missing("one");
     assert_eq!(status, EXIT_1);
