@@ -272,6 +272,10 @@ impl Balancer {
         let mut drops = Vec::new();
         for m in planned {
             if !self.lease.confirmed() {
+                if !drops.is_empty() {
+                    // Their keepers act on them still; no plan waits for them.
+                    tracing::warn!(%plan_id, asked = drops.len(), "lease lost between a plan's drops; those asked are in no plan");
+                }
                 return Err(
                     MoveError::Fenced("the executor lease is not confirmed; asking no more drops".into()).into(),
                 );

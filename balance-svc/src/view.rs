@@ -20,6 +20,9 @@ pub fn reported_lately(node: &NodeDoc, now_ms: u64, stale_after_ms: u64) -> bool
 /// not asked to drain it, and it reported within `stale_after_ms`; a sandbox's memory is what
 /// its node measured in the latest heartbeat when that is known (> 0), else its manifest's
 /// estimate, which every manifest carries (without one the planner could not tell what a move frees).
+/// A pooled sandbox asked to go (and still within [`DROP_PATIENCE_MS`]) is its keeper's: not
+/// planned, and its memory counted as already free on its node, so the plans made before the
+/// keeper retires it do not move others off that node for the same room.
 pub fn snapshot(
     nodes: &[NodeDoc],
     manifests: &[SandboxDoc],
@@ -35,6 +38,21 @@ pub fn snapshot(
                 .map(move |s| ((n.node_id.as_str(), s.sandbox_id.as_str()), s.memory_used_bytes))
         })
         .collect();
+    let memory_of = |m: &SandboxDoc| {
+        let measured = measured
+            .get(&(m.node_id.as_str(), m.sandbox_id.as_str()))
+            .copied()
+            .unwrap_or(0);
+        if measured > 0 {
+            measured
+        } else {
+            m.memory_bytes
+        }
+    };
+    let mut freeing: HashMap<&str, u64> = HashMap::new();
+    for m in manifests.iter().filter(|m| !m.node_id.is_empty() && leaving(m, now_ms)) {
+        *freeing.entry(m.node_id.as_str()).or_default() += memory_of(m);
+    }
     let nodes_out = nodes
         .iter()
         .map(|n| {
@@ -45,7 +63,10 @@ pub fn snapshot(
                 ready: !draining && fresh && n.state == NodeState::Ready,
                 draining,
                 capacity_bytes: n.capacity.memory_bytes,
-                available_bytes: n.memory_available_bytes,
+                available_bytes: n
+                    .memory_available_bytes
+                    .saturating_add(freeing.get(n.node_id.as_str()).copied().unwrap_or(0))
+                    .min(n.capacity.memory_bytes.max(n.memory_available_bytes)),
                 vcpus: n.capacity.vcpus,
                 allocated: Allocation {
                     vcpus: i64::from(n.allocated.vcpus),
@@ -58,14 +79,10 @@ pub fn snapshot(
         .iter()
         .filter(|m| !m.node_id.is_empty())
         .map(|m| {
-            let measured = measured
-                .get(&(m.node_id.as_str(), m.sandbox_id.as_str()))
-                .copied()
-                .unwrap_or(0);
             Candidate {
                 sandbox_id: m.sandbox_id.clone(),
                 node_id: m.node_id.clone(),
-                memory_bytes: if measured > 0 { measured } else { m.memory_bytes },
+                memory_bytes: memory_of(m),
                 // A pooled sandbox asked to go is its keeper's to retire, for a while.
                 lifecycle_owned: m.lifecycle_owner.is_some() || leaving(m, now_ms),
                 last_moved_ms: m.last_moved_unix_ms,
@@ -347,6 +364,10 @@ pub(crate) mod tests {
             snapshot(&nodes, std::slice::from_ref(&asked), &control, now, u64::MAX).sandboxes[0].lifecycle_owned
         };
         assert!(owned(10_000 + DROP_PATIENCE_MS - 1), "left to its keeper");
+        let available =
+            |now: u64| snapshot(&nodes, std::slice::from_ref(&asked), &control, now, u64::MAX).nodes[0].available_bytes;
+        assert_eq!(available(10_000), 700, "its measured 300 counted as free already");
+        assert_eq!(available(10_000 + DROP_PATIENCE_MS), 400);
         assert!(!owned(10_000 + DROP_PATIENCE_MS), "no keeper came: planned again");
         assert!(!droppable(&asked), "and then moved, not asked again");
     }

@@ -141,12 +141,17 @@ impl Routes {
                     for event in update.events {
                         match event {
                             WatchEvent::Put(doc) => {
-                                if let Ok(d) = Versioned::decode::<SandboxDoc>(doc) {
-                                    match route_of(&d.value, &routes.tokens) {
-                                        Some(r) => table.insert(d.value.sandbox_id.clone(), r),
-                                        None => table.remove(&d.value.sandbox_id),
-                                    };
-                                    routes.note_pooled(d);
+                                let id = doc.key.id.clone();
+                                match Versioned::decode::<SandboxDoc>(doc) {
+                                    Ok(d) => {
+                                        match route_of(&d.value, &routes.tokens) {
+                                            Some(r) => table.insert(d.value.sandbox_id.clone(), r),
+                                            None => table.remove(&d.value.sandbox_id),
+                                        };
+                                        routes.note_pooled(d);
+                                    }
+                                    // Not what it was, whatever it is now: read afresh.
+                                    Err(_) => routes.forget_pooled(&id),
                                 }
                             }
                             WatchEvent::Deleted { key, .. } => {

@@ -80,6 +80,8 @@ pub struct Keeper {
     /// Each slot node's standing as last read, and when: node documents are large (they list
     /// every sandbox) and change every few seconds, while rounds follow manifest changes.
     nodes_read: Mutex<HashMap<String, (Instant, Option<NodeNow>)>>,
+    /// When a round last read every slot's manifest from the ledger.
+    read_afresh: Mutex<Option<Instant>>,
 }
 
 /// A slot's place in one of the keeper's sets of work in flight (`filling`, `retiring`),
@@ -112,6 +114,8 @@ impl Drop for Held {
 
 /// How long a node's standing, once read, stands for the keeper's rounds.
 const NODE_READ_EVERY: Duration = Duration::from_secs(2);
+/// How often a round reads every slot's manifest from the ledger rather than the watch.
+const READ_AFRESH_EVERY: Duration = Duration::from_secs(30);
 
 impl Keeper {
     pub fn new(ledger: LedgerClient, sandboxes: Arc<Sandboxes>, templates: Arc<Templates>) -> Arc<Self> {
@@ -123,6 +127,7 @@ impl Keeper {
             retiring: Arc::default(),
             backoff: Mutex::default(),
             nodes_read: Mutex::default(),
+            read_afresh: Mutex::default(),
         })
     }
 
@@ -246,12 +251,25 @@ impl Keeper {
             observed.memory.insert(template_id.clone(), pooled_memory(&r.template));
         }
         let mut manifests = Manifests::new();
+        // Every so often from the ledger whatever the watch says: a watch that reconnects by
+        // itself says nothing of how long it was away.
+        let afresh = {
+            let mut last = self.read_afresh.lock().unwrap_or_else(PoisonError::into_inner);
+            let due = last.is_none_or(|at| at.elapsed() >= READ_AFRESH_EVERY);
+            if due {
+                *last = Some(Instant::now());
+            }
+            due
+        };
         for slot in slots {
             // From the routing table's watch while the manifest carries its pool's mark;
             // otherwise (claimed, gone, or not delivered yet) from the ledger. What is acted
             // on is guarded again where it is acted on: a claim compares the manifest's
             // version, a retirement kills only a sandbox still nobody's.
-            let read = match self.sandboxes.routes.pooled_manifest(&slot.value.sandbox_id) {
+            let known = (!afresh)
+                .then(|| self.sandboxes.routes.pooled_manifest(&slot.value.sandbox_id))
+                .flatten();
+            let read = match known {
                 Some(known) => Some(known),
                 None => self
                     .ledger
