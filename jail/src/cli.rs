@@ -36,6 +36,10 @@ pub const DEFAULT_ROOT: &str = "/run/sandboxsched-jail";
 pub const PROGRAM: &str = "sandboxsched-jail";
 
 /// Errors from parsing the command line.
+/// How long a run may go before the helper kills it, in milliseconds: a run ends once the
+/// container's first process is executing, which takes milliseconds even on a busy host.
+pub const RUN_DEADLINE_MS: u64 = 60_000;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// A usage error, already reduced to one line.
@@ -105,7 +109,7 @@ pub enum Command {
     Helper {
         /// A run still going after this many milliseconds is killed (and answered once it
         /// has ended).
-        #[arg(long, default_value_t = crate::helper::RUN_DEADLINE.as_millis() as u64)]
+        #[arg(long, default_value_t = RUN_DEADLINE_MS)]
         run_deadline_ms: u64,
     },
     /// Delete a stopped container (or, with --force, any container).

@@ -23,8 +23,8 @@
 //! the reply socket until it exits, so if the helper dies first, the caller's end of file
 //! still comes only once the run is over: never while it may yet create a container.
 //!
-//! A run that is still going after the helper's deadline ([`RUN_DEADLINE`] unless the node
-//! says otherwise) is stuck: its bundle on a file system that hangs, a kernel lock held
+//! A run that is still going after the helper's deadline (`helper --run-deadline-ms`, 60 s
+//! unless the node says otherwise) is stuck: its bundle on a file system that hangs, a kernel lock held
 //! elsewhere. The helper kills it, says so in its output, and answers once it has ended, as
 //! any other run: its caller (holding a sandbox's turn and a thread) is not kept for ever,
 //! and still never hears before the run can no longer create a container. A run stuck in an
@@ -191,10 +191,6 @@ pub fn send(
         }
     }
 }
-
-/// How long a run may go before the helper kills it. A run ends once the container's first
-/// process is executing, which takes milliseconds even on a busy host.
-pub const RUN_DEADLINE: Duration = Duration::from_secs(60);
 
 /// A run in flight: the child doing it, and where its answer goes.
 struct Child {
