@@ -60,8 +60,13 @@ impl BalanceApi {
             }
             .map_err(status)?;
             match self.ledger.compare(txn).await {
-                Ok(_) => {
-                    self.known.write().await.control = doc.clone();
+                Ok(done) => {
+                    let version = done
+                        .versions
+                        .first()
+                        .copied()
+                        .unwrap_or_else(|| current.as_ref().map_or(1, |c| c.version + 1));
+                    self.known.write().await.note_control(version, &doc);
                     return Ok(doc);
                 }
                 Err(LedgerError::Conflict { .. }) => continue,

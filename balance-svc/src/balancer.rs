@@ -79,6 +79,20 @@ pub struct Known {
     pub control: ControlDoc,
     /// Sandboxes whose last move failed, by ID: what an operator asks a stalled drain about.
     pub stuck: BTreeMap<String, crate::stuck::Stuck>,
+    /// The version of the control document `control` was read or written at.
+    pub control_version: u64,
+}
+
+impl Known {
+    /// Takes `control` as read or written at `version`, unless a newer one is known: a cycle's
+    /// read from before an operator's write must not undo it here (Status would say paused
+    /// just after the operator resumed).
+    pub fn note_control(&mut self, version: u64, control: &ControlDoc) {
+        if version >= self.control_version {
+            self.control_version = version;
+            self.control = control.clone();
+        }
+    }
 }
 
 /// A finished plan's moves and drops waiting for a heartbeat to show them.
@@ -141,13 +155,13 @@ impl Balancer {
             self.unfinished_may_exist.store(true, Ordering::SeqCst);
             return Ok(None);
         }
-        let control = self
+        let (version, control) = self
             .ledger
             .get::<ControlDoc>(CONTROL_KIND, CONTROL_ID)
             .await?
-            .map(|c| c.value)
+            .map(|c| (c.version, c.value))
             .unwrap_or_default();
-        self.known.write().await.control = control.clone();
+        self.known.write().await.note_control(version, &control);
         self.finish_unfinished().await?;
 
         let (nodes, _) = self.ledger.list::<NodeDoc>(NODE_KIND, "").await?;
@@ -303,7 +317,7 @@ impl Balancer {
             metrics::counter!("balance_pool_drops_total", "outcome" => outcome).increment(1);
             tracing::info!(
                 %plan_id, sandbox_id = %m.sandbox_id, node_id = %m.from, outcome,
-                "pooled sandbox dropped instead of moved"
+                "pooled sandbox to drop instead of move"
             );
             if outcome == "asked" {
                 drops.push(DropRecord {
@@ -549,5 +563,27 @@ impl Balancer {
                 .await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_older_read_of_the_control_document_does_not_undo_a_newer_write() {
+        let mut known = Known::default();
+        let paused = ControlDoc {
+            paused: true,
+            ..ControlDoc::default()
+        };
+        known.note_control(3, &paused);
+        // An operator resumed (version 4); a cycle that read version 3 before it reports late.
+        known.note_control(4, &ControlDoc::default());
+        known.note_control(3, &paused);
+        assert!(!known.control.paused);
+        assert_eq!(known.control_version, 4);
+        known.note_control(5, &paused);
+        assert!(known.control.paused);
     }
 }
