@@ -296,13 +296,28 @@ fn the_helper_keeps_no_descriptor_it_inherited() {
         fds.sort();
         fds
     };
-    // The helper answers a run before it closes that run's reply socket and pidfd (they are
-    // dropped with the run once answered), so those may still be open when the answer arrives;
-    // they go by themselves. The inherited fd 7 must never be seen at all.
+    // The inherited file, told by what it is rather than its number (the helper's own
+    // descriptors for a run may take any free number, 7 too).
+    let stray_id = {
+        use std::os::unix::fs::MetadataExt as _;
+        let m = stray.metadata().unwrap();
+        (m.dev(), m.ino())
+    };
+    let is_stray = |fd: i32| {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).is_ok_and(|m| (m.dev(), m.ino()) == stray_id)
+    };
+    // The helper answers a run before it closes that run's reply socket, pidfd and its copy of
+    // the run's output (they are dropped with the run once answered), so those may still be
+    // open when the answer arrives; they go by themselves. The inherited file must never be
+    // seen at all.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let fds = open_fds();
-        assert!(!fds.contains(&7), "fd 7 was left open to it and it kept it: {fds:?}");
+        assert!(
+            !fds.iter().any(|fd| is_stray(*fd)),
+            "the file left open to it (as fd 7) is still open in it: {fds:?}"
+        );
         if fds == [0, 1, 2, 3] {
             break;
         }
