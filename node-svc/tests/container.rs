@@ -1985,22 +1985,30 @@ async fn a_node_whose_runtime_helper_died_starts_another_at_the_next_create() {
     let helpers = jail_helpers(&n.dir);
     assert_eq!(helpers.len(), 1, "one helper after the first create: {helpers:?}");
     let helper = helpers[0];
-    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{helper}/fd"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    let mut fds: Vec<i32> = fds.iter().filter_map(|f| f.parse().ok()).collect();
-    fds.sort();
-    let what: Vec<String> = fds
-        .iter()
-        .map(|fd| format!("{fd}: {:?}", std::fs::read_link(format!("/proc/{helper}/fd/{fd}"))))
-        .collect();
-    assert_eq!(
-        fds,
-        vec![0, 1, 2, 3],
-        "the helper's descriptors: stdio and its socket: {what:?}"
-    );
+    // The helper answers a run before it drops that run's descriptors (its reply socket,
+    // pidfd and copy of the output), so those may outlive the answer by a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let fds: Vec<String> = std::fs::read_dir(format!("/proc/{helper}/fd"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        let mut fds: Vec<i32> = fds.iter().filter_map(|f| f.parse().ok()).collect();
+        fds.sort();
+        if fds == [0, 1, 2, 3] {
+            break;
+        }
+        let what: Vec<String> = fds
+            .iter()
+            .map(|fd| format!("{fd}: {:?}", std::fs::read_link(format!("/proc/{helper}/fd/{fd}"))))
+            .collect();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the helper's descriptors: stdio and its socket only: {what:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
     n.create("second", 256 << 20).await;
     assert_eq!(
         jail_helpers(&n.dir),
