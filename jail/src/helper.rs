@@ -24,11 +24,11 @@
 //! still comes only once the run is over: never while it may yet create a container.
 //!
 //! A run that is still going after the helper's deadline (`helper --run-deadline-ms`, 60 s
-//! unless the node says otherwise) is stuck: its bundle on a file system that hangs, a kernel lock held
-//! elsewhere. The helper kills it, says so in its output, and answers once it has ended, as
-//! any other run: its caller (holding a sandbox's turn and a thread) is not kept for ever,
-//! and still never hears before the run can no longer create a container. A run stuck in an
-//! uninterruptible wait dies when that wait returns.
+//! unless the node says otherwise) is stuck: its bundle on a file system that hangs, a kernel
+//! lock held elsewhere. The helper kills it, says so in its output, and answers once it has
+//! ended, as any other run: its caller (holding a sandbox's turn and a thread) is not kept
+//! for ever, and still never hears before the run can no longer create a container. A run
+//! stuck in an uninterruptible wait dies when that wait returns.
 //!
 //! Only the holder of the socket pair's other end can send (it has no path and no name). The
 //! helper ends when that end closes (the node has gone); runs in flight finish and answer.
