@@ -232,11 +232,8 @@ impl Balancer {
         }
         let addresses: BTreeMap<&str, &str> = nodes.iter().map(|n| (n.node_id.as_str(), n.address.as_str())).collect();
         let plan_id = format!("{now:013}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let templates: HashMap<String, String> = pooled
-            .iter()
-            .map(|(id, m)| (id.clone(), m.value.template.clone()))
-            .collect();
-        let (to_move, to_drop) = view::split_drops(&found.moves, &templates, reason == PlanReason::Drain);
+        let template_of = |id: &str| pooled.get(id).map(|m| m.value.template.as_str());
+        let (to_move, to_drop) = view::split_drops(&found.moves, template_of, reason == PlanReason::Drain);
         let drops = self.ask_to_go(&plan_id, &to_drop, &pooled).await?;
         if to_move.is_empty() && drops.is_empty() {
             return Ok(Some(status.label()));

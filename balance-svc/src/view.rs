@@ -135,12 +135,10 @@ fn leaving(doc: &SandboxDoc, now_ms: u64) -> bool {
         .is_some_and(|ask| now_ms.saturating_sub(ask.at_unix_ms) < DROP_PATIENCE_MS)
 }
 
-/// Whether a planned move of `doc` may be a drop instead: pooled, running, owned by no
-/// operation, and never asked to go (one asked before whose keeper did not act is moved).
+/// Whether a planned move of `doc` may be a drop instead: ready in its pool, never asked to go
+/// (one asked before whose keeper did not act is moved).
 pub fn droppable(doc: &SandboxDoc) -> bool {
-    doc.pool.as_ref().filter(|_| doc.is_pooled()).is_some_and(|p| {
-        p.retire_asked.is_none() && doc.phase == SandboxPhase::Running && doc.lifecycle_owner.is_none()
-    })
+    doc.ready_in_pool()
 }
 
 /// Droppable `doc` (see [`droppable`]) as a plan's drop leaves it: asked to go by `by` at
@@ -159,22 +157,20 @@ pub fn asked_to_go(doc: &SandboxDoc, by: &str, at_unix_ms: u64) -> Option<Sandbo
     Some(asked)
 }
 
-/// Splits a plan's moves into those to make and those to drop (`templates`: each droppable
-/// sandbox's template). A plan that levels drops at most one sandbox of a template, so a pool
+/// Splits a plan's moves into those to make and those to drop (`template_of`: a droppable
+/// sandbox's template, `None` for any other). A plan that levels drops at most one sandbox of a template, so a pool
 /// is never emptied at once (the rest of its planned moves are made: the plan counts on
 /// them); a drain drops every one, as the keeper retires a draining node's pooled sandboxes
 /// itself.
-pub fn split_drops<'a>(
+pub fn split_drops<'a, 't>(
     moves: &'a [Move],
-    templates: &HashMap<String, String>,
+    template_of: impl Fn(&str) -> Option<&'t str>,
     drain: bool,
 ) -> (Vec<&'a Move>, Vec<&'a Move>) {
     let mut dropped: HashSet<&str> = HashSet::new();
-    moves.iter().partition(|m| {
-        !templates
-            .get(&m.sandbox_id)
-            .is_some_and(|template| drain || dropped.insert(template.as_str()))
-    })
+    moves
+        .iter()
+        .partition(|m| !template_of(&m.sandbox_id).is_some_and(|template| drain || dropped.insert(template)))
 }
 
 /// A drop is reflected once its source's latest document no longer lists the sandbox (or the
@@ -386,10 +382,11 @@ pub(crate) mod tests {
             .map(|(id, t)| (id.to_string(), t.to_string()))
             .collect();
         let ids = |v: Vec<&Move>| v.into_iter().map(|m| m.sandbox_id.clone()).collect::<Vec<_>>();
-        let (moved, dropped) = split_drops(&moves, &templates, false);
+        let template_of = |id: &str| templates.get(id).map(String::as_str);
+        let (moved, dropped) = split_drops(&moves, template_of, false);
         assert_eq!(ids(moved), ["t1", "p2", "t2"]);
         assert_eq!(ids(dropped), ["p1", "q1"]);
-        let (moved, dropped) = split_drops(&moves, &templates, true);
+        let (moved, dropped) = split_drops(&moves, template_of, true);
         assert_eq!(ids(moved), ["t1", "t2"]);
         assert_eq!(ids(dropped), ["p1", "p2", "q1"]);
     }

@@ -350,23 +350,15 @@ async fn a_pooled_sandbox_is_dropped_not_moved() {
     let cluster = cluster(&[2048, 2048]).await;
     cluster.sandbox(0, "team0", "sleep 600").await;
     cluster.sandbox(0, "pool0", "sleep 600").await;
-    let listed = cluster
-        .client
-        .get::<SandboxDoc>(SANDBOX_KIND, "pool0")
-        .await
-        .unwrap()
-        .unwrap();
-    let mut pooled = listed.value.clone();
-    pooled.team_id.clear();
-    pooled.pool = Some(common::pool::Pooled {
-        template_id: "base".into(),
-        ..Default::default()
-    });
     cluster
-        .client
-        .compare(Txn::new().update_read(&listed, &pooled).unwrap())
-        .await
-        .unwrap();
+        .edit_manifest("pool0", |pooled| {
+            pooled.team_id.clear();
+            pooled.pool = Some(common::pool::Pooled {
+                template_id: "base".into(),
+                ..Default::default()
+            });
+        })
+        .await;
     let balance = cluster.balance(None).await;
     let mut api = BalanceClient::new(cluster.stack.channel(&balance.endpoint(), stack::Role::Balance));
     api.drain(bpb::DrainRequest {
@@ -478,25 +470,13 @@ async fn orphaned_paused_copies_are_removed_and_nothing_else() {
 async fn a_move_stands_down_for_a_user_claim() {
     let cluster = cluster(&[4096, 4096]).await;
     cluster.sandbox(0, "claimed", "sleep 600").await;
-    let doc = cluster
-        .client
-        .get::<SandboxDoc>(SANDBOX_KIND, "claimed")
-        .await
-        .unwrap()
-        .unwrap();
-    let mut claimed = doc.value.clone();
-    claimed.lifecycle_owner = Some("user:pause:test".into());
-    claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms());
-    claimed.epoch += 1;
-    cluster
-        .client
-        .compare(
-            Txn::new()
-                .update(SANDBOX_KIND, "claimed", doc.version, &claimed)
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let claimed = cluster
+        .edit_manifest("claimed", |claimed| {
+            claimed.lifecycle_owner = Some("user:pause:test".into());
+            claimed.lifecycle_claimed_at_unix_ms = Some(common::clock::now_ms());
+            claimed.epoch += 1;
+        })
+        .await;
     let plan_id = "0000000000000-claimed";
     cluster.plan_one(plan_id, "claimed", 0, 1).await;
     let balance = cluster.balance(None).await;

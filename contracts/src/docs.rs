@@ -210,6 +210,15 @@ impl SandboxDoc {
         self.pool.is_some() && self.team_id.is_empty()
     }
 
+    /// Pooled, running, owned by no operation and not asked to go: one a create may claim and
+    /// a balance plan may drop.
+    pub fn ready_in_pool(&self) -> bool {
+        self.is_pooled()
+            && self.phase == SandboxPhase::Running
+            && self.lifecycle_owner.is_none()
+            && self.pool.as_ref().is_some_and(|p| p.retire_asked.is_none())
+    }
+
     /// A create claimed it from a warm pool and it is the create's team's, but nobody has yet
     /// recorded that its node took the hand-over (new tokens, the create's env vars). The
     /// claiming gateway clears it once the node answered; a gateway that stopped between the

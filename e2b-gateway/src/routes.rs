@@ -85,21 +85,18 @@ impl Routes {
             .cloned()
     }
 
+    fn pooled_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<Versioned<SandboxDoc>>>> {
+        self.pooled.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Keeps `doc` among the pooled manifests while it carries a pool's mark.
     fn note_pooled(&self, doc: Versioned<SandboxDoc>) {
-        let mut pooled = self.pooled.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut pooled = self.pooled_mut();
         if doc.value.pool.is_some() {
             pooled.insert(doc.value.sandbox_id.clone(), Arc::new(doc));
         } else {
             pooled.remove(&doc.value.sandbox_id);
         }
-    }
-
-    fn forget_pooled(&self, id: &str) {
-        self.pooled
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(id);
     }
 
     /// Lists the manifests, then follows the ledger from that revision on.
@@ -113,11 +110,7 @@ impl Routes {
                     Ok((docs, revision)) => {
                         let mut table = routes.table.write().await;
                         table.clear();
-                        routes
-                            .pooled
-                            .write()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .clear();
+                        routes.pooled_mut().clear();
                         for d in docs {
                             if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
@@ -151,12 +144,14 @@ impl Routes {
                                         routes.note_pooled(d);
                                     }
                                     // Not what it was, whatever it is now: read afresh.
-                                    Err(_) => routes.forget_pooled(&id),
+                                    Err(_) => {
+                                        routes.pooled_mut().remove(&id);
+                                    }
                                 }
                             }
                             WatchEvent::Deleted { key, .. } => {
                                 table.remove(&key.id);
-                                routes.forget_pooled(&key.id);
+                                routes.pooled_mut().remove(&key.id);
                             }
                         }
                     }

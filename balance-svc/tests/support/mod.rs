@@ -162,6 +162,19 @@ impl Cluster {
         self.node(i).host().get(id).await.map(|r| r.state)
     }
 
+    /// Rewrites sandbox `id`'s manifest as `change` makes it (against the version read); the
+    /// manifest as written.
+    pub async fn edit_manifest(&self, id: &str, change: impl FnOnce(&mut SandboxDoc)) -> SandboxDoc {
+        let doc = self.client.get::<SandboxDoc>(SANDBOX_KIND, id).await.unwrap().unwrap();
+        let mut value = doc.value.clone();
+        change(&mut value);
+        self.client
+            .compare(Txn::new().update_read(&doc, &value).unwrap())
+            .await
+            .unwrap();
+        value
+    }
+
     /// A sandbox on node `i` with no manifest (as if its manifest were gone), paused or not.
     pub async fn bare_copy(&self, i: usize, id: &str, paused: bool) {
         self.create_on(i, id, "sleep 600").await;

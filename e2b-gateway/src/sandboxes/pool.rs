@@ -205,12 +205,10 @@ fn covers(freed: common::docs::Capacity, need: common::docs::Capacity) -> bool {
 /// owned by no operation, of the same build, size and network. (Env vars, metadata, timeout,
 /// tokens and whether its ports are public are the claim's to give.)
 pub fn fits(doc: &SandboxDoc, intent: &CreateIntent) -> bool {
-    let Some(pool) = &doc.pool else { return false };
-    doc.phase == SandboxPhase::Running
-        && doc.lifecycle_owner.is_none()
-        && doc.team_id.is_empty()
-        && pool.retire_asked.is_none()
-        && pool.build_id == intent.image.build_id
+    let Some(pool) = doc.pool.as_ref().filter(|_| doc.ready_in_pool()) else {
+        return false;
+    };
+    pool.build_id == intent.image.build_id
         && doc.template == intent.template
         && doc.vcpus == intent.vcpus
         && doc.memory_bytes == intent.memory_bytes
