@@ -111,6 +111,11 @@ pub enum Command {
         /// has ended).
         #[arg(long, default_value_t = RUN_DEADLINE_MS)]
         run_deadline_ms: u64,
+        /// Serve from a private mount namespace of the helper's own, without the mounts below
+        /// this folder (repeatable; see `jail::view`). Runs may then be sent their root as a
+        /// mount.
+        #[arg(long, value_name = "DIR")]
+        private_below: Vec<PathBuf>,
     },
     /// Delete a stopped container (or, with --force, any container).
     Delete {

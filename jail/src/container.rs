@@ -62,10 +62,19 @@ pub enum ContainerError {
     Process(#[from] ProcessError),
     #[error(transparent)]
     SignalName(#[from] signal::SignalError),
+    #[error(transparent)]
+    View(#[from] crate::view::ViewError),
 }
 
 /// `run --detach`: create and start the container.
 pub fn run(dir: &StateDir, log: &Logger, a: &RunArgs) -> Result<(), ContainerError> {
+    run_with_root(dir, log, a, None)
+}
+
+/// `run --detach` with the container's root given as a detached mount (`root`), attached at
+/// the spec's root path in a mount namespace of this process's own before the container is
+/// cloned from it (see [`crate::view`]); as [`run`] without one.
+pub fn run_with_root(dir: &StateDir, log: &Logger, a: &RunArgs, root: Option<OwnedFd>) -> Result<(), ContainerError> {
     state::validate_id(&a.id)?;
     if !a.detach {
         return Err(ContainerError::NotDetached);
@@ -114,6 +123,12 @@ pub fn run(dir: &StateDir, log: &Logger, a: &RunArgs) -> Result<(), ContainerErr
         if let Err(e) = namespaces::unmask_proc_and_sys() {
             let _ = cgroup.remove(true);
             return Err(ContainerError::Process(e.into()));
+        }
+    }
+    if let Some(tree) = root {
+        if let Err(e) = crate::view::attach_root(tree, Path::new(&config.rootfs)) {
+            let _ = cgroup.remove(true);
+            return Err(e.into());
         }
     }
     let spawned = cgroup

@@ -13,7 +13,10 @@
 //! The protocol (`SOCK_SEQPACKET`, so a request is one message with its descriptors):
 //! - the request, on the control socket: `ID \0 BUNDLE \0 PID-FILE \0`, with `SCM_RIGHTS`
 //!   carrying the request's reply socket, the output (the child's stdout and stderr: the
-//!   container's log) and then the descriptors the container gets as 3, 4, ...;
+//!   container's log) and then the descriptors the container gets as 3, 4, ...; a fourth
+//!   field `root-mount \0` says the first descriptor after the output is the container's
+//!   root, a detached mount the run attaches (a helper started with `--private-below` keeps a
+//!   mount table of its own without the node's sandboxes: see `jail::view`);
 //! - the answer, on that reply socket, once the child has exited: its wait status (4 bytes,
 //!   little-endian), which the caller reads as the exit status of a runtime process.
 //!
@@ -74,6 +77,8 @@ pub enum HelperError {
     Request(&'static str),
     #[error("helper: the request's {0} holds a NUL byte")]
     Nul(&'static str),
+    #[error("helper: {0}")]
+    View(String),
 }
 
 fn sys_err(what: &'static str) -> impl Fn(rustix::io::Errno) -> HelperError {
@@ -89,7 +94,13 @@ pub struct Request {
     pub id: String,
     pub bundle: PathBuf,
     pub pid_file: PathBuf,
+    /// The container's root comes as a detached mount, the first descriptor after the output,
+    /// to attach at the bundle's root path (see `jail::view`): encoded as a fourth field.
+    pub root_mount: bool,
 }
+
+/// The fourth field of a request whose root comes as a mount.
+const ROOT_MOUNT: &[u8] = b"root-mount";
 
 impl Request {
     fn encode(&self) -> Result<Vec<u8>, HelperError> {
@@ -105,6 +116,10 @@ impl Request {
             bytes.extend_from_slice(field);
             bytes.push(0);
         }
+        if self.root_mount {
+            bytes.extend_from_slice(ROOT_MOUNT);
+            bytes.push(0);
+        }
         if bytes.len() > MAX_REQUEST {
             return Err(HelperError::Request("request too long"));
         }
@@ -117,8 +132,14 @@ impl Request {
             .ok_or(HelperError::Request("request not NUL-terminated"))?
             .split(|b| *b == 0)
             .collect();
-        let [id, bundle, pid_file] = fields[..] else {
-            return Err(HelperError::Request("request without its three fields"));
+        let (id, bundle, pid_file, root_mount) = match fields[..] {
+            [id, bundle, pid_file] => (id, bundle, pid_file, false),
+            [id, bundle, pid_file, ROOT_MOUNT] => (id, bundle, pid_file, true),
+            _ => {
+                return Err(HelperError::Request(
+                    "request without its three fields (and root-mount)",
+                ))
+            }
         };
         let id = std::str::from_utf8(id).map_err(|_| HelperError::Request("ID not UTF-8"))?;
         let path = |b: &[u8]| PathBuf::from(std::ffi::OsStr::from_bytes(b));
@@ -126,13 +147,15 @@ impl Request {
             id: id.to_string(),
             bundle: path(bundle),
             pid_file: path(pid_file),
+            root_mount,
         })
     }
 }
 
 /// Sends `request` to the helper behind `control` and waits for its answer: the wait status
 /// of the process that ran it (`ExitStatus::from_raw` reads it). `output` becomes the run's
-/// stdout and stderr, `passed` its descriptors 3, 4, ...
+/// stdout and stderr, `passed` its descriptors 3, 4, ...; `root`, a detached mount, the
+/// container's root (set [`Request::root_mount`] with it).
 ///
 /// An error of kind `BrokenPipe` means the helper was gone before it got the request (start
 /// another and send again); `UnexpectedEof`, that it went while the run was in flight. That
@@ -142,9 +165,15 @@ pub fn send(
     control: BorrowedFd<'_>,
     request: &Request,
     output: BorrowedFd<'_>,
+    root: Option<BorrowedFd<'_>>,
     passed: &[BorrowedFd<'_>],
 ) -> std::io::Result<i32> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    if request.root_mount != root.is_some() {
+        return Err(std::io::Error::other(
+            "a root mount without its flag, or the flag without one",
+        ));
+    }
     if passed.len() > MAX_PASSED {
         return Err(std::io::Error::other(format!(
             "{} descriptors to pass; at most {MAX_PASSED}",
@@ -155,8 +184,9 @@ pub fn send(
     let (ours, theirs) =
         rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
     let mut fds = vec![theirs.as_fd(), output];
+    fds.extend(root);
     fds.extend_from_slice(passed);
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(OWN_FDS + MAX_PASSED))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(OWN_FDS + 1 + MAX_PASSED))];
     let mut ancillary = SendAncillaryBuffer::new(&mut space);
     if !ancillary.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(std::io::Error::other("descriptors do not fit the message"));
@@ -230,7 +260,7 @@ struct Received {
 /// Reads one request; `None` at end of file (the node has gone).
 fn receive(control: BorrowedFd<'_>) -> Result<Option<Received>, HelperError> {
     let mut bytes = vec![0u8; MAX_REQUEST];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(OWN_FDS + MAX_PASSED))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(OWN_FDS + 1 + MAX_PASSED))];
     let mut ancillary = RecvAncillaryBuffer::new(&mut space);
     let msg = loop {
         match rustix::net::recvmsg(
@@ -257,7 +287,10 @@ fn receive(control: BorrowedFd<'_>) -> Result<Option<Received>, HelperError> {
     } else if fds.len() < OWN_FDS {
         Err(HelperError::Request("request without its reply socket and output"))
     } else {
-        Request::decode(&bytes[..msg.bytes])
+        Request::decode(&bytes[..msg.bytes]).and_then(|r| match r.root_mount && fds.len() < OWN_FDS + 1 {
+            true => Err(HelperError::Request("request for a root mount without one")),
+            false => Ok(r),
+        })
     };
     Ok(Some(Received { request, fds }))
 }
@@ -273,8 +306,9 @@ fn exited(code: i32) -> i32 {
 }
 
 /// Serves the node on [`CONTROL_FD`] until it closes its end, running each request's
-/// container under `dir` and killing a run still going after `deadline`.
-pub fn serve(dir: &StateDir, deadline: Duration) -> Result<(), HelperError> {
+/// container under `dir` and killing a run still going after `deadline`; from a private mount
+/// namespace without the mounts below `private_below` when any is given (see `jail::view`).
+pub fn serve(dir: &StateDir, deadline: Duration, private_below: &[PathBuf]) -> Result<(), HelperError> {
     let stat = rustix::fs::fstat(
         // SAFETY: only probed; a descriptor that is not open fails fstat with EBADF.
         unsafe { BorrowedFd::borrow_raw(CONTROL_FD) },
@@ -293,6 +327,9 @@ pub fn serve(dir: &StateDir, deadline: Duration) -> Result<(), HelperError> {
         what: "close inherited descriptors",
         errno,
     })?;
+    if !private_below.is_empty() {
+        crate::view::private_view(private_below).map_err(|e| HelperError::View(e.to_string()))?;
+    }
     let mut running: Vec<Child> = Vec::new();
     let mut open = true;
     while open || !running.is_empty() {
@@ -408,9 +445,14 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
             return None;
         }
     };
-    let passed = fds.split_off(OWN_FDS);
+    let mut passed = fds.split_off(OWN_FDS);
     let output = fds.pop()?;
     let reply = fds.pop()?;
+    // Received close-on-exec, and the child's alone to use: the helper keeps no copy.
+    let root = match request.root_mount {
+        true => Some(passed.remove(0)),
+        false => None,
+    };
     // The helper's own copy, to tell the run's log why it was killed (close-on-exec, and
     // closed in every later run's child with the rest of the helper's).
     let told = match rustix::io::fcntl_dupfd_cloexec(&output, 0) {
@@ -439,8 +481,8 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
             // container. Nothing else of the helper's stays open in it (another run's reply
             // socket, or the control socket, would keep those from closing).
             let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                match place_descriptors(control, running, output, passed, reply) {
-                    Ok((preserve_fds, _reply)) => run(dir, &log, request, preserve_fds),
+                match place_descriptors(control, running, output, passed, reply, root) {
+                    Ok((preserve_fds, _reply, root)) => run(dir, &log, request, preserve_fds, root),
                     Err(e) => {
                         log.error(&e.to_string());
                         1
@@ -468,15 +510,16 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
 
 /// In the child: closes what belongs to the helper, and puts `/dev/null` at 0, `output` at 1
 /// and 2 and `passed` at 3, 4, ... as the command line's caller would have; how many passed,
-/// and `reply` renumbered above them (close-on-exec: the container's init, a clone of this
-/// process, drops it at its `execve`).
+/// and `reply` and `root` renumbered above them (close-on-exec: the container's init, a clone
+/// of this process, drops them at its `execve`; the run closes `root` before it clones).
 fn place_descriptors(
     control: &OwnedFd,
     running: &[Child],
     output: OwnedFd,
     passed: Vec<OwnedFd>,
     reply: OwnedFd,
-) -> Result<(u32, OwnedFd), HelperError> {
+    root: Option<OwnedFd>,
+) -> Result<(u32, OwnedFd, Option<OwnedFd>), HelperError> {
     let close = |fd: RawFd| {
         // SAFETY: the child's copy of a descriptor the helper owns; the helper's copy is its
         // own, and the child never uses this one again.
@@ -497,6 +540,10 @@ fn place_descriptors(
     // Above every target first, so placing one never overwrites another still to be placed.
     let above = CONTROL_FD + MAX_PASSED as RawFd + 1;
     let reply = sys::move_above(reply, above).map_err(renumber)?;
+    let root = root
+        .map(|fd| sys::move_above(fd, above))
+        .transpose()
+        .map_err(renumber)?;
     let null = rustix::fs::open(
         "/dev/null",
         rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
@@ -520,11 +567,11 @@ fn place_descriptors(
     // The copies above: the run must not hold a passed descriptor twice (a pipe's writer
     // kept open here would keep its reader waiting for end of file).
     drop(sources);
-    Ok((preserve_fds, reply))
+    Ok((preserve_fds, reply, root))
 }
 
 /// In the child: `run --detach` as the command line runs it; the exit code.
-fn run(dir: &StateDir, log: &Logger, request: Request, preserve_fds: u32) -> i32 {
+fn run(dir: &StateDir, log: &Logger, request: Request, preserve_fds: u32, root: Option<OwnedFd>) -> i32 {
     let args = RunArgs {
         detach: true,
         bundle: request.bundle,
@@ -533,7 +580,7 @@ fn run(dir: &StateDir, log: &Logger, request: Request, preserve_fds: u32) -> i32
         no_pivot: false,
         id: request.id,
     };
-    match crate::container::run(dir, log, &args) {
+    match crate::container::run_with_root(dir, log, &args, root) {
         Ok(()) => 0,
         Err(e) => {
             log.error(&e.to_string());

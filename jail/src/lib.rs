@@ -40,6 +40,7 @@ pub mod signal;
 pub mod spec;
 pub mod state;
 pub mod sys;
+pub mod view;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -68,9 +69,11 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     };
     let dir = StateDir::new(&cli.root);
     let result = match &cli.command {
-        Command::Helper { run_deadline_ms } => {
-            helper::serve(&dir, std::time::Duration::from_millis(*run_deadline_ms)).map_err(|e| e.to_string())
-        }
+        Command::Helper {
+            run_deadline_ms,
+            private_below,
+        } => helper::serve(&dir, std::time::Duration::from_millis(*run_deadline_ms), private_below)
+            .map_err(|e| e.to_string()),
         command => container_command(&dir, &log, command).map_err(|e| e.to_string()),
     };
     match result {

@@ -1313,11 +1313,16 @@ struct Helper {
 
 impl Helper {
     fn start(root: &Path) -> Helper {
+        Self::start_with(root, &[])
+    }
+
+    /// A helper started with `args` after `helper`.
+    fn start_with(root: &Path, args: &[&std::ffi::OsStr]) -> Helper {
         use rustix::net::{AddressFamily, SocketFlags, SocketType};
         let (ours, theirs) =
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
         let mut cmd = Command::new(JAIL);
-        cmd.arg("--root").arg(root).arg("helper");
+        cmd.arg("--root").arg(root).arg("helper").args(args);
         let raw = theirs.as_raw_fd();
         // SAFETY: dup2 is async-signal-safe; runs in the forked child before exec.
         unsafe {
@@ -1335,6 +1340,11 @@ impl Helper {
     /// `run` of `b` through the helper, fd 3 its report pipe (only it: the caller's other
     /// descriptors stay here); the run's wait status, what it wrote, and the pipe's read end.
     fn run(&self, b: &Bundle) -> (i32, String, fs::File) {
+        self.run_rooted(b, None)
+    }
+
+    /// [`Helper::run`], with the container's root sent as the detached mount `root`.
+    fn run_rooted(&self, b: &Bundle, root: Option<&OwnedFd>) -> (i32, String, fs::File) {
         use std::io::Seek as _;
         use std::os::fd::AsFd as _;
         b.write_spec();
@@ -1344,8 +1354,10 @@ impl Helper {
             id: b.id.clone(),
             bundle: b.path().to_path_buf(),
             pid_file: b.path().join("pid"),
+            root_mount: root.is_some(),
         };
-        let status = jail::helper::send(self.control.as_fd(), &request, output.as_fd(), &[w.as_fd()]).unwrap();
+        let root = root.map(|fd| fd.as_fd());
+        let status = jail::helper::send(self.control.as_fd(), &request, output.as_fd(), root, &[w.as_fd()]).unwrap();
         drop(w);
         let mut said = String::new();
         output.rewind().unwrap();
@@ -1427,4 +1439,79 @@ echo done=1
     let out = b.jail(&["delete", "--force", "helped"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     reap(pid);
+}
+
+/// The mount points of process `pid`'s mount table.
+fn mount_points(pid: &str) -> Vec<PathBuf> {
+    fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// Unmounts (detached) at drop: a mount a test made in the host's table.
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+/// A helper started with `--private-below` serves from a mount table of its own: the mounts
+/// below that folder (another sandbox's disk, here a tmpfs) are not in it. A run sent its root
+/// as a detached mount starts the container on that mount, and the host's table never holds
+/// it.
+#[test]
+fn a_private_helper_runs_a_container_on_a_root_sent_as_a_mount() {
+    require_root!();
+    let script = r#"exec >&3 2>/dev/null
+test -e /marker && echo marker=present || echo marker=absent
+echo done=1
+"#;
+    let b = Bundle::new("rooted", script);
+    // The root's files live in `image`; the spec's `rootfs` stays an empty folder, so the
+    // container runs only if the run attached the mount it was sent.
+    let image = b.path().join("image");
+    fs::rename(b.path().join("rootfs"), &image).unwrap();
+    fs::create_dir(b.path().join("rootfs")).unwrap();
+    fs::write(image.join("marker"), "").unwrap();
+    let sandboxes = b.path().join("sandboxes");
+    let disk = sandboxes.join("other/disk");
+    fs::create_dir_all(&disk).unwrap();
+    rustix::mount::mount("tmpfs", &disk, "tmpfs", rustix::mount::MountFlags::empty(), c"size=1m").unwrap();
+    let _disk = Mounted(disk.clone());
+
+    let helper = Helper::start_with(&b.state_root(), &["--private-below".as_ref(), sandboxes.as_os_str()]);
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        &image,
+        rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )
+    .unwrap();
+    let (status, said, r) = helper.run_rooted(&b, Some(&tree));
+    assert_eq!(status, 0, "run with a root mount failed: {said}");
+    let pid = b.pid();
+    let rep = report(r);
+    assert_eq!(field(&rep, "done"), "1", "{rep}");
+    assert_eq!(field(&rep, "marker"), "present", "the root is the mount sent: {rep}");
+    reap(pid);
+
+    let helper_pid = helper.process.id().to_string();
+    let here = mount_points("self");
+    let helpers = mount_points(&helper_pid);
+    assert!(here.contains(&disk), "the host's table keeps its mount: {here:?}");
+    assert!(
+        !helpers.contains(&disk),
+        "below --private-below: not in the helper's table: {helpers:?}"
+    );
+    let rootfs = fs::canonicalize(b.path().join("rootfs")).unwrap();
+    assert!(
+        !here.iter().any(|p| p == &rootfs),
+        "the root was attached in the run's own table, not the host's: {here:?}"
+    );
+    let out = b.jail(&["delete", "--force", "rooted"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -75,8 +75,9 @@ impl Helper {
             id: name.to_string(),
             bundle: PathBuf::from(format!("/nonexistent/{name}")),
             pid_file: PathBuf::from(format!("/nonexistent/{name}.pid")),
+            root_mount: false,
         };
-        let status = helper::send(self.control(), &request, output.as_fd(), &[]).unwrap();
+        let status = helper::send(self.control(), &request, output.as_fd(), None, &[]).unwrap();
         (status, read_all(&mut output))
     }
 
@@ -194,8 +195,9 @@ fn malformed_requests_are_answered_and_the_helper_serves_on() {
         id: "a\0b".into(),
         bundle: "/b".into(),
         pid_file: "/p".into(),
+        root_mount: false,
     };
-    assert!(helper::send(helper.control(), &nul, output.as_fd(), &[]).is_err());
+    assert!(helper::send(helper.control(), &nul, output.as_fd(), None, &[]).is_err());
 }
 
 #[test]
@@ -218,8 +220,9 @@ fn a_request_to_a_helper_that_is_gone_says_so() {
         id: "x".into(),
         bundle: Path::new("/b").into(),
         pid_file: Path::new("/p").into(),
+        root_mount: false,
     };
-    let err = helper::send(helper.control(), &request, output.as_fd(), &[]).unwrap_err();
+    let err = helper::send(helper.control(), &request, output.as_fd(), None, &[]).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe, "{err}");
     drop(control);
     assert_eq!(helper.exits(), Some(0));
@@ -241,12 +244,13 @@ fn a_run_past_its_deadline_is_killed_and_answered() {
         id: "stuck".into(),
         bundle: bundle.path().to_path_buf(),
         pid_file: bundle.path().join("pid"),
+        root_mount: false,
     };
     let (tx, rx) = mpsc::channel();
     let started = std::time::Instant::now();
     std::thread::spawn(move || {
         let mut output = tempfile::tempfile().unwrap();
-        let status = helper::send(control.as_fd(), &request, output.as_fd(), &[]);
+        let status = helper::send(control.as_fd(), &request, output.as_fd(), None, &[]);
         let _ = tx.send((status, read_all(&mut output)));
     });
     assert_eq!(helper.run_missing("meanwhile").0, EXIT_1);
@@ -350,11 +354,12 @@ fn a_run_in_flight_when_the_helper_dies_is_over_before_its_caller_hears() {
         id: "blocked".into(),
         bundle: bundle.path().to_path_buf(),
         pid_file: bundle.path().join("pid"),
+        root_mount: false,
     };
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let output = tempfile::tempfile().unwrap();
-        let _ = tx.send(helper::send(control.as_fd(), &request, output.as_fd(), &[]));
+        let _ = tx.send(helper::send(control.as_fd(), &request, output.as_fd(), None, &[]));
     });
     // The run is reading the FIFO once a writer can open it without blocking.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

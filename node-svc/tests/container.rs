@@ -938,7 +938,7 @@ fn as_nobody(script: &str) -> std::process::Output {
 }
 
 /// Another user of the node's host reaches nothing of a sandbox's: not its files through the
-/// mount point of its root, not its spec (which holds its environment variables), not envd's
+/// mount point of its root (with runc; the node's own runtime mounts no root there), not its spec (which holds its environment variables), not envd's
 /// socket. Tried as `nobody`, the way any local account would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_host_user_reaches_nothing_of_a_sandbox() {
@@ -954,9 +954,13 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
             .map(|e| e.path())
             .find(|p| p.join("config.json").exists())
             .expect("the sandbox's bundle");
-        assert!(
+        // runc's root is mounted in the node's own table, where the host's root sees it; the
+        // node's own runtime mounts it in the container's table alone (see `jail::view`).
+        let mounted_here = runtime.is_some();
+        assert_eq!(
             bundle.join("rootfs/home/user/secret.txt").exists(),
-            "root sees the file"
+            mounted_here,
+            "{runtime:?}: the host's root sees the file through the bundle's root only with runc"
         );
         for (what, command) in [
             ("the spec", format!("cat {}/config.json", bundle.display())),
@@ -2025,6 +2029,62 @@ async fn a_node_whose_runtime_helper_died_starts_another_at_the_next_create() {
         "a new helper: {now:?} (was {helper})"
     );
     for sandbox in ["before", "second", "after"] {
+        let (out, code) = n.sh(sandbox, "user", "echo alive").await;
+        assert_eq!((out.as_str(), code), ("alive\n", 0), "{sandbox}");
+    }
+    n.stop().await;
+}
+
+/// The mount points of process `pid`'s (or `self`'s) mount table.
+fn mount_points(pid: &str) -> Vec<PathBuf> {
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// A sandbox's root is in no mount table but its container's: not the node's (which keeps the
+/// sandbox's disk), not the runtime helper's (which holds no sandbox's mounts at all, so a
+/// create copies none of them, and never becomes the last holder of a killed sandbox's file
+/// systems), and from inside a sandbox no other sandbox's mount is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxs_root_is_mounted_in_its_container_alone() {
+    let n = node(None).await;
+    n.create("one", 256 << 20).await;
+    n.create("two", 256 << 20).await;
+    let sandboxes = node_svc::runtime::layout::sandboxes_dir(&n.dir);
+    let run = node_svc::runtime::container::run_dir(&n.dir);
+    let ours = mount_points("self");
+    let disk = sandboxes.join("one").join("disk");
+    assert!(
+        ours.contains(&disk),
+        "the node's table holds the sandbox's disk (so this test sees the node's mounts): {ours:?}"
+    );
+    assert!(
+        !ours.iter().any(|p| p.starts_with(&run) && p != &run),
+        "no root (nor anything else) mounted in the node's run folder: {ours:?}"
+    );
+    let helpers = jail_helpers(&n.dir);
+    assert_eq!(helpers.len(), 1, "{helpers:?}");
+    let theirs = mount_points(&helpers[0].to_string());
+    assert!(
+        !theirs
+            .iter()
+            .any(|p| p.starts_with(&sandboxes) || (p.starts_with(&run) && p != &run)),
+        "the helper's table holds no sandbox's disk or root: {theirs:?}"
+    );
+    let (out, code) = n.sh("two", "root", "cat /proc/self/mountinfo").await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        !out.contains("/one/") && !out.contains(&n.dir.display().to_string()),
+        "a sandbox's table names no other sandbox, nor the node's folders: {out}"
+    );
+    // Both still run, and a kill and a create after it work as before.
+    n.lifecycle("one", "kill").await;
+    n.create("three", 256 << 20).await;
+    for sandbox in ["two", "three"] {
         let (out, code) = n.sh(sandbox, "user", "echo alive").await;
         assert_eq!((out.as_str(), code), ("alive\n", 0), "{sandbox}");
     }

@@ -174,8 +174,14 @@ pub fn companion_binary(name: &str) -> Option<PathBuf> {
 }
 
 /// How to call the runtime: `oci_runtime` when given, else the stand-alone jail when it is
-/// there, else the multicall binary's `jail`.
-fn engine(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathBuf) -> Option<Box<dyn oci::Engine>> {
+/// there, else the multicall binary's `jail`, whose helper leaves the mounts below
+/// `private_below` out of its own mount table.
+fn engine(
+    oci_runtime: Option<&Path>,
+    carrier: Option<PathBuf>,
+    root: PathBuf,
+    private_below: Vec<PathBuf>,
+) -> Option<Box<dyn oci::Engine>> {
     if let Some(program) = oci_runtime {
         let launcher = oci::Launcher::new(program.to_path_buf(), Vec::new(), root);
         return Some(Box::new(oci::CommandLine::new(launcher)));
@@ -184,7 +190,7 @@ fn engine(oci_runtime: Option<&Path>, carrier: Option<PathBuf>, root: PathBuf) -
         Some(jail) => oci::Launcher::new(jail, Vec::new(), root),
         None => oci::Launcher::new(carrier?, vec!["jail".into()], root),
     };
-    Some(Box::new(oci::Jail::new(launcher)))
+    Some(Box::new(oci::Jail::new(launcher, private_below)))
 }
 
 pub struct ContainerRuntime {
@@ -239,7 +245,7 @@ fn control(sandbox: &Sandbox<'_>, action: &'static str, reason: impl ToString) -
 pub fn destroy_all(state_dir: &Path, oci_runtime: Option<&Path>) {
     let run = run_dir(state_dir);
     let root = run.join("runtime");
-    let Some(engine) = engine(oci_runtime, multicall_binary(), root.clone()) else {
+    let Some(engine) = engine(oci_runtime, multicall_binary(), root.clone(), Vec::new()) else {
         return;
     };
     let sandboxes = layout::sandboxes_dir(state_dir);
@@ -418,7 +424,16 @@ impl ContainerRuntime {
             missing.push(format!("a run directory at {}: {e}", run.display()));
         }
         let carrier = multicall_binary();
-        let engine = engine(config.oci_runtime.as_deref(), carrier.clone(), run.join("runtime")).unwrap_or_else(|| {
+        // The sandboxes' disks and roots are mounted below these two: a container's mount
+        // table starts without them (see `jail::view`).
+        let private_below = vec![layout::sandboxes_dir(&config.state_dir), run.clone()];
+        let engine = engine(
+            config.oci_runtime.as_deref(),
+            carrier.clone(),
+            run.join("runtime"),
+            private_below,
+        )
+        .unwrap_or_else(|| {
             missing.push(format!(
                 "an OCI runtime: no {JAIL_COMPANION}, node-svc or sandboxsched binary beside this one"
             ));
@@ -656,28 +671,36 @@ impl Runtime for ContainerRuntime {
             let lower = self.lower_dirs(sandbox)?;
             std::fs::create_dir_all(&parts.bundle).map_err(|e| format!("bundle: {e}"))?;
             close_bundle(&parts.bundle, ids.host_base).map_err(|e| format!("bundle: {e}"))?;
-            rootfs::mount_overlay(
-                &lower,
-                home,
-                &parts.work,
-                &parts.rootfs,
-                ids.userns.as_ref().map(|fd| fd.as_fd()),
-            )
-            .map_err(|e| e.to_string())?;
+            let idmap = ids.userns.as_ref().map(|fd| fd.as_fd());
+            // The root as a mount the runtime takes into the container's own table, where it
+            // can (the node's table then never holds it, see `jail::view`), else mounted here.
+            let tree = if self.engine.takes_root_mount() {
+                std::fs::create_dir_all(&parts.rootfs).map_err(|e| format!("bundle: {e}"))?;
+                Some(rootfs::overlay_tree(&lower, home, &parts.work, idmap).map_err(|e| e.to_string())?)
+            } else {
+                rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap).map_err(|e| e.to_string())?;
+                None
+            };
             let paths = joins.as_ref().map(slots::NetSlotView::paths);
             self.write_spec(sandbox, &parts, ids.host_base, paths.as_ref())?;
             let listener = Self::bind_socket(&parts).map_err(|e| format!("envd socket: {e}"))?;
             // envd starts the start command when this pipe closes: after the network is up.
             let (boot_read, boot_write) = io::pipe().map_err(|e| format!("boot pipe: {e}"))?;
-            self.engine
-                .run(
-                    sandbox.id,
-                    &parts.bundle,
-                    &parts.pid_file,
-                    &parts.log,
-                    &[listener.as_fd(), boot_read.as_fd()],
-                )
-                .map_err(|e| e.to_string())?;
+            let passed = [listener.as_fd(), boot_read.as_fd()];
+            match tree {
+                Some(tree) => {
+                    let root = oci::Root {
+                        tree,
+                        at: &parts.rootfs,
+                    };
+                    self.engine
+                        .run_rooted(sandbox.id, &parts.bundle, &parts.pid_file, &parts.log, root, &passed)
+                }
+                None => self
+                    .engine
+                    .run(sandbox.id, &parts.bundle, &parts.pid_file, &parts.log, &passed),
+            }
+            .map_err(|e| e.to_string())?;
             drop(boot_read);
             let pid = std::fs::read_to_string(&parts.pid_file).map_err(|e| format!("reading the pid file: {e}"))?;
             let pid = pid

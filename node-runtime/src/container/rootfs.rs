@@ -287,45 +287,119 @@ pub fn mount_overlay(
     if crate::disk::mounted(target) {
         return Ok(());
     }
-    let mut held = Vec::new();
-    let (lowers, upper, work) = match idmap {
-        None => (
-            lower.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-            upper.display().to_string(),
-            work.display().to_string(),
-        ),
-        Some(userns) => {
-            let mut lowers = Vec::with_capacity(lower.len());
-            for layer in lower {
-                let tree = super::ids::idmapped(layer, userns)?;
-                lowers.push(super::ids::fd_path(&tree));
-                held.push(tree);
-            }
-            let (Some(parent), Some(up), Some(wk)) = (upper.parent(), upper.file_name(), work.file_name()) else {
-                return Err(io::Error::other("the writable layer has no parent folder"));
-            };
-            if work.parent() != Some(parent) {
-                return Err(io::Error::other(format!(
-                    "{} and {} are not in one folder",
-                    upper.display(),
-                    work.display()
-                )));
-            }
-            let tree = super::ids::idmapped(parent, userns)?;
-            let folder = super::ids::fd_path(&tree);
-            held.push(tree);
-            (
-                lowers,
-                format!("{folder}/{}", up.display()),
-                format!("{folder}/{}", wk.display()),
-            )
-        }
-    };
-    let options = format!("lowerdir={},upperdir={upper},workdir={work}", lowers.join(":"));
+    let (layers, held) = OverlayLayers::new(lower, upper, work, idmap)?;
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        layers.lower, layers.upper, layers.work
+    );
     let mounted = mount_new("overlay", target, MountFlags::NOSUID | MountFlags::NODEV, &options)
         .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())));
-    drop(held);
+    close_later(held);
     mounted
+}
+
+/// The same overlay as [`mount_overlay`], made as a detached mount (`fsmount`): attached
+/// nowhere, so the node's mount table never holds it. The runtime attaches it in the
+/// container's own mount namespace (see `jail::view`), and it goes when that namespace does.
+pub fn overlay_tree(
+    lower: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    idmap: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<OwnedFd> {
+    use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
+    let (layers, held) = OverlayLayers::new(lower, upper, work, idmap)?;
+    let made = (|| -> rustix::io::Result<OwnedFd> {
+        let context = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC)?;
+        rustix::mount::fsconfig_set_string(&context, "lowerdir", layers.lower.as_str())?;
+        rustix::mount::fsconfig_set_string(&context, "upperdir", layers.upper.as_str())?;
+        rustix::mount::fsconfig_set_string(&context, "workdir", layers.work.as_str())?;
+        rustix::mount::fsconfig_create(&context)?;
+        rustix::mount::fsmount(
+            &context,
+            FsMountFlags::FSMOUNT_CLOEXEC,
+            MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
+        )
+    })();
+    close_later(held);
+    made.map_err(|e| io::Error::other(format!("making the overlay over {}: {e}", upper.display())))
+}
+
+/// Closes detached mounts (the idmapped copies an overlay was made from) on a thread of their
+/// own. Closing the last descriptor of a detached mount unmounts it, and the kernel then waits
+/// for an expedited RCU grace period before it returns: about 0.45 ms a create for its two
+/// copies, measured on a create's path, where nothing needs to wait for it (the overlay holds
+/// copies of its own). Closed here instead when no thread can be started.
+fn close_later(trees: Vec<OwnedFd>) {
+    use std::sync::mpsc::Sender;
+    static CLOSER: std::sync::OnceLock<Option<Sender<Vec<OwnedFd>>>> = std::sync::OnceLock::new();
+    if trees.is_empty() {
+        return;
+    }
+    let closer = CLOSER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<OwnedFd>>();
+        std::thread::Builder::new()
+            .name("mount-closer".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(Err(unsent)) = closer.as_ref().map(|tx| tx.send(trees)) {
+        drop(unsent.0);
+    }
+}
+
+/// An overlay's layers as its options name them, and the idmapped copies those names reach
+/// (held until the overlay is made: it keeps copies of its own).
+struct OverlayLayers {
+    lower: String,
+    upper: String,
+    work: String,
+}
+
+impl OverlayLayers {
+    fn new(
+        lower: &[PathBuf],
+        upper: &Path,
+        work: &Path,
+        idmap: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> io::Result<(Self, Vec<OwnedFd>)> {
+        let Some(userns) = idmap else {
+            let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
+            let layers = Self {
+                lower: lowers.join(":"),
+                upper: upper.display().to_string(),
+                work: work.display().to_string(),
+            };
+            return Ok((layers, Vec::new()));
+        };
+        let mut held = Vec::new();
+        let mut lowers = Vec::with_capacity(lower.len());
+        for layer in lower {
+            let tree = super::ids::idmapped(layer, userns)?;
+            lowers.push(super::ids::fd_path(&tree));
+            held.push(tree);
+        }
+        let (Some(parent), Some(up), Some(wk)) = (upper.parent(), upper.file_name(), work.file_name()) else {
+            return Err(io::Error::other("the writable layer has no parent folder"));
+        };
+        if work.parent() != Some(parent) {
+            return Err(io::Error::other(format!(
+                "{} and {} are not in one folder",
+                upper.display(),
+                work.display()
+            )));
+        }
+        let tree = super::ids::idmapped(parent, userns)?;
+        let folder = super::ids::fd_path(&tree);
+        held.push(tree);
+        let layers = Self {
+            lower: lowers.join(":"),
+            upper: format!("{folder}/{}", up.display()),
+            work: format!("{folder}/{}", wk.display()),
+        };
+        Ok((layers, held))
+    }
 }
 
 /// Unmounts the overlay at `target` if one is mounted there.

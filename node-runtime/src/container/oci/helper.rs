@@ -13,7 +13,7 @@
 
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt as _;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 
@@ -21,35 +21,38 @@ use super::{spawn, Launcher};
 
 /// The node's side of the jail's helper: the control socket of the helper running now, if one
 /// is. Started from the runtime binary the `Launcher` each call is given names.
-#[derive(Default)]
 pub struct Helper {
     control: Mutex<Option<Arc<OwnedFd>>>,
+    /// Folders whose mounts the helper leaves out of its own mount table (`--private-below`).
+    private_below: Vec<PathBuf>,
 }
 
 impl Helper {
-    /// Runs container `id` from `bundle` through the helper: the run's exit status, as a
-    /// runtime process would have exited. `BrokenPipe`: no helper would take the request (one
+    pub fn new(private_below: Vec<PathBuf>) -> Self {
+        Self {
+            control: Mutex::new(None),
+            private_below,
+        }
+    }
+
+    /// Runs `request` through the helper (with `root`, its root mount, when it says so): the
+    /// run's exit status, as a runtime process would have exited. `BrokenPipe`: no helper would take the request (one
     /// started again was gone at once too: a runtime binary without the `helper` command), so
     /// nothing of it ran; `UnexpectedEof`: the helper died during the run, which has ended
     /// but may have left a container.
     pub fn run(
         &self,
         launcher: &Launcher,
-        id: &str,
-        bundle: &Path,
-        pid_file: &Path,
+        request: &jail::helper::Request,
         output: &std::fs::File,
+        root: Option<BorrowedFd<'_>>,
         passed: &[BorrowedFd<'_>],
     ) -> std::io::Result<ExitStatus> {
-        let request = jail::helper::Request {
-            id: id.to_string(),
-            bundle: bundle.to_path_buf(),
-            pid_file: pid_file.to_path_buf(),
-        };
+        let id = &request.id;
         let mut restarted = false;
         loop {
             let control = self.control(launcher)?;
-            match jail::helper::send(control.as_fd(), &request, output.as_fd(), passed) {
+            match jail::helper::send(control.as_fd(), request, output.as_fd(), root, passed) {
                 Ok(status) => return Ok(ExitStatus::from_raw(status)),
                 // Gone before it read the request: nothing of it ran, so a new helper may.
                 Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe && !restarted => {
@@ -73,7 +76,7 @@ impl Helper {
         if let Some(control) = current.as_ref() {
             return Ok(control.clone());
         }
-        let control = Arc::new(Self::start(launcher)?);
+        let control = Arc::new(self.start(launcher)?);
         *current = Some(control.clone());
         Ok(control)
     }
@@ -88,7 +91,7 @@ impl Helper {
 
     /// Starts a helper: its control socket. Its own errors go to the node's stderr; a thread
     /// waits for it to exit, so it never lingers as a zombie.
-    fn start(launcher: &Launcher) -> std::io::Result<OwnedFd> {
+    fn start(&self, launcher: &Launcher) -> std::io::Result<OwnedFd> {
         use rustix::net::{AddressFamily, SocketFlags, SocketType};
         let (ours, theirs) =
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
@@ -97,6 +100,9 @@ impl Helper {
         let stderr = std::fs::File::from(rustix::io::fcntl_dupfd_cloexec(std::io::stderr().as_fd(), 0)?);
         let mut args = launcher.prefix.clone();
         args.extend(["--root".into(), launcher.root.clone().into_os_string(), "helper".into()]);
+        for folder in &self.private_below {
+            args.extend(["--private-below".into(), folder.clone().into_os_string()]);
+        }
         // The helper's end becomes its fd 3 (`jail::helper::CONTROL_FD`).
         let pid = spawn::spawn(&launcher.program, &args, &stderr, &[theirs.as_fd()])?;
         let _ = std::thread::Builder::new()

@@ -11,11 +11,11 @@
 use ::jail::container::{self, ContainerError};
 use ::jail::state::{self, StateDir, StateError};
 
-use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::os::fd::{AsFd as _, BorrowedFd};
+use std::path::{Path, PathBuf};
 
 use super::helper::Helper;
-use super::{Engine, EngineError, Launcher, Status};
+use super::{Engine, EngineError, Launcher, Root, Status};
 
 pub struct Jail {
     launcher: Launcher,
@@ -24,13 +24,55 @@ pub struct Jail {
 }
 
 impl Jail {
-    pub fn new(launcher: Launcher) -> Self {
+    /// The jail behind `launcher`; its helper keeps a mount table of its own without the
+    /// mounts below `private_below` (the node's sandboxes' disks and roots: see `jail::view`).
+    pub fn new(launcher: Launcher, private_below: Vec<PathBuf>) -> Self {
         let dir = StateDir::new(&launcher.root);
         Self {
             launcher,
             dir,
-            helper: Helper::default(),
+            helper: Helper::new(private_below),
         }
+    }
+
+    /// [`Engine::run`] through the helper, with the root as a mount or without.
+    fn run_through_helper(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        root: Option<Root<'_>>,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError> {
+        let out = super::open_log(log)?;
+        let tree = root.as_ref().map(|r| r.tree.as_fd());
+        let request = ::jail::helper::Request {
+            id: id.to_string(),
+            bundle: bundle.to_path_buf(),
+            pid_file: pid_file.to_path_buf(),
+            root_mount: tree.is_some(),
+        };
+        let status = match self.helper.run(&self.launcher, &request, &out, tree, passed) {
+            Ok(status) => status,
+            // No helper runs here (a runtime binary older than the helper, say): a runtime
+            // process for this one, as before there was a helper, from the node's own mount
+            // table (where the root is attached first).
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                tracing::warn!(sandbox_id = %id, err = %e, "no runtime helper: running the runtime once for this create");
+                if let Some(root) = root {
+                    root.attach_here()?;
+                }
+                return self.launcher.run(id, bundle, pid_file, log, passed);
+            }
+            Err(source) => {
+                return Err(EngineError::Spawn {
+                    runtime: self.describe(),
+                    source,
+                })
+            }
+        };
+        self.launcher.ran(status, log)
     }
 }
 
@@ -52,23 +94,23 @@ impl Engine for Jail {
         log: &Path,
         passed: &[BorrowedFd<'_>],
     ) -> Result<(), EngineError> {
-        let out = super::open_log(log)?;
-        let status = match self.helper.run(&self.launcher, id, bundle, pid_file, &out, passed) {
-            Ok(status) => status,
-            // No helper runs here (a runtime binary older than the helper, say): a runtime
-            // process for this one, as before there was a helper.
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                tracing::warn!(sandbox_id = %id, err = %e, "no runtime helper: running the runtime once for this create");
-                return self.launcher.run(id, bundle, pid_file, log, passed);
-            }
-            Err(source) => {
-                return Err(EngineError::Spawn {
-                    runtime: self.describe(),
-                    source,
-                })
-            }
-        };
-        self.launcher.ran(status, log)
+        self.run_through_helper(id, bundle, pid_file, log, None, passed)
+    }
+
+    fn takes_root_mount(&self) -> bool {
+        true
+    }
+
+    fn run_rooted(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        root: Root<'_>,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError> {
+        self.run_through_helper(id, bundle, pid_file, log, Some(root), passed)
     }
 
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError> {

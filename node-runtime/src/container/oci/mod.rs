@@ -57,6 +57,8 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Jail(#[from] ::jail::container::ContainerError),
+    #[error("attaching the container's root at {at}: {source}")]
+    Root { at: PathBuf, source: std::io::Error },
 }
 
 /// The verbs of an OCI runtime the node uses, on containers named by sandbox ID.
@@ -94,6 +96,28 @@ pub trait Engine: Send + Sync {
         self.launcher().run(id, bundle, pid_file, log, passed)
     }
 
+    /// Whether [`Engine::run_rooted`] takes the container's root as a detached mount into
+    /// the container's own mount namespace (the node's table then never holds it); otherwise
+    /// it is attached in the node's, at the bundle's root path, as a mounted root would be.
+    fn takes_root_mount(&self) -> bool {
+        false
+    }
+
+    /// As [`Engine::run`], with the container's root a detached mount (`root.tree`) that the
+    /// spec's root path (`root.at`) names.
+    fn run_rooted(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        root: Root<'_>,
+        passed: &[BorrowedFd<'_>],
+    ) -> Result<(), EngineError> {
+        root.attach_here()?;
+        self.run(id, bundle, pid_file, log, passed)
+    }
+
     /// The container's status; `None` when the runtime does not know it.
     fn state(&self, id: &str) -> Result<Option<Status>, EngineError>;
 
@@ -104,6 +128,29 @@ pub trait Engine: Send + Sync {
     /// Kills everything of the container and forgets it; a container the runtime does not
     /// know is already gone.
     fn delete(&self, id: &str) -> Result<(), EngineError>;
+}
+
+/// A container's root made as a detached mount, and the path its spec names for it.
+pub struct Root<'a> {
+    pub tree: std::os::fd::OwnedFd,
+    pub at: &'a Path,
+}
+
+impl Root<'_> {
+    /// Attaches the root at its path in this process's mount namespace (the node's).
+    fn attach_here(self) -> Result<(), EngineError> {
+        rustix::mount::move_mount(
+            &self.tree,
+            "",
+            rustix::fs::CWD,
+            self.at,
+            rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .map_err(|e| EngineError::Root {
+            at: self.at.to_path_buf(),
+            source: e.into(),
+        })
+    }
 }
 
 /// How a runtime binary is invoked: `PROGRAM PREFIX... --root ROOT VERB ...`.
