@@ -411,19 +411,7 @@ pub fn unmask_proc_and_sys() -> Result<usize, NamespaceError> {
     if masks.is_empty() {
         return Ok(0);
     }
-    let fail = |what| move |errno| NamespaceError::Unmask { what, errno };
-    // SAFETY: unshare and mount with constant, NUL-terminated arguments.
-    unsafe {
-        check(libc::unshare(libc::CLONE_NEWNS)).map_err(fail("unshare the mount namespace"))?;
-        check(libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_SLAVE,
-            std::ptr::null(),
-        ))
-        .map_err(fail("make every mount a slave"))?;
-    }
+    crate::view::own_namespace().map_err(|(what, errno)| NamespaceError::Unmask { what, errno })?;
     let mut lifted = 0;
     for point in masks {
         let Ok(path) = std::ffi::CString::new(point) else {

@@ -49,14 +49,13 @@ pub enum ViewError {
     },
 }
 
-/// Moves this process into a mount namespace of its own (every mount a slave) and detaches
-/// there every mount strictly below one of `below` (the folders themselves stay as they are
-/// mounted); how many were detached. Must be called single-threaded.
-pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
-    let fail = |what| move |errno| ViewError::Private { what, errno };
+/// Moves this process into a mount namespace of its own, a copy of its current one with every
+/// mount made a slave: nothing mounted or unmounted here reaches the namespace it came from.
+/// On failure, the step that failed. Must be called single-threaded.
+pub(crate) fn own_namespace() -> Result<(), (&'static str, Errno)> {
     // SAFETY: unshare and mount with constant, NUL-terminated arguments.
     unsafe {
-        check(libc::unshare(libc::CLONE_NEWNS)).map_err(fail("unshare"))?;
+        check(libc::unshare(libc::CLONE_NEWNS)).map_err(|e| ("unshare the mount namespace", e))?;
         check(libc::mount(
             std::ptr::null(),
             c"/".as_ptr(),
@@ -64,8 +63,16 @@ pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
             libc::MS_REC | libc::MS_SLAVE,
             std::ptr::null(),
         ))
-        .map_err(fail("make every mount a slave"))?;
+        .map_err(|e| ("make every mount a slave", e))?;
     }
+    Ok(())
+}
+
+/// Moves this process into a mount namespace of its own (every mount a slave) and detaches
+/// there every mount strictly below one of `below` (the folders themselves stay as they are
+/// mounted); how many were detached. Must be called single-threaded.
+pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
+    own_namespace().map_err(|(what, errno)| ViewError::Private { what, errno })?;
     // Read once, at the helper's start. Disks the node mounts later reach this table only
     // where the host's mounts propagate, and then so do their unmounts.
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| ViewError::Private {
@@ -150,18 +157,7 @@ pub fn attach_root(tree: OwnedFd, at: &Path) -> Result<(), ViewError> {
         what: "the path",
         errno: Errno(libc::EINVAL),
     })?;
-    // SAFETY: unshare and mount with constant, NUL-terminated arguments.
-    unsafe {
-        check(libc::unshare(libc::CLONE_NEWNS)).map_err(fail("unshare"))?;
-        check(libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_SLAVE,
-            std::ptr::null(),
-        ))
-        .map_err(fail("make every mount a slave"))?;
-    }
+    own_namespace().map_err(|(what, errno)| fail(what)(errno))?;
     // SAFETY: `tree` is an open mount descriptor, named by the empty path; `target` is a
     // NUL-terminated path.
     let rc = unsafe {
