@@ -7,8 +7,9 @@
 //! is small and single-threaded, so the fork copies little) and the child runs `run --detach`
 //! as the command line would, in a process that is what `run` relies on an exec'd one being:
 //! single-threaded, with 0–2 and the passed descriptors where the command line puts them,
-//! nothing else of the helper's left open, and the host's mount namespace (`run` may leave it
-//! for one of its own, and only the child does).
+//! nothing else of the helper's left open, and the helper's mount namespace (the host's, or
+//! with `--private-below` one of the helper's own: `run` may leave it for one of its own, and
+//! only the child does).
 //!
 //! The protocol (`SOCK_SEQPACKET`, so a request is one message with its descriptors):
 //! - the request, on the control socket: `ID \0 BUNDLE \0 PID-FILE \0`, with `SCM_RIGHTS`
@@ -63,7 +64,7 @@ pub const MAX_PASSED: usize = 8;
 /// Descriptors in a request besides the passed ones: the reply socket and the output.
 const OWN_FDS: usize = 2;
 
-/// Room for a request's three fields (paths under the node's run directory: short).
+/// Room for a request's fields (paths under the node's run directory: short).
 const MAX_REQUEST: usize = 3 * 4096;
 
 /// Why the helper, or one request to it, failed.
@@ -77,8 +78,6 @@ pub enum HelperError {
     Request(&'static str),
     #[error("helper: the request's {0} holds a NUL byte")]
     Nul(&'static str),
-    #[error("helper: {0}")]
-    View(String),
 }
 
 fn sys_err(what: &'static str) -> impl Fn(rustix::io::Errno) -> HelperError {
@@ -328,7 +327,11 @@ pub fn serve(dir: &StateDir, deadline: Duration, private_below: &[PathBuf]) -> R
         errno,
     })?;
     if !private_below.is_empty() {
-        crate::view::private_view(private_below).map_err(|e| HelperError::View(e.to_string()))?;
+        // Without it the helper still serves, each container copied from the node's whole
+        // table as before; said once, here, rather than by a helper that dies at every start.
+        if let Err(e) = crate::view::private_view(private_below) {
+            Logger::stderr().warn(&format!("helper: serving from the node's mount table: {e}"));
+        }
     }
     let mut running: Vec<Child> = Vec::new();
     let mut open = true;
@@ -453,6 +456,11 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
         true => Some(passed.remove(0)),
         false => None,
     };
+    if passed.len() > MAX_PASSED {
+        log.error("helper: request with more descriptors than a container may be passed");
+        answer(&reply, exited(1));
+        return None;
+    }
     // The helper's own copy, to tell the run's log why it was killed (close-on-exec, and
     // closed in every later run's child with the rest of the helper's).
     let told = match rustix::io::fcntl_dupfd_cloexec(&output, 0) {

@@ -69,23 +69,32 @@ pub(crate) fn own_namespace() -> Result<(), (&'static str, Errno)> {
 }
 
 /// Moves this process into a mount namespace of its own (every mount a slave) and detaches
-/// there every mount strictly below one of `below` (the folders themselves stay as they are
-/// mounted); how many were detached. Must be called single-threaded.
+/// there the mounts strictly below one of `below` (the folders themselves stay as they are
+/// mounted); how many were detached (a mount that would not go stays: the view is smaller,
+/// not required). Must be called single-threaded.
 pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
+    // Mount points are read as the kernel prints them: canonical. A folder named through a
+    // symlink or relatively would match none of them.
+    let below: Vec<PathBuf> = below
+        .iter()
+        .map(|b| std::fs::canonicalize(b).unwrap_or_else(|_| b.clone()))
+        .collect();
     own_namespace().map_err(|(what, errno)| ViewError::Private { what, errno })?;
     // Read once, at the helper's start. Disks the node mounts later reach this table only
     // where the host's mounts propagate, and then so do their unmounts.
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| ViewError::Private {
+    let mountinfo = std::fs::read("/proc/self/mountinfo").map_err(|e| ViewError::Private {
         what: "read /proc/self/mountinfo",
         errno: Errno(e.raw_os_error().unwrap_or(libc::EIO)),
     })?;
     let mut detached = 0;
-    for point in outermost_below(&mountinfo, below) {
+    for point in outermost_below(&mountinfo, &below) {
         let Ok(path) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
             continue;
         };
-        // SAFETY: umount2 of a NUL-terminated path. A detach takes the mounts below it along.
-        if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } == 0 {
+        // A detach takes the mounts below it along; several mounts stacked on one point go
+        // one at a time, until none is left (EINVAL: not a mount point any more).
+        // SAFETY: umount2 of a NUL-terminated path.
+        while unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } == 0 {
             detached += 1;
         }
     }
@@ -94,11 +103,12 @@ pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
 
 /// The mount points of `mountinfo` strictly below one of `below` and below no other such
 /// point, shallowest first.
-fn outermost_below(mountinfo: &str, below: &[PathBuf]) -> Vec<PathBuf> {
+fn outermost_below(mountinfo: &[u8], below: &[PathBuf]) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStringExt as _;
     let mut points: Vec<PathBuf> = mountinfo
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape(p)))
+        .split(|b| *b == b'\n')
+        .filter_map(|line| line.split(|b| *b == b' ').nth(4))
+        .map(|p| PathBuf::from(std::ffi::OsString::from_vec(unescape(p))))
         .filter(|p| below.iter().any(|b| p.starts_with(b) && p != b))
         .collect();
     points.sort_by(|a, b| {
@@ -118,26 +128,25 @@ fn outermost_below(mountinfo: &str, below: &[PathBuf]) -> Vec<PathBuf> {
 }
 
 /// A mountinfo path with its octal escapes (`\040` for a space, `\134` for a backslash) read.
-fn unescape(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
+fn unescape(field: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(field.len());
     let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
+    while i < field.len() {
+        let octal = field
             .get(i + 1..i + 4)
-            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+            .filter(|d| field[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
         match octal {
             Some(d) => {
                 out.push((d[0] - b'0') << 6 | (d[1] - b'0') << 3 | (d[2] - b'0'));
                 i += 4;
             }
             None => {
-                out.push(bytes[i]);
+                out.push(field[i]);
                 i += 1;
             }
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 /// Moves this process into a mount namespace of its own (a copy of its creator's, every mount
@@ -193,7 +202,7 @@ mod tests {
     fn only_the_outermost_mounts_strictly_below_the_folders_are_detached() {
         let below = [PathBuf::from("/state/run"), PathBuf::from("/state/sandboxes")];
         assert_eq!(
-            outermost_below(MOUNTINFO, &below),
+            outermost_below(MOUNTINFO.as_bytes(), &below),
             vec![
                 PathBuf::from("/state/sandboxes/a/disk"),
                 PathBuf::from("/state/run/a/bundle/rootfs"),
@@ -202,7 +211,7 @@ mod tests {
              that merely shares a prefix is not below"
         );
         assert_eq!(
-            outermost_below(MOUNTINFO, &[PathBuf::from("/state")]),
+            outermost_below(MOUNTINFO.as_bytes(), &[PathBuf::from("/state")]),
             vec![
                 PathBuf::from("/state/run"),
                 PathBuf::from("/state/sandboxes b/disk"),
@@ -214,8 +223,9 @@ mod tests {
 
     #[test]
     fn octal_escapes_are_read() {
-        assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
-        assert_eq!(unescape("/plain"), "/plain");
-        assert_eq!(unescape("/cut\\04"), "/cut\\04");
+        assert_eq!(unescape(b"/a\\040b\\134c"), b"/a b\\c");
+        assert_eq!(unescape(b"/plain"), b"/plain");
+        assert_eq!(unescape(b"/cut\\04"), b"/cut\\04");
+        assert_eq!(unescape(b"/not\\377utf8"), b"/not\xffutf8");
     }
 }

@@ -1469,6 +1469,8 @@ fn a_private_helper_runs_a_container_on_a_root_sent_as_a_mount() {
     require_root!();
     let script = r#"exec >&3 2>/dev/null
 test -e /marker && echo marker=present || echo marker=absent
+while read -r id parent dev root point opts rest; do [ "$point" = / ] && o=$opts; done < /proc/self/mountinfo
+echo "rootopts=$o"
 echo done=1
 "#;
     let b = Bundle::new("rooted", script);
@@ -1491,12 +1493,36 @@ echo done=1
         rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC,
     )
     .unwrap();
+    // As the node makes its roots: nosuid and nodev (the container must not clear them).
+    let attr = libc::mount_attr {
+        attr_set: libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: the empty path with AT_EMPTY_PATH names the descriptor; `attr` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
     let (status, said, r) = helper.run_rooted(&b, Some(&tree));
     assert_eq!(status, 0, "run with a root mount failed: {said}");
     let pid = b.pid();
     let rep = report(r);
     assert_eq!(field(&rep, "done"), "1", "{rep}");
     assert_eq!(field(&rep, "marker"), "present", "the root is the mount sent: {rep}");
+    let options: Vec<&str> = field(&rep, "rootopts").split(',').collect();
+    assert!(
+        options.contains(&"nosuid") && options.contains(&"nodev"),
+        "the root keeps its flags: {rep}"
+    );
     reap(pid);
 
     let helper_pid = helper.process.id().to_string();

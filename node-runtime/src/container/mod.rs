@@ -426,7 +426,11 @@ impl ContainerRuntime {
         let carrier = multicall_binary();
         // The sandboxes' disks and roots are mounted below these two: a container's mount
         // table starts without them (see `jail::view`).
-        let private_below = vec![layout::sandboxes_dir(&config.state_dir), run.clone()];
+        // (Every node's run folder is in one tmpfs: the mounts below it are roots of any node.)
+        let private_below = vec![
+            layout::sandboxes_dir(&config.state_dir),
+            PathBuf::from(run_dir::RUN_ROOT),
+        ];
         let engine = engine(
             config.oci_runtime.as_deref(),
             carrier.clone(),
@@ -675,8 +679,22 @@ impl Runtime for ContainerRuntime {
             // The root as a mount the runtime takes into the container's own table, where it
             // can (the node's table then never holds it, see `jail::view`), else mounted here.
             let tree = if self.engine.takes_root_mount() {
+                // A root an older node (or the runtime's fallback) mounted here, still there
+                // for a sandbox started again: a second overlay over the same layers must not
+                // sit beside it.
+                rootfs::unmount(&parts.rootfs).map_err(|e| format!("the root left mounted: {e}"))?;
                 std::fs::create_dir_all(&parts.rootfs).map_err(|e| format!("bundle: {e}"))?;
-                Some(rootfs::overlay_tree(&lower, home, &parts.work, idmap).map_err(|e| e.to_string())?)
+                match rootfs::overlay_tree(&lower, home, &parts.work, idmap) {
+                    Ok(tree) => Some(tree),
+                    // A kernel before 6.8 (no `lowerdir+`): mounted here, as before.
+                    Err(err) => {
+                        static TOLD: std::sync::Once = std::sync::Once::new();
+                        TOLD.call_once(|| tracing::warn!(%err, "roots are mounted in the node's own mount table: the kernel cannot make them detached"));
+                        rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap)
+                            .map_err(|e| e.to_string())?;
+                        None
+                    }
+                }
             } else {
                 rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap).map_err(|e| e.to_string())?;
                 None
