@@ -457,7 +457,12 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
         false => None,
     };
     if passed.len() > MAX_PASSED {
-        log.error("helper: request with more descriptors than a container may be passed");
+        let line = format!(
+            "helper: a request with {} descriptors to pass; at most {MAX_PASSED}\n",
+            passed.len()
+        );
+        let _ = sys::write_all(output.as_raw_fd(), line.as_bytes());
+        log.error(line.trim_end());
         answer(&reply, exited(1));
         return None;
     }

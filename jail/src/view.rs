@@ -26,7 +26,8 @@
 //!   propagate, so a create never tears one down. Making the sandboxes' folder a private mount
 //!   of its own would keep them out; not done.);
 //! - the node builds each root as a detached mount (an overlay made with `fsmount`, attached
-//!   nowhere) and sends it with the run; the run moves into a namespace of its own copied from
+//!   nowhere; where the kernel cannot, mounted, copied with `open_tree` and unmounted again)
+//!   and sends it with the run; the run moves into a namespace of its own copied from
 //!   the helper's and attaches it at the bundle's root path ([`attach_root`]). The container's
 //!   namespace is then copied from that one, as before, so the kernel locks the root's flags
 //!   (`nosuid`, `nodev`) against the container's root exactly as it locks a copied host mount.
@@ -91,10 +92,10 @@ pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
         let Ok(path) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
             continue;
         };
-        // A detach takes the mounts below it along; several mounts stacked on one point go
-        // one at a time, until none is left (EINVAL: not a mount point any more).
+        // A detach takes the mounts on that mount along; several mounts stacked on one point
+        // go one at a time, until none is left (EINVAL: not a mount point any more).
         // SAFETY: umount2 of a NUL-terminated path.
-        while unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } == 0 {
+        while unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) } == 0 {
             detached += 1;
         }
     }

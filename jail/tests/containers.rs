@@ -1493,7 +1493,8 @@ echo done=1
         rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC,
     )
     .unwrap();
-    // As the node makes its roots: nosuid and nodev (the container must not clear them).
+    // As the node makes its roots: nosuid and nodev, which the container's `/` must still
+    // show (copied into its less privileged namespace, the kernel also locks them there).
     let attr = libc::mount_attr {
         attr_set: libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
         attr_clr: 0,

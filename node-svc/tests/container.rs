@@ -963,6 +963,15 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
             mounted_here,
             "{runtime:?}: the host's root sees the file through the bundle's root only with runc"
         );
+        // The host's root reads it through the init's `/proc/PID/root`; another user is refused
+        // there (the kernel's ptrace check on the init).
+        let init = std::fs::read_to_string(bundle.join("container.pid")).unwrap();
+        let through_init = PathBuf::from(format!("/proc/{}/root/home/user/secret.txt", init.trim()));
+        assert_eq!(
+            std::fs::read_to_string(&through_init).unwrap(),
+            "secret\n",
+            "{runtime:?}"
+        );
         for (what, command) in [
             ("the spec", format!("cat {}/config.json", bundle.display())),
             (
@@ -973,10 +982,7 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
             ("envd's socket", format!("test -w {}/envd.sock", bundle.display())),
             (
                 "a tenant's file through its init's root",
-                format!(
-                    "cat /proc/{}/root/home/user/secret.txt",
-                    std::fs::read_to_string(bundle.join("container.pid")).unwrap().trim()
-                ),
+                format!("cat {}", through_init.display()),
             ),
             (
                 "the state directory",
@@ -2068,9 +2074,9 @@ fn mount_points(pid: &str) -> Vec<PathBuf> {
 }
 
 /// A sandbox's root is in no mount table but its container's: not the node's (which keeps the
-/// sandbox's disk), not the runtime helper's (which holds no sandbox's mounts at all, so a
-/// create copies none of them, and never becomes the last holder of a killed sandbox's file
-/// systems), and from inside a sandbox no other sandbox's mount is named.
+/// sandbox's disk), not the runtime helper's (which holds no root, and no disk but where the
+/// host's mounts propagate: so a create never becomes the last holder of a killed sandbox's
+/// file systems), and from inside a sandbox no other sandbox's mount is named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandboxs_root_is_mounted_in_its_container_alone() {
     let n = node(None).await;
@@ -2095,8 +2101,13 @@ async fn a_sandboxs_root_is_mounted_in_its_container_alone() {
         !theirs.iter().any(|p| p.starts_with(&run) && p != &run),
         "the helper's table holds no root: {theirs:?}"
     );
-    // Disks mounted after the helper started reach its table where the host's mounts
-    // propagate (their unmounts then do too); where they do not, none is there.
+    // The helper started at the first create, after that sandbox's disk was mounted: that
+    // disk is detached from its table on any host. Disks mounted later reach its table where
+    // the host's mounts propagate (their unmounts then do too); where they do not, none is.
+    assert!(
+        !theirs.contains(&disk),
+        "the helper's table holds the first sandbox's disk: {theirs:?}"
+    );
     if !propagates(&sandboxes) {
         assert!(
             !theirs.iter().any(|p| p.starts_with(&sandboxes)),

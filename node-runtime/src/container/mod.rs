@@ -679,22 +679,22 @@ impl Runtime for ContainerRuntime {
             // The root as a mount the runtime takes into the container's own table, where it
             // can (the node's table then never holds it, see `jail::view`), else mounted here.
             let tree = if self.engine.takes_root_mount() {
-                // A root an older node (or the runtime's fallback) mounted here, still there
-                // for a sandbox started again: a second overlay over the same layers must not
-                // sit beside it.
+                // A root an older node mounted here, still there for a sandbox started again
+                // (its container gone): a second overlay over the same layers must not sit
+                // beside it.
                 rootfs::unmount(&parts.rootfs).map_err(|e| format!("the root left mounted: {e}"))?;
                 std::fs::create_dir_all(&parts.rootfs).map_err(|e| format!("bundle: {e}"))?;
-                match rootfs::overlay_tree(&lower, home, &parts.work, idmap) {
-                    Ok(tree) => Some(tree),
-                    // A kernel before 6.8 (no `lowerdir+`): mounted here, as before.
-                    Err(err) => {
-                        static TOLD: std::sync::Once = std::sync::Once::new();
-                        TOLD.call_once(|| tracing::warn!(%err, "roots are mounted in the node's own mount table: the kernel cannot make them detached"));
-                        rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap)
-                            .map_err(|e| e.to_string())?;
-                        None
+                let tree = rootfs::overlay_tree(&lower, home, &parts.work, idmap).or_else(|err| {
+                    if err.kind() != io::ErrorKind::Unsupported {
+                        return Err(err);
                     }
-                }
+                    static TOLD: std::sync::Once = std::sync::Once::new();
+                    TOLD.call_once(
+                        || tracing::warn!(%err, "roots made the way older kernels allow (mounted, copied, unmounted)"),
+                    );
+                    rootfs::overlay_tree_mounted(&lower, home, &parts.work, &parts.rootfs, idmap)
+                });
+                Some(tree.map_err(|e| e.to_string())?)
             } else {
                 rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap).map_err(|e| e.to_string())?;
                 None

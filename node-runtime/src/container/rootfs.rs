@@ -1,6 +1,8 @@
 //! A sandbox's root filesystem: an overlay of its template's read-only layers under the
 //! sandbox's own writable layer (the only part that is the sandbox's data: what a snapshot
-//! carries), mounted by the node before the runtime starts the container.
+//! carries). The node makes it before the runtime starts the container: as a detached mount the
+//! runtime attaches in the container's own mount table (the node's own runtime, see
+//! [`overlay_tree`]), or mounted in the node's table for a runtime that takes a path (runc).
 //!
 //! The built-in `base` template is assembled from the host's own userland so it works offline
 //! on a fresh machine: one small generated layer (directories, the merged-`/usr` symlinks, an
@@ -311,12 +313,19 @@ pub fn overlay_tree(
 ) -> io::Result<OwnedFd> {
     use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
     let (layers, held) = OverlayLayers::new(lower, upper, work, idmap)?;
+    // Which errors mean "not this way" rather than "not at all": no `fsopen` (before Linux
+    // 5.2), or a layer refused by `lowerdir+` (before 6.8, or one name past 255 bytes).
+    let mut unsupported = false;
     let made = (|| -> rustix::io::Result<OwnedFd> {
-        let context = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC)?;
+        let context = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).inspect_err(|e| {
+            unsupported = *e == rustix::io::Errno::NOSYS;
+        })?;
         // One layer a call (`lowerdir+`, Linux 6.8): `fsconfig` takes a value of at most 255
         // bytes, which a whole colon-separated list of a dozen layers passes.
         for layer in &layers.lowers {
-            rustix::mount::fsconfig_set_string(&context, "lowerdir+", layer.as_str())?;
+            rustix::mount::fsconfig_set_string(&context, "lowerdir+", layer.as_str()).inspect_err(|e| {
+                unsupported = *e == rustix::io::Errno::INVAL;
+            })?;
         }
         rustix::mount::fsconfig_set_string(&context, "upperdir", layers.upper.as_str())?;
         rustix::mount::fsconfig_set_string(&context, "workdir", layers.work.as_str())?;
@@ -328,7 +337,35 @@ pub fn overlay_tree(
         )
     })();
     close_later(held);
-    made.map_err(|e| io::Error::other(format!("making the overlay over {}: {e}", upper.display())))
+    made.map_err(|e| {
+        let kind = match unsupported {
+            true => io::ErrorKind::Unsupported,
+            false => io::ErrorKind::Other,
+        };
+        io::Error::new(kind, format!("making the overlay over {}: {e}", upper.display()))
+    })
+}
+
+/// The root [`overlay_tree`] makes, made the way any kernel allows: mounted at `scratch` (an
+/// empty folder), copied as a detached mount (`open_tree`, Linux 5.2), and unmounted again, so
+/// the node's table does not keep it either. For what `overlay_tree` cannot do.
+pub fn overlay_tree_mounted(
+    lower: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    scratch: &Path,
+    idmap: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    mount_overlay(lower, upper, work, scratch, idmap)?;
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        scratch,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )
+    .map_err(|e| io::Error::other(format!("copying the overlay at {}: {e}", scratch.display())));
+    unmount(scratch)?;
+    tree
 }
 
 /// Closes detached mounts (the idmapped copies an overlay was made from) on a thread of their
@@ -524,6 +561,30 @@ mod tests {
         );
         std::fs::write(root.join("written"), "w").unwrap();
         assert_eq!(std::fs::read_to_string(upper.join("written")).unwrap(), "w");
+        drop(tree);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    /// A layer whose name alone is past what `fsconfig` takes: `overlay_tree` says it cannot
+    /// (Unsupported, so the node falls back), and the root made the older way is whole and is
+    /// left mounted nowhere.
+    #[test]
+    fn a_root_the_kernel_cannot_make_detached_is_made_the_older_way() {
+        let dir = std::env::temp_dir().join(format!("overlay-older-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let layer = dir.join("a".repeat(200)).join("b".repeat(100));
+        std::fs::create_dir_all(&layer).unwrap();
+        std::fs::write(layer.join("f"), "layer").unwrap();
+        let (upper, work, scratch) = (dir.join("upper"), dir.join("work"), dir.join("root"));
+        for d in [&upper, &work, &scratch] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let lower = [layer];
+        let err = overlay_tree(&lower, &upper, &work, None).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::Unsupported, "{err}");
+        let tree = overlay_tree_mounted(&lower, &upper, &work, &scratch, None).unwrap();
+        let root = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&tree)));
+        assert_eq!(std::fs::read_to_string(root.join("f")).unwrap(), "layer");
+        assert!(!crate::disk::mounted(&scratch), "the node's table keeps no copy");
         drop(tree);
         std::fs::remove_dir_all(&dir).unwrap();
     }
