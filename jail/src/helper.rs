@@ -286,9 +286,11 @@ fn receive(control: BorrowedFd<'_>) -> Result<Option<Received>, HelperError> {
     } else if fds.len() < OWN_FDS {
         Err(HelperError::Request("request without its reply socket and output"))
     } else {
-        Request::decode(&bytes[..msg.bytes]).and_then(|r| match r.root_mount && fds.len() < OWN_FDS + 1 {
-            true => Err(HelperError::Request("request for a root mount without one")),
-            false => Ok(r),
+        Request::decode(&bytes[..msg.bytes]).and_then(|r| {
+            if r.root_mount && fds.len() < OWN_FDS + 1 {
+                return Err(HelperError::Request("request for a root mount without one"));
+            }
+            Ok(r)
         })
     };
     Ok(Some(Received { request, fds }))
@@ -452,10 +454,7 @@ fn start(dir: &StateDir, control: &OwnedFd, running: &[Child], received: Receive
     let output = fds.pop()?;
     let reply = fds.pop()?;
     // Received close-on-exec, and the child's alone to use: the helper keeps no copy.
-    let root = match request.root_mount {
-        true => Some(passed.remove(0)),
-        false => None,
-    };
+    let root = request.root_mount.then(|| passed.remove(0));
     if passed.len() > MAX_PASSED {
         let line = format!(
             "helper: a request with {} descriptors to pass; at most {MAX_PASSED}\n",

@@ -71,9 +71,9 @@ pub(crate) fn own_namespace() -> Result<(), (&'static str, Errno)> {
 
 /// Moves this process into a mount namespace of its own (every mount a slave) and detaches
 /// there the mounts strictly below one of `below` (the folders themselves stay as they are
-/// mounted); how many were detached (a mount that would not go stays: the view is smaller,
-/// not required). Must be called single-threaded.
-pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
+/// mounted; a mount that would not go stays: the view is smaller, not required). Must be
+/// called single-threaded.
+pub fn private_view(below: &[PathBuf]) -> Result<(), ViewError> {
     // Mount points are read as the kernel prints them: canonical. A folder named through a
     // symlink or relatively would match none of them.
     let below: Vec<PathBuf> = below
@@ -87,7 +87,6 @@ pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
         what: "read /proc/self/mountinfo",
         errno: Errno(e.raw_os_error().unwrap_or(libc::EIO)),
     })?;
-    let mut detached = 0;
     for point in outermost_below(&mountinfo, &below) {
         let Ok(path) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
             continue;
@@ -95,11 +94,9 @@ pub fn private_view(below: &[PathBuf]) -> Result<usize, ViewError> {
         // A detach takes the mounts on that mount along; several mounts stacked on one point
         // go one at a time, until none is left (EINVAL: not a mount point any more).
         // SAFETY: umount2 of a NUL-terminated path.
-        while unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) } == 0 {
-            detached += 1;
-        }
+        while unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) } == 0 {}
     }
-    Ok(detached)
+    Ok(())
 }
 
 /// The mount points of `mountinfo` strictly below one of `below` and below no other such

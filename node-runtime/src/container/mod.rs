@@ -684,17 +684,7 @@ impl Runtime for ContainerRuntime {
                 // beside it.
                 rootfs::unmount(&parts.rootfs).map_err(|e| format!("the root left mounted: {e}"))?;
                 std::fs::create_dir_all(&parts.rootfs).map_err(|e| format!("bundle: {e}"))?;
-                let tree = rootfs::overlay_tree(&lower, home, &parts.work, idmap).or_else(|err| {
-                    if err.kind() != io::ErrorKind::Unsupported {
-                        return Err(err);
-                    }
-                    static TOLD: std::sync::Once = std::sync::Once::new();
-                    TOLD.call_once(
-                        || tracing::warn!(%err, "roots made the way older kernels allow (mounted, copied, unmounted)"),
-                    );
-                    rootfs::overlay_tree_mounted(&lower, home, &parts.work, &parts.rootfs, idmap)
-                });
-                Some(tree.map_err(|e| e.to_string())?)
+                Some(rootfs::root_tree(&lower, home, &parts.work, &parts.rootfs, idmap).map_err(|e| e.to_string())?)
             } else {
                 rootfs::mount_overlay(&lower, home, &parts.work, &parts.rootfs, idmap).map_err(|e| e.to_string())?;
                 None

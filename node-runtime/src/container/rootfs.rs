@@ -2,7 +2,7 @@
 //! sandbox's own writable layer (the only part that is the sandbox's data: what a snapshot
 //! carries). The node makes it before the runtime starts the container: as a detached mount the
 //! runtime attaches in the container's own mount table (the node's own runtime, see
-//! [`overlay_tree`]), or mounted in the node's table for a runtime that takes a path (runc).
+//! [`root_tree`]), or mounted in the node's table for a runtime that takes a path (runc).
 //!
 //! The built-in `base` template is assembled from the host's own userland so it works offline
 //! on a fresh machine: one small generated layer (directories, the merged-`/usr` symlinks, an
@@ -289,111 +289,36 @@ pub fn mount_overlay(
     if crate::disk::mounted(target) {
         return Ok(());
     }
-    let (layers, held) = OverlayLayers::new(lower, upper, work, idmap)?;
-    let options = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        layers.lowers.join(":"),
-        layers.upper,
-        layers.work
-    );
-    let mounted = mount_new("overlay", target, MountFlags::NOSUID | MountFlags::NODEV, &options)
-        .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())));
-    close_later(held);
-    mounted
+    OverlayLayers::with(lower, upper, work, idmap, |layers| layers.mount_at(target))
 }
 
-/// The same overlay as [`mount_overlay`], made as a detached mount (`fsmount`): attached
-/// nowhere, so the node's mount table never holds it. The runtime attaches it in the
-/// container's own mount namespace (see `jail::view`), and it goes when that namespace does.
-pub fn overlay_tree(
-    lower: &[PathBuf],
-    upper: &Path,
-    work: &Path,
-    idmap: Option<std::os::fd::BorrowedFd<'_>>,
-) -> io::Result<OwnedFd> {
-    use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
-    let (layers, held) = OverlayLayers::new(lower, upper, work, idmap)?;
-    // Which errors mean "not this way" rather than "not at all": no `fsopen` (before Linux
-    // 5.2), or a layer refused by `lowerdir+` (before 6.8, or one name past 255 bytes).
-    let mut unsupported = false;
-    let made = (|| -> rustix::io::Result<OwnedFd> {
-        let context = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).inspect_err(|e| {
-            unsupported = *e == rustix::io::Errno::NOSYS;
-        })?;
-        // One layer a call (`lowerdir+`, Linux 6.8): `fsconfig` takes a value of at most 255
-        // bytes, which a whole colon-separated list of a dozen layers passes.
-        for layer in &layers.lowers {
-            rustix::mount::fsconfig_set_string(&context, "lowerdir+", layer.as_str()).inspect_err(|e| {
-                unsupported = *e == rustix::io::Errno::INVAL;
-            })?;
-        }
-        rustix::mount::fsconfig_set_string(&context, "upperdir", layers.upper.as_str())?;
-        rustix::mount::fsconfig_set_string(&context, "workdir", layers.work.as_str())?;
-        rustix::mount::fsconfig_create(&context)?;
-        rustix::mount::fsmount(
-            &context,
-            FsMountFlags::FSMOUNT_CLOEXEC,
-            MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
-        )
-    })();
-    close_later(held);
-    made.map_err(|e| {
-        let kind = match unsupported {
-            true => io::ErrorKind::Unsupported,
-            false => io::ErrorKind::Other,
-        };
-        io::Error::new(kind, format!("making the overlay over {}: {e}", upper.display()))
-    })
-}
-
-/// The root [`overlay_tree`] makes, made the way any kernel allows: mounted at `scratch` (an
-/// empty folder), copied as a detached mount (`open_tree`, Linux 5.2), and unmounted again, so
-/// the node's table does not keep it either. For what `overlay_tree` cannot do.
-pub fn overlay_tree_mounted(
+/// A sandbox's root as a detached mount, for a runtime that attaches it in the container's own
+/// mount table (see `jail::view`): made with `fsmount` ([`OverlayLayers::detached`]), attached
+/// nowhere, so the node's table never holds it; where the kernel cannot make it so, mounted at
+/// `scratch` (an empty folder), copied and unmounted again ([`OverlayLayers::copied_from`],
+/// said once in the log). The layers' idmapped copies are made once either way.
+pub fn root_tree(
     lower: &[PathBuf],
     upper: &Path,
     work: &Path,
     scratch: &Path,
     idmap: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> io::Result<OwnedFd> {
-    use rustix::mount::OpenTreeFlags;
-    mount_overlay(lower, upper, work, scratch, idmap)?;
-    let tree = rustix::mount::open_tree(
-        rustix::fs::CWD,
-        scratch,
-        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
-    )
-    .map_err(|e| io::Error::other(format!("copying the overlay at {}: {e}", scratch.display())));
-    unmount(scratch)?;
-    tree
+    OverlayLayers::with(lower, upper, work, idmap, |layers| {
+        layers.detached().or_else(|err| {
+            if err.kind() != io::ErrorKind::Unsupported {
+                return Err(err);
+            }
+            static TOLD: std::sync::Once = std::sync::Once::new();
+            TOLD.call_once(
+                || tracing::warn!(%err, "roots made the way older kernels allow (mounted, copied, unmounted)"),
+            );
+            layers.copied_from(scratch)
+        })
+    })
 }
 
-/// Closes detached mounts (the idmapped copies an overlay was made from) on a thread of their
-/// own. Closing the last descriptor of a detached mount unmounts it, and the kernel then waits
-/// for an expedited RCU grace period before it returns: about 0.45 ms a create for its two
-/// copies, measured on a create's path, where nothing needs to wait for it (the overlay holds
-/// copies of its own). Closed here instead when no thread can be started.
-fn close_later(trees: Vec<OwnedFd>) {
-    use std::sync::mpsc::Sender;
-    static CLOSER: std::sync::OnceLock<Option<Sender<Vec<OwnedFd>>>> = std::sync::OnceLock::new();
-    if trees.is_empty() {
-        return;
-    }
-    let closer = CLOSER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<OwnedFd>>();
-        std::thread::Builder::new()
-            .name("mount-closer".into())
-            .spawn(move || rx.into_iter().for_each(drop))
-            .ok()
-            .map(|_| tx)
-    });
-    if let Some(Err(unsent)) = closer.as_ref().map(|tx| tx.send(trees)) {
-        drop(unsent.0);
-    }
-}
-
-/// An overlay's layers as its options name them (topmost lower layer first), and the idmapped
-/// copies those names reach (held until the overlay is made: it keeps copies of its own).
+/// An overlay's layers as its options name them (topmost lower layer first).
 struct OverlayLayers {
     lowers: Vec<String>,
     upper: String,
@@ -401,6 +326,8 @@ struct OverlayLayers {
 }
 
 impl OverlayLayers {
+    /// The layers' names, and the idmapped copies those names reach (held until the overlay
+    /// is made).
     fn new(
         lower: &[PathBuf],
         upper: &Path,
@@ -441,6 +368,109 @@ impl OverlayLayers {
             work: format!("{folder}/{}", wk.display()),
         };
         Ok((layers, held))
+    }
+
+    /// Runs `make` with the layers of an overlay of `lower` under `upper` (reached through
+    /// idmapped copies with `idmap`), then closes those copies: the overlay holds its own.
+    fn with<T>(
+        lower: &[PathBuf],
+        upper: &Path,
+        work: &Path,
+        idmap: Option<std::os::fd::BorrowedFd<'_>>,
+        make: impl FnOnce(&Self) -> io::Result<T>,
+    ) -> io::Result<T> {
+        let (layers, held) = Self::new(lower, upper, work, idmap)?;
+        let made = make(&layers);
+        close_later(held);
+        made
+    }
+
+    /// Mounts the overlay at `target` (`mount(2)`: its options may fill a page).
+    fn mount_at(&self, target: &Path) -> io::Result<()> {
+        let options = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            self.lowers.join(":"),
+            self.upper,
+            self.work
+        );
+        mount_new("overlay", target, MountFlags::NOSUID | MountFlags::NODEV, &options)
+            .map_err(|e| io::Error::other(format!("mounting the overlay at {}: {e}", target.display())))
+    }
+
+    /// The overlay as a detached mount (`fsmount`). `Unsupported` where the kernel cannot make
+    /// it so: no `fsopen` (before Linux 5.2), or a layer `lowerdir+` refuses (before 6.8, or
+    /// one name past the 255 bytes an `fsconfig` value holds).
+    fn detached(&self) -> io::Result<OwnedFd> {
+        use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
+        let mut unsupported = false;
+        let made = (|| -> rustix::io::Result<OwnedFd> {
+            let context = rustix::mount::fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).inspect_err(|e| {
+                unsupported = *e == rustix::io::Errno::NOSYS;
+            })?;
+            // One layer a call: a whole colon-separated list of a dozen layers is past what
+            // one value holds.
+            for layer in &self.lowers {
+                rustix::mount::fsconfig_set_string(&context, "lowerdir+", layer.as_str()).inspect_err(|e| {
+                    unsupported = *e == rustix::io::Errno::INVAL;
+                })?;
+            }
+            rustix::mount::fsconfig_set_string(&context, "upperdir", self.upper.as_str())?;
+            rustix::mount::fsconfig_set_string(&context, "workdir", self.work.as_str())?;
+            rustix::mount::fsconfig_create(&context)?;
+            rustix::mount::fsmount(
+                &context,
+                FsMountFlags::FSMOUNT_CLOEXEC,
+                MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
+            )
+        })();
+        made.map_err(|e| {
+            let kind = if unsupported {
+                io::ErrorKind::Unsupported
+            } else {
+                io::ErrorKind::Other
+            };
+            io::Error::new(kind, format!("making the overlay over {}: {e}", self.upper))
+        })
+    }
+
+    /// The overlay made the way any kernel allows: mounted at `scratch`, copied as a detached
+    /// mount (`open_tree`, Linux 5.2), and unmounted again, so the node's table keeps no copy.
+    fn copied_from(&self, scratch: &Path) -> io::Result<OwnedFd> {
+        use rustix::mount::OpenTreeFlags;
+        std::fs::create_dir_all(scratch)?;
+        self.mount_at(scratch)?;
+        let tree = rustix::mount::open_tree(
+            rustix::fs::CWD,
+            scratch,
+            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+        )
+        .map_err(|e| io::Error::other(format!("copying the overlay at {}: {e}", scratch.display())));
+        unmount(scratch)?;
+        tree
+    }
+}
+
+/// Closes detached mounts (the idmapped copies an overlay was made from) on a thread of their
+/// own. Closing the last descriptor of a detached mount unmounts it, and the kernel then waits
+/// for an expedited RCU grace period before it returns: about 0.45 ms a create for its two
+/// copies, measured on a create's path, where nothing needs to wait for it (the overlay holds
+/// copies of its own). Closed here instead when no thread can be started.
+fn close_later(trees: Vec<OwnedFd>) {
+    use std::sync::mpsc::Sender;
+    static CLOSER: std::sync::OnceLock<Option<Sender<Vec<OwnedFd>>>> = std::sync::OnceLock::new();
+    if trees.is_empty() {
+        return;
+    }
+    let closer = CLOSER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<OwnedFd>>();
+        std::thread::Builder::new()
+            .name("mount-closer".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(Err(unsent)) = closer.as_ref().map(|tx| tx.send(trees)) {
+        drop(unsent.0);
     }
 }
 
@@ -546,7 +576,7 @@ mod tests {
         std::fs::create_dir_all(&upper).unwrap();
         std::fs::create_dir_all(&work).unwrap();
         assert!(lower.iter().map(|l| l.as_os_str().len() + 1).sum::<usize>() > 255);
-        let tree = overlay_tree(&lower, &upper, &work, None).unwrap();
+        let tree = OverlayLayers::with(&lower, &upper, &work, None, |l| l.detached()).unwrap();
         let root = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&tree)));
         for i in 0..lower.len() {
             assert_eq!(
@@ -564,7 +594,8 @@ mod tests {
         drop(tree);
         std::fs::remove_dir_all(&dir).unwrap();
     }
-    /// A layer whose name alone is past what `fsconfig` takes: `overlay_tree` says it cannot
+
+    /// A layer whose name alone is past what `fsconfig` takes: the detached way says it cannot
     /// (Unsupported, so the node falls back), and the root made the older way is whole and is
     /// left mounted nowhere.
     #[test]
@@ -579,9 +610,9 @@ mod tests {
             std::fs::create_dir_all(d).unwrap();
         }
         let lower = [layer];
-        let err = overlay_tree(&lower, &upper, &work, None).unwrap_err();
+        let err = OverlayLayers::with(&lower, &upper, &work, None, |l| l.detached()).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::Unsupported, "{err}");
-        let tree = overlay_tree_mounted(&lower, &upper, &work, &scratch, None).unwrap();
+        let tree = root_tree(&lower, &upper, &work, &scratch, None).unwrap();
         let root = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&tree)));
         assert_eq!(std::fs::read_to_string(root.join("f")).unwrap(), "layer");
         assert!(!crate::disk::mounted(&scratch), "the node's table keeps no copy");

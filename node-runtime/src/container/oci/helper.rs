@@ -36,10 +36,10 @@ impl Helper {
     }
 
     /// Runs `request` through the helper (with `root`, its root mount, when it says so): the
-    /// run's exit status, as a runtime process would have exited. `BrokenPipe`: no helper would take the request (one
-    /// started again was gone at once too: a runtime binary without the `helper` command), so
-    /// nothing of it ran; `UnexpectedEof`: the helper died during the run, which has ended
-    /// but may have left a container.
+    /// run's exit status, as a runtime process would have exited. `BrokenPipe`: no helper
+    /// would take the request (one started again was gone at once too: a runtime binary
+    /// without the `helper` command), so nothing of it ran; `UnexpectedEof`: the helper died
+    /// during the run, which has ended but may have left a container.
     pub fn run(
         &self,
         launcher: &Launcher,
