@@ -525,6 +525,81 @@ impl Cgroup {
         }
     }
 
+    /// Renames the cgroup to `to`, a path beside it (the same parent), and returns it there.
+    /// v1 only: the v2 interface has no rename.
+    ///
+    /// What it is for: keeping an emptied cgroup for the next container instead of removing
+    /// it (see [`Cgroup::reset`]). Removing a memory cgroup costs the kernel work in
+    /// proportion to every file system mounted on the host, since taking it offline walks
+    /// every superblock's memcg-aware lists (`memcg_reparent_list_lrus`, under one global
+    /// mutex); with a few hundred containers that was a fifth of the CPU of a burst of kills.
+    /// A rename is a name changed under `cgroup_mutex`.
+    ///
+    /// Either every directory is renamed or, as far as the kernel lets us, none is.
+    pub fn rename(&self, to: &str) -> Result<Cgroup, CgroupError> {
+        if self.hierarchy.version != Version::V1 {
+            return Err(CgroupError::Invalid("a v2 cgroup cannot be renamed".into()));
+        }
+        let target = Cgroup::new(&self.hierarchy, to)?;
+        if Path::new(&target.path).parent() != Path::new(&self.path).parent() {
+            return Err(CgroupError::Invalid(format!(
+                "cgroup {} may be renamed only beside itself, not to {}",
+                self.path, target.path
+            )));
+        }
+        for (done, (from, to)) in self.dirs.iter().zip(&target.dirs).enumerate() {
+            if let Err(source) = fs::rename(&from.path, &to.path) {
+                for (back_from, back_to) in self.dirs.iter().zip(&target.dirs).take(done) {
+                    let _ = fs::rename(&back_to.path, &back_from.path);
+                }
+                return Err(CgroupError::Io {
+                    path: from.path.clone(),
+                    source,
+                });
+            }
+        }
+        Ok(target)
+    }
+
+    /// Makes an emptied v1 cgroup what a new one is, for the next container: no limits
+    /// (the memory and swap limits, the soft limit, the CPU quota and shares, the process
+    /// limit), its peaks, failure counts and CPU time at zero. The caller made it empty (and
+    /// thawed); what the kernel keeps regardless are `memory.stat`'s running totals and the
+    /// page cache still charged to it (files a container read that others still cache), as
+    /// it keeps them for a removed cgroup that lingers until that cache is reclaimed.
+    ///
+    /// The limits go in the order the kernel accepts whatever they were: swap before memory
+    /// (memsw may never be below the memory limit), the quota before the period.
+    pub fn reset(&self) -> Result<(), CgroupError> {
+        if self.hierarchy.version != Version::V1 {
+            return Err(CgroupError::Invalid("only a v1 cgroup is reset for reuse".into()));
+        }
+        let writes: [(&str, &str, &str); 13] = [
+            ("memory", "memory.memsw.limit_in_bytes", "-1"),
+            ("memory", "memory.limit_in_bytes", "-1"),
+            ("memory", "memory.soft_limit_in_bytes", "-1"),
+            ("memory", "memory.max_usage_in_bytes", "0"),
+            ("memory", "memory.failcnt", "0"),
+            ("memory", "memory.memsw.max_usage_in_bytes", "0"),
+            ("memory", "memory.memsw.failcnt", "0"),
+            ("memory", "memory.kmem.max_usage_in_bytes", "0"),
+            ("cpu", "cpu.cfs_quota_us", "-1"),
+            ("cpu", "cpu.cfs_period_us", "100000"),
+            ("cpu", "cpu.shares", "1024"),
+            ("cpuacct", "cpuacct.usage", "0"),
+            ("pids", "pids.max", "max"),
+        ];
+        for (controller, file, value) in writes {
+            let Some(dir) = self.dir_for(controller) else { continue };
+            match write_file(dir, file, value) {
+                // Not every kernel has every file (memsw without swap accounting, kmem).
+                Err(CgroupError::Write { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
     /// Removes the cgroup directories. With `only_created`, only those this process created
     /// (used when `run` fails after reusing an existing cgroup).
     pub fn remove(&self, only_created: bool) -> Result<(), CgroupError> {
@@ -777,6 +852,59 @@ mod tests {
         cg.remove(true).unwrap();
         assert!(!root.join("memory/sandboxsched/c1").exists());
         assert!(root.join("memory/sandboxsched").exists(), "parents are shared and stay");
+    }
+
+    #[test]
+    fn an_emptied_v1_group_is_reset_and_renamed_beside_itself_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        fake_v1_root(root);
+        fake_v1_leaf(root, "sandboxsched/c1");
+        touch(&root.join("cpu,cpuacct/sandboxsched/c1/cpuacct.usage"), "");
+        touch(&root.join("memory/sandboxsched/c1/memory.max_usage_in_bytes"), "");
+        let h = Hierarchy {
+            version: Version::V1,
+            mount: root.to_path_buf(),
+        };
+        // What a container's run wrote is beside the point: the fake's files keep what a
+        // shorter write leaves of a longer value (the kernel takes each write whole), so they
+        // start empty here, to read what the reset writes.
+        let cg = Cgroup::new(&h, "/sandboxsched/c1").unwrap();
+        cg.reset().unwrap();
+        let leaf = |d: &str, f: &str| read(&root.join(d).join("sandboxsched/c1").join(f));
+        assert_eq!(leaf("memory", "memory.memsw.limit_in_bytes"), "-1");
+        assert_eq!(leaf("memory", "memory.limit_in_bytes"), "-1");
+        assert_eq!(leaf("memory", "memory.max_usage_in_bytes"), "0");
+        assert_eq!(leaf("cpu,cpuacct", "cpu.cfs_quota_us"), "-1");
+        assert_eq!(leaf("cpu,cpuacct", "cpuacct.usage"), "0");
+        assert_eq!(leaf("pids", "pids.max"), "max");
+        // Files this kernel lacks are skipped, never created.
+        assert!(!root.join("memory/sandboxsched/c1/memory.failcnt").exists());
+
+        assert!(cg.rename("/elsewhere/c1").is_err(), "only beside itself");
+        let spare = cg.rename("/sandboxsched/.spare-0").unwrap();
+        for d in ["memory", "cpu,cpuacct", "pids", "freezer"] {
+            assert!(!root.join(d).join("sandboxsched/c1").exists(), "{d}");
+            assert!(root.join(d).join("sandboxsched/.spare-0/cgroup.procs").exists(), "{d}");
+        }
+        assert_eq!(spare.dirs().count(), 4);
+
+        // A rename that fails part way puts back what it moved.
+        fs::create_dir_all(root.join("pids/sandboxsched/c2/taken")).unwrap();
+        assert!(spare.rename("/sandboxsched/c2").is_err());
+        for d in ["memory", "cpu,cpuacct", "pids", "freezer"] {
+            assert!(root.join(d).join("sandboxsched/.spare-0").is_dir(), "{d} back");
+        }
+
+        let v2 = Hierarchy {
+            version: Version::V2,
+            mount: root.to_path_buf(),
+        };
+        let cg2 = Cgroup::new(&v2, "/sandboxsched/c3").unwrap();
+        assert!(
+            cg2.rename("/sandboxsched/c4").is_err() && cg2.reset().is_err(),
+            "v2 keeps no spares"
+        );
     }
 
     #[test]

@@ -307,10 +307,22 @@ pub fn kill(dir: &StateDir, id: &str, signal: Option<&str>) -> Result<(), Contai
 
 /// `delete [--force] ID`.
 pub fn delete(dir: &StateDir, id: &str, force: bool) -> Result<(), ContainerError> {
+    delete_ending(dir, id, force, None).map(drop)
+}
+
+/// As [`delete`], but the container's cgroup, once empty, is reset and renamed to `spare` (a
+/// path beside it) for a later container to take, rather than removed; see
+/// [`Cgroup::rename`] for why. Where that cannot be (a v2 host, a rename refused) the cgroup
+/// is removed as by [`delete`]. Returns whether the cgroup is now at `spare`.
+pub fn delete_keeping_cgroup(dir: &StateDir, id: &str, force: bool, spare: &str) -> Result<bool, ContainerError> {
+    delete_ending(dir, id, force, Some(spare))
+}
+
+fn delete_ending(dir: &StateDir, id: &str, force: bool, spare: Option<&str>) -> Result<bool, ContainerError> {
     let st = match dir.load(id) {
         Ok(st) => st,
         // A `run` that crashed before writing state.json leaves an empty directory.
-        Err(StateError::NotFound(_)) if dir.exists(id)? => return Ok(dir.remove(id)?),
+        Err(StateError::NotFound(_)) if dir.exists(id)? => return Ok(dir.remove(id).map(|()| false)?),
         Err(e) => return Err(e.into()),
     };
     let status = status(&st);
@@ -323,13 +335,18 @@ pub fn delete(dir: &StateDir, id: &str, force: bool) -> Result<(), ContainerErro
     if let Some(fd) = init_pidfd(&st) {
         let _ = send(&fd, libc::SIGKILL);
     }
+    let mut kept = false;
     if let Some(cg) = cgroup_of(&st)? {
         if cg.is_frozen().unwrap_or(false) {
             cg.thaw()?;
         }
         cg.kill_all(KILL_TIMEOUT)?;
-        cg.remove(false)?;
+        // Empty and thawed: as good as new once reset.
+        kept = spare.is_some_and(|spare| cg.reset().and_then(|()| cg.rename(spare)).is_ok());
+        if !kept {
+            cg.remove(false)?;
+        }
     }
     dir.remove(id)?;
-    Ok(())
+    Ok(kept)
 }

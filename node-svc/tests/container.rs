@@ -1310,6 +1310,105 @@ async fn pause_freezes_resume_continues_and_kill_leaves_nothing() {
     }
 }
 
+/// A killed sandbox's cgroup is kept for the next sandbox rather than removed (removing a
+/// memory cgroup costs the kernel in proportion to every file system on the host): emptied,
+/// its limits lifted and its figures zeroed while it waits, and the next sandbox that takes it
+/// holds its own limit and none of the first one's peak or CPU time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
+    let n = node(None).await;
+    let group = |hierarchy: &str, leaf: &str| {
+        PathBuf::from("/sys/fs/cgroup")
+            .join(hierarchy)
+            .join(node_svc::runtime::cgroup::parent_name(&n.id))
+            .join(leaf)
+    };
+    let read = |path: PathBuf| {
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .trim()
+            .to_string()
+    };
+    let number = |path: PathBuf| -> u64 { read(path).parse().unwrap() };
+    let spares = |hierarchy: &str| -> Vec<String> {
+        std::fs::read_dir(group(hierarchy, ""))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with(".spare-"))
+            .collect()
+    };
+    let hierarchies = ["memory", "cpuacct", "cpu", "pids", "freezer"];
+    n.create("first", 256 << 20).await;
+    // A memory peak of its own (40 MB in its /dev/shm, then freed) and CPU time.
+    let (out, code) = n
+        .sh(
+            "first",
+            "user",
+            "dd if=/dev/zero of=/dev/shm/x bs=1M count=40 2>&1 && rm /dev/shm/x && \
+             i=0; while [ $i -lt 50000 ]; do i=$((i+1)); done",
+        )
+        .await;
+    assert_eq!(code, 0, "{out}");
+    let peak = number(group("memory", "first/memory.max_usage_in_bytes"));
+    let cpu = number(group("cpuacct", "first/cpuacct.usage"));
+    assert!(peak > 40 << 20, "the first sandbox's peak: {peak}");
+    n.lifecycle("first", "kill").await;
+    for hierarchy in hierarchies {
+        assert!(
+            !group(hierarchy, "first").exists(),
+            "{hierarchy}: the killed sandbox's group"
+        );
+        assert_eq!(spares(hierarchy).len(), 1, "{hierarchy}: one spare");
+    }
+    let spare = spares("memory").remove(0);
+    assert_eq!(read(group("memory", &spare).join("cgroup.procs")), "", "empty");
+    assert_eq!(read(group("freezer", &spare).join("freezer.state")), "THAWED");
+    assert!(
+        number(group("memory", &spare).join("memory.limit_in_bytes")) > 1 << 50,
+        "no limit while it waits"
+    );
+    assert!(number(group("memory", &spare).join("memory.max_usage_in_bytes")) < peak / 2);
+    assert_eq!(number(group("cpuacct", &spare).join("cpuacct.usage")), 0);
+    assert_eq!(read(group("pids", &spare).join("pids.max")), "max");
+
+    n.create("second", 128 << 20).await;
+    for hierarchy in hierarchies {
+        assert!(spares(hierarchy).is_empty(), "{hierarchy}: the spare was taken");
+        assert!(
+            group(hierarchy, "second").is_dir(),
+            "{hierarchy}: as the second sandbox's"
+        );
+    }
+    let (out, code) = n.sh("second", "user", "echo mine").await;
+    assert_eq!((out.as_str(), code), ("mine\n", 0));
+    // A sandbox whose group is new (no spare left) gets the same limits.
+    n.create("third", 128 << 20).await;
+    for (hierarchy, file) in [
+        ("memory", "memory.limit_in_bytes"),
+        ("memory", "memory.soft_limit_in_bytes"),
+        ("cpu", "cpu.cfs_quota_us"),
+        ("cpu", "cpu.shares"),
+        ("pids", "pids.max"),
+    ] {
+        assert_eq!(
+            read(group(hierarchy, "second").join(file)),
+            read(group(hierarchy, "third").join(file)),
+            "{file}"
+        );
+    }
+    let second_peak = number(group("memory", "second/memory.max_usage_in_bytes"));
+    assert!(
+        second_peak < peak / 2,
+        "the second sandbox's peak {second_peak} is its own"
+    );
+    assert!(
+        number(group("cpuacct", "second/cpuacct.usage")) < cpu,
+        "and its CPU time"
+    );
+    n.stop().await;
+}
+
 /// Moves `sandbox` from `a` to `b` as the balancer does: pause, snapshot, restore, resume.
 async fn move_sandbox(a: &Node, b: &Node, sandbox: &str) {
     let mut ca = NodeClient::connect(a.running().endpoint()).await.unwrap();

@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use node_svc::runtime::container::spare_cgroups;
 use serde::Serialize;
 
 /// What a client was told, in the order it was told.
@@ -137,6 +138,11 @@ pub fn expected_files(history: &[Event]) -> BTreeMap<(String, String), String> {
 
 /// Holds the history against the observation. Files are judged only when `obs.files` has
 /// been filled in (reading them needs the accounting to be settled first).
+/// A node's spares (its names that begin with `prefix`), and the rest of its names.
+fn spares_apart<'a>(names: &'a BTreeSet<String>, prefix: &str) -> (Vec<&'a String>, Vec<&'a String>) {
+    names.iter().partition(|name| name.starts_with(prefix))
+}
+
 pub fn check(history: &[Event], obs: &Observation) -> Verdict {
     let mut v = Verdict::default();
     let manifests: BTreeMap<&str, &Manifest> = obs.manifests.iter().map(|m| (m.id.as_str(), m)).collect();
@@ -188,19 +194,22 @@ pub fn check(history: &[Event], obs: &Observation) -> Verdict {
                 v.note(format!("{node} holds {}, which no manifest places there", copy.id));
             }
         }
-        // Spare disks are the node's own, listed as no sandbox: a leak only past as many as
-        // it keeps.
-        let (spares, folders): (Vec<&String>, Vec<&String>) = holding
-            .folders
-            .iter()
-            .partition(|f| f.starts_with(node_svc::disk::SPARE_PREFIX));
-        if spares.len() > node_svc::host::DEFAULT_SPARE_DISKS {
-            v.leaked += (spares.len() - node_svc::host::DEFAULT_SPARE_DISKS) as u64;
-            v.note(format!("{node} keeps {} spare disks: {spares:?}", spares.len()));
+        // Spare disks and cgroups are the node's own, listed as no sandbox: a leak only past
+        // as many as it keeps.
+        let (spare_disks, folders) = spares_apart(&holding.folders, node_svc::disk::SPARE_PREFIX);
+        let (spare_groups, cgroups) = spares_apart(&holding.cgroups, spare_cgroups::PREFIX);
+        for (what, spares, kept) in [
+            ("spare disks", spare_disks, node_svc::host::DEFAULT_SPARE_DISKS),
+            ("spare cgroups", spare_groups, spare_cgroups::LIMIT),
+        ] {
+            if spares.len() > kept {
+                v.leaked += (spares.len() - kept) as u64;
+                v.note(format!("{node} keeps {} {what}: {spares:?}", spares.len()));
+            }
         }
         for unlisted in folders
             .into_iter()
-            .chain(&holding.cgroups)
+            .chain(cgroups)
             .filter(|f| !listed.contains(f.as_str()))
         {
             v.leaked += 1;
@@ -377,6 +386,19 @@ mod tests {
         assert_eq!(check(&history, &obs).leaked, 0);
         let n2 = obs.nodes.get_mut("n2").unwrap();
         n2.folders.insert(spare(node_svc::host::DEFAULT_SPARE_DISKS));
+        let v = check(&history, &obs);
+        assert_eq!(v.leaked, 1, "{v:?}");
+    }
+
+    #[test]
+    fn a_nodes_spare_cgroups_are_no_leak_up_to_as_many_as_it_keeps() {
+        let (history, mut obs) = healthy();
+        let spare = |n: usize| format!("{}{n}", spare_cgroups::PREFIX);
+        let n2 = obs.nodes.get_mut("n2").unwrap();
+        n2.cgroups.extend((0..spare_cgroups::LIMIT).map(spare));
+        assert_eq!(check(&history, &obs).leaked, 0);
+        let n2 = obs.nodes.get_mut("n2").unwrap();
+        n2.cgroups.insert(spare(spare_cgroups::LIMIT));
         let v = check(&history, &obs);
         assert_eq!(v.leaked, 1, "{v:?}");
     }

@@ -28,6 +28,7 @@ pub mod resolver;
 pub mod rootfs;
 pub mod run_dir;
 pub mod slots;
+pub mod spare_cgroups;
 pub mod spec;
 
 pub use run_dir::run_dir;
@@ -210,6 +211,8 @@ pub struct ContainerRuntime {
     envd_binary: PathBuf,
     /// For measuring: the runtime creates each sandbox's groups under the node's parents.
     cgroups: Cgroups,
+    /// Killed sandboxes' groups, kept for the next ones ([`spare_cgroups`]).
+    spare_cgroups: spare_cgroups::SpareCgroups,
     /// Links out, and the host's floor.
     network: network::Network,
     /// Which host ids each sandbox runs as.
@@ -487,6 +490,11 @@ impl ContainerRuntime {
             tracing::warn!(node_id, "container runtime: {line}");
         }
         tracing::info!(node_id, runtime = %engine.describe(), envd = %envd_binary.display(), "sandboxes are OCI containers");
+        // The jail keeps a killed sandbox's group when asked; another runtime removes its own.
+        let spare_cgroups = match config.oci_runtime {
+            None => spare_cgroups::SpareCgroups::new(format!("/{}", super::cgroup::parent_name(node_id))),
+            Some(_) => spare_cgroups::SpareCgroups::none(),
+        };
         Self {
             node_id: node_id.to_string(),
             sandboxes: layout::sandboxes_dir(&config.state_dir),
@@ -498,6 +506,7 @@ impl ContainerRuntime {
             host_dirs,
             envd_binary,
             cgroups,
+            spare_cgroups,
             network,
             ids,
             slots,
@@ -583,13 +592,24 @@ impl ContainerRuntime {
         if !self.engine.knows(sandbox) {
             return true;
         }
-        match self.engine.delete(sandbox) {
+        match self.delete_container(sandbox) {
             Ok(()) => true,
             Err(err) => {
                 tracing::error!(sandbox_id = sandbox, %err, "its container was not deleted: its ids and network slot stay held");
                 false
             }
         }
+    }
+
+    /// Deletes `sandbox`'s container, its group kept as a spare while there is room for one.
+    fn delete_container(&self, sandbox: &str) -> Result<(), oci::EngineError> {
+        let Some(spare) = self.spare_cgroups.next_path() else {
+            return self.engine.delete(sandbox);
+        };
+        if self.engine.delete_keeping_cgroup(sandbox, &spare)? {
+            self.spare_cgroups.kept(spare);
+        }
+        Ok(())
     }
 
     /// Gives back `sandbox`'s network slot, if it holds one.
@@ -653,7 +673,7 @@ impl Runtime for ContainerRuntime {
         // A container of this ID left from before (a restore over a dead copy) goes first; the
         // runtime keeps a folder per container under its root, so a new ID costs no call.
         if self.engine.knows(sandbox.id) {
-            self.engine.delete(sandbox.id).map_err(|e| start_error(sandbox, e))?;
+            self.delete_container(sandbox.id).map_err(|e| start_error(sandbox, e))?;
         }
         // A sandbox that reaches out takes a network slot: its id range one with a slot ready.
         let pool = self.slots.as_ref().zip(sandbox.network.filter(|p| p.needs_link()));
@@ -666,6 +686,9 @@ impl Runtime for ContainerRuntime {
             .ids
             .claim(sandbox.id, &ready, pool.is_some())
             .map_err(|e| start_error(sandbox, e))?;
+        // A killed sandbox's group, renamed to this one's: the runtime finds it and sets this
+        // sandbox's limits in it.
+        let took_spare = self.spare_cgroups.take(&self.cgroups_path(sandbox));
         let started = (|| -> Result<u32, String> {
             let joins = match pool {
                 Some((slots, policy)) => Some(self.join_slot(slots, sandbox.id, ids.host_base, policy)?),
@@ -723,7 +746,7 @@ impl Runtime for ContainerRuntime {
             drop(boot_write);
             if let Err(e) = linked {
                 reap_when_dead(pid);
-                let _ = self.engine.delete(sandbox.id);
+                let _ = self.delete_container(sandbox.id);
                 return Err(e.to_string());
             }
             Ok(pid)
@@ -734,6 +757,10 @@ impl Runtime for ContainerRuntime {
             if self.gone(sandbox.id) {
                 self.give_back_slot(sandbox.id);
                 self.ids.release(sandbox.id);
+                // A group the runtime did not make, it does not remove when its run fails.
+                if took_spare {
+                    self.spare_cgroups.give_back(&self.cgroups_path(sandbox));
+                }
             }
             let _ = dismantle(&parts);
             start_error(sandbox, e)
@@ -763,8 +790,7 @@ impl Runtime for ContainerRuntime {
 
     fn kill(&self, sandbox: &Sandbox<'_>) -> Result<(), RuntimeError> {
         reap_when_dead(sandbox.pgid);
-        self.engine
-            .delete(sandbox.id)
+        self.delete_container(sandbox.id)
             .map_err(|e| control(sandbox, "kill", e))?;
         // Then its link, by the host end's index (which the kernel does not hand out again
         // soon): its address is free for the next sandbox when this returns, not when the

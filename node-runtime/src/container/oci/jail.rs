@@ -35,6 +35,19 @@ impl Jail {
         }
     }
 
+    /// `delete`, keeping the cgroup at `spare` if one is given; an unknown container is gone.
+    fn delete_keeping_cgroup_if(&self, id: &str, spare: Option<&str>) -> Result<bool, EngineError> {
+        let deleted = match spare {
+            Some(spare) => container::delete_keeping_cgroup(&self.dir, id, true, spare),
+            None => container::delete(&self.dir, id, true).map(|()| false),
+        };
+        match deleted {
+            Err(e) if !unknown(&e) => Err(e.into()),
+            Err(_) => Ok(false),
+            Ok(kept) => Ok(kept),
+        }
+    }
+
     /// [`Engine::run`] through the helper, with the root as a mount or without.
     fn run_through_helper(
         &self,
@@ -132,9 +145,10 @@ impl Engine for Jail {
     }
 
     fn delete(&self, id: &str) -> Result<(), EngineError> {
-        match container::delete(&self.dir, id, true) {
-            Err(e) if !unknown(&e) => Err(e.into()),
-            _ => Ok(()),
-        }
+        self.delete_keeping_cgroup_if(id, None).map(drop)
+    }
+
+    fn delete_keeping_cgroup(&self, id: &str, spare: &str) -> Result<bool, EngineError> {
+        self.delete_keeping_cgroup_if(id, Some(spare))
     }
 }

@@ -128,6 +128,14 @@ pub trait Engine: Send + Sync {
     /// Kills everything of the container and forgets it; a container the runtime does not
     /// know is already gone.
     fn delete(&self, id: &str) -> Result<(), EngineError>;
+
+    /// As [`Engine::delete`], with the container's cgroup, once empty, reset and renamed to
+    /// `spare` rather than removed, where the runtime can (see `spare_cgroups`): whether it
+    /// was. A runtime that cannot removes it as `delete` does.
+    fn delete_keeping_cgroup(&self, id: &str, spare: &str) -> Result<bool, EngineError> {
+        let _ = spare;
+        self.delete(id).map(|()| false)
+    }
 }
 
 /// A container's root made as a detached mount, and the path its spec names for it.
