@@ -529,7 +529,7 @@ impl Cgroup {
     /// v1 only: the v2 interface has no rename.
     ///
     /// What it is for: keeping an emptied cgroup for the next container instead of removing
-    /// it (see [`Cgroup::reset`]). Removing a memory cgroup costs the kernel work in
+    /// it (see [`Cgroup::retire`]). Removing a memory cgroup costs the kernel work in
     /// proportion to every file system mounted on the host, since taking it offline walks
     /// every superblock's memcg-aware lists (`memcg_reparent_list_lrus`, under one global
     /// mutex); with a few hundred containers that was a fifth of the CPU of a burst of kills.
@@ -561,12 +561,13 @@ impl Cgroup {
         Ok(target)
     }
 
-    /// Makes an emptied v1 cgroup what a new one is, for the next container: no limits
-    /// (the memory and swap limits, the soft limit, the CPU quota and shares, the process
-    /// limit), its peaks, failure counts and CPU time at zero. The caller made it empty (and
-    /// thawed); what the kernel keeps regardless are `memory.stat`'s running totals and the
-    /// page cache still charged to it (files a container read that others still cache), as
-    /// it keeps them for a removed cgroup that lingers until that cache is reclaimed.
+    /// Makes an emptied v1 cgroup what a new one is, for the next container: thawed, no
+    /// limits (the memory and swap limits, the soft limit, the CPU quota and shares, the
+    /// process limit), its peaks, failure counts and CPU time at zero. The caller made it
+    /// empty ([`Cgroup::retire`] checks). What the kernel keeps regardless: counters it has no
+    /// way to zero (`memory.stat`'s running totals, `memory.oom_control`'s kills,
+    /// `pids.events`, `cpu.stat`), and page cache still charged to it (files a container read
+    /// that stay cached), as it keeps them for a removed cgroup that lingers until reclaim.
     ///
     /// The limits go in the order the kernel accepts whatever they were: swap before memory
     /// (memsw may never be below the memory limit), the quota before the period.
@@ -574,30 +575,86 @@ impl Cgroup {
         if self.hierarchy.version != Version::V1 {
             return Err(CgroupError::Invalid("only a v1 cgroup is reset for reuse".into()));
         }
-        let writes: [(&str, &str, &str); 13] = [
-            ("memory", "memory.memsw.limit_in_bytes", "-1"),
-            ("memory", "memory.limit_in_bytes", "-1"),
-            ("memory", "memory.soft_limit_in_bytes", "-1"),
-            ("memory", "memory.max_usage_in_bytes", "0"),
-            ("memory", "memory.failcnt", "0"),
-            ("memory", "memory.memsw.max_usage_in_bytes", "0"),
-            ("memory", "memory.memsw.failcnt", "0"),
-            ("memory", "memory.kmem.max_usage_in_bytes", "0"),
-            ("cpu", "cpu.cfs_quota_us", "-1"),
-            ("cpu", "cpu.cfs_period_us", "100000"),
-            ("cpu", "cpu.shares", "1024"),
-            ("cpuacct", "cpuacct.usage", "0"),
-            ("pids", "pids.max", "max"),
+        /// (controller, file, value, whether the kernel may lack the file: swap accounting
+        /// and the kmem counters are build and boot options).
+        const WRITES: [(&str, &str, &str, bool); 14] = [
+            ("freezer", "freezer.state", "THAWED", false),
+            ("memory", "memory.memsw.limit_in_bytes", "-1", true),
+            ("memory", "memory.limit_in_bytes", "-1", false),
+            ("memory", "memory.soft_limit_in_bytes", "-1", false),
+            ("memory", "memory.max_usage_in_bytes", "0", false),
+            ("memory", "memory.failcnt", "0", false),
+            ("memory", "memory.memsw.max_usage_in_bytes", "0", true),
+            ("memory", "memory.memsw.failcnt", "0", true),
+            ("memory", "memory.kmem.max_usage_in_bytes", "0", true),
+            ("cpu", "cpu.cfs_quota_us", "-1", false),
+            ("cpu", "cpu.cfs_period_us", "100000", false),
+            ("cpu", "cpu.shares", "1024", false),
+            ("cpuacct", "cpuacct.usage", "0", false),
+            ("pids", "pids.max", "max", false),
         ];
-        for (controller, file, value) in writes {
+        if let Some(gone) = self.dirs.iter().find(|d| !d.path.is_dir()) {
+            return Err(CgroupError::Io {
+                path: gone.path.clone(),
+                source: io::ErrorKind::NotFound.into(),
+            });
+        }
+        for (controller, file, value, optional) in WRITES {
             let Some(dir) = self.dir_for(controller) else { continue };
             match write_file(dir, file, value) {
-                // Not every kernel has every file (memsw without swap accounting, kmem).
-                Err(CgroupError::Write { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+                Err(CgroupError::Write { source, .. }) if optional && source.kind() == io::ErrorKind::NotFound => {}
                 other => other?,
             }
         }
         Ok(())
+    }
+
+    /// Whether no task is in the cgroup (in any hierarchy, by `tasks`, which lists every
+    /// thread where `cgroup.procs` lists thread groups) and it has no cgroup below it: what
+    /// `rmdir` checks before it removes one, and a rename does not.
+    pub fn is_empty(&self) -> Result<bool, CgroupError> {
+        for d in &self.dirs {
+            let tasks = d.path.join(match self.hierarchy.version {
+                Version::V1 => "tasks",
+                Version::V2 => "cgroup.threads",
+            });
+            if !fs::read_to_string(&tasks).map_err(io_at(&tasks))?.trim().is_empty() {
+                return Ok(false);
+            }
+            for entry in fs::read_dir(&d.path).map_err(io_at(&d.path))? {
+                if entry.map_err(io_at(&d.path))?.file_type().is_ok_and(|t| t.is_dir()) {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Memory charged to the cgroup now, in bytes (v1 `memory.usage_in_bytes`, v2
+    /// `memory.current`).
+    pub fn memory_usage(&self) -> Result<u64, CgroupError> {
+        let (dir, file) = match self.hierarchy.version {
+            Version::V1 => (self.need("memory")?, "memory.usage_in_bytes"),
+            Version::V2 => (self.dirs[0].path.as_path(), "memory.current"),
+        };
+        let path = dir.join(file);
+        read_trimmed(&path)?
+            .parse()
+            .map_err(|e| CgroupError::Invalid(format!("{}: {e}", path.display())))
+    }
+
+    /// Keeps an emptied cgroup for a later container: checked empty ([`Cgroup::is_empty`]),
+    /// reset ([`Cgroup::reset`]) and renamed to `spare` ([`Cgroup::rename`]). An error leaves
+    /// it for the caller to remove.
+    pub fn retire(&self, spare: &str) -> Result<Cgroup, CgroupError> {
+        if !self.is_empty()? {
+            return Err(CgroupError::Invalid(format!(
+                "cgroup {} is not empty: it is removed, not kept",
+                self.path
+            )));
+        }
+        self.reset()?;
+        self.rename(spare)
     }
 
     /// Removes the cgroup directories. With `only_created`, only those this process created
@@ -860,8 +917,17 @@ mod tests {
         let root = tmp.path();
         fake_v1_root(root);
         fake_v1_leaf(root, "sandboxsched/c1");
-        touch(&root.join("cpu,cpuacct/sandboxsched/c1/cpuacct.usage"), "");
-        touch(&root.join("memory/sandboxsched/c1/memory.max_usage_in_bytes"), "");
+        for (hierarchy, file) in [
+            ("cpu,cpuacct", "cpuacct.usage"),
+            ("memory", "memory.max_usage_in_bytes"),
+            ("memory", "memory.failcnt"),
+            ("freezer", "freezer.state"),
+        ] {
+            touch(&root.join(hierarchy).join("sandboxsched/c1").join(file), "");
+        }
+        for hierarchy in ["memory", "cpu,cpuacct", "pids", "freezer"] {
+            touch(&root.join(hierarchy).join("sandboxsched/c1/tasks"), "");
+        }
         let h = Hierarchy {
             version: Version::V1,
             mount: root.to_path_buf(),
@@ -870,6 +936,16 @@ mod tests {
         // shorter write leaves of a longer value (the kernel takes each write whole), so they
         // start empty here, to read what the reset writes.
         let cg = Cgroup::new(&h, "/sandboxsched/c1").unwrap();
+        // A task in it, or a group below it: not kept (a rename, unlike rmdir, would take them).
+        touch(&root.join("pids/sandboxsched/c1/tasks"), "4242\n");
+        assert!(cg.retire("/sandboxsched/.spare-9").is_err());
+        touch(&root.join("pids/sandboxsched/c1/tasks"), "");
+        fs::create_dir(root.join("freezer/sandboxsched/c1/below")).unwrap();
+        assert!(cg.retire("/sandboxsched/.spare-9").is_err());
+        fs::remove_dir(root.join("freezer/sandboxsched/c1/below")).unwrap();
+        assert!(root.join("memory/sandboxsched/c1").is_dir(), "left where it was");
+        assert!(cg.is_empty().unwrap());
+
         cg.reset().unwrap();
         let leaf = |d: &str, f: &str| read(&root.join(d).join("sandboxsched/c1").join(f));
         assert_eq!(leaf("memory", "memory.memsw.limit_in_bytes"), "-1");
@@ -878,8 +954,13 @@ mod tests {
         assert_eq!(leaf("cpu,cpuacct", "cpu.cfs_quota_us"), "-1");
         assert_eq!(leaf("cpu,cpuacct", "cpuacct.usage"), "0");
         assert_eq!(leaf("pids", "pids.max"), "max");
-        // Files this kernel lacks are skipped, never created.
-        assert!(!root.join("memory/sandboxsched/c1/memory.failcnt").exists());
+        assert_eq!(leaf("memory", "memory.failcnt"), "0");
+        assert_eq!(leaf("freezer", "freezer.state"), "THAWED");
+        // Files a kernel may lack (swap accounting) are skipped, never created; others not.
+        assert!(!root.join("memory/sandboxsched/c1/memory.memsw.failcnt").exists());
+        fs::remove_file(root.join("memory/sandboxsched/c1/memory.failcnt")).unwrap();
+        assert!(cg.reset().is_err(), "a file every kernel has, missing");
+        touch(&root.join("memory/sandboxsched/c1/memory.failcnt"), "");
 
         assert!(cg.rename("/elsewhere/c1").is_err(), "only beside itself");
         let spare = cg.rename("/sandboxsched/.spare-0").unwrap();

@@ -341,8 +341,9 @@ fn delete_ending(dir: &StateDir, id: &str, force: bool, spare: Option<&str>) -> 
             cg.thaw()?;
         }
         cg.kill_all(KILL_TIMEOUT)?;
-        // Empty and thawed: as good as new once reset.
-        kept = spare.is_some_and(|spare| cg.reset().and_then(|()| cg.rename(spare)).is_ok());
+        // Empty and thawed: as good as new once reset (or, where it cannot be kept, removed,
+        // which then says why).
+        kept = spare.is_some_and(|spare| cg.retire(spare).is_ok());
         if !kept {
             cg.remove(false)?;
         }

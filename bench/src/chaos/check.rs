@@ -136,13 +136,13 @@ pub fn expected_files(history: &[Event]) -> BTreeMap<(String, String), String> {
     files
 }
 
-/// Holds the history against the observation. Files are judged only when `obs.files` has
-/// been filled in (reading them needs the accounting to be settled first).
 /// A node's spares (its names that begin with `prefix`), and the rest of its names.
 fn spares_apart<'a>(names: &'a BTreeSet<String>, prefix: &str) -> (Vec<&'a String>, Vec<&'a String>) {
     names.iter().partition(|name| name.starts_with(prefix))
 }
 
+/// Holds the history against the observation. Files are judged only when `obs.files` has
+/// been filled in (reading them needs the accounting to be settled first).
 pub fn check(history: &[Event], obs: &Observation) -> Verdict {
     let mut v = Verdict::default();
     let manifests: BTreeMap<&str, &Manifest> = obs.manifests.iter().map(|m| (m.id.as_str(), m)).collect();

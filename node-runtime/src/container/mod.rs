@@ -517,8 +517,8 @@ impl ContainerRuntime {
         }
     }
 
-    fn cgroups_path(&self, sandbox: &Sandbox<'_>) -> String {
-        format!("/{}/{}", super::cgroup::parent_name(&self.node_id), sandbox.id)
+    fn cgroups_path(&self, sandbox: &str) -> String {
+        format!("/{}/{sandbox}", super::cgroup::parent_name(&self.node_id))
     }
 
     /// The read-only layers of the sandbox's root, topmost first: its template's layers on
@@ -554,7 +554,7 @@ impl ContainerRuntime {
         let inputs = spec::Inputs {
             rootfs: &parts.rootfs,
             envd_binary: &self.envd_binary,
-            cgroups_path: self.cgroups_path(sandbox),
+            cgroups_path: self.cgroups_path(sandbox.id),
             host_dirs: if host_userland { &self.host_dirs } else { &[] },
             host_userland,
             host_ids,
@@ -688,7 +688,7 @@ impl Runtime for ContainerRuntime {
             .map_err(|e| start_error(sandbox, e))?;
         // A killed sandbox's group, renamed to this one's: the runtime finds it and sets this
         // sandbox's limits in it.
-        let took_spare = self.spare_cgroups.take(&self.cgroups_path(sandbox));
+        let took_spare = self.spare_cgroups.take(&self.cgroups_path(sandbox.id));
         let started = (|| -> Result<u32, String> {
             let joins = match pool {
                 Some((slots, policy)) => Some(self.join_slot(slots, sandbox.id, ids.host_base, policy)?),
@@ -752,14 +752,16 @@ impl Runtime for ContainerRuntime {
             Ok(pid)
         })();
         started.map_err(|e| {
+            // A container the runtime made keeps or removes its group as it goes; without
+            // one, the runtime leaves the group it did not make (the spare this create took).
+            let container = self.engine.knows(sandbox.id);
             // Its ids and its network slot are free only once nothing of its container is left
             // (a start that failed after the runtime's `run` may have left one running).
             if self.gone(sandbox.id) {
                 self.give_back_slot(sandbox.id);
                 self.ids.release(sandbox.id);
-                // A group the runtime did not make, it does not remove when its run fails.
-                if took_spare {
-                    self.spare_cgroups.give_back(&self.cgroups_path(sandbox));
+                if took_spare && !container {
+                    self.spare_cgroups.give_back(&self.cgroups_path(sandbox.id));
                 }
             }
             let _ = dismantle(&parts);
@@ -848,13 +850,19 @@ impl Runtime for ContainerRuntime {
     }
 
     fn discard(&self, id: &str, home: &Path) {
-        if self.gone(id) {
+        let gone = self.gone(id);
+        if gone {
             self.network.detach(id);
             self.give_back_slot(id);
             self.ids.release(id);
         }
         if let Err(err) = dismantle(&parts(&self.run, home)) {
             tracing::warn!(sandbox_id = %id, %err, "the root of a sandbox without a sandbox was not unmounted");
+        }
+        // A group a create renamed from a spare before its container existed (the node died
+        // in between) is in no container's state: kept again, or removed in every hierarchy.
+        if gone {
+            self.spare_cgroups.give_back(&self.cgroups_path(id));
         }
         self.cgroups.remove(id);
     }

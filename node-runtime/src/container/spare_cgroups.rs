@@ -15,16 +15,20 @@
 //! the sandbox's limits, as it does to any group that exists. Neither path then creates or
 //! removes a cgroup.
 //!
-//! What a spare carries over, and why that is acceptable: `memory.stat`'s running totals, and
-//! page cache still charged to it (files its sandbox read that stay cached: its template's
-//! libraries, most often). A removed group keeps the same charge as a lingering offline
-//! group until reclaim takes that cache; a spare's next sandbox sees it in its usage and
-//! reclaims it first under its limit. Nothing of the earlier sandbox's files, processes or
-//! limits is reachable from it.
+//! What a spare carries over: counters the kernel cannot zero (`memory.stat`'s running
+//! totals, OOM kills, throttling; nothing reads them), and page cache still charged to it
+//! (files its sandbox read that stay cached elsewhere, and its own disk's files until the
+//! janitor unmounts that disk). That charge would show in the next sandbox's memory figures,
+//! so a spare is taken only while it is below [`CHARGE_LEFT`] (measured: 8–12 KiB for most,
+//! at most a few hundred KiB, a burst of 300 kills), the oldest first; one above waits its
+//! turn again, and is removed after a few (see [`SpareCgroups::take`]). Nothing of
+//! the earlier sandbox's files, processes or limits is reachable from it, and nothing inside a
+//! sandbox sees a cgroup file system.
 //!
 //! Bounded: at most [`LIMIT`] spares are kept; a kill past that removes its group. A node
-//! starts with none, removing those a previous run left (empty, so nothing is lost).
+//! takes back at its start the spares its previous run left (empty, or removed).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -32,6 +36,18 @@ use jail::cgroup::{Cgroup, Hierarchy, Version};
 
 /// The most spare cgroups a node keeps.
 pub const LIMIT: usize = 1024;
+
+/// The most memory still charged to a spare that a create takes it with.
+pub const CHARGE_LEFT: u64 = 1 << 20;
+
+/// How many times a spare charged with more is passed over before it is removed.
+const PASSES: u8 = 4;
+
+/// A kept group, and how many creates passed it over for what is still charged to it.
+struct Spare {
+    path: String,
+    passed: u8,
+}
 
 /// The leaf name every spare's begins with: never a sandbox ID, which cannot start with a dot.
 pub const PREFIX: &str = ".spare-";
@@ -42,23 +58,28 @@ pub struct SpareCgroups {
     parent: String,
     /// v1 only; `None` keeps no spares.
     hierarchy: Option<Hierarchy>,
-    free: Mutex<Vec<String>>,
+    /// Oldest first: the longer a spare has waited, the less is charged to it.
+    free: Mutex<VecDeque<Spare>>,
     next: AtomicU64,
 }
 
 impl SpareCgroups {
-    /// The spares of the node whose groups sit under `parent` (`/sandboxsched-<node>`): none
-    /// yet. What an earlier run of the node left under it is removed.
+    /// The spares of the node whose groups sit under `parent` (`/sandboxsched-<node>`):
+    /// those an earlier run of the node left, where they are still empty.
     pub fn new(parent: String) -> Self {
         let hierarchy = Hierarchy::detect().ok().filter(|h| h.version == Version::V1);
-        if let Some(h) = &hierarchy {
-            remove_left(h, &parent);
-        }
+        let (free, next) = match &hierarchy {
+            Some(h) => left_by_earlier_run(h, &parent),
+            None => {
+                tracing::info!("no spare cgroups: this host's cgroups are not v1 (a v2 group cannot be renamed)");
+                (VecDeque::new(), 0)
+            }
+        };
         Self {
             parent,
             hierarchy,
-            free: Mutex::new(Vec::new()),
-            next: AtomicU64::new(0),
+            free: Mutex::new(free),
+            next: AtomicU64::new(next),
         }
     }
 
@@ -67,12 +88,13 @@ impl SpareCgroups {
         Self {
             parent: String::new(),
             hierarchy: None,
-            free: Mutex::new(Vec::new()),
+            free: Mutex::new(VecDeque::new()),
             next: AtomicU64::new(0),
         }
     }
 
     /// The path a killed sandbox's group is to be kept at, while there is room for one more.
+    /// (Kills at once may each see the last room: the bound is passed by as many.)
     pub fn next_path(&self) -> Option<String> {
         self.hierarchy.as_ref()?;
         if self.lock().len() >= LIMIT {
@@ -84,38 +106,53 @@ impl SpareCgroups {
 
     /// Records that a killed sandbox's group is kept at `path` (from [`SpareCgroups::next_path`]).
     pub fn kept(&self, path: String) {
-        self.lock().push(path);
+        self.lock().push_back(Spare { path, passed: 0 });
     }
 
-    /// Renames a spare to `to` (a sandbox's group path), if there is one: whether there was.
-    /// A spare that cannot be renamed (`to` exists: a group of that ID left from before,
-    /// which the runtime reuses instead) goes back; one gone wrong otherwise is removed.
+    /// Renames a spare to `to` (a sandbox's group path), if there is one with little enough
+    /// charged to it: whether there was. A spare still charged with more waits its turn
+    /// again (its disk's cache and its kernel objects are uncharged once the janitor has
+    /// unmounted that disk); one passed over [`PASSES`] times is removed (its sandbox was the
+    /// first to read files that stay cached, and holds their charge for as long as they do).
+    /// One that cannot be renamed because `to` exists (a group of that ID left from before,
+    /// which the runtime reuses instead) goes back.
     pub fn take(&self, to: &str) -> bool {
         let Some(hierarchy) = &self.hierarchy else {
             return false;
         };
-        let Some(spare) = self.lock().pop() else {
+        let Some(mut spare) = self.lock().pop_front() else {
             return false;
         };
-        let Ok(group) = Cgroup::new(hierarchy, &spare) else {
+        let Ok(group) = Cgroup::new(hierarchy, &spare.path) else {
             return false;
         };
+        if !group.memory_usage().is_ok_and(|bytes| bytes <= CHARGE_LEFT) {
+            spare.passed += 1;
+            if spare.passed < PASSES {
+                self.lock().push_back(spare);
+            } else {
+                let _ = group.remove(false);
+            }
+            return false;
+        }
         match group.rename(to) {
             Ok(_) => true,
             Err(err) if exists(&err) => {
-                self.kept(spare);
+                self.lock().push_back(spare);
                 false
             }
             Err(err) => {
-                tracing::warn!(%err, spare, "a spare cgroup could not be taken: removed");
+                tracing::warn!(%err, spare = spare.path, "a spare cgroup could not be taken: removed");
                 let _ = group.remove(false);
                 false
             }
         }
     }
 
-    /// Gives back the group at `path` that a create took and then failed with before its
-    /// container existed (the runtime removes only groups it made): kept again, or removed.
+    /// Takes in the group at `path` that no container holds (a create that took a spare and
+    /// failed before its container existed; a sandbox's group left by a node that died
+    /// before its container's state was written): kept if it is empty and there is room,
+    /// else removed. Nothing there, nothing done.
     pub fn give_back(&self, path: &str) {
         let Some(hierarchy) = &self.hierarchy else {
             return;
@@ -123,10 +160,10 @@ impl SpareCgroups {
         let Ok(group) = Cgroup::new(hierarchy, path) else {
             return;
         };
-        let kept = self
-            .next_path()
-            .filter(|spare| group.reset().and_then(|()| group.rename(spare)).is_ok());
-        match kept {
+        if !group.dirs().any(std::path::Path::exists) {
+            return;
+        }
+        match self.next_path().filter(|spare| group.retire(spare).is_ok()) {
             Some(spare) => self.kept(spare),
             None => {
                 let _ = group.remove(false);
@@ -134,7 +171,7 @@ impl SpareCgroups {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Spare>> {
         self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
@@ -144,23 +181,32 @@ fn exists(err: &jail::cgroup::CgroupError) -> bool {
     matches!(err, jail::cgroup::CgroupError::Io { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists)
 }
 
-/// Removes the spares an earlier run of the node left under `parent`, in every hierarchy.
-fn remove_left(hierarchy: &Hierarchy, parent: &str) {
-    let Ok(parent_group) = Cgroup::new(hierarchy, parent) else {
-        return;
-    };
-    let mut names = std::collections::BTreeSet::new();
-    for dir in parent_group.dirs() {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(PREFIX) {
-                names.insert(name);
+/// The spares an earlier run of the node left under `parent`, oldest first, and the number
+/// after the highest: each kept if it is whole and empty (its limits and figures were reset
+/// when it became a spare), removed otherwise or past [`LIMIT`].
+fn left_by_earlier_run(hierarchy: &Hierarchy, parent: &str) -> (VecDeque<Spare>, u64) {
+    let mut numbered = std::collections::BTreeMap::new();
+    if let Ok(parent_group) = Cgroup::new(hierarchy, parent) {
+        for dir in parent_group.dirs() {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if let Some(n) = name.strip_prefix(PREFIX).and_then(|n| n.parse::<u64>().ok()) {
+                    numbered.insert(n, format!("{parent}/{name}"));
+                }
             }
         }
     }
-    for name in names {
-        if let Ok(group) = Cgroup::new(hierarchy, &format!("{parent}/{name}")) {
+    let next = numbered.keys().next_back().map_or(0, |n| n + 1);
+    let mut free = VecDeque::new();
+    for path in numbered.into_values() {
+        let Ok(group) = Cgroup::new(hierarchy, &path) else {
+            continue;
+        };
+        if free.len() < LIMIT && group.is_empty().unwrap_or(false) {
+            free.push_back(Spare { path, passed: 0 });
+        } else {
             let _ = group.remove(false);
         }
     }
+    (free, next)
 }
