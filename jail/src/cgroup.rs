@@ -575,8 +575,8 @@ impl Cgroup {
         if self.hierarchy.version != Version::V1 {
             return Err(CgroupError::Invalid("only a v1 cgroup is reset for reuse".into()));
         }
-        /// (controller, file, value, whether the kernel may lack the file: swap accounting
-        /// and the kmem counters are build and boot options).
+        /// (controller, file, value, whether the kernel may lack the file: swap accounting,
+        /// the kmem counters and CFS bandwidth are build and boot options).
         const WRITES: [(&str, &str, &str, bool); 14] = [
             ("freezer", "freezer.state", "THAWED", false),
             ("memory", "memory.memsw.limit_in_bytes", "-1", true),
@@ -587,8 +587,8 @@ impl Cgroup {
             ("memory", "memory.memsw.max_usage_in_bytes", "0", true),
             ("memory", "memory.memsw.failcnt", "0", true),
             ("memory", "memory.kmem.max_usage_in_bytes", "0", true),
-            ("cpu", "cpu.cfs_quota_us", "-1", false),
-            ("cpu", "cpu.cfs_period_us", "100000", false),
+            ("cpu", "cpu.cfs_quota_us", "-1", true),
+            ("cpu", "cpu.cfs_period_us", "100000", true),
             ("cpu", "cpu.shares", "1024", false),
             ("cpuacct", "cpuacct.usage", "0", false),
             ("pids", "pids.max", "max", false),

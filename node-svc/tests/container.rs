@@ -1310,6 +1310,26 @@ async fn pause_freezes_resume_continues_and_kill_leaves_nothing() {
     }
 }
 
+/// What is charged to spare cgroup `spare` once it is under what a create takes it with: until
+/// the janitor has unmounted a killed sandbox's disk, its cache and kernel objects are still
+/// charged to the group, and a create passes it over. (No event says when; at most 60 s.)
+async fn settled(spare: &std::path::Path) -> u64 {
+    let charge_left = node_svc::runtime::container::spare_cgroups::charge_left();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let path = spare.join("memory.usage_in_bytes");
+        let left: u64 = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .trim()
+            .parse()
+            .unwrap();
+        if left <= charge_left || std::time::Instant::now() > deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A killed sandbox's cgroup is kept for the next sandbox rather than removed (removing a
 /// memory cgroup costs the kernel in proportion to every file system on the host): emptied,
 /// its limits lifted and its figures zeroed while it waits, and the next sandbox that takes it
@@ -1332,7 +1352,11 @@ async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
     };
     let number = |path: PathBuf| -> u64 { read(path).parse().unwrap() };
     // A group is the same kernel object across a rename: its inode number stays.
-    let inode = |path: PathBuf| std::fs::metadata(&path).map(|m| m.ino()).unwrap_or_default();
+    let inode = |path: PathBuf| {
+        std::fs::metadata(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .ino()
+    };
     let spares = |hierarchy: &str| -> Vec<String> {
         std::fs::read_dir(group(hierarchy, ""))
             .unwrap()
@@ -1340,20 +1364,6 @@ async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|name| name.starts_with(".spare-"))
             .collect()
-    };
-    // Until the janitor has unmounted a killed sandbox's disk, its cache and kernel objects
-    // are still charged to the group, and a create passes it over: what is charged once it is
-    // under what a create takes (no event says when; at most 20 s).
-    let settled = |spare: &std::path::Path| {
-        let charge_left = node_svc::runtime::container::spare_cgroups::CHARGE_LEFT;
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let left = number(spare.join("memory.usage_in_bytes"));
-            if left <= charge_left || std::time::Instant::now() > deadline {
-                return left;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     };
     let hierarchies = ["memory", "cpuacct", "cpu", "pids", "freezer"];
     n.create("first", 256 << 20).await;
@@ -1389,7 +1399,7 @@ async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
         number(group("memory", &spare).join("memory.limit_in_bytes")) > 1 << 50,
         "no limit while it waits"
     );
-    let left = settled(&group("memory", &spare));
+    let left = settled(&group("memory", &spare)).await;
     assert!(number(group("memory", &spare).join("memory.max_usage_in_bytes")) < 20 << 20);
     assert_eq!(number(group("cpuacct", &spare).join("cpuacct.usage")), 0);
     assert_eq!(read(group("pids", &spare).join("pids.max")), "max");
@@ -1434,7 +1444,7 @@ async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
     // A node started again takes back the spares its earlier run left.
     n.lifecycle("second", "kill").await;
     let kept = group("memory", &spares("memory")[0]);
-    let left = settled(&kept);
+    let left = settled(&kept).await;
     let kept = inode(kept);
     if let Some(running) = n.node.take() {
         running.stop().await;

@@ -752,15 +752,14 @@ impl Runtime for ContainerRuntime {
             Ok(pid)
         })();
         started.map_err(|e| {
-            // A container the runtime made keeps or removes its group as it goes; without
-            // one, the runtime leaves the group it did not make (the spare this create took).
-            let container = self.engine.knows(sandbox.id);
             // Its ids and its network slot are free only once nothing of its container is left
             // (a start that failed after the runtime's `run` may have left one running).
             if self.gone(sandbox.id) {
                 self.give_back_slot(sandbox.id);
                 self.ids.release(sandbox.id);
-                if took_spare && !container {
+                // The runtime removes only groups it made: the spare this create took is left
+                // where the run failed before its container's state was whole.
+                if took_spare {
                     self.spare_cgroups.give_back(&self.cgroups_path(sandbox.id));
                 }
             }

@@ -21,7 +21,7 @@
 //! janitor unmounts that disk). That charge would show in the next sandbox's memory figures,
 //! so a spare is taken only while it is below [`CHARGE_LEFT`] (measured: 8–12 KiB for most,
 //! at most a few hundred KiB, a burst of 300 kills), the oldest first; one above waits its
-//! turn again, and is removed after a few (see [`SpareCgroups::take`]). Nothing of
+//! turn again, and is removed after [`CHARGED_FOR`] (see [`SpareCgroups::take`]). Nothing of
 //! the earlier sandbox's files, processes or limits is reachable from it, and nothing inside a
 //! sandbox sees a cgroup file system.
 //!
@@ -31,22 +31,44 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use jail::cgroup::{Cgroup, Hierarchy, Version};
 
 /// The most spare cgroups a node keeps.
 pub const LIMIT: usize = 1024;
 
-/// The most memory still charged to a spare that a create takes it with.
+/// The most memory still charged to a spare that a create takes it with, besides what the
+/// kernel may hold charged ahead in each CPU's batch ([`charge_left`]).
 pub const CHARGE_LEFT: u64 = 1 << 20;
 
-/// How many times a spare charged with more is passed over before it is removed.
-const PASSES: u8 = 4;
+/// How long a spare may stay charged with more before it is removed.
+pub const CHARGED_FOR: Duration = Duration::from_secs(60);
 
-/// A kept group, and how many creates passed it over for what is still charged to it.
+/// How many spares a create looks at, the oldest first.
+const LOOKS: usize = 4;
+
+/// [`CHARGE_LEFT`] on this host: v1's `memory.usage_in_bytes` counts the pages each CPU
+/// charged ahead (64 at the most) as used, so an empty group on a host of many cores may show
+/// more than a megabyte.
+pub fn charge_left() -> u64 {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    CHARGE_LEFT + cpus * 64 * 4096
+}
+
+/// A kept group, and since when (the longer it has waited, the less is charged to it).
 struct Spare {
     path: String,
-    passed: u8,
+    since: Instant,
+}
+
+impl Spare {
+    fn new(path: String) -> Self {
+        Self {
+            path,
+            since: Instant::now(),
+        }
+    }
 }
 
 /// The leaf name every spare's begins with: never a sandbox ID, which cannot start with a dot.
@@ -106,47 +128,50 @@ impl SpareCgroups {
 
     /// Records that a killed sandbox's group is kept at `path` (from [`SpareCgroups::next_path`]).
     pub fn kept(&self, path: String) {
-        self.lock().push_back(Spare { path, passed: 0 });
+        self.lock().push_back(Spare::new(path));
     }
 
-    /// Renames a spare to `to` (a sandbox's group path), if there is one with little enough
-    /// charged to it: whether there was. A spare still charged with more waits its turn
-    /// again (its disk's cache and its kernel objects are uncharged once the janitor has
-    /// unmounted that disk); one passed over [`PASSES`] times is removed (its sandbox was the
-    /// first to read files that stay cached, and holds their charge for as long as they do).
-    /// One that cannot be renamed because `to` exists (a group of that ID left from before,
-    /// which the runtime reuses instead) goes back.
+    /// Renames a spare to `to` (a sandbox's group path), if one of the oldest has little
+    /// enough charged to it ([`charge_left`]): whether one had. A spare still charged with more
+    /// waits its turn again (its disk's cache and its kernel objects are uncharged once the
+    /// janitor has unmounted that disk), and is removed once it has been so for
+    /// [`CHARGED_FOR`] (its sandbox was the first to read files that stay cached, and holds
+    /// their charge for as long as they do). One that cannot be renamed because `to` exists (a
+    /// group of that ID left from before, which the runtime reuses instead) goes back.
     pub fn take(&self, to: &str) -> bool {
         let Some(hierarchy) = &self.hierarchy else {
             return false;
         };
-        let Some(mut spare) = self.lock().pop_front() else {
-            return false;
-        };
-        let Ok(group) = Cgroup::new(hierarchy, &spare.path) else {
-            return false;
-        };
-        if !group.memory_usage().is_ok_and(|bytes| bytes <= CHARGE_LEFT) {
-            spare.passed += 1;
-            if spare.passed < PASSES {
+        for _ in 0..LOOKS {
+            let Some(spare) = self.lock().pop_front() else {
+                return false;
+            };
+            let Ok(group) = Cgroup::new(hierarchy, &spare.path) else {
                 self.lock().push_back(spare);
-            } else {
-                let _ = group.remove(false);
+                return false;
+            };
+            if !group.memory_usage().is_ok_and(|bytes| bytes <= charge_left()) {
+                if spare.since.elapsed() < CHARGED_FOR {
+                    self.lock().push_back(spare);
+                } else {
+                    let _ = group.remove(false);
+                }
+                continue;
             }
-            return false;
+            return match group.rename(to) {
+                Ok(_) => true,
+                Err(err) if exists(&err) => {
+                    self.lock().push_back(spare);
+                    false
+                }
+                Err(err) => {
+                    tracing::warn!(%err, spare = spare.path, "a spare cgroup could not be taken: removed");
+                    let _ = group.remove(false);
+                    false
+                }
+            };
         }
-        match group.rename(to) {
-            Ok(_) => true,
-            Err(err) if exists(&err) => {
-                self.lock().push_back(spare);
-                false
-            }
-            Err(err) => {
-                tracing::warn!(%err, spare = spare.path, "a spare cgroup could not be taken: removed");
-                let _ = group.remove(false);
-                false
-            }
-        }
+        false
     }
 
     /// Takes in the group at `path` that no container holds (a create that took a spare and
@@ -163,9 +188,18 @@ impl SpareCgroups {
         if !group.dirs().any(std::path::Path::exists) {
             return;
         }
-        match self.next_path().filter(|spare| group.retire(spare).is_ok()) {
-            Some(spare) => self.kept(spare),
-            None => {
+        if !group.is_empty().unwrap_or(true) {
+            tracing::warn!(cgroup = path, "a group no container holds has tasks in it: left alone");
+            return;
+        }
+        let Some(spare) = self.next_path() else {
+            let _ = group.remove(false);
+            return;
+        };
+        match group.retire(&spare) {
+            Ok(_) => self.kept(spare),
+            Err(err) => {
+                tracing::warn!(cgroup = path, %err, "a group no container holds was not kept: removed");
                 let _ = group.remove(false);
             }
         }
@@ -190,8 +224,18 @@ fn left_by_earlier_run(hierarchy: &Hierarchy, parent: &str) -> (VecDeque<Spare>,
         for dir in parent_group.dirs() {
             for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if let Some(n) = name.strip_prefix(PREFIX).and_then(|n| n.parse::<u64>().ok()) {
-                    numbered.insert(n, format!("{parent}/{name}"));
+                let Some(n) = name.strip_prefix(PREFIX) else { continue };
+                match n.parse::<u64>() {
+                    Ok(n) => {
+                        numbered.insert(n, format!("{parent}/{name}"));
+                    }
+                    // Not one this node named: removed (as every spare was before they were
+                    // taken back).
+                    Err(_) => {
+                        if let Ok(group) = Cgroup::new(hierarchy, &format!("{parent}/{name}")) {
+                            let _ = group.remove(false);
+                        }
+                    }
                 }
             }
         }
@@ -203,7 +247,7 @@ fn left_by_earlier_run(hierarchy: &Hierarchy, parent: &str) -> (VecDeque<Spare>,
             continue;
         };
         if free.len() < LIMIT && group.is_empty().unwrap_or(false) {
-            free.push_back(Spare { path, passed: 0 });
+            free.push_back(Spare::new(path));
         } else {
             let _ = group.remove(false);
         }
