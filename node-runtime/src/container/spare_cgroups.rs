@@ -83,6 +83,8 @@ pub struct SpareCgroups {
     /// Oldest first: the longer a spare has waited, the less is charged to it.
     free: Mutex<VecDeque<Spare>>,
     next: AtomicU64,
+    /// [`charge_left`], read once (the CPUs are counted through the cgroup file system).
+    charge_left: u64,
 }
 
 impl SpareCgroups {
@@ -102,6 +104,7 @@ impl SpareCgroups {
             hierarchy,
             free: Mutex::new(free),
             next: AtomicU64::new(next),
+            charge_left: charge_left(),
         }
     }
 
@@ -112,6 +115,7 @@ impl SpareCgroups {
             hierarchy: None,
             free: Mutex::new(VecDeque::new()),
             next: AtomicU64::new(0),
+            charge_left: CHARGE_LEFT,
         }
     }
 
@@ -150,7 +154,7 @@ impl SpareCgroups {
                 self.lock().push_back(spare);
                 return false;
             };
-            if !group.memory_usage().is_ok_and(|bytes| bytes <= charge_left()) {
+            if !group.memory_usage().is_ok_and(|bytes| bytes <= self.charge_left) {
                 if spare.since.elapsed() < CHARGED_FOR {
                     self.lock().push_back(spare);
                 } else {
