@@ -253,6 +253,11 @@ impl Cgroup {
         }
     }
 
+    /// The cgroup's path in its hierarchy (`/a/b`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
     pub fn version(&self) -> Version {
         self.hierarchy.version
     }
@@ -540,13 +545,15 @@ impl Cgroup {
         if self.hierarchy.version != Version::V1 {
             return Err(CgroupError::Invalid("a v2 cgroup cannot be renamed".into()));
         }
-        let target = Cgroup::new(&self.hierarchy, to)?;
-        if Path::new(&target.path).parent() != Path::new(&self.path).parent() {
+        let to = normalize_path(to)?;
+        let (to_parent, leaf) = to.rsplit_once('/').unwrap_or_default();
+        if Some(to_parent) != self.path.rsplit_once('/').map(|(parent, _)| parent) {
             return Err(CgroupError::Invalid(format!(
-                "cgroup {} may be renamed only beside itself, not to {}",
-                self.path, target.path
+                "cgroup {} may be renamed only beside itself, not to {to}",
+                self.path
             )));
         }
+        let target = self.named(to.clone(), |dir| dir.with_file_name(leaf));
         for (done, (from, to)) in self.dirs.iter().zip(&target.dirs).enumerate() {
             if let Err(source) = fs::rename(&from.path, &to.path) {
                 for (back_from, back_to) in self.dirs.iter().zip(&target.dirs).take(done) {
@@ -561,6 +568,33 @@ impl Cgroup {
         Ok(target)
     }
 
+    /// The cgroup `name` directly below this one (`name` a single component), found where
+    /// this one's directories are rather than by resolving the hierarchies again.
+    pub fn child(&self, name: &str) -> Result<Cgroup, CgroupError> {
+        if name.is_empty() || name.contains('/') {
+            return Err(CgroupError::InvalidPath(format!("{}/{name}", self.path)));
+        }
+        let path = normalize_path(&format!("{}/{name}", self.path))?;
+        Ok(self.named(path, |dir| dir.join(name)))
+    }
+
+    /// This cgroup's directories moved by `to_dir`, as the cgroup at `path`.
+    fn named(&self, path: String, to_dir: impl Fn(&Path) -> PathBuf) -> Cgroup {
+        Cgroup {
+            hierarchy: self.hierarchy.clone(),
+            path,
+            dirs: self
+                .dirs
+                .iter()
+                .map(|d| Dir {
+                    path: to_dir(&d.path),
+                    controllers: d.controllers.clone(),
+                    created: false,
+                })
+                .collect(),
+        }
+    }
+
     /// Makes an emptied v1 cgroup what a new one is, for the next container: thawed, no
     /// limits (the memory and swap limits, the soft limit, the CPU quota and shares, the
     /// process limit), its peaks, failure counts and CPU time at zero. The caller made it
@@ -570,7 +604,8 @@ impl Cgroup {
     /// that stay cached), as it keeps them for a removed cgroup that lingers until reclaim.
     ///
     /// The limits go in the order the kernel accepts whatever they were: swap before memory
-    /// (memsw may never be below the memory limit), the quota before the period.
+    /// (memsw may never be below the memory limit), the quota before the period. Every
+    /// hierarchy has a file every kernel has, so a directory that is gone fails the reset.
     pub fn reset(&self) -> Result<(), CgroupError> {
         if self.hierarchy.version != Version::V1 {
             return Err(CgroupError::Invalid("only a v1 cgroup is reset for reuse".into()));
@@ -593,12 +628,6 @@ impl Cgroup {
             ("cpuacct", "cpuacct.usage", "0", false),
             ("pids", "pids.max", "max", false),
         ];
-        if let Some(gone) = self.dirs.iter().find(|d| !d.path.is_dir()) {
-            return Err(CgroupError::Io {
-                path: gone.path.clone(),
-                source: io::ErrorKind::NotFound.into(),
-            });
-        }
         for (controller, file, value, optional) in WRITES {
             let Some(dir) = self.dir_for(controller) else { continue };
             match write_file(dir, file, value) {
@@ -611,20 +640,19 @@ impl Cgroup {
 
     /// Whether no task is in the cgroup (in any hierarchy, by `tasks`, which lists every
     /// thread where `cgroup.procs` lists thread groups) and it has no cgroup below it: what
-    /// `rmdir` checks before it removes one, and a rename does not.
+    /// `rmdir` checks before it removes one, and a rename does not. (A directory's link count
+    /// is two and one per folder below it; the cgroup file system keeps it so too.)
     pub fn is_empty(&self) -> Result<bool, CgroupError> {
+        use std::os::unix::fs::MetadataExt as _;
         for d in &self.dirs {
             let tasks = d.path.join(match self.hierarchy.version {
                 Version::V1 => "tasks",
                 Version::V2 => "cgroup.threads",
             });
-            if !fs::read_to_string(&tasks).map_err(io_at(&tasks))?.trim().is_empty() {
+            if !fs::read_to_string(&tasks).map_err(io_at(&tasks))?.trim().is_empty()
+                || fs::metadata(&d.path).map_err(io_at(&d.path))?.nlink() > 2
+            {
                 return Ok(false);
-            }
-            for entry in fs::read_dir(&d.path).map_err(io_at(&d.path))? {
-                if entry.map_err(io_at(&d.path))?.file_type().is_ok_and(|t| t.is_dir()) {
-                    return Ok(false);
-                }
             }
         }
         Ok(true)
@@ -936,6 +964,15 @@ mod tests {
         // shorter write leaves of a longer value (the kernel takes each write whole), so they
         // start empty here, to read what the reset writes.
         let cg = Cgroup::new(&h, "/sandboxsched/c1").unwrap();
+        let parent = Cgroup::new(&h, "/sandboxsched").unwrap();
+        let child = parent.child("c1").unwrap();
+        assert_eq!(
+            (child.path(), child.dirs().collect::<Vec<_>>()),
+            (cg.path(), cg.dirs().collect())
+        );
+        for bad in ["", "a/b", ".."] {
+            assert!(parent.child(bad).is_err(), "{bad:?}");
+        }
         // A task in it, or a group below it: not kept (a rename, unlike rmdir, would take them).
         touch(&root.join("pids/sandboxsched/c1/tasks"), "4242\n");
         assert!(cg.retire("/sandboxsched/.spare-9").is_err());

@@ -76,10 +76,9 @@ pub const PREFIX: &str = ".spare-";
 
 /// A node's spare cgroups (see the module's doc).
 pub struct SpareCgroups {
-    /// `/sandboxsched-<node>`: the parent every sandbox's group and every spare sits under.
-    parent: String,
-    /// v1 only; `None` keeps no spares.
-    hierarchy: Option<Hierarchy>,
+    /// `/sandboxsched-<node>`, the group every sandbox's group and every spare sits under;
+    /// v1 only, `None` keeps no spares.
+    parent: Option<Cgroup>,
     /// Oldest first: the longer a spare has waited, the less is charged to it.
     free: Mutex<VecDeque<Spare>>,
     next: AtomicU64,
@@ -92,8 +91,9 @@ impl SpareCgroups {
     /// those an earlier run of the node left, where they are still empty.
     pub fn new(parent: String) -> Self {
         let hierarchy = Hierarchy::detect().ok().filter(|h| h.version == Version::V1);
-        let (free, next) = match &hierarchy {
-            Some(h) => left_by_earlier_run(h, &parent),
+        let parent = hierarchy.and_then(|h| Cgroup::new(&h, &parent).ok());
+        let (free, next) = match &parent {
+            Some(parent) => left_by_earlier_run(parent),
             None => {
                 tracing::info!("no spare cgroups: this host's cgroups are not v1 (a v2 group cannot be renamed)");
                 (VecDeque::new(), 0)
@@ -101,7 +101,6 @@ impl SpareCgroups {
         };
         Self {
             parent,
-            hierarchy,
             free: Mutex::new(free),
             next: AtomicU64::new(next),
             charge_left: charge_left(),
@@ -111,8 +110,7 @@ impl SpareCgroups {
     /// Keeps no spares (a v2 host, or a runtime that removes its groups itself).
     pub fn none() -> Self {
         Self {
-            parent: String::new(),
-            hierarchy: None,
+            parent: None,
             free: Mutex::new(VecDeque::new()),
             next: AtomicU64::new(0),
             charge_left: CHARGE_LEFT,
@@ -122,12 +120,12 @@ impl SpareCgroups {
     /// The path a killed sandbox's group is to be kept at, while there is room for one more.
     /// (Kills at once may each see the last room: the bound is passed by as many.)
     pub fn next_path(&self) -> Option<String> {
-        self.hierarchy.as_ref()?;
+        let parent = self.parent.as_ref()?;
         if self.lock().len() >= LIMIT {
             return None;
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        Some(format!("{}/{PREFIX}{n}", self.parent))
+        Some(format!("{}/{PREFIX}{n}", parent.path()))
     }
 
     /// Records that a killed sandbox's group is kept at `path` (from [`SpareCgroups::next_path`]).
@@ -143,14 +141,14 @@ impl SpareCgroups {
     /// their charge for as long as they do). One that cannot be renamed because `to` exists (a
     /// group of that ID left from before, which the runtime reuses instead) goes back.
     pub fn take(&self, to: &str) -> bool {
-        let Some(hierarchy) = &self.hierarchy else {
+        let Some(parent) = &self.parent else {
             return false;
         };
         for _ in 0..LOOKS {
             let Some(spare) = self.lock().pop_front() else {
                 return false;
             };
-            let Ok(group) = Cgroup::new(hierarchy, &spare.path) else {
+            let Ok(group) = below(parent, &spare.path) else {
                 self.lock().push_back(spare);
                 return false;
             };
@@ -183,10 +181,10 @@ impl SpareCgroups {
     /// before its container's state was written): kept if it is empty and there is room,
     /// else removed. Nothing there, nothing done.
     pub fn give_back(&self, path: &str) {
-        let Some(hierarchy) = &self.hierarchy else {
+        let Some(parent) = &self.parent else {
             return;
         };
-        let Ok(group) = Cgroup::new(hierarchy, path) else {
+        let Ok(group) = below(parent, path) else {
             return;
         };
         if !group.dirs().any(std::path::Path::exists) {
@@ -219,39 +217,38 @@ fn exists(err: &jail::cgroup::CgroupError) -> bool {
     matches!(err, jail::cgroup::CgroupError::Io { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists)
 }
 
+/// The group at `path`, a child of `parent`'s.
+fn below(parent: &Cgroup, path: &str) -> Result<Cgroup, jail::cgroup::CgroupError> {
+    parent.child(path.rsplit('/').next().unwrap_or_default())
+}
+
 /// The spares an earlier run of the node left under `parent`, oldest first, and the number
 /// after the highest: each kept if it is whole and empty (its limits and figures were reset
 /// when it became a spare), removed otherwise or past [`LIMIT`].
-fn left_by_earlier_run(hierarchy: &Hierarchy, parent: &str) -> (VecDeque<Spare>, u64) {
+fn left_by_earlier_run(parent: &Cgroup) -> (VecDeque<Spare>, u64) {
     let mut numbered = std::collections::BTreeMap::new();
-    if let Ok(parent_group) = Cgroup::new(hierarchy, parent) {
-        for dir in parent_group.dirs() {
-            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let Some(n) = name.strip_prefix(PREFIX) else { continue };
-                match n.parse::<u64>() {
-                    Ok(n) => {
-                        numbered.insert(n, format!("{parent}/{name}"));
-                    }
-                    // Not one this node named: removed (as every spare was before they were
-                    // taken back).
-                    Err(_) => {
-                        if let Ok(group) = Cgroup::new(hierarchy, &format!("{parent}/{name}")) {
-                            let _ = group.remove(false);
-                        }
-                    }
+    for dir in parent.dirs() {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(n) = name.strip_prefix(PREFIX) else { continue };
+            let Ok(group) = parent.child(&name) else { continue };
+            match n.parse::<u64>() {
+                Ok(n) => {
+                    numbered.insert(n, group);
+                }
+                // Not one this node named: removed (as every spare was before they were taken
+                // back).
+                Err(_) => {
+                    let _ = group.remove(false);
                 }
             }
         }
     }
     let next = numbered.keys().next_back().map_or(0, |n| n + 1);
     let mut free = VecDeque::new();
-    for path in numbered.into_values() {
-        let Ok(group) = Cgroup::new(hierarchy, &path) else {
-            continue;
-        };
+    for group in numbered.into_values() {
         if free.len() < LIMIT && group.is_empty().unwrap_or(false) {
-            free.push_back(Spare::new(path));
+            free.push_back(Spare::new(group.path().to_string()));
         } else {
             let _ = group.remove(false);
         }
