@@ -638,6 +638,17 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Zeroes the CPU time the cgroup has counted (v1 `cpuacct.usage`). A task that has left
+    /// `tasks` on its way out still runs the last of its exit, for some microseconds, and the
+    /// scheduler charges them to the group it leaves: so a reset's zero may not stay zero, and
+    /// whoever takes the group next zeroes it again.
+    pub fn zero_cpu_time(&self) -> Result<(), CgroupError> {
+        if self.hierarchy.version != Version::V1 {
+            return Err(CgroupError::Invalid("only a v1 cgroup's CPU time can be zeroed".into()));
+        }
+        write_file(self.need("cpuacct")?, "cpuacct.usage", "0")
+    }
+
     /// Whether no task is in the cgroup (in any hierarchy, by `tasks`, which lists every
     /// thread where `cgroup.procs` lists thread groups) and it has no cgroup below it: what
     /// `rmdir` checks before it removes one, and a rename does not. (A directory's link count

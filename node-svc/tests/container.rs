@@ -1400,7 +1400,10 @@ async fn a_killed_sandboxs_cgroup_goes_to_the_next_sandbox_reset() {
     );
     let left = settled(&group("memory", &spare)).await;
     assert!(number(group("memory", &spare).join("memory.max_usage_in_bytes")) < 20 << 20);
-    assert_eq!(number(group("cpuacct", &spare).join("cpuacct.usage")), 0);
+    // Zeroed by the kill; what the last of the first sandbox's exit ran after that (some
+    // microseconds) is zeroed again by the create that takes it.
+    let spare_cpu = number(group("cpuacct", &spare).join("cpuacct.usage"));
+    assert!(spare_cpu < 1_000_000, "the spare's CPU time: {spare_cpu} ns");
     assert_eq!(read(group("pids", &spare).join("pids.max")), "max");
 
     n.create("second", 128 << 20).await;

@@ -161,7 +161,14 @@ impl SpareCgroups {
                 continue;
             }
             return match group.rename(to) {
-                Ok(_) => true,
+                // The sandbox's CPU time from zero: its spare's may hold the last microseconds
+                // of the one before (see `Cgroup::zero_cpu_time`).
+                Ok(taken) => {
+                    if let Err(err) = taken.zero_cpu_time() {
+                        tracing::warn!(%err, cgroup = to, "a spare's CPU time was not zeroed");
+                    }
+                    true
+                }
                 Err(err) if exists(&err) => {
                     self.lock().push_back(spare);
                     false
