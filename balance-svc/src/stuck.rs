@@ -94,6 +94,7 @@ mod tests {
                 memory_bytes: 1 << 20,
             },
             failed: None,
+            droppable: false,
         }
     }
 

@@ -92,6 +92,7 @@ pub fn snapshot(
                     memory_bytes: m.memory_bytes,
                 },
                 failed: None,
+                droppable: droppable(m),
             }
         })
         .collect();
@@ -366,6 +367,18 @@ pub(crate) mod tests {
         assert_eq!(available(10_000 + DROP_PATIENCE_MS), 400);
         assert!(!owned(10_000 + DROP_PATIENCE_MS), "no keeper came: planned again");
         assert!(!droppable(&asked), "and then moved, not asked again");
+        let candidate = |doc: &SandboxDoc| {
+            snapshot(&nodes, std::slice::from_ref(doc), &control, 10_000, u64::MAX).sandboxes[0].droppable
+        };
+        assert!(!candidate(&asked), "the planner does not prefer it either");
+        assert!(
+            candidate(&pooled("s", "a")),
+            "a ready pooled sandbox is the planner's to prefer"
+        );
+        assert!(
+            !candidate(&manifest("s", "a", SandboxPhase::Running)),
+            "a tenant's is not"
+        );
     }
 
     #[test]

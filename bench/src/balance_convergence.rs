@@ -138,6 +138,7 @@ fn snapshot(capacity: &[u64], placement: &Placement, now_ms: u64) -> Snapshot {
                 movable: true,
                 requested: ask(*memory),
                 failed: None,
+                droppable: false,
             })
             .collect(),
         now_ms,
@@ -642,6 +643,7 @@ fn small_clusters(count: usize, seed: u64) -> Small {
                 movable: j < movable,
                 requested: ask(bytes),
                 failed: None,
+                droppable: false,
             });
         }
         let snap = Snapshot {

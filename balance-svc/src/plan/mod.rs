@@ -162,6 +162,8 @@ struct Piece<'a> {
     bytes: u64,
     /// What it asked for, which its target must be able to allocate.
     ask: Capacity,
+    /// Its move may be a drop (see [`Candidate::droppable`]).
+    droppable: bool,
 }
 
 /// The ready nodes and what may move off them, indexed once per plan.
@@ -215,6 +217,7 @@ impl<'a> Field<'a> {
                     id: &c.sandbox_id,
                     bytes: c.memory_bytes,
                     ask: c.requested,
+                    droppable: c.droppable,
                 }),
             }
         }
@@ -640,6 +643,8 @@ impl Levelling<'_, '_> {
 
     /// Short node s sheds one sandbox, or is found blocked. Its largest piece that fits goes
     /// first; when no target can allocate it (placement's rule), a few smaller ones are tried.
+    /// A droppable piece among those goes first instead when it levels as well (see
+    /// [`Levelling::levels_as_well`]).
     fn shed_from(&mut self, s: usize) {
         /// Pieces tried before the node counts as blocked: enough to get past a piece whose
         /// CPU ask no target can allocate, few enough that a blocked node costs little.
@@ -651,22 +656,51 @@ impl Levelling<'_, '_> {
             self.block(s, self.shed_blocker(s));
             return;
         }
-        for k in candidates {
-            let bytes = self.field.pieces[s][k].bytes;
-            // The least pressured node that stays on or above its floor with it and can
-            // allocate it.
-            let to = self.order.iter().rev().map(|&(_, d)| d).find(|&d| {
-                d != s
-                    && self.field.target[d]
-                    && self.available[d] >= self.floor[d].saturating_add(bytes)
-                    && self.admits(d, s, k)
+        let drop = candidates
+            .iter()
+            .filter(|&&k| self.field.pieces[s][k].droppable)
+            .find_map(|&k| {
+                self.target_for(s, k)
+                    .filter(|&d| self.levels_as_well(s, k, d))
+                    .map(|d| (k, d))
             });
-            if let Some(d) = to {
+        if let Some((k, d)) = drop {
+            self.apply(s, k, d);
+            return;
+        }
+        for k in candidates {
+            if let Some(d) = self.target_for(s, k) {
                 self.apply(s, k, d);
                 return;
             }
         }
         self.block(s, Skip::NoFit);
+    }
+
+    /// The least pressured node, other than s, that stays on or above its floor with piece
+    /// k of node s and can allocate it.
+    fn target_for(&self, s: usize, k: usize) -> Option<usize> {
+        let bytes = self.field.pieces[s][k].bytes;
+        self.order.iter().rev().map(|&(_, d)| d).find(|&d| {
+            d != s
+                && self.field.target[d]
+                && self.available[d] >= self.floor[d].saturating_add(bytes)
+                && self.admits(d, s, k)
+        })
+    }
+
+    /// Whether moving piece k from short node s to d brings both into the band: s up to its
+    /// floor at least (the piece fits under its ceiling already) and d, if it is over the
+    /// band, down to its ceiling at most (it stays on or above its floor already). Such a
+    /// move lowers the distance outside the band by all of both nodes' distances, as much as
+    /// any one move between them can, whatever its size, and leaves the two nodes the same
+    /// room in total for the moves after it. So where the piece is droppable, preferring it
+    /// spares a tenant's sandbox its migration at no cost to this step of the plan.
+    fn levels_as_well(&self, s: usize, k: usize, d: usize) -> bool {
+        let bytes = self.field.pieces[s][k].bytes;
+        let lifts_s = self.available[s].saturating_add(bytes) >= self.floor[s];
+        let settles_d = self.available[d] <= self.ceiling[d].saturating_add(bytes);
+        lifts_s && settles_d
     }
 
     /// Over node d takes in one sandbox, or is found blocked.
@@ -855,6 +889,7 @@ mod tests {
                 memory_bytes: 0,
             },
             failed: None,
+            droppable: false,
         }
     }
 
@@ -1028,6 +1063,8 @@ mod tests {
                     movable: !rng.chance(0.04),
                     requested: Capacity::default(),
                     failed: None,
+                    // Every fifth is pooled (by position, so the random draws are as before).
+                    droppable: sandboxes.len() % 5 == 0,
                 };
                 if rng.chance(0.05) {
                     c.last_moved_ms = Some(now - 1_000);
@@ -1085,6 +1122,101 @@ mod tests {
         assert!(plan.moves.iter().all(|m| m.from == "master" && m.to == "peer"));
         assert!(plan.moves.len() >= moves_lower_bound(&snap, &Tuning::default()));
         assert!(plan.blocked.is_empty());
+    }
+
+    /// A hot node whose tenant sandbox and pooled sandbox are alike in size, beside an idle
+    /// node: one 15 GiB move levels the pair.
+    fn a_tenant_and_a_pooled_sandbox_alike(pooled_gib: u64) -> Snapshot {
+        let mut pooled = sandbox("a-pooled", "hot", pooled_gib);
+        pooled.droppable = true;
+        let mut sandboxes = vec![pooled, sandbox("b-tenant", "hot", 15)];
+        sandboxes.extend((0..25 - pooled_gib).map(|i| sandbox(&format!("c{i}"), "hot", 1)));
+        Snapshot {
+            nodes: vec![node("hot", 100, 60), node("cold", 100, 90)],
+            sandboxes,
+            now_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_pooled_sandbox_that_levels_as_well_is_moved_rather_than_a_tenants() {
+        // Without the preference the larger ID of two equal pieces goes: the tenant's.
+        let snap = a_tenant_and_a_pooled_sandbox_alike(15);
+        let p = plan(&snap, &Tuning::default());
+        check(&snap, &Tuning::default(), &p);
+        let moved: Vec<&str> = p.moves.iter().map(|m| m.sandbox_id.as_str()).collect();
+        assert_eq!(moved, ["a-pooled"], "{p:?}");
+        assert!(p.spread_after <= Tuning::default().target);
+        let mut none_pooled = snap.clone();
+        none_pooled.sandboxes.iter_mut().for_each(|c| c.droppable = false);
+        let without = plan(&none_pooled, &Tuning::default());
+        let moved: Vec<&str> = without.moves.iter().map(|m| m.sandbox_id.as_str()).collect();
+        assert_eq!(moved, ["b-tenant"], "the test's pair must tie without the preference");
+    }
+
+    #[test]
+    fn a_pooled_sandbox_too_small_to_level_leaves_the_largest_first() {
+        // 3 GiB does not lift the hot node into the band: the tenant's 15 GiB goes first, as
+        // it would with no pool.
+        let snap = a_tenant_and_a_pooled_sandbox_alike(3);
+        let p = plan(&snap, &Tuning::default());
+        check(&snap, &Tuning::default(), &p);
+        assert_eq!(
+            p.moves.first().map(|m| m.sandbox_id.as_str()),
+            Some("b-tenant"),
+            "{p:?}"
+        );
+        assert!(p.spread_after <= Tuning::default().target);
+    }
+
+    #[test]
+    fn preferring_pooled_sandboxes_costs_random_clusters_no_moves() {
+        // The same clusters with every fifth sandbox pooled and with none: the plans reach
+        // the same spread in as few moves, and the pooled plans move pooled sandboxes more.
+        let mut rng = Rng(11);
+        let tuning = Tuning::default();
+        let (mut with_pool, mut without_pool, mut pooled_moved, mut pooled_moved_before) = (0, 0, 0, 0);
+        for _ in 0..24 {
+            let nodes = (2f64 * 200f64.powf((rng.next() % 1_000) as f64 / 1_000.0)) as usize;
+            let snap = random_cluster(&mut rng, nodes);
+            let mut none_pooled = snap.clone();
+            none_pooled.sandboxes.iter_mut().for_each(|c| c.droppable = false);
+            let (p, q) = (plan(&snap, &tuning), plan(&none_pooled, &tuning));
+            check(&snap, &tuning, &p);
+            let pooled: HashSet<&str> = snap
+                .sandboxes
+                .iter()
+                .filter(|c| c.droppable)
+                .map(|c| c.sandbox_id.as_str())
+                .collect();
+            let count = |p: &Plan| {
+                p.moves
+                    .iter()
+                    .filter(|m| pooled.contains(m.sandbox_id.as_str()))
+                    .count()
+            };
+            assert!(
+                p.moves.len() <= q.moves.len(),
+                "{} moves with pooled sandboxes preferred, {} without",
+                p.moves.len(),
+                q.moves.len()
+            );
+            assert!(
+                p.spread_after <= q.spread_after.max(tuning.target),
+                "{} vs {}",
+                p.spread_after,
+                q.spread_after
+            );
+            with_pool += p.moves.len();
+            without_pool += q.moves.len();
+            pooled_moved += count(&p);
+            pooled_moved_before += count(&q);
+        }
+        eprintln!("{with_pool} moves ({pooled_moved} pooled) against {without_pool} ({pooled_moved_before} pooled)");
+        assert!(
+            pooled_moved > pooled_moved_before,
+            "{pooled_moved} pooled moves, {pooled_moved_before} without the preference"
+        );
     }
 
     #[test]
@@ -1653,6 +1785,7 @@ mod tests {
                         memory_bytes: *m,
                     },
                     failed: None,
+                    droppable: false,
                 })
                 .collect(),
             now_ms,

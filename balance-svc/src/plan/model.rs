@@ -59,6 +59,10 @@ pub struct Candidate {
     /// move (its node refuses the snapshot, its files do not fit elsewhere) never holds a
     /// drain or a balance back from the others.
     pub failed: Option<FailedMoves>,
+    /// Unclaimed in a warm pool and never asked to go: its move may be a drop (its keeper
+    /// retires it and the pool refills elsewhere), which disturbs no tenant's sandbox and
+    /// copies nothing, so a plan prefers it where it levels as well (see `shed_from`).
+    pub droppable: bool,
 }
 
 /// A sandbox's moves that failed in a row.
