@@ -643,8 +643,8 @@ impl Levelling<'_, '_> {
 
     /// Short node s sheds one sandbox, or is found blocked. Its largest piece that fits goes
     /// first; when no target can allocate it (placement's rule), a few smaller ones are tried.
-    /// A droppable piece among those goes first instead when it levels as well (see
-    /// [`Levelling::levels_as_well`]).
+    /// A droppable piece among those goes instead when it levels as much (see
+    /// [`Levelling::levelled`]).
     fn shed_from(&mut self, s: usize) {
         /// Pieces tried before the node counts as blocked: enough to get past a piece whose
         /// CPU ask no target can allocate, few enough that a blocked node costs little.
@@ -652,29 +652,28 @@ impl Levelling<'_, '_> {
         let room = self.room.last().map_or(0, |&(r, _)| r);
         let limit = (self.ceiling[s] - self.available[s]).min(room);
         let candidates: Vec<usize> = self.untaken_at_most(s, limit).take(TRIES).collect();
-        if candidates.is_empty() {
-            self.block(s, self.shed_blocker(s));
+        let Some((k, d)) = candidates.iter().find_map(|&k| self.target_for(s, k).map(|d| (k, d))) else {
+            self.block(
+                s,
+                if candidates.is_empty() {
+                    self.shed_blocker(s)
+                } else {
+                    Skip::NoFit
+                },
+            );
             return;
-        }
+        };
+        let first = self.levelled(s, k, d);
         let drop = candidates
             .iter()
             .filter(|&&k| self.field.pieces[s][k].droppable)
             .find_map(|&k| {
                 self.target_for(s, k)
-                    .filter(|&d| self.levels_as_well(s, k, d))
+                    .filter(|&d| self.levelled(s, k, d) >= first)
                     .map(|d| (k, d))
             });
-        if let Some((k, d)) = drop {
-            self.apply(s, k, d);
-            return;
-        }
-        for k in candidates {
-            if let Some(d) = self.target_for(s, k) {
-                self.apply(s, k, d);
-                return;
-            }
-        }
-        self.block(s, Skip::NoFit);
+        let (k, d) = drop.unwrap_or((k, d));
+        self.apply(s, k, d);
     }
 
     /// The least pressured node, other than s, that stays on or above its floor with piece
@@ -689,18 +688,20 @@ impl Levelling<'_, '_> {
         })
     }
 
-    /// Whether moving piece k from short node s to d brings both into the band: s up to its
-    /// floor at least (the piece fits under its ceiling already) and d, if it is over the
-    /// band, down to its ceiling at most (it stays on or above its floor already). Such a
-    /// move lowers the distance outside the band by all of both nodes' distances, as much as
-    /// any one move between them can, whatever its size, and leaves the two nodes the same
-    /// room in total for the moves after it. So where the piece is droppable, preferring it
-    /// spares a tenant's sandbox its migration at no cost to this step of the plan.
-    fn levels_as_well(&self, s: usize, k: usize, d: usize) -> bool {
+    /// How much moving piece k from short node s to d lowers the plan's potential Φ (the
+    /// bytes by which nodes lie outside the band): s comes nearer its floor by the piece (it
+    /// cannot pass its ceiling: the piece fits under it), and d, when it is over the band,
+    /// nearer its ceiling (it cannot pass its floor: it is a target for the piece).
+    ///
+    /// A droppable piece that lowers Φ as much as the piece the plan would move otherwise is
+    /// moved instead: the same step towards the target, and no tenant's sandbox paused and
+    /// copied for it (its move becomes a drop). That is the case when it is large enough to
+    /// bring s into the band, or d when d is over it, as far as the larger piece would.
+    fn levelled(&self, s: usize, k: usize, d: usize) -> u64 {
         let bytes = self.field.pieces[s][k].bytes;
-        let lifts_s = self.available[s].saturating_add(bytes) >= self.floor[s];
-        let settles_d = self.available[d] <= self.ceiling[d].saturating_add(bytes);
-        lifts_s && settles_d
+        let short = self.floor[s].saturating_sub(self.available[s]);
+        let over = self.available[d].saturating_sub(self.ceiling[d]);
+        bytes.min(short) + bytes.min(over)
     }
 
     /// Over node d takes in one sandbox, or is found blocked.
@@ -1139,7 +1140,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pooled_sandbox_that_levels_as_well_is_moved_rather_than_a_tenants() {
+    fn a_pooled_sandbox_that_levels_as_much_is_moved_rather_than_a_tenants() {
         // Without the preference the larger ID of two equal pieces goes: the tenant's.
         let snap = a_tenant_and_a_pooled_sandbox_alike(15);
         let p = plan(&snap, &Tuning::default());
