@@ -666,7 +666,13 @@ impl Levelling<'_, '_> {
         let first = self.levelled(s, k, d);
         let drop = candidates
             .iter()
-            .filter(|&&k| self.field.pieces[s][k].droppable)
+            .filter(|&&k| {
+                // At most its bytes on d's side: a piece that cannot match the first is not
+                // worth a search for its target.
+                let piece = &self.field.pieces[s][k];
+                let short = self.floor[s].saturating_sub(self.available[s]);
+                piece.droppable && piece.bytes.min(short).saturating_add(piece.bytes) >= first
+            })
             .find_map(|&k| {
                 self.target_for(s, k)
                     .filter(|&d| self.levelled(s, k, d) >= first)
@@ -698,7 +704,8 @@ impl Levelling<'_, '_> {
     /// copied for it (its move becomes a drop). That is the case when it is large enough to
     /// bring s into the band, or d when d is over it, as far as the larger piece would: most
     /// often a node's last shed. (The plan is greedy, so a whole plan may then differ by a
-    /// move either way; see the tests.)
+    /// move either way; see the tests. The exhaustive search for tiny clusters, used only
+    /// when levelling misses the target, does not look at it.)
     fn levelled(&self, s: usize, k: usize, d: usize) -> u64 {
         let bytes = self.field.pieces[s][k].bytes;
         let short = self.floor[s].saturating_sub(self.available[s]);
