@@ -335,6 +335,10 @@ pub fn serve(dir: &StateDir, deadline: Duration, private_below: &[PathBuf]) -> R
             Logger::stderr().warn(&format!("helper: serving from the node's mount table: {e}"));
         }
     }
+    // Creates ahead of the node's other work; each container is set back (see `priority`).
+    if let Err(e) = crate::priority::raise_for_creates() {
+        Logger::stderr().warn(&format!("helper: creates run at the node's priority: {e}"));
+    }
     let mut running: Vec<Child> = Vec::new();
     let mut open = true;
     while open || !running.is_empty() {

@@ -28,7 +28,8 @@
 //! 4. build the filesystem and pivot into it (`rootfs`), set hostname and domain name,
 //!    bring up `lo`;
 //! 5. `chdir` to `process.cwd`, fill in `HOME`, mark fds close-on-exec except the preserved
-//!    ones, reset signal dispositions;
+//!    ones, reset signal dispositions, and set the node's nice value again when the helper
+//!    that made this init runs above it (see `priority`);
 //!
 //! and then the privilege-dropping steps, each needing the privileges the next gives up:
 //!
@@ -89,6 +90,9 @@ pub struct InitPlan {
     no_new_privs: bool,
     seccomp: Option<Program>,
     preserve_fds: u32,
+    /// The nice value to set before the container's code runs: the node's, when the helper
+    /// that made this init runs above it (see [`crate::priority`]).
+    nice: Option<i32>,
     exec: ExecPlan,
 }
 
@@ -214,6 +218,7 @@ impl InitPlan {
             no_new_privs: p.no_new_privileges().unwrap_or(false),
             seccomp,
             preserve_fds,
+            nice: crate::priority::for_containers(),
             exec: ExecPlan::new(p.args().as_deref().unwrap_or(&[]), p.env().as_deref().unwrap_or(&[]))?,
         })
     }
@@ -430,6 +435,12 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
 
     pass_fds(plan.preserve_fds)?;
     reset_signals();
+    if let Some(nice) = plan.nice {
+        // Before the capabilities go and the filter comes: the container's processes run at
+        // the node's priority, never the helper's.
+        // SAFETY: setpriority with integer arguments; 0 names this process.
+        check(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) }).map_err(sys_err("set the node's priority"))?;
+    }
 
     if let Some(caps) = &plan.caps {
         caps.drop_bounding()?;

@@ -33,6 +33,7 @@ pub mod container;
 pub mod helper;
 pub mod init;
 pub mod namespaces;
+pub mod priority;
 pub mod process;
 pub mod rootfs;
 pub mod seccomp;

@@ -780,6 +780,56 @@ async fn a_command_inherits_no_descriptor_of_envd() {
     }
 }
 
+/// A process's nice value, from its `stat` (field 19; the name in parentheses may hold spaces).
+fn nice_of(pid: &str) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_run_above_the_node_and_sandboxes_at_its_priority() {
+    let node_nice = nice_of("self").expect("this process's nice value");
+    for runtime in runtimes() {
+        let n = node(runtime.clone()).await;
+        n.create("nice", 128 << 20).await;
+        let init = n.running().host().get("nice").await.expect("a record").pgid;
+        assert_eq!(
+            nice_of(&init.to_string()),
+            Some(node_nice),
+            "{runtime:?}: the sandbox's init"
+        );
+        let (out, code) = n.sh("nice", "root", "cut -d' ' -f19 /proc/self/stat").await;
+        assert_eq!(
+            (out.trim(), code),
+            (node_nice.to_string().as_str(), 0),
+            "{runtime:?}: a command"
+        );
+        if runtime.is_none() {
+            // This node's helper has served the create, so it has raised itself by now; the
+            // helpers of other tests' nodes are children of this process too, some perhaps
+            // just starting.
+            let me = std::process::id().to_string();
+            let helpers: Vec<i32> = std::fs::read_dir("/proc")
+                .expect("/proc")
+                .flatten()
+                .filter_map(|e| {
+                    let pid = e.file_name().into_string().ok()?;
+                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                    let parent = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.to_string();
+                    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                    let helper = cmdline.split(|&b| b == 0).any(|arg| arg == b"helper");
+                    (parent == me && helper).then(|| nice_of(&pid)).flatten()
+                })
+                .collect();
+            assert!(
+                helpers.contains(&(node_nice - jail::priority::CREATE_BOOST)),
+                "no runtime helper runs above the node: {helpers:?} against {node_nice}"
+            );
+        }
+        n.stop().await;
+    }
+}
+
 /// Python that asks for descriptor 3 of PID 1 (envd's init) and of envd's server (the
 /// ancestor of this command whose parent is PID 1) through `pidfd_getfd`, printing "taken" or
 /// "refused" for each.
