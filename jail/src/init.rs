@@ -437,9 +437,20 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
     reset_signals();
     if let Some(nice) = plan.nice {
         // Before the capabilities go and the filter comes: the container's processes run at
-        // the node's priority, never the helper's.
-        // SAFETY: setpriority with integer arguments; 0 names this process.
-        check(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) }).map_err(sys_err("set the node's priority"))?;
+        // the node's priority, never the helper's. Only ever lowered: a helper reniced below
+        // the node since it started (`renice` of the node's process group) leaves its
+        // containers there, since raising a priority again would need CAP_SYS_NICE on the
+        // host, which this init does not have, and would fail every create.
+        let now = rustix::process::getpriority_process(None).map_err(|e| Failure::Sys {
+            what: "read the priority",
+            errno: Errno(e.raw_os_error()),
+        })?;
+        if now < nice {
+            // SAFETY: setpriority with integer arguments; 0 names the calling thread, the
+            // init's only one.
+            check(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) })
+                .map_err(sys_err("set the node's priority"))?;
+        }
     }
 
     if let Some(caps) = &plan.caps {

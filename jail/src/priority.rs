@@ -1,15 +1,18 @@
 //! The helper's priority: a create's work ahead of the node's other work, and every
 //! container's own processes back at the node's priority before their first instruction.
 //!
-//! A create is a chain of steps a caller waits on; most of its CPU time is spent in the
-//! helper's run child and in the container's init before `execve` (the clone, the mounts,
-//! the pivot). When the node is busy with other work (a burst of kills: processes exiting,
-//! file systems and namespaces torn down, cgroups reset), a create's steps queued for a core
-//! behind all of it, and on two cores a create made during a 500-sandbox burst took five times
-//! its usual time. Kills and teardowns are work nobody waits on the way a create's caller does,
-//! so the helper runs [`CREATE_BOOST`] steps above the node's own priority, and its runs
-//! with it; measured (`bench node --kill-burst 500`, alternated), creates during the burst went
-//! from a median p50 of 55 ms to 40 ms, the burst itself as fast.
+//! A create is a chain of steps a caller waits on, and a large part of it runs in the helper
+//! and its run child (the spec read, the clone, the id maps, waiting for the init). When the
+//! node is busy with other work (a burst of kills: processes exiting, file systems and
+//! namespaces torn down, cgroups reset), those steps queued for a core behind all of it; on
+//! two cores a create made during a 500-sandbox burst took five times its usual time. A kill's
+//! caller waits too, but for nothing to run afterwards, while a create's caller is about to run
+//! code; so the helper runs [`CREATE_BOOST`] steps above the node's own priority, and its run
+//! children with it. (The init itself runs in its sandbox's cgroup from its first step, where
+//! a nice value ranks it only among the sandbox's own tasks, so the boost does not reach it.)
+//! Measured with `bench node --kill-burst 500`, ten alternated pairs on two cores: creates
+//! during the burst had a lower p50 in eight (medians of two sets of five: 55 → 40 ms and
+//! 50 → 46 ms), the burst itself no slower, and creates outside the burst p50 10.2 → 8.9 ms.
 //!
 //! The container's processes must not keep the boost: the init sets the node's own nice value
 //! again before it drops its capabilities, installs its seccomp filter or execs (lowering one's
