@@ -441,15 +441,15 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
         // the node since it started (`renice` of the node's process group) leaves its
         // containers there, since raising a priority again would need CAP_SYS_NICE on the
         // host, which this init does not have, and would fail every create.
-        let now = rustix::process::getpriority_process(None).map_err(|e| Failure::Sys {
-            what: "read the priority",
-            errno: Errno(e.raw_os_error()),
-        })?;
-        if now < nice {
-            // SAFETY: setpriority with integer arguments; 0 names the calling thread, the
-            // init's only one.
-            check(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) })
-                .map_err(sys_err("set the node's priority"))?;
+        let sys = |what| {
+            move |e: rustix::io::Errno| Failure::Sys {
+                what,
+                errno: Errno(e.raw_os_error()),
+            }
+        };
+        // `None` names the calling thread, the init's only one.
+        if rustix::process::getpriority_process(None).map_err(sys("read the priority"))? < nice {
+            rustix::process::setpriority_process(None, nice).map_err(sys("set the node's priority"))?;
         }
     }
 

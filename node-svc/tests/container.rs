@@ -780,10 +780,16 @@ async fn a_command_inherits_no_descriptor_of_envd() {
     }
 }
 
-/// A process's nice value, from its `stat` (field 19; the name in parentheses may hold spaces).
-fn nice_of(pid: &str) -> Option<i32> {
+/// Field `n` (1-based, as proc(5) numbers them; 3 or more) of a process's `stat`, after its
+/// name in parentheses, which may hold spaces.
+fn stat_field(pid: &str, n: usize) -> Option<i32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+    stat.rsplit_once(')')?.1.split_whitespace().nth(n - 3)?.parse().ok()
+}
+
+/// A process's nice value (`stat` field 19).
+fn nice_of(pid: &str) -> Option<i32> {
+    stat_field(pid, 19)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -808,14 +814,13 @@ async fn creates_run_above_the_node_and_sandboxes_at_its_priority() {
             // This node's helper has served the create, so it has raised itself by now; the
             // helpers of other tests' nodes are children of this process too, some perhaps
             // just starting.
-            let me = std::process::id().to_string();
+            let me = i32::try_from(std::process::id()).expect("a pid");
             let helpers: Vec<i32> = std::fs::read_dir("/proc")
                 .expect("/proc")
                 .flatten()
                 .filter_map(|e| {
                     let pid = e.file_name().into_string().ok()?;
-                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                    let parent = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.to_string();
+                    let parent = stat_field(&pid, 4)?;
                     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
                     let helper = cmdline.split(|&b| b == 0).any(|arg| arg == b"helper");
                     (parent == me && helper).then(|| nice_of(&pid)).flatten()
