@@ -19,10 +19,15 @@
 //! kernel threads that tear down namespaces are counted too), so the figure is directly
 //! comparable to the create path's `cpu_ms_per_create` measured the same way; the cheapest
 //! of five batches is reported (see [`measure`]).
+//!
+//! Timed one by one ([`Rig::timed`], [`Rig::timed_until`]), the same cycle is what `bench
+//! node` holds its creates' latency during a burst of kills against: the kernel's own share of
+//! a create, meeting the same contention with nothing of ours in its way.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
@@ -55,6 +60,75 @@ fn cgroup_parents(tag: &str) -> Vec<PathBuf> {
 /// Batches the cycles are measured in; the floor is the cheapest batch's cost.
 const BATCHES: usize = 5;
 
+/// What the cycles need made once: a scratch folder holding the overlay's lower layer, and
+/// the cgroup parents the cycles' folders go under (removed, empty, when dropped).
+pub struct Rig {
+    scratch: tempfile::TempDir,
+    lower: PathBuf,
+    parents: Vec<PathBuf>,
+    /// The next cycle's number, naming its folders.
+    next: usize,
+}
+
+impl Rig {
+    /// A rig with its own cgroup parents (`name` tells two rigs of one process apart); one
+    /// unmeasured cycle has run, which finds every binary and page cached.
+    pub fn new(name: &str) -> anyhow::Result<Rig> {
+        anyhow::ensure!(Path::new(UNSHARE).is_file(), "{UNSHARE} is missing: install util-linux");
+        let scratch = tempfile::tempdir().context("a scratch folder")?;
+        let lower = scratch.path().join("lower");
+        std::fs::create_dir(&lower)?;
+        std::fs::write(lower.join("file"), b"lower")?;
+        let tag = format!("sandboxsched-bench-floor-{name}-{}", std::process::id());
+        let mut rig = Rig {
+            scratch,
+            lower,
+            parents: cgroup_parents(&tag),
+            next: 0,
+        };
+        rig.cycle()?;
+        Ok(rig)
+    }
+
+    /// One cycle: cgroups, overlay, the clone and its two execs, and all of it undone.
+    pub fn cycle(&mut self) -> anyhow::Result<()> {
+        self.next += 1;
+        cycle(self.scratch.path(), &self.lower, &self.parents, self.next)
+    }
+
+    /// Cycles one after another until `done` is set (at least one), each one's wall time.
+    pub fn timed_until(&mut self, done: &AtomicBool) -> anyhow::Result<Vec<Duration>> {
+        let mut samples = Vec::new();
+        loop {
+            let started = Instant::now();
+            self.cycle()?;
+            samples.push(started.elapsed());
+            if done.load(Ordering::Relaxed) {
+                return Ok(samples);
+            }
+        }
+    }
+
+    /// `cycles` cycles one after another, each one's wall time.
+    pub fn timed(&mut self, cycles: usize) -> anyhow::Result<Vec<Duration>> {
+        (0..cycles)
+            .map(|_| {
+                let started = Instant::now();
+                self.cycle().map(|()| started.elapsed())
+            })
+            .collect()
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        // A cycle's `Made` undoes what it made; these folders are then empty.
+        for parent in &self.parents {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
+
 /// Runs `cycles` cycles (after one unmeasured, which finds every binary and page cached), in
 /// [`BATCHES`] batches, and reports the cheapest batch: the kernel needs at least that much,
 /// and whatever else the host ran meanwhile (a shared machine's neighbours) only ever adds
@@ -67,40 +141,26 @@ pub fn measure(cycles: usize) -> anyhow::Result<Floor> {
         "--floor-cycles must be at least {}",
         20 * BATCHES
     );
-    anyhow::ensure!(Path::new(UNSHARE).is_file(), "{UNSHARE} is missing: install util-linux");
-    let scratch = tempfile::tempdir().context("a scratch folder")?;
-    let lower = scratch.path().join("lower");
-    std::fs::create_dir(&lower)?;
-    std::fs::write(lower.join("file"), b"lower")?;
-    let tag = format!("sandboxsched-bench-floor-{}", std::process::id());
-    // A cycle's `Made` undoes what it made; these folders are then empty.
-    let parents = cgroup_parents(&tag);
+    let mut rig = Rig::new("cpu")?;
     let per_batch = cycles / BATCHES;
-    let result = (|| {
-        cycle(scratch.path(), &lower, &parents, 0)?;
-        let mut cheapest: Option<Floor> = None;
-        for batch in 0..BATCHES {
-            let cpu_before = HostCpu::read()?;
-            let started = Instant::now();
-            for i in 1..=per_batch {
-                cycle(scratch.path(), &lower, &parents, batch * per_batch + i)?;
-            }
-            let wall = started.elapsed();
-            let cpu = HostCpu::read()?.since(&cpu_before);
-            let floor = Floor {
-                cpu_ms: cpu / per_batch as f64,
-                wall_ms: wall.as_secs_f64() * 1000.0 / per_batch as f64,
-            };
-            if cheapest.as_ref().is_none_or(|c| floor.cpu_ms < c.cpu_ms) {
-                cheapest = Some(floor);
-            }
+    let mut cheapest: Option<Floor> = None;
+    for _ in 0..BATCHES {
+        let cpu_before = HostCpu::read()?;
+        let started = Instant::now();
+        for _ in 0..per_batch {
+            rig.cycle()?;
         }
-        cheapest.context("no batch ran")
-    })();
-    for parent in &parents {
-        let _ = std::fs::remove_dir(parent);
+        let wall = started.elapsed();
+        let cpu = HostCpu::read()?.since(&cpu_before);
+        let floor = Floor {
+            cpu_ms: cpu / per_batch as f64,
+            wall_ms: wall.as_secs_f64() * 1000.0 / per_batch as f64,
+        };
+        if cheapest.as_ref().is_none_or(|c| floor.cpu_ms < c.cpu_ms) {
+            cheapest = Some(floor);
+        }
     }
-    result
+    cheapest.context("no batch ran")
 }
 
 /// What one cycle made, undone when dropped (in reverse), whether the cycle got to the end

@@ -5,7 +5,9 @@
 //! sandbox holding 100 MB of files from one node-svc to another (snapshot streamed into
 //! restore); and a burst of linked sandboxes killed at once, beside the rate at which this
 //! host deletes veth pairs one by one (the kernel serialises both on one lock, RTNL), with
-//! the creates made during the burst.
+//! the creates made during the burst and, during a burst of its own, the kernel's floor cycle
+//! (the isolation's system calls with nothing of ours between): whether a create keeps its
+//! tail through a burst reads against whether the kernel's own work does.
 
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,9 @@ pub struct Args {
     /// Sandboxes with a link out killed at once (0: no burst).
     #[arg(long, default_value_t = 500)]
     kill_burst: usize,
+    /// Bursts of each kind: one timing creates, one timing the kernel's floor cycle.
+    #[arg(long, default_value_t = 1)]
+    kill_burst_rounds: usize,
     /// veth pairs made, then deleted one by one, for the host's own deletion rate.
     #[arg(long, default_value_t = 200)]
     veth_pairs: usize,
@@ -43,20 +48,37 @@ pub struct Args {
     linked: bool,
 }
 
-/// What the kill burst measured.
+/// What is timed, one after another, while a burst's kills run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum During {
+    /// Loopback-only creates through the node.
+    Creates,
+    /// The kernel's floor cycle ([`crate::kernel_floor`]): the same isolation made and undone
+    /// with nothing of ours in between, so a create's slowdown can be told from the kernel's.
+    KernelFloor,
+}
+
+/// What one kill burst measured.
 struct Burst {
     kills_per_sec: f64,
-    /// Loopback-only creates made while the burst's kills ran, one after another.
-    creates_during: Vec<Duration>,
+    /// What ran one after another while the burst's kills did, each one's wall time.
+    during: Vec<Duration>,
 }
 
 /// Creates `count` sandboxes with a link out on the node behind `client`, then kills them
-/// all at once while one client keeps creating loopback-only sandboxes (killed after it).
-async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize) -> anyhow::Result<Burst> {
+/// all at once while `during` is timed one after another (creates are killed after it).
+/// `round` keeps each burst's sandbox IDs apart.
+async fn kill_burst(
+    client: &NodeClient<tonic::transport::Channel>,
+    count: usize,
+    round: usize,
+    during: During,
+) -> anyhow::Result<Burst> {
     let mut c = client.clone();
+    let burst_id = |i: usize| format!("kb{round}-{i}");
     for i in 0..count {
-        let mut request = create_request(i, &format!("kb{i}"));
-        request.operation_id = format!("kb{i}");
+        let mut request = create_request(i, &burst_id(i));
+        request.operation_id = burst_id(i);
         request.network = Some(pb::NetworkPolicy {
             internet: true,
             ..Default::default()
@@ -65,27 +87,38 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
     }
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let made = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    // Killed only after the burst: a kill of its own would queue behind the burst's and leave
-    // one create to measure.
-    let creating = {
-        let (mut c, done, made) = (client.clone(), done.clone(), made.clone());
-        tokio::spawn(async move {
-            let mut samples = Vec::new();
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                let i = made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let id = format!("kbc{i}");
-                let started = Instant::now();
-                c.create(create_request(100_000 + i, &id)).await?;
-                samples.push(started.elapsed());
-            }
-            anyhow::Ok(samples)
-        })
+    let create_id = move |i: usize| format!("kbc{round}-{i}");
+    let timing = match during {
+        // Killed only after the burst: a kill of its own would queue behind the burst's and
+        // leave one create to measure.
+        During::Creates => {
+            let (mut c, done, made) = (client.clone(), done.clone(), made.clone());
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let i = made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let mut request = create_request(i, &create_id(i));
+                    request.operation_id = create_id(i);
+                    let started = Instant::now();
+                    c.create(request).await?;
+                    samples.push(started.elapsed());
+                }
+                anyhow::Ok(samples)
+            })
+        }
+        During::KernelFloor => {
+            let done = done.clone();
+            // The rig is made (and its first cycle run) before the kills start.
+            let mut rig = tokio::task::spawn_blocking(|| crate::kernel_floor::Rig::new("burst")).await??;
+            tokio::task::spawn_blocking(move || rig.timed_until(&done))
+        }
     };
     let started = Instant::now();
     let kills: Vec<_> = (0..count)
         .map(|i| {
             let mut c = client.clone();
-            tokio::spawn(async move { c.kill(lifecycle(&format!("kb{i}"), format!("kbk{i}"))).await })
+            let request = lifecycle(&burst_id(i), format!("kbk{round}-{i}"));
+            tokio::spawn(async move { c.kill(request).await })
         })
         .collect();
     let mut burst = Ok(());
@@ -99,20 +132,40 @@ async fn kill_burst(client: &NodeClient<tonic::transport::Channel>, count: usize
         }
     }
     let elapsed = started.elapsed();
-    // Whatever the burst's outcome, the creates stop and every sandbox they made (or may have
+    // Whatever the burst's outcome, the timing stops and every sandbox it made (or may have
     // made) goes, so nothing of this phase weighs on the figures after it.
     done.store(true, std::sync::atomic::Ordering::Relaxed);
-    let creating = creating.await;
+    let timed = timing.await;
     let mut c = client.clone();
     for i in 0..made.load(std::sync::atomic::Ordering::Relaxed) {
-        let _ = c.kill(lifecycle(&format!("kbc{i}"), format!("kbck{i}"))).await;
+        let _ = c.kill(lifecycle(&create_id(i), format!("kbck{round}-{i}"))).await;
     }
     burst.context("a kill of the burst")?;
-    let creates_during = creating??;
     Ok(Burst {
         kills_per_sec: count as f64 / elapsed.as_secs_f64(),
-        creates_during,
+        during: timed??,
     })
+}
+
+/// `rounds` bursts of each kind, alternated (creates first), so both meet the same host:
+/// every burst's kill rate, the creates timed during them, and the floor's cycles.
+async fn kill_bursts(
+    client: &NodeClient<tonic::transport::Channel>,
+    count: usize,
+    rounds: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<Duration>, Vec<Duration>)> {
+    let (mut rates, mut creates, mut floor) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for (k, during) in [During::Creates, During::KernelFloor].into_iter().enumerate() {
+            let burst = kill_burst(client, count, 2 * round + k, during).await?;
+            rates.push(burst.kills_per_sec);
+            match during {
+                During::Creates => creates.extend(burst.during),
+                During::KernelFloor => floor.extend(burst.during),
+            }
+        }
+    }
+    Ok((rates, creates, floor))
 }
 
 /// Deletions per second of `pairs` veth pairs made on the host and then deleted one by one,
@@ -307,6 +360,13 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
     // Loopback-only sandboxes, and every other one a second with E2B's default network (a
     // link out, NAT, the floor), interleaved so both meet the same conditions.
     let mut linked = Vec::new();
+    // The kernel's floor cycle, one after each create, for what the kernel's own share of a
+    // create takes under the same conditions (and the floor's rig made once, before).
+    let mut floor = match args.kill_burst {
+        0 => None,
+        _ => Some(crate::kernel_floor::Rig::new("quiet")?),
+    };
+    let mut floor_quiet = Vec::new();
     for i in 0..args.sandboxes {
         let id = format!("s{i}");
         let mut request = create_request(i, &id);
@@ -319,6 +379,9 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         let started = Instant::now();
         ca.create(request).await?;
         create.push(started.elapsed());
+        if let Some(rig) = floor.as_mut() {
+            floor_quiet.extend(rig.timed(1)?);
+        }
         if i % 2 == 0 {
             let mut request = create_request(i, &format!("n{i}"));
             request.operation_id = format!("n{i}");
@@ -381,8 +444,9 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
         cr.kill(lifecycle(&format!("r{i}"), format!("rk{i}"))).await?;
     }
     runc_node.remove().await;
+    drop(floor);
     let burst = if args.kill_burst > 0 {
-        Some(kill_burst(&ca, args.kill_burst).await?)
+        Some(kill_bursts(&ca, args.kill_burst, args.kill_burst_rounds.max(1)).await?)
     } else {
         None
     };
@@ -536,25 +600,60 @@ pub async fn run(args: Args) -> anyhow::Result<Report> {
             round2(moved.as_secs_f64() * 1_000.0),
             &format!("ms for {} MB", args.snapshot_mb),
         );
-    if let Some(mut burst) = burst {
+    if let Some((mut rates, mut creates_during, mut floor_during)) = burst {
+        rates.sort_by(f64::total_cmp);
+        let create_p99 = percentile(&mut create, 0.99);
+        let (during_p99, floor_p99) = (
+            percentile(&mut creates_during, 0.99),
+            percentile(&mut floor_quiet, 0.99),
+        );
+        let floor_during_p99 = percentile(&mut floor_during, 0.99);
         report
             .figure(
                 "kill_burst_per_sec",
-                burst.kills_per_sec.round(),
-                &format!("kills/s, {} sandboxes with a link out killed at once", args.kill_burst),
-            )
-            .figure(
-                "create_during_kill_burst_p50_ms",
-                round2(percentile(&mut burst.creates_during, 0.5)),
+                rates[rates.len() / 2].round(),
                 &format!(
-                    "ms, {} loopback-only creates made during the burst",
-                    burst.creates_during.len()
+                    "kills/s, {} sandboxes with a link out killed at once (median of {} bursts)",
+                    args.kill_burst,
+                    rates.len()
                 ),
             )
             .figure(
-                "create_during_kill_burst_p99_ms",
-                round2(percentile(&mut burst.creates_during, 0.99)),
-                "ms",
+                "create_during_kill_burst_p50_ms",
+                round2(percentile(&mut creates_during, 0.5)),
+                &format!(
+                    "ms, {} loopback-only creates made during the bursts",
+                    creates_during.len()
+                ),
+            )
+            .figure("create_during_kill_burst_p99_ms", round2(during_p99), "ms")
+            .figure(
+                "kernel_floor_cycle_p50_ms",
+                round2(percentile(&mut floor_quiet, 0.5)),
+                &format!(
+                    "ms, the kernel's floor cycle (cgroups, overlay, unshare into six namespaces and `true`), one after each of the {} creates",
+                    floor_quiet.len()
+                ),
+            )
+            .figure("kernel_floor_cycle_p99_ms", round2(floor_p99), "ms")
+            .figure(
+                "kernel_floor_during_kill_burst_p50_ms",
+                round2(percentile(&mut floor_during, 0.5)),
+                &format!(
+                    "ms, {} floor cycles run one after another during bursts of their own",
+                    floor_during.len()
+                ),
+            )
+            .figure("kernel_floor_during_kill_burst_p99_ms", round2(floor_during_p99), "ms")
+            .figure(
+                "create_p99_burst_ratio",
+                round2(during_p99 / create_p99),
+                "create p99 during the burst / outside it",
+            )
+            .figure(
+                "kernel_floor_p99_burst_ratio",
+                round2(floor_during_p99 / floor_p99),
+                "the floor cycle's p99 during the burst / outside it",
             );
     }
     if args.veth_pairs > 0 {
