@@ -28,7 +28,8 @@
 //! 4. build the filesystem and pivot into it (`rootfs`), set hostname and domain name,
 //!    bring up `lo`;
 //! 5. `chdir` to `process.cwd`, fill in `HOME`, mark fds close-on-exec except the preserved
-//!    ones, reset signal dispositions, and set the node's nice value again when the helper
+//!    ones, reset signal dispositions, set the rlimits that only lower what it inherited
+//!    (the parent set any that raise), and set the node's nice value again when the helper
 //!    that made this init runs above it (see `priority`);
 //!
 //! and then the privilege-dropping steps, each needing the privileges the next gives up:
@@ -47,7 +48,7 @@
 
 use std::ffi::{CStr, CString};
 use std::fmt::Write as _;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd as _, RawFd};
 
 use crate::capabilities::{CapsError, CapsPlan};
 use crate::namespaces::{self, NamespaceError};
@@ -73,8 +74,11 @@ pub struct InitFds {
 /// Everything the init needs, prepared before the clone.
 pub struct InitPlan {
     fds: InitFds,
-    /// v1 `tasks` files to write `0` into, first thing (see `Cgroup::self_join_files`).
-    cgroup_tasks: Vec<CString>,
+    /// v1 `tasks` files to write `0` into, first thing (see `Cgroup::self_join_files`),
+    /// opened by the parent as the host's root before the clone: the kernel checks a write
+    /// there against the credentials the file was opened with, and the init's effective uid
+    /// is its user namespace's owner, not root (see `namespaces`).
+    cgroup_tasks: Vec<(CString, std::os::fd::OwnedFd)>,
     userns: bool,
     cgroupns: bool,
     netns: bool,
@@ -93,6 +97,9 @@ pub struct InitPlan {
     /// The nice value to set before the container's code runs: the node's, when the helper
     /// that made this init runs above it (see [`crate::priority`]).
     nice: Option<i32>,
+    /// The spec's rlimits that only lower what the init inherits: set by the init on itself
+    /// (see [`crate::process::Rlimits`]).
+    rlimits: Vec<crate::process::Limit>,
     exec: ExecPlan,
 }
 
@@ -120,6 +127,8 @@ struct ExecPlan {
 pub enum InitError {
     #[error("config.json: {0} contains a NUL byte")]
     Nul(&'static str),
+    #[error("open the cgroup's {path}: {errno}")]
+    CgroupTasks { path: std::path::PathBuf, errno: Errno },
 }
 
 /// Why the init failed; formatted into the report pipe.
@@ -195,9 +204,17 @@ impl InitPlan {
             cgroup_tasks: cgroup_tasks
                 .iter()
                 .map(|p| {
-                    CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| InitError::Nul("linux.cgroupsPath"))
+                    let c = CString::new(p.as_os_str().as_encoded_bytes())
+                        .map_err(|_| InitError::Nul("linux.cgroupsPath"))?;
+                    let opened = |errno| InitError::CgroupTasks { path: p.clone(), errno };
+                    use rustix::fs::{Mode, OFlags};
+                    let fd = rustix::fs::open(c.as_c_str(), OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())
+                        .map_err(|e| opened(Errno(e.raw_os_error())))?;
+                    // Clear of the descriptors the init passes on.
+                    let fd = sys::move_above(fd, 3 + preserve_fds as i32).map_err(opened)?;
+                    Ok((c, fd))
                 })
-                .collect::<Result<_, _>>()?,
+                .collect::<Result<_, InitError>>()?,
             userns: config.namespaces.user,
             cgroupns: config.namespaces.cgroup,
             // A joined network namespace is its maker's to set up, loopback included.
@@ -219,8 +236,16 @@ impl InitPlan {
             seccomp,
             preserve_fds,
             nice: crate::priority::for_containers(),
+            rlimits: Vec::new(),
             exec: ExecPlan::new(p.args().as_deref().unwrap_or(&[]), p.env().as_deref().unwrap_or(&[]))?,
         })
+    }
+}
+
+impl InitPlan {
+    /// The rlimits the init sets on itself.
+    pub fn set_rlimits(&mut self, rlimits: Vec<crate::process::Limit>) {
+        self.rlimits = rlimits;
     }
 }
 
@@ -368,9 +393,9 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
         libc::close(plan.fds.parent[1]);
     }
     // Join the cgroup before anything else, so everything the container does is accounted.
-    // This runs while the parent writes our id maps; we are still host root (unmapped).
-    for path in &plan.cgroup_tasks {
-        join_cgroup(path).map_err(|errno| Failure::Cgroup {
+    // This runs while the parent writes our id maps, through files the parent opened.
+    for (path, tasks) in &plan.cgroup_tasks {
+        sys::write_all(tasks.as_raw_fd(), b"0").map_err(|errno| Failure::Cgroup {
             path: sys::CDisplay(path),
             errno,
         })?;
@@ -435,6 +460,13 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
 
     pass_fds(plan.preserve_fds)?;
     reset_signals();
+    for r in &plan.rlimits {
+        // Only ever lowers what the init has (the parent set any raise): no privilege needed.
+        rustix::process::setrlimit(r.resource, r.limit).map_err(|e| Failure::Sys {
+            what: "set an rlimit",
+            errno: Errno(e.raw_os_error()),
+        })?;
+    }
     if let Some(nice) = plan.nice {
         // Before the capabilities go and the filter comes: the container's processes run at
         // the node's priority, never the helper's. Only ever lowered: a helper reniced below
@@ -490,16 +522,6 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
 }
 
 /// Moves the calling thread (the whole init: it has one thread) into a v1 cgroup.
-fn join_cgroup(tasks: &CStr) -> Result<(), Errno> {
-    // SAFETY: open/write/close on a descriptor we own.
-    unsafe {
-        let fd = check(libc::open(tasks.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC))?;
-        let r = sys::write_all(fd, b"0");
-        libc::close(fd);
-        r
-    }
-}
-
 /// `--preserve-fds N`: fds 3..3+N stay open across exec with their numbers; every other fd
 /// from 3 up is marked close-on-exec (our report pipe already is).
 fn pass_fds(n: u32) -> Result<(), Failure<'static>> {

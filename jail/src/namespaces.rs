@@ -27,6 +27,15 @@
 //! waits on a pipe, so any ranges are allowed and `setgroups` stays permitted. The child then
 //! switches to uid/gid 0 of its namespace.
 //!
+//! **Who owns the user namespace.** The kernel charges what a user holds (inotify instances,
+//! queued signals, message queue bytes, locked shared memory, processes) at every level of
+//! the chain of user namespaces, up to the host's, where it lands on the namespace's owner:
+//! the effective uid of whoever created it. Created by the host's root, every container's
+//! counts would be root's one count at the host's level, so one container could use up the
+//! others' and the host's own. A new user namespace is therefore created with the effective
+//! uid set to the host id that root inside maps to ([`clone_owned`]): each container has its
+//! own counts at the host's level, as a separate machine has.
+//!
 //! **The cgroup namespace** is the exception: it captures the cgroup its creator is in at
 //! that moment, so the child unshares it only after the parent has moved it into the
 //! container's cgroup; the container then sees its own cgroup as `/`.
@@ -49,6 +58,9 @@ pub enum NamespaceError {
     #[error("write {path}: {}", IoDisplay(source))]
     IdMap { path: PathBuf, source: io::Error },
     // The rest happen in the container's init.
+    /// Taking on, or giving back, the user namespace's owner as effective uid (parent side).
+    #[error("set the effective uid to {uid} around the clone: {errno}")]
+    Owner { uid: u32, errno: Errno },
     #[error("become root in the user namespace: {0}")]
     BecomeRoot(Errno),
     #[error("unshare the cgroup namespace: {0}")]
@@ -438,6 +450,44 @@ pub fn clone_process(flags: libc::c_int) -> Result<libc::pid_t, NamespaceError> 
     // processes continue on their own copy of this stack, as after fork().
     let rc = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
     check_long(rc).map(|p| p as libc::pid_t).map_err(NamespaceError::Clone)
+}
+
+/// [`clone_process`], with the new user namespace (if `flags` make one) owned by host uid
+/// `owner` rather than by the caller (see the module's doc): the calling thread's effective
+/// uid is `owner` for the clone alone. Only a caller that is root does this (anyone else
+/// owns what it makes, and could not set it back). The raw system call changes this thread
+/// only, where glibc's `setresuid` would signal every thread of the process to follow.
+pub fn clone_owned(flags: libc::c_int, owner: Option<u32>) -> Result<libc::pid_t, NamespaceError> {
+    let owner =
+        owner.filter(|&uid| uid != 0 && flags & libc::CLONE_NEWUSER != 0 && rustix::process::geteuid().is_root());
+    let Some(uid) = owner else {
+        return clone_process(flags);
+    };
+    set_euid(uid)?;
+    let pid = clone_process(flags);
+    if matches!(pid, Ok(0)) {
+        // The child: its ids are those of its new namespace from here on (`become_root`).
+        return pid;
+    }
+    set_euid(0)?;
+    pid
+}
+
+/// Sets this thread's effective uid, leaving the real and saved ones (root) as they are, so
+/// root can be taken back. Leaving root clears the effective capabilities; coming back
+/// restores them from the permitted set.
+fn set_euid(uid: u32) -> Result<(), NamespaceError> {
+    const UNCHANGED: libc::c_long = -1;
+    // SAFETY: a system call on plain values.
+    let rc = unsafe { libc::syscall(libc::SYS_setresuid, UNCHANGED, libc::c_long::from(uid), UNCHANGED) };
+    check_long(rc)
+        .map(drop)
+        .map_err(|errno| NamespaceError::Owner { uid, errno })
+}
+
+/// The host uid that root inside maps to, which is to own a new user namespace.
+pub fn owner_of(uids: &[LinuxIdMapping]) -> Option<u32> {
+    uids.iter().find(|m| m.container_id() == 0).map(|m| m.host_id())
 }
 
 /// The text of a `uid_map`/`gid_map` file: one `inside outside count` line per range.

@@ -6,9 +6,11 @@
 //! 1. write the uid/gid maps (only a process outside the new user namespace may);
 //! 2. move the init into the container's cgroup, before it can fork (on cgroup v1 the init
 //!    joins by itself, first thing, which avoids a slow global lock; see `cgroup`);
-//! 3. set rlimits with `prlimit` — raising a hard limit needs CAP_SYS_RESOURCE in the
-//!    *initial* user namespace, which the init no longer has, so runc's approach of doing it
-//!    from inside fails in a user namespace while it works from here;
+//! 3. set the rlimits that raise a hard limit with `prlimit`: that needs CAP_SYS_RESOURCE
+//!    in the *initial* user namespace, which the init no longer has, so runc's approach of
+//!    doing it from inside fails in a user namespace while it works from here. The rest only
+//!    lower what the init inherits, which any process may do to itself, so the init does
+//!    (see [`Rlimits`]);
 //! 4. set `oom_score_adj` (lowering it has the same requirement);
 //! 5. record the init's start time (for PID-reuse detection).
 //!
@@ -109,10 +111,63 @@ fn finite(limit: u64) -> Option<u64> {
     (limit != u64::MAX).then_some(limit)
 }
 
+/// One of the spec's rlimits, as the kernel takes it.
+#[derive(Debug, Clone)]
+pub struct Limit {
+    pub name: String,
+    pub resource: Resource,
+    pub limit: Rlimit,
+}
+
+/// The spec's rlimits, split by who sets them. The init inherits this process's limits:
+/// - one whose hard limit is above this process's would raise it, which needs
+///   CAP_SYS_RESOURCE on the host: the parent sets it with `prlimit` (`raise`);
+/// - every other only lowers, or keeps, what the init inherits, which any process may do to
+///   itself: the init sets it (`lower`). The parent could not always: once the init's user
+///   namespace is owned by its own host id (see `namespaces`), the init's effective uid is
+///   not the parent's, and `prlimit` on it needs CAP_SYS_RESOURCE, which many hosts
+///   (containers among them) do not grant even to root.
+#[derive(Debug, Default)]
+pub struct Rlimits {
+    pub raise: Vec<Limit>,
+    pub lower: Vec<Limit>,
+}
+
+impl Rlimits {
+    pub fn of(config: &Config) -> Rlimits {
+        let mut split = Rlimits::default();
+        for r in config.process.rlimits().iter().flatten() {
+            let resource = rlimit_resource(r.typ());
+            let limit = Rlimit {
+                current: finite(r.soft()),
+                maximum: finite(r.hard()),
+            };
+            // `None` is unlimited: above any finite limit.
+            let inherited = rustix::process::getrlimit(resource).maximum;
+            let raises = match (limit.maximum, inherited) {
+                (_, None) => false,
+                (None, Some(_)) => true,
+                (Some(wanted), Some(held)) => wanted > held,
+            };
+            let entry = Limit {
+                name: r.typ().to_string(),
+                resource,
+                limit,
+            };
+            match raises {
+                true => split.raise.push(entry),
+                false => split.lower.push(entry),
+            }
+        }
+        split
+    }
+}
+
 /// Everything the parent does between the clone and releasing the init; returns the
 /// init's start time.
 fn prepare(
     config: &Config,
+    raise: &[Limit],
     pid: libc::pid_t,
     cgroup: &Cgroup,
     add_to_cgroup: bool,
@@ -129,18 +184,14 @@ fn prepare(
     if add_to_cgroup {
         cgroup.add_process(pid)?;
     }
-    for r in config.process.rlimits().iter().flatten() {
-        let limit = Rlimit {
-            current: finite(r.soft()),
-            maximum: finite(r.hard()),
-        };
+    for r in raise {
         let child = rustix::process::Pid::from_raw(pid).ok_or_else(|| ProcessError::Rlimit {
-            name: r.typ().to_string(),
+            name: r.name.clone(),
             errno: Errno(libc::ESRCH),
         })?;
-        if let Err(errno) = rustix::process::prlimit(Some(child), rlimit_resource(r.typ()), limit) {
+        if let Err(errno) = rustix::process::prlimit(Some(child), r.resource, r.limit) {
             return Err(ProcessError::Rlimit {
-                name: r.typ().to_string(),
+                name: r.name.clone(),
                 errno: errno.into(),
             });
         }
@@ -175,6 +226,7 @@ pub fn spawn(
     // v1: the init joins its cgroup itself (fast path, see `Cgroup::self_join_files`);
     // v2: we move it below.
     let self_join = cgroup.self_join_files();
+    let mut rlimits = Rlimits::of(config);
     let mut plan = InitPlan::new(
         config,
         rootfs,
@@ -187,10 +239,12 @@ pub fn spawn(
             parent: [sync_w.as_raw_fd(), report_r.as_raw_fd()],
         },
     )?;
+    plan.set_rlimits(std::mem::take(&mut rlimits.lower));
 
     let joins = namespaces::Joins::open(&config.namespaces, min_fd)?;
     let pid = if joins.is_empty() {
-        namespaces::clone_process(config.namespaces.clone_flags())?
+        let owner = namespaces::owner_of(&config.uid_mappings);
+        namespaces::clone_owned(config.namespaces.clone_flags(), owner)?
     } else {
         namespaces::clone_joined(&joins, config.namespaces.clone_flags(), min_fd)?
     };
@@ -202,7 +256,7 @@ pub fn spawn(
     drop(report_w);
     let mut child = ChildGuard { pid, armed: true };
 
-    let prepared = prepare(config, pid, cgroup, self_join.is_none(), &sync_w);
+    let prepared = prepare(config, &rlimits.raise, pid, cgroup, self_join.is_none(), &sync_w);
     drop(sync_w);
     let start_time = match prepared {
         Ok(t) => t,

@@ -132,13 +132,7 @@ pub const STREAM_WINDOW: u32 = 8 << 20;
 /// This machine's vCPUs and memory.
 pub fn host_capacity() -> Resources {
     let vcpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let memory_bytes = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(1 << 30, |kb| kb * 1024);
+    let memory_bytes = node_runtime::host_tables::host_memory_bytes().unwrap_or(1 << 30);
     Resources {
         vcpus,
         memory_bytes,

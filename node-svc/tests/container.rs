@@ -2352,3 +2352,188 @@ async fn a_sandboxs_root_is_mounted_in_its_container_alone() {
     }
     n.stop().await;
 }
+
+/// What the hog runs (as the sandbox's root, with `python3` from the host's `/usr`): it forks
+/// children that each open files up to their own descriptor limit, until together they hold
+/// `argv[1]` or one is refused for another reason; then it reserves AIO events with
+/// `io_setup(65536)` four times (the kernel's default table is 65,536 for the whole host) and
+/// opens terminals until refused. It writes what it got to the FIFO `argv[2]` and holds it all.
+const HOG: &str = r#"
+import ctypes, errno, os, resource, signal, sys
+target = int(sys.argv[1])
+# Opened first: a host whose table fills must not keep the hog from saying so.
+out = open(sys.argv[2], "w")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+name = lambda e: errno.errorcode.get(e, str(e))
+files, files_err = 0, "-"
+while files < target and files_err in ("-", "EMFILE"):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        n, err = 0, "EMFILE"
+        try:
+            for _ in range(min(hard - 16, target - files)):
+                os.open("/dev/null", os.O_RDONLY)
+                n += 1
+        except OSError as e:
+            err = name(e.errno)
+        os.write(w, f"{n} {err}".encode())
+        signal.pause()
+    os.close(w)
+    n, files_err = os.read(r, 100).decode().split()
+    files += int(n)
+libc = ctypes.CDLL(None, use_errno=True)
+aio, aio_err = 0, "-"
+for _ in range(4):
+    ctx = ctypes.c_ulong(0)
+    if libc.syscall(206, 65536, ctypes.byref(ctx)) != 0:
+        aio_err = name(ctypes.get_errno())
+        break
+    aio += 65536
+ptys, ptys_err = [], "-"
+try:
+    while len(ptys) < 4096:
+        ptys.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+except OSError as e:
+    ptys_err = name(e.errno)
+out.write(f"files={files} {files_err} aio={aio} {aio_err} ptys={len(ptys)} {ptys_err}\n")
+out.flush()
+signal.pause()
+"#;
+
+/// What the neighbour checks it can still do: open files, set up AIO and open a terminal.
+const NEIGHBOUR: &str = r#"
+import ctypes, os
+fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(100)]
+libc = ctypes.CDLL(None, use_errno=True)
+ctx = ctypes.c_ulong(0)
+assert libc.syscall(206, 4096, ctypes.byref(ctx)) == 0, f"io_setup: errno {ctypes.get_errno()}"
+os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+print("neighbour ok")
+"#;
+
+/// One sandbox cannot use up the host's tables of open files, AIO events or terminals for the
+/// others (the kernel counts those host-wide, not per namespace or cgroup; see
+/// `node_svc::runtime::host_tables`). The hog holds more files than the kernel's default table on
+/// this host (about one per 10 KiB of memory) and four times its default AIO events, within
+/// its own memory; its terminals stop at its own cap; and while it holds all of that the
+/// neighbour still opens files, sets up AIO and gets a terminal. Before the node raised the
+/// tables, the hog was refused with ENFILE at the host's 2.47 M files (24 GiB), its second
+/// `io_setup` with EAGAIN, and the neighbour could do none of the three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_filling_the_hosts_tables_leaves_its_neighbour_their_own() {
+    let memory = node_svc::runtime::host_tables::host_memory_bytes().expect("the host's memory");
+    // The kernel's default: a tenth of memory, in KiB. A file costs the hog about 256 bytes.
+    let files = memory / 1024 / 10 * 11 / 10;
+    let n = node(None).await;
+    n.create("hog", files * 256 * 13 / 10 + (512 << 20)).await;
+    n.create("neighbour", 256 << 20).await;
+    let script = format!(
+        "mkfifo /tmp/got && (python3 -c '{HOG}' {files} /tmp/got </dev/null >/tmp/hog.log 2>&1 &) && read got < /tmp/got && echo \"$got\"; cat /tmp/hog.log; true"
+    );
+    let (out, code) = n.sh("hog", "root", &script).await;
+    assert_eq!(code, 0, "{out}");
+    let got: Vec<&str> = out.lines().next().unwrap_or_default().split_whitespace().collect();
+    assert_eq!(got.len(), 6, "the hog said {out:?}");
+    assert_eq!(got[0], format!("files={files}"), "the hog was refused files: {out}");
+    assert_eq!(got[2], "aio=262144", "the hog was refused AIO events: {out}");
+    assert_eq!(
+        (got[4], got[5]),
+        (
+            format!("ptys={}", node_svc::runtime::host_tables::PTYS_PER_SANDBOX).as_str(),
+            "ENOSPC"
+        ),
+        "the hog's terminals did not stop at its own cap: {out}"
+    );
+    let (out, code) = n
+        .sh("neighbour", "user", &format!("python3 -c '{NEIGHBOUR}' 2>&1"))
+        .await;
+    assert_eq!(
+        (out.as_str(), code),
+        ("neighbour ok\n", 0),
+        "while the hog holds its share"
+    );
+    n.lifecycle("hog", "kill").await;
+    n.stop().await;
+}
+
+/// What the hog takes of the counts the kernel keeps per user (inotify instances, queued
+/// signals): all it may, held; it says how many it got.
+const PER_USER_HOG: &str = r#"
+import ctypes, errno, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+name = lambda e: errno.errorcode.get(e, str(e))
+fds, ino_err = [], "-"
+while len(fds) < 100000:
+    fd = libc.inotify_init()
+    if fd < 0:
+        ino_err = name(ctypes.get_errno())
+        break
+    fds.append(fd)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+queued, sig_err = 0, "-"
+while queued < 1000000:
+    if libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_void_p(0)) != 0:
+        sig_err = name(ctypes.get_errno())
+        break
+    queued += 1
+with open(sys.argv[1], "w") as f:
+    f.write(f"inotify={len(fds)} {ino_err} signals={queued} {sig_err}\n")
+signal.pause()
+"#;
+
+/// What a neighbour (or the host's root) checks it can still do: an inotify instance and a
+/// queued real-time signal (`sigqueue`: a `kill` that finds the queue full is not refused,
+/// it only loses the signal's information).
+const PER_USER_NEIGHBOUR: &str = r#"
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.inotify_init() >= 0, f"inotify_init: errno {ctypes.get_errno()}"
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+assert libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_void_p(0)) == 0, f"sigqueue: errno {ctypes.get_errno()}"
+print("ok")
+"#;
+
+/// The kernel charges what a user holds (inotify instances, queued signals, message queues)
+/// up the chain of user namespaces, to each namespace's owner: a sandbox's namespace owned by
+/// the host's root would put every sandbox's on root's one count, so one sandbox could use up
+/// the others' and the host's. Each sandbox's namespace is owned by its own host root id, so
+/// the hog stops at its own counts while a neighbour, linked or not, and the host's root go
+/// on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_using_up_its_per_user_counts_leaves_the_others_theirs() {
+    let n = node(None).await;
+    n.create("hog", 512 << 20).await;
+    n.create("neighbour", 256 << 20).await;
+    n.create_with("linked", 256 << 20, internet()).await;
+    let script = format!(
+        "mkfifo /tmp/got && (python3 -c '{PER_USER_HOG}' /tmp/got </dev/null >/tmp/hog.log 2>&1 &) && read got < /tmp/got && echo \"$got\"; cat /tmp/hog.log; true"
+    );
+    let (out, code) = n.sh("hog", "root", &script).await;
+    assert_eq!(code, 0, "{out}");
+    eprintln!("the hog got {out}");
+    for neighbour in ["neighbour", "linked"] {
+        let (out, code) = n
+            .sh(neighbour, "user", &format!("python3 -c '{PER_USER_NEIGHBOUR}' 2>&1"))
+            .await;
+        assert_eq!(
+            (out.as_str(), code),
+            ("ok\n", 0),
+            "{neighbour}, while the hog holds its counts"
+        );
+    }
+    let host = std::process::Command::new("python3")
+        .args(["-c", PER_USER_NEIGHBOUR])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&host.stdout),
+        "ok\n",
+        "the host's root, while the hog holds its counts: {}",
+        String::from_utf8_lossy(&host.stderr)
+    );
+    n.lifecycle("hog", "kill").await;
+    n.stop().await;
+}

@@ -220,9 +220,10 @@ fn mapping_text(host: u32) -> String {
     format!("0 0 1\n{HOST_ID_BASE} {host} {ID_RANGE}\n")
 }
 
-/// A user namespace whose maps are [`mapping_text`]`(host)`, held by a descriptor.
+/// A user namespace whose maps are [`mapping_text`]`(host)`, held by a descriptor. No
+/// process ever runs in it (it only idmaps layers), so the node owns it.
 pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
-    hold_namespaces(&mapping_text(host), false).map(|(user, _)| user)
+    hold_namespaces(&mapping_text(host), false, None).map(|(user, _)| user)
 }
 
 /// A new user namespace whose uid and gid maps are `maps` and, with `network`, a network
@@ -230,28 +231,47 @@ pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
 /// until its maps are written and its namespaces opened. (Cloned with both flags at once, the
 /// kernel makes the user namespace first and gives it the network one.)
 ///
+/// With `owner`, the user namespace is that host uid's (root inside's host id), not the
+/// node's: the kernel charges what a sandbox's users hold (inotify instances, queued signals,
+/// message queues) to the namespace's owner at the host's level, so each sandbox's counts are
+/// its own there rather than the host root's, shared with every sandbox (see the jail's
+/// `namespaces` module). The clone then runs on a thread of its own whose effective uid is
+/// `owner`: the credentials are the thread's, and go with it.
+///
 /// The child shares the node's memory (`CLONE_VM`) and runs on a small stack of its own. A
 /// fork-like clone would copy the page tables of the whole node, a large threaded process,
 /// and then pay copy-on-write faults and TLB shootdowns on every CPU: 3 ms or more a slot,
 /// most of a sandbox's create wherever it needed a fresh slot.
-pub(super) fn hold_namespaces(maps: &str, network: bool) -> io::Result<(OwnedFd, Option<OwnedFd>)> {
+pub(super) fn hold_namespaces(maps: &str, network: bool, owner: Option<u32>) -> io::Result<(OwnedFd, Option<OwnedFd>)> {
     let mut stack = vec![0u8; HOLDER_STACK];
     // The stack grows down from its end, 16-byte aligned as the ABI wants.
     let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
     let flags = libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD | if network { libc::CLONE_NEWNET } else { 0 };
-    // SAFETY: the signal sets are plain values on this stack. `hold` runs on `stack`, which
-    // outlives the child (it is reaped below, before `stack` is dropped), and touches no
-    // memory besides it. The child starts with every signal blocked, so no handler of the
-    // node's ever runs on its shared memory, and pause never returns to write errno.
-    let (pid, cloned) = unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut before: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut before);
-        let pid = libc::clone(hold, top as *mut libc::c_void, flags, std::ptr::null_mut());
-        let cloned = io::Error::last_os_error();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
-        (pid, cloned)
+    let (pid, cloned) = match owner.filter(|_| rustix::process::geteuid().is_root()) {
+        None => clone_holder(top, flags),
+        Some(uid) => std::thread::scope(|scope| {
+            scope
+                .spawn(move || {
+                    const UNCHANGED: libc::c_long = -1;
+                    // SAFETY: a system call on plain values. The raw call changes this thread's
+                    // effective uid alone (glibc's wrapper would change every thread's), and
+                    // this thread ends after the clone, with its credentials.
+                    let rc =
+                        unsafe { libc::syscall(libc::SYS_setresuid, UNCHANGED, libc::c_long::from(uid), UNCHANGED) };
+                    if rc != 0 {
+                        return (
+                            -1,
+                            io::Error::other(format!(
+                                "taking uid {uid} to own the namespace: {}",
+                                io::Error::last_os_error()
+                            )),
+                        );
+                    }
+                    clone_holder(top, flags)
+                })
+                .join()
+                .unwrap_or_else(|_| (-1, io::Error::other("the thread cloning a user namespace panicked")))
+        }),
     };
     if pid < 0 {
         return Err(io::Error::other(format!("cloning a user namespace: {cloned}")));
@@ -272,6 +292,39 @@ pub(super) fn hold_namespaces(maps: &str, network: bool) -> io::Result<(OwnedFd,
     jail::sys::reap(pid);
     drop(stack);
     opened
+}
+
+/// The host uid that owns the user namespace `userns` (`NS_GET_OWNER_UID`).
+pub fn owner(userns: &OwnedFd) -> io::Result<u32> {
+    use std::os::fd::AsRawFd as _;
+    // `_IO(0xb7, 0x4)` in linux/nsfs.h.
+    const NS_GET_OWNER_UID: libc::c_ulong = 0xb704;
+    let mut uid: libc::uid_t = 0;
+    // SAFETY: the ioctl writes one uid_t through the pointer, which points at one.
+    let rc = unsafe { libc::ioctl(userns.as_raw_fd(), NS_GET_OWNER_UID, &mut uid) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(uid)
+}
+
+/// Clones [`hold`] onto the stack ending at `top` with `flags`, every signal blocked for it:
+/// its PID (or -1) and the error of the call.
+fn clone_holder(top: usize, flags: libc::c_int) -> (libc::pid_t, io::Error) {
+    // SAFETY: the signal sets are plain values on this stack. `hold` runs on the stack at
+    // `top`, which outlives the child (it is reaped before that stack is dropped), and touches
+    // no memory besides it. The child starts with every signal blocked, so no handler of the
+    // node's ever runs on its shared memory, and pause never returns to write errno.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut before: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut before);
+        let pid = libc::clone(hold, top as *mut libc::c_void, flags, std::ptr::null_mut());
+        let cloned = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
+        (pid, cloned)
+    }
 }
 
 /// The stack of [`mapping_namespace`]'s child: it only calls `pause`.
@@ -417,5 +470,20 @@ mod tests {
         let ns = a.userns.expect("a namespace");
         let fd = format!("/proc/self/fd/{}", ns.as_raw_fd());
         assert!(std::fs::read_link(fd).unwrap().to_string_lossy().starts_with("user:["));
+    }
+
+    /// A sandbox's namespace is its range's root's, so the kernel's per-user counts land on
+    /// that id at the host's level; the layers' mapping namespace (no process runs in it)
+    /// stays the node's. Needs root, as every container test.
+    #[test]
+    fn a_sandboxs_user_namespace_is_owned_by_its_root_and_a_mapping_one_by_the_node() {
+        let host = host_base(5);
+        let (user, net) = hold_namespaces(&sandbox_map_text(host), true, Some(host)).unwrap();
+        assert_eq!(owner(&user).unwrap(), host);
+        assert!(net.is_some());
+        let mapping = mapping_namespace(host).unwrap();
+        assert_eq!(owner(&mapping).unwrap(), rustix::process::geteuid().as_raw());
+        // The thread that made the first is gone; this one is still the node's.
+        assert!(rustix::process::geteuid().is_root());
     }
 }

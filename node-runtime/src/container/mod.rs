@@ -222,6 +222,8 @@ pub struct ContainerRuntime {
     /// Processes all sandboxes may have together, and the memory they share them by.
     pids_max: u64,
     memory_bytes: u64,
+    /// Whether sandboxes' specs carry their rlimits ([`spec::Inputs::rlimits`]).
+    rlimits: bool,
     /// Why this host cannot run isolated sandboxes, if it cannot: every start is refused.
     missing: Vec<String>,
     degraded: Vec<String>,
@@ -403,6 +405,9 @@ impl ContainerRuntime {
         if let Err(err) = rustix::process::set_child_subreaper(Some(rustix::process::Pid::INIT)) {
             degraded.push(format!("not a child subreaper: {err}"));
         }
+        // Before any sandbox runs: a table one sandbox could fill for all (see `host_tables`).
+        let memory = crate::host_tables::host_memory_bytes().unwrap_or(config.memory_bytes);
+        degraded.extend(crate::host_tables::raise_all(Path::new("/proc/sys"), memory));
         if !cgroups.has_memory() || !cgroups.has_freezer() {
             missing.push("memory and freezer cgroups".to_string());
         }
@@ -490,6 +495,18 @@ impl ContainerRuntime {
             tracing::warn!(node_id, "container runtime: {line}");
         }
         tracing::info!(node_id, runtime = %engine.describe(), envd = %envd_binary.display(), "sandboxes are OCI containers");
+        // The jail lowers a spec's rlimits from inside the container; runc sets them with
+        // `prlimit` from outside, which needs CAP_SYS_RESOURCE once the sandbox's user
+        // namespace is its own root's rather than the node's (hosts in containers lack it).
+        let rlimits = config.oci_runtime.is_none()
+            || rustix::thread::capabilities(None)
+                .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_RESOURCE));
+        if !rlimits {
+            degraded.push(
+                "sandboxes keep the node's rlimits (RLIMIT_RTPRIO, RLIMIT_NICE): runc sets them from outside, which needs CAP_SYS_RESOURCE"
+                    .to_string(),
+            );
+        }
         // The jail keeps a killed sandbox's group when asked; another runtime removes its own.
         let spare_cgroups = match config.oci_runtime {
             None => spare_cgroups::SpareCgroups::new(format!("/{}", super::cgroup::parent_name(node_id))),
@@ -512,6 +529,7 @@ impl ContainerRuntime {
             slots,
             pids_max,
             memory_bytes: config.memory_bytes,
+            rlimits,
             missing,
             degraded,
         }
@@ -560,6 +578,7 @@ impl ContainerRuntime {
             host_ids,
             pids_limit: spec::pids_limit(self.pids_max, self.memory_bytes, sandbox.memory_bytes),
             joins: joins.map(|(user, net)| (user.as_path(), net.as_path())),
+            rlimits: self.rlimits,
         };
         let spec = spec::spec(sandbox, &inputs)?;
         let json = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;

@@ -607,6 +607,18 @@ fn adopted(pid: u32) -> Result<NetSlot, String> {
     if sole_range(&gid_map) != Some(host_ids) {
         return Err(format!("its gid_map is not its uid_map: {gid_map:?}"));
     }
+    // A slot's user namespace is its range's root's (see `ids::hold_namespaces`); one made
+    // by an earlier node as the host's root would share root's counts with every sandbox
+    // after it, so it goes with its sandbox instead of back to the pool.
+    match super::ids::owner(&user) {
+        Ok(owner) if owner == host_ids => {}
+        Ok(owner) => {
+            return Err(format!(
+                "its user namespace is uid {owner}'s, not its range's root's ({host_ids})"
+            ))
+        }
+        Err(e) => return Err(format!("its user namespace's owner: {e}")),
+    }
     let (host_interface, host_index) =
         network::host_end(&std::fs::File::from(net.try_clone().map_err(|e| e.to_string())?))
             .map_err(|e| e.to_string())?;
@@ -826,7 +838,7 @@ fn occupied_namespaces() -> io::Result<std::collections::HashSet<(u64, u64)>> {
 impl Maker {
     /// A new slot for range `host_ids`: namespaces and link.
     fn make(&self, host_ids: u32) -> Result<NetSlot, NetworkError> {
-        let (user, net) = super::ids::hold_namespaces(&super::ids::sandbox_map_text(host_ids), true)
+        let (user, net) = super::ids::hold_namespaces(&super::ids::sandbox_map_text(host_ids), true, Some(host_ids))
             .map_err(NetworkError::Namespace)?;
         let net = net.ok_or_else(|| NetworkError::Netlink("no network namespace".into()))?;
         let n = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1013,8 +1025,9 @@ mod tests {
     #[test]
     fn a_namespaces_tcp_sockets_are_its_own_time_wait_included() {
         use std::io::Read as _;
-        let (_user, net) = super::super::ids::hold_namespaces(&super::super::ids::sandbox_map_text(1 << 24), true)
-            .expect("namespaces (run as root)");
+        let (_user, net) =
+            super::super::ids::hold_namespaces(&super::super::ids::sandbox_map_text(1 << 24), true, Some(1 << 24))
+                .expect("namespaces (run as root)");
         let net = std::fs::File::from(net.expect("a network namespace"));
         let counted = network::in_namespace(&net, || {
             let fresh = tcp_sockets()?;

@@ -80,7 +80,15 @@ pub struct Inputs<'a> {
     /// A network slot's user and network namespaces to join (`super::slots`), instead of new
     /// ones; the user namespace is mapped as `host_ids` says.
     pub joins: Option<(&'a Path, &'a Path)>,
+    /// Whether the spec sets the sandbox's rlimits ([`RLIMITS`]); otherwise it keeps the
+    /// node's.
+    pub rlimits: bool,
 }
+
+/// The rlimits a sandbox starts with, whatever the node was started with: no real-time
+/// scheduling (a FIFO task is outside the CFS quota that holds the sandbox to its vCPUs, on
+/// a kernel without real-time group scheduling) and no nice value below the one it starts at.
+pub const RLIMITS: [(&str, u64); 2] = [("RLIMIT_RTPRIO", 0), ("RLIMIT_NICE", 0)];
 
 const CAPABILITIES: [&str; 14] = [
     "CAP_CHOWN",
@@ -180,7 +188,8 @@ pub fn spec(sandbox: &Sandbox<'_>, inputs: &Inputs) -> Result<Spec, String> {
     let mut mounts = vec![
         json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
         json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
-        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        // Its own instance, with a cap of its own on the host's shared table of terminals.
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5", format!("max={}", crate::host_tables::PTYS_PER_SANDBOX)]}),
         json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
         json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
         json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
@@ -218,6 +227,11 @@ pub fn spec(sandbox: &Sandbox<'_>, inputs: &Inputs) -> Result<Spec, String> {
                 "permitted": caps,
             },
             "noNewPrivileges": true,
+            "rlimits": if inputs.rlimits {
+                RLIMITS.iter().map(|(typ, limit)| json!({"type": typ, "hard": limit, "soft": limit})).collect()
+            } else {
+                Vec::new()
+            },
             "oomScoreAdj": ENVD_OOM_SCORE_ADJ
         },
         "root": {"path": inputs.rootfs, "readonly": false},
@@ -288,6 +302,7 @@ mod tests {
             host_ids: 1 << 24,
             pids_limit: 300,
             joins: None,
+            rlimits: true,
         }
     }
 
@@ -331,6 +346,23 @@ mod tests {
         assert_eq!(json["linux"]["gidMappings"][0]["hostID"], 1 << 24);
         assert_eq!(json["hostname"], "sbx1");
         assert_eq!(json["process"]["noNewPrivileges"], true);
+        assert_eq!(
+            json["process"]["rlimits"],
+            json!([
+                {"type": "RLIMIT_RTPRIO", "hard": 0, "soft": 0},
+                {"type": "RLIMIT_NICE", "hard": 0, "soft": 0},
+            ])
+        );
+        let devpts = json["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["type"] == "devpts")
+            .unwrap();
+        assert!(
+            devpts["options"].as_array().unwrap().contains(&json!("max=512")),
+            "{devpts}"
+        );
         assert_eq!(json["linux"]["resources"]["memory"]["limit"], 512 << 20);
         assert_eq!(json["linux"]["resources"]["cpu"]["quota"], 200_000);
         assert_eq!(json["linux"]["resources"]["pids"]["limit"], 300);
@@ -379,6 +411,7 @@ mod tests {
             host_ids: HOST_ID_BASE,
             pids_limit: PIDS_LIMIT,
             joins: None,
+            rlimits: false,
         };
         let image = contracts::template::Image {
             user: "root".into(),
@@ -400,5 +433,7 @@ mod tests {
             env.contains("ENVD_DEFAULT_USER=root") && env.contains("ENVD_DEFAULT_WORKDIR=/app"),
             "{env}"
         );
+        // A runtime that cannot set them (runc without CAP_SYS_RESOURCE): the node's.
+        assert_eq!(json["process"]["rlimits"], json!([]));
     }
 }
