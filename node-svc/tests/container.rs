@@ -2537,3 +2537,50 @@ async fn a_sandbox_using_up_its_per_user_counts_leaves_the_others_theirs() {
     n.lifecycle("hog", "kill").await;
     n.stop().await;
 }
+
+/// One sandbox cannot fill the host's connection-tracking table, which is one for the whole
+/// host and charged to no sandbox: the hog sends a datagram to 600 more ports of the internet
+/// than its cap, each a flow of its own, and the host's table holds its cap of them, while
+/// its neighbour still connects. Without the cap every one of the hog's flows was in the table
+/// (checked by hand).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_holds_its_share_of_the_hosts_connection_table_and_no_more() {
+    use node_svc::runtime::container::network::FLOWS_PER_SANDBOX;
+    let world = Internet::start();
+    let n = node(None).await;
+    n.create_with("hog", 256 << 20, internet()).await;
+    n.create_with("neighbour", 256 << 20, internet()).await;
+    let flows = FLOWS_PER_SANDBOX + 600;
+    let hog = format!(
+        "python3 -c \"
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for port in range(20000, 20000 + {flows}):
+    s.sendto(b'x', ('{INTERNET}', port))
+me = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+me.connect(('{INTERNET}', 9))
+print(me.getsockname()[0], s.getsockname()[1])
+\""
+    );
+    let (out, code) = n.sh("hog", "root", &hog).await;
+    assert_eq!(code, 0, "{out}");
+    let (address, port) = out
+        .trim()
+        .split_once(' ')
+        .unwrap_or_else(|| panic!("the hog said {out:?}"));
+    // The host's table, as it stands now (an unanswered datagram's entry lasts 30 s), and
+    // only this run's flows (an earlier run's sandbox may have had the same address).
+    let table = std::fs::read_to_string("/proc/net/nf_conntrack").unwrap();
+    let held = table
+        .lines()
+        .filter(|l| l.contains(" udp ") && l.contains(&format!("src={address} dst={INTERNET} sport={port} ")))
+        .count() as u32;
+    assert!(
+        (FLOWS_PER_SANDBOX - 16..=FLOWS_PER_SANDBOX).contains(&held),
+        "the hog ({address}) holds {held} of the host's flows (cap {FLOWS_PER_SANDBOX})"
+    );
+    let (out, code) = n.sh("neighbour", "user", &world.probe()).await;
+    assert_eq!(code, 0, "the neighbour could not connect: {out}");
+    assert!(out.starts_with("from "), "{out}");
+    n.stop().await;
+}

@@ -29,7 +29,13 @@
 //! - the operator's `--egress-deny` blocks (by default private, link-local, shared and
 //!   multicast ranges: the control plane's network and cloud metadata) are refused to all;
 //! - a packet whose source address is not the one its link was given is dropped (a sandbox
-//!   root with raw sockets cannot pose as another sandbox).
+//!   root with raw sockets cannot pose as another sandbox);
+//! - a sandbox holds at most [`FLOWS_PER_SANDBOX`] entries of the host's connection-tracking
+//!   table at once (`ct count`, keyed by its address): the table is one for the whole host
+//!   (`nf_conntrack_max`, 262,144 here), its entries are charged to no sandbox's memory, and
+//!   once it is full the host drops every new flow, every other sandbox's and the host's own
+//!   included. A new flow past the cap is refused (ICMP admin-prohibited, at once rather than
+//!   after a connect's timeout); what it already holds goes on.
 //!
 //! **A sandbox's own lists** (`denyOut`, `allowOut`, no internet) are rules inside its own
 //! network namespace ([`sandbox_ruleset`]): they live and die with it, and nothing inside can
@@ -58,6 +64,10 @@ use super::resolver::{self, Resolver};
 pub use super::HOST_PREFIX;
 /// The nftables table of the floor.
 pub const TABLE: &str = "sandboxsched";
+/// Flows (entries of the host's connection-tracking table) one sandbox may hold at once:
+/// more than a browser or a crawler keeps open, and 64 sandboxes' worth fill the kernel's
+/// usual table of 262,144.
+pub const FLOWS_PER_SANDBOX: u32 = 4096;
 /// The pool sandboxes' /30s come from, unless `--sandbox-network` says otherwise.
 pub const DEFAULT_POOL: &str = "10.200.0.0/16";
 
@@ -186,6 +196,11 @@ fn elements(cidrs: &[Cidr]) -> String {
 pub fn host_ruleset(floor: &[Cidr]) -> String {
     let p = HOST_PREFIX;
     let resolver = super::resolver::RESOLVER;
+    // Both ways a sandbox's new flow enters the host's table: through it, and to the node's
+    // DNS forwarder. (Its address is its link's: the prerouting check drops any other.)
+    let cap = format!(
+        "iifname \"{p}*\" ct state new add @flows {{ ip saddr ct count over {FLOWS_PER_SANDBOX} }} reject with icmpx type admin-prohibited"
+    );
     let floor_set = if floor.is_empty() {
         String::new()
     } else {
@@ -199,18 +214,25 @@ table inet {TABLE} {{
     type ipv4_addr
     flags interval
 {floor_set}  }}
+  set flows {{
+    type ipv4_addr
+    size 65535
+    flags dynamic
+  }}
   chain prerouting {{
     type filter hook prerouting priority -150; policy accept;
     iifname \"{p}*\" fib saddr . iif oif missing drop
   }}
   chain input {{
     type filter hook input priority -10; policy accept;
+    {cap}
     iifname \"{p}*\" ct status dnat ct original ip daddr {resolver} meta l4proto {{ tcp, udp }} ct original proto-dst 53 accept
     iifname \"{p}*\" reject with icmpx type admin-prohibited
   }}
   chain forward {{
     type filter hook forward priority -10; policy accept;
     iifname \"{p}*\" oifname \"{p}*\" reject with icmpx type admin-prohibited
+    {cap}
     oifname \"{p}*\" ct state established,related accept
     oifname \"{p}*\" drop
     iifname \"{p}*\" meta nfproto ipv6 drop
@@ -948,6 +970,14 @@ mod tests {
         assert!(rules.contains("iifname \"sbx*\" oifname \"sbx*\" reject"));
         assert!(rules.contains("fib saddr . iif oif missing drop"));
         assert!(rules.contains("masquerade"));
+        let cap = "iifname \"sbx*\" ct state new add @flows { ip saddr ct count over 4096 } reject";
+        let input = rules.find("hook input").unwrap();
+        let forward = rules.find("hook forward").unwrap();
+        assert!(
+            rules[input..forward].find(cap).unwrap() < rules[input..forward].find("ct status dnat").unwrap(),
+            "a sandbox's queries to the forwarder count towards its flows"
+        );
+        assert!(rules[forward..].contains(cap), "{rules}");
         assert!(
             rules.contains("oifname \"sbx*\" ct state new drop"),
             "the host opens nothing to a sandbox"
