@@ -10,8 +10,8 @@
 //! The protocol with the parent uses two close-on-exec pipes:
 //!
 //! * **sync** (parent → child): the child blocks reading it until the parent has written the
-//!   id maps, (on cgroup v2) moved the child into its cgroup, and set rlimits and
-//!   `oom_score_adj`. End of file without a byte means the parent gave up; the child exits
+//!   id maps, (on cgroup v2) moved the child into its cgroup, and set the rlimits that raise
+//!   a hard limit and `oom_score_adj` (the child sets those that only lower). End of file without a byte means the parent gave up; the child exits
 //!   quietly.
 //! * **report** (child → parent): on failure the child writes one line (`mount proc on
 //!   /proc: operation not permitted`) and exits. On success `execve` closes the pipe
@@ -76,8 +76,9 @@ pub struct InitPlan {
     fds: InitFds,
     /// v1 `tasks` files to write `0` into, first thing (see `Cgroup::self_join_files`),
     /// opened by the parent as the host's root before the clone: the kernel checks a write
-    /// there against the credentials the file was opened with, and the init's effective uid
-    /// is its user namespace's owner, not root (see `namespaces`).
+    /// there against the credentials the file was opened with (since Linux 5.16, and in
+    /// stable kernels with the fix for CVE-2021-4197; before, against the writer's), and the
+    /// init's effective uid is its user namespace's owner, not root (see `namespaces`).
     cgroup_tasks: Vec<(CString, std::os::fd::OwnedFd)>,
     userns: bool,
     cgroupns: bool,
@@ -521,7 +522,6 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
     })
 }
 
-/// Moves the calling thread (the whole init: it has one thread) into a v1 cgroup.
 /// `--preserve-fds N`: fds 3..3+N stay open across exec with their numbers; every other fd
 /// from 3 up is marked close-on-exec (our report pipe already is).
 fn pass_fds(n: u32) -> Result<(), Failure<'static>> {

@@ -453,29 +453,98 @@ pub fn clone_process(flags: libc::c_int) -> Result<libc::pid_t, NamespaceError> 
 }
 
 /// [`clone_process`], with the new user namespace (if `flags` make one) owned by host uid
-/// `owner` rather than by the caller (see the module's doc): the calling thread's effective
-/// uid is `owner` for the clone alone. Only a caller that is root does this (anyone else
-/// owns what it makes, and could not set it back). The raw system call changes this thread
-/// only, where glibc's `setresuid` would signal every thread of the process to follow.
+/// `owner` rather than by the caller (see the module's doc): the calling thread is
+/// [`AsOwner`] for the clone alone. Only a caller that is root does this (anyone else owns
+/// what it makes, and could not set it back).
 pub fn clone_owned(flags: libc::c_int, owner: Option<u32>) -> Result<libc::pid_t, NamespaceError> {
     let owner =
         owner.filter(|&uid| uid != 0 && flags & libc::CLONE_NEWUSER != 0 && rustix::process::geteuid().is_root());
     let Some(uid) = owner else {
         return clone_process(flags);
     };
-    set_euid(uid)?;
+    let as_owner = AsOwner::become_owner(uid)?;
     let pid = clone_process(flags);
     if matches!(pid, Ok(0)) {
-        // The child: its ids are those of its new namespace from here on (`become_root`).
+        // The child: its ids and securebits are those of its new namespace from here on
+        // (`become_root`); nothing of the parent's to give back.
+        drop(as_owner);
         return pid;
     }
-    set_euid(0)?;
+    as_owner.restore()?;
     pid
 }
 
-/// Sets this thread's effective uid, leaving the real and saved ones (root) as they are, so
-/// root can be taken back. Leaving root clears the effective capabilities; coming back
-/// restores them from the permitted set.
+/// This thread, for a moment, with a user namespace's owner-to-be as its effective uid, so
+/// that a namespace it creates is that uid's. The raw system calls change this thread only
+/// (glibc's `setresuid` would signal every thread of the process to follow), and the real
+/// and saved uids stay root, so root can be taken back.
+///
+/// Two side effects are undone on the way back: [`AsOwner::restore`] says which. It must be
+/// called (dropping it leaves the thread as the owner); a clone's child drops it.
+#[must_use = "the thread stays the owner until restored"]
+pub struct AsOwner {
+    uid: u32,
+    /// The securebits to set back, if they were changed.
+    securebits: Option<libc::c_int>,
+    dumpable: libc::c_int,
+}
+
+/// `SECBIT_NO_SETUID_FIXUP` (linux/securebits.h).
+const SECBIT_NO_SETUID_FIXUP: libc::c_int = 1 << 2;
+
+impl AsOwner {
+    /// Takes on `uid`, keeping this thread's capabilities: `SECBIT_NO_SETUID_FIXUP` first
+    /// (needs CAP_SETPCAP; without it they are cleared), since a user namespace made without
+    /// them counts as an unprivileged one, which hosts may forbid (Ubuntu's AppArmor
+    /// restriction, Debian's `unprivileged_userns_clone`). A new user namespace starts with
+    /// the default securebits, so none of this reaches it.
+    pub fn become_owner(uid: u32) -> Result<AsOwner, NamespaceError> {
+        let err = |errno| NamespaceError::Owner { uid, errno };
+        // SAFETY: prctl reads of this thread's and process's flags.
+        let (securebits, dumpable) = unsafe {
+            (
+                check(libc::prctl(libc::PR_GET_SECUREBITS)).map_err(err)?,
+                check(libc::prctl(libc::PR_GET_DUMPABLE)).map_err(err)?,
+            )
+        };
+        // SAFETY: prctl with integer arguments. A failure only clears the capabilities.
+        let kept = unsafe {
+            libc::prctl(
+                libc::PR_SET_SECUREBITS,
+                (securebits | SECBIT_NO_SETUID_FIXUP) as libc::c_ulong,
+            )
+        };
+        let securebits = (kept == 0).then_some(securebits);
+        set_euid(uid)?;
+        Ok(AsOwner {
+            uid,
+            securebits,
+            dumpable,
+        })
+    }
+
+    /// Root again, with the securebits as they were, and the process's dumpable flag: any
+    /// change of effective uid makes the whole process non-dumpable, after which its
+    /// `/proc/PID` files (the node's `/proc/NODE/fd/N`, which runtimes open to join a slot)
+    /// are out of reach of anyone without CAP_SYS_PTRACE.
+    pub fn restore(self) -> Result<(), NamespaceError> {
+        let err = |errno| NamespaceError::Owner { uid: self.uid, errno };
+        set_euid(0)?;
+        // SAFETY: prctl with integer arguments.
+        unsafe {
+            if let Some(bits) = self.securebits {
+                check(libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong)).map_err(err)?;
+            }
+            // 2 (`suid_dumpable` 2) cannot be set back; 0 needs nothing.
+            if self.dumpable == 1 {
+                check(libc::prctl(libc::PR_SET_DUMPABLE, 1 as libc::c_ulong)).map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sets this thread's effective uid, leaving the real and saved ones (root) as they are.
 fn set_euid(uid: u32) -> Result<(), NamespaceError> {
     const UNCHANGED: libc::c_long = -1;
     // SAFETY: a system call on plain values.

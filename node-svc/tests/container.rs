@@ -2425,10 +2425,13 @@ print("neighbour ok")
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_filling_the_hosts_tables_leaves_its_neighbour_their_own() {
     let memory = node_svc::runtime::host_tables::host_memory_bytes().expect("the host's memory");
-    // The kernel's default: a tenth of memory, in KiB. A file costs the hog about 256 bytes.
-    let files = memory / 1024 / 10 * 11 / 10;
+    // The kernel's default: a tenth of memory, in KiB (2.47 M on 24 GiB), and a tenth more;
+    // at most 3 M, so that the test stays bounded on a large host (where it then holds fewer
+    // than the default table, and tests only the hog's room). A file costs the hog about 256
+    // bytes; its forked children (one per hard descriptor limit's worth) a little each.
+    let files = (memory / 1024 / 10 * 11 / 10).min(3_000_000);
     let n = node(None).await;
-    n.create("hog", files * 256 * 13 / 10 + (512 << 20)).await;
+    n.create("hog", files * 256 * 13 / 10 + (1 << 30)).await;
     n.create("neighbour", 256 << 20).await;
     let script = format!(
         "mkfifo /tmp/got && (python3 -c '{HOG}' {files} /tmp/got </dev/null >/tmp/hog.log 2>&1 &) && read got < /tmp/got && echo \"$got\"; cat /tmp/hog.log; true"
@@ -2463,6 +2466,8 @@ async fn a_sandbox_filling_the_hosts_tables_leaves_its_neighbour_their_own() {
 /// signals): all it may, held; it says how many it got.
 const PER_USER_HOG: &str = r#"
 import ctypes, errno, os, signal, sys
+# Opened first: whatever happens next, the hog says so.
+out = open(sys.argv[1], "w")
 libc = ctypes.CDLL(None, use_errno=True)
 name = lambda e: errno.errorcode.get(e, str(e))
 fds, ino_err = [], "-"
@@ -2479,8 +2484,8 @@ while queued < 1000000:
         sig_err = name(ctypes.get_errno())
         break
     queued += 1
-with open(sys.argv[1], "w") as f:
-    f.write(f"inotify={len(fds)} {ino_err} signals={queued} {sig_err}\n")
+out.write(f"inotify={len(fds)} {ino_err} signals={queued} {sig_err}\n")
+out.flush()
 signal.pause()
 "#;
 
@@ -2513,7 +2518,14 @@ async fn a_sandbox_using_up_its_per_user_counts_leaves_the_others_theirs() {
     );
     let (out, code) = n.sh("hog", "root", &script).await;
     assert_eq!(code, 0, "{out}");
-    eprintln!("the hog got {out}");
+    // It took all its counts allowed it (the host's limits per user: 128 inotify instances
+    // and the node's RLIMIT_SIGPENDING on a stock host), and was refused for its own.
+    let got: Vec<&str> = out.lines().next().unwrap_or_default().split_whitespace().collect();
+    let count = |field: &str, name: &str| field.strip_prefix(name).and_then(|n| n.parse::<u64>().ok());
+    assert!(
+        matches!(got[..], [i, "EMFILE", s, "EAGAIN"] if count(i, "inotify=").is_some_and(|n| n >= 64) && count(s, "signals=").is_some_and(|n| n >= 1_000)),
+        "the hog did not use up its counts: {out}"
+    );
     for neighbour in ["neighbour", "linked"] {
         let (out, code) = n
             .sh(neighbour, "user", &format!("python3 -c '{PER_USER_NEIGHBOUR}' 2>&1"))
@@ -2524,8 +2536,17 @@ async fn a_sandbox_using_up_its_per_user_counts_leaves_the_others_theirs() {
             "{neighbour}, while the hog holds its counts"
         );
     }
+    // The host's root: a queued signal (its inotify instances are whatever else on this
+    // machine left of its 128, which says nothing of the hog).
+    let host_signal = r#"
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+assert libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_void_p(0)) == 0, f"sigqueue: errno {ctypes.get_errno()}"
+print("ok")
+"#;
     let host = std::process::Command::new("python3")
-        .args(["-c", PER_USER_NEIGHBOUR])
+        .args(["-c", host_signal])
         .output()
         .unwrap();
     assert_eq!(

@@ -100,7 +100,7 @@ impl IdRanges {
                 None
             }
             Err(e) => Some(format!(
-                "every sandbox runs as the same host ids ({HOST_ID_BASE}-): layers cannot be idmapped here: {e}"
+                "every sandbox runs as the same host ids ({HOST_ID_BASE}-), and shares the kernel's per-user counts (inotify instances, queued signals) with the others: layers cannot be idmapped here: {e}"
             )),
         };
         Self {
@@ -235,8 +235,9 @@ pub(super) fn mapping_namespace(host: u32) -> io::Result<OwnedFd> {
 /// node's: the kernel charges what a sandbox's users hold (inotify instances, queued signals,
 /// message queues) to the namespace's owner at the host's level, so each sandbox's counts are
 /// its own there rather than the host root's, shared with every sandbox (see the jail's
-/// `namespaces` module). The clone then runs on a thread of its own whose effective uid is
-/// `owner`: the credentials are the thread's, and go with it.
+/// `namespaces` module). The clone then runs on a thread of its own, as
+/// [`jail::namespaces::AsOwner`]: a thread's credentials are its own, and the process's
+/// dumpable flag, which any change of them clears, is set back.
 ///
 /// The child shares the node's memory (`CLONE_VM`) and runs on a small stack of its own. A
 /// fork-like clone would copy the page tables of the whole node, a large threaded process,
@@ -250,28 +251,23 @@ pub(super) fn hold_namespaces(maps: &str, network: bool, owner: Option<u32>) -> 
     let (pid, cloned) = match owner.filter(|_| rustix::process::geteuid().is_root()) {
         None => clone_holder(top, flags),
         Some(uid) => std::thread::scope(|scope| {
-            scope
-                .spawn(move || {
-                    const UNCHANGED: libc::c_long = -1;
-                    // SAFETY: a system call on plain values. The raw call changes this thread's
-                    // effective uid alone (glibc's wrapper would change every thread's), and
-                    // this thread ends after the clone, with its credentials.
-                    let rc =
-                        unsafe { libc::syscall(libc::SYS_setresuid, UNCHANGED, libc::c_long::from(uid), UNCHANGED) };
-                    if rc != 0 {
-                        return (
-                            -1,
-                            io::Error::other(format!(
-                                "taking uid {uid} to own the namespace: {}",
-                                io::Error::last_os_error()
-                            )),
-                        );
+            let cloned = std::thread::Builder::new()
+                .name("userns-owner".into())
+                .spawn_scoped(scope, move || {
+                    let as_owner = jail::namespaces::AsOwner::become_owner(uid)
+                        .map_err(|e| io::Error::other(format!("taking uid {uid} to own the namespace: {e}")))?;
+                    let cloned = clone_holder(top, flags);
+                    // Whatever comes of this, the child is the caller's to kill and reap (it
+                    // runs on the caller's stack); this thread ends with its credentials.
+                    if let Err(e) = as_owner.restore() {
+                        tracing::warn!(uid, "giving a namespace owner's uid back: {e}");
                     }
-                    clone_holder(top, flags)
-                })
+                    Ok(cloned)
+                })?;
+            cloned
                 .join()
-                .unwrap_or_else(|_| (-1, io::Error::other("the thread cloning a user namespace panicked")))
-        }),
+                .unwrap_or_else(|_| Err(io::Error::other("the thread cloning a user namespace panicked")))
+        })?,
     };
     if pid < 0 {
         return Err(io::Error::other(format!("cloning a user namespace: {cloned}")));
@@ -483,7 +479,10 @@ mod tests {
         assert!(net.is_some());
         let mapping = mapping_namespace(host).unwrap();
         assert_eq!(owner(&mapping).unwrap(), rustix::process::geteuid().as_raw());
-        // The thread that made the first is gone; this one is still the node's.
+        // The thread that made the first is gone; this one is still the node's, and the
+        // process is as dumpable as before (a change of credentials clears the flag).
         assert!(rustix::process::geteuid().is_root());
+        // SAFETY: a prctl read.
+        assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE) }, 1);
     }
 }

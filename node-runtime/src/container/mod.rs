@@ -338,6 +338,16 @@ fn probe_host() -> Vec<String> {
     if !rustix::process::geteuid().is_root() {
         missing.push("root (the node maps user namespaces and mounts root filesystems)".to_string());
     }
+    // Each sandbox's user namespace is its own root's, not the node's (see the jail's
+    // `namespaces`), so the node reaches a sandbox's namespaces and processes (its ports, its
+    // network after a restart) as root over another user's: with CAP_SYS_PTRACE.
+    let ptrace = rustix::thread::capabilities(None)
+        .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_PTRACE));
+    if !ptrace {
+        missing.push(
+            "CAP_SYS_PTRACE (the node reaches into sandboxes whose user namespaces are their own roots')".to_string(),
+        );
+    }
     missing
 }
 
@@ -405,9 +415,6 @@ impl ContainerRuntime {
         if let Err(err) = rustix::process::set_child_subreaper(Some(rustix::process::Pid::INIT)) {
             degraded.push(format!("not a child subreaper: {err}"));
         }
-        // Before any sandbox runs: a table one sandbox could fill for all (see `host_tables`).
-        let memory = crate::host_tables::host_memory_bytes().unwrap_or(config.memory_bytes);
-        degraded.extend(crate::host_tables::raise_all(Path::new("/proc/sys"), memory));
         if !cgroups.has_memory() || !cgroups.has_freezer() {
             missing.push("memory and freezer cgroups".to_string());
         }
@@ -471,6 +478,14 @@ impl ContainerRuntime {
             degraded.push(shared.to_string());
         }
         let network = network::Network::new(config.network.clone());
+        // Before any sandbox runs, and once the floor has loaded connection tracking: a table
+        // one sandbox could fill for all (see `host_tables`).
+        let memory = crate::host_tables::host_memory_bytes().unwrap_or(config.memory_bytes);
+        degraded.extend(crate::host_tables::raise_all(
+            Path::new("/proc/sys"),
+            memory,
+            crate::host_tables::kernel_memory_charged(),
+        ));
         let mut slots = None;
         if let Some(problem) = network.problem() {
             degraded.push(format!("sandboxes that need a network are refused: {problem}"));

@@ -360,7 +360,10 @@ mod tests {
             .find(|m| m["type"] == "devpts")
             .unwrap();
         assert!(
-            devpts["options"].as_array().unwrap().contains(&json!("max=512")),
+            devpts["options"]
+                .as_array()
+                .unwrap()
+                .contains(&json!(format!("max={}", crate::host_tables::PTYS_PER_SANDBOX))),
             "{devpts}"
         );
         assert_eq!(json["linux"]["resources"]["memory"]["limit"], 512 << 20);
