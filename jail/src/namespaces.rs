@@ -483,6 +483,9 @@ pub fn clone_owned(flags: libc::c_int, owner: Option<u32>) -> Result<libc::pid_t
 /// called (dropping it leaves the thread as the owner); a clone's child drops it.
 #[must_use = "the thread stays the owner until restored"]
 pub struct AsOwner {
+    /// One at a time in a process: the dumpable flag is the process's, and one thread saving
+    /// it while another has it cleared would set it back cleared.
+    _alone: std::sync::MutexGuard<'static, ()>,
     uid: u32,
     /// The securebits to set back, if they were changed.
     securebits: Option<libc::c_int>,
@@ -499,6 +502,8 @@ impl AsOwner {
     /// restriction, Debian's `unprivileged_userns_clone`). A new user namespace starts with
     /// the default securebits, so none of this reaches it.
     pub fn become_owner(uid: u32) -> Result<AsOwner, NamespaceError> {
+        static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let alone = ALONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let err = |errno| NamespaceError::Owner { uid, errno };
         // SAFETY: prctl reads of this thread's and process's flags.
         let (securebits, dumpable) = unsafe {
@@ -517,6 +522,7 @@ impl AsOwner {
         let securebits = (kept == 0).then_some(securebits);
         set_euid(uid)?;
         Ok(AsOwner {
+            _alone: alone,
             uid,
             securebits,
             dumpable,

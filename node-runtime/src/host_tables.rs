@@ -108,9 +108,11 @@ pub const TABLES: [Table; 4] = [
     },
 ];
 
-/// The memory a sandbox brings for each flow it may hold: the smallest sandbox (128 MiB)
-/// over the floor's cap of flows per sandbox (`container::network::FLOWS_PER_SANDBOX`).
-pub const MEMORY_PER_FLOW: u64 = (128 << 20) / crate::container::network::FLOWS_PER_SANDBOX as u64;
+/// The host's memory per flow of its table: sandboxes of the smallest size (128 MiB) filling
+/// the host's memory each have twice the floor's cap (`container::network::
+/// FLOWS_PER_SANDBOX`), which leaves room for the host's own flows and the node's DNS
+/// forwarder's.
+pub const MEMORY_PER_FLOW: u64 = (128 << 20) / (2 * crate::container::network::FLOWS_PER_SANDBOX as u64);
 
 impl Table {
     /// The size wanted on a host of `memory_bytes`: more entries than that memory could hold
@@ -133,8 +135,12 @@ impl Table {
 /// Whether the kernel charges its own memory (files, AIO rings) to memory cgroups: unless
 /// booted with `cgroup.memory=nokmem`.
 pub fn kernel_memory_charged() -> bool {
-    std::fs::read_to_string("/proc/cmdline")
-        .is_ok_and(|line| !line.split_whitespace().any(|w| w == "cgroup.memory=nokmem"))
+    std::fs::read_to_string("/proc/cmdline").is_ok_and(|line| {
+        !line
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix("cgroup.memory="))
+            .any(|options| options.split(',').any(|o| o == "nokmem"))
+    })
 }
 
 /// Raises every table in `TABLES` that is below what a host of `memory_bytes` wants, under
@@ -172,7 +178,7 @@ pub fn raise_all(proc_sys: &Path, memory_bytes: u64, kmem_charged: bool) -> Vec<
         match std::fs::write(&path, wanted.to_string()) {
             Ok(()) => tracing::info!(sysctl = table.sysctl, from = current, to = wanted, "raised a host-wide table"),
             Err(err) => degraded.push(format!(
-                "{} is {current} and cannot be raised to {wanted} ({err}): one sandbox can use up the host's {} for every other one",
+                "{} is {current} and cannot be raised to {wanted} ({err}): sandboxes can use up the host's {} for each other",
                 table.sysctl.replace('/', "."),
                 table.denies
             )),
@@ -203,8 +209,8 @@ mod tests {
         assert_eq!(aio.raise(65_536, 24 * GIB), Some(24 * GIB / 32));
         // 192 sandboxes of 128 MiB, each twice its cap of 64 terminals.
         assert_eq!(ptys.raise(4_096, 24 * GIB), Some(192 * 2 * 64));
-        // 192 sandboxes of 128 MiB, each at its cap of 4,096 flows.
-        assert_eq!(flows.raise(262_144, 24 * GIB), Some(192 * 4_096));
+        // 192 sandboxes of 128 MiB, each twice its cap of 4,096 flows.
+        assert_eq!(flows.raise(262_144, 24 * GIB), Some(192 * 2 * 4_096));
         // The ceiling bounds it, whatever the memory (`fs.file-max` takes a signed long).
         assert!(files.wanted(u64::MAX) <= i64::MAX as u64);
         assert_eq!(ptys.wanted(u64::MAX), PTY_CEILING);

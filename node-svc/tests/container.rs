@@ -2596,8 +2596,10 @@ print(me.getsockname()[0], s.getsockname()[1])
         .lines()
         .filter(|l| l.contains(" udp ") && l.contains(&format!("src={address} dst={INTERNET} sport={port} ")))
         .count() as u32;
+    // At most its cap; and most of it (a slot's last sandbox's flows, forgotten at its kill,
+    // may still count for a moment until the kernel collects them).
     assert!(
-        (FLOWS_PER_SANDBOX - 16..=FLOWS_PER_SANDBOX).contains(&held),
+        (FLOWS_PER_SANDBOX / 2..=FLOWS_PER_SANDBOX).contains(&held),
         "the hog ({address}) holds {held} of the host's flows (cap {FLOWS_PER_SANDBOX})"
     );
     let (out, code) = n.sh("neighbour", "user", &world.probe()).await;

@@ -31,11 +31,12 @@
 //! - a packet whose source address is not the one its link was given is dropped (a sandbox
 //!   root with raw sockets cannot pose as another sandbox);
 //! - a sandbox holds at most [`FLOWS_PER_SANDBOX`] entries of the host's connection-tracking
-//!   table at once (`ct count`, keyed by its address): the table is one for the whole host
-//!   (`nf_conntrack_max`, 262,144 here), its entries are charged to no sandbox's memory, and
-//!   once it is full the host drops every new flow, every other sandbox's and the host's own
-//!   included. A new flow past the cap is refused (ICMP admin-prohibited, at once rather than
-//!   after a connect's timeout); what it already holds goes on.
+//!   table at once (`ct count`, keyed by its link): the table has one maximum for the whole
+//!   host (`nf_conntrack_max`, 262,144 here), its entries are charged to no sandbox's memory,
+//!   and once it is full the host drops every new flow, every other sandbox's and the host's
+//!   own included. A new flow past the cap is refused (ICMP admin-prohibited, within the
+//!   kernel's ICMP rate limits, rather than after a connect's timeout); what it already holds
+//!   goes on. The count survives a node's start, which replaces the rest of the floor.
 //!
 //! **A sandbox's own lists** (`denyOut`, `allowOut`, no internet) are rules inside its own
 //! network namespace ([`sandbox_ruleset`]): they live and die with it, and nothing inside can
@@ -197,28 +198,37 @@ pub fn host_ruleset(floor: &[Cidr]) -> String {
     let p = HOST_PREFIX;
     let resolver = super::resolver::RESOLVER;
     // Both ways a sandbox's new flow enters the host's table: through it, and to the node's
-    // DNS forwarder. (Its address is its link's: the prerouting check drops any other.)
+    // DNS forwarder. Keyed by the link the flow came in on, the one thing of a packet no
+    // sandbox chooses (a raw socket may pose as another address of its /30). Counted at a
+    // flow's first packet only (not yet confirmed): an unanswered flow stays `new` for every
+    // packet, and each count walks the sandbox's list of flows.
     let cap = format!(
-        "iifname \"{p}*\" ct state new add @flows {{ ip saddr ct count over {FLOWS_PER_SANDBOX} }} reject with icmpx type admin-prohibited"
+        "iifname \"{p}*\" ct state new ct status & confirmed == 0 add @flows {{ iifname ct count over {FLOWS_PER_SANDBOX} }} reject with icmpx type admin-prohibited"
     );
     let floor_set = if floor.is_empty() {
         String::new()
     } else {
         format!("    elements = {{ {} }}\n", elements(floor))
     };
-    format!(
+    // Everything is replaced but the count of flows, which a node's start must not reset for
+    // the sandboxes of the host's other nodes (or its own, adopted): each chain and the floor
+    // are made if missing and deleted, then made anew, all in one transaction.
+    let mut replace = format!(
         "add table inet {TABLE}
-delete table inet {TABLE}
-table inet {TABLE} {{
+add set inet {TABLE} flows {{ type ifname; size 65535; flags dynamic; }}
+"
+    );
+    for chain in ["prerouting", "input", "forward", "output", "postrouting"] {
+        replace += &format!("add chain inet {TABLE} {chain}\ndelete chain inet {TABLE} {chain}\n");
+    }
+    replace +=
+        &format!("add set inet {TABLE} floor {{ type ipv4_addr; flags interval; }}\ndelete set inet {TABLE} floor\n");
+    format!(
+        "{replace}table inet {TABLE} {{
   set floor {{
     type ipv4_addr
     flags interval
 {floor_set}  }}
-  set flows {{
-    type ipv4_addr
-    size 65535
-    flags dynamic
-  }}
   chain prerouting {{
     type filter hook prerouting priority -150; policy accept;
     iifname \"{p}*\" fib saddr . iif oif missing drop
@@ -957,7 +967,17 @@ mod tests {
     #[test]
     fn the_floor_walls_off_the_host_other_sandboxes_and_its_blocks() {
         let rules = host_ruleset(&["10.0.0.0/8".parse().unwrap(), "169.254.0.0/16".parse().unwrap()]);
-        assert!(rules.starts_with("add table inet sandboxsched\ndelete table inet sandboxsched\n"));
+        assert!(rules.starts_with("add table inet sandboxsched\nadd set inet sandboxsched flows"));
+        assert!(
+            !rules.contains("delete table") && !rules.contains("delete set inet sandboxsched flows"),
+            "a node's start keeps every sandbox's count of flows"
+        );
+        for chain in ["prerouting", "input", "forward", "output", "postrouting"] {
+            assert!(
+                rules.contains(&format!("delete chain inet sandboxsched {chain}\n")),
+                "{chain}"
+            );
+        }
         assert!(rules.contains("elements = { 10.0.0.0/8, 169.254.0.0/16 }"));
         assert!(rules.contains("hook input") && rules.contains("iifname \"sbx*\" reject"));
         let redirected = rules
@@ -970,7 +990,8 @@ mod tests {
         assert!(rules.contains("iifname \"sbx*\" oifname \"sbx*\" reject"));
         assert!(rules.contains("fib saddr . iif oif missing drop"));
         assert!(rules.contains("masquerade"));
-        let cap = "iifname \"sbx*\" ct state new add @flows { ip saddr ct count over 4096 } reject";
+        let cap =
+            "iifname \"sbx*\" ct state new ct status & confirmed == 0 add @flows { iifname ct count over 4096 } reject";
         let input = rules.find("hook input").unwrap();
         let forward = rules.find("hook forward").unwrap();
         assert!(
