@@ -99,8 +99,8 @@ pub struct InitPlan {
     /// that made this init runs above it (see [`crate::priority`]).
     nice: Option<i32>,
     /// The spec's rlimits that only lower what the init inherits: set by the init on itself
-    /// (see [`crate::process::Rlimits`]).
-    rlimits: Vec<crate::process::Limit>,
+    /// (see [`crate::rlimits`]).
+    rlimits: Vec<crate::rlimits::Limit>,
     exec: ExecPlan,
 }
 
@@ -245,7 +245,7 @@ impl InitPlan {
 
 impl InitPlan {
     /// The rlimits the init sets on itself.
-    pub fn set_rlimits(&mut self, rlimits: Vec<crate::process::Limit>) {
+    pub fn set_rlimits(&mut self, rlimits: Vec<crate::rlimits::Limit>) {
         self.rlimits = rlimits;
     }
 }

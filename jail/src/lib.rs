@@ -35,6 +35,7 @@ pub mod init;
 pub mod namespaces;
 pub mod priority;
 pub mod process;
+pub mod rlimits;
 pub mod rootfs;
 pub mod seccomp;
 pub mod signal;

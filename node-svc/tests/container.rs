@@ -2596,14 +2596,44 @@ print(me.getsockname()[0], s.getsockname()[1])
         .lines()
         .filter(|l| l.contains(" udp ") && l.contains(&format!("src={address} dst={INTERNET} sport={port} ")))
         .count() as u32;
-    // At most its cap; and most of it (a slot's last sandbox's flows, forgotten at its kill,
-    // may still count for a moment until the kernel collects them).
+    // At most its cap; and nearly all of it (a slot's last sandbox's flows, forgotten at its
+    // kill, may count until the kernel collects them, a few at each new flow).
     assert!(
-        (FLOWS_PER_SANDBOX / 2..=FLOWS_PER_SANDBOX).contains(&held),
+        (FLOWS_PER_SANDBOX - 64..=FLOWS_PER_SANDBOX).contains(&held),
         "the hog ({address}) holds {held} of the host's flows (cap {FLOWS_PER_SANDBOX})"
     );
     let (out, code) = n.sh("neighbour", "user", &world.probe()).await;
     assert_eq!(code, 0, "the neighbour could not connect: {out}");
+    assert!(out.starts_with("from "), "{out}");
+    n.stop().await;
+}
+
+/// A floor left by a node of another version, whose count of flows was made otherwise (the
+/// transaction that keeps the count is then refused whole): the next node replaces the table
+/// whole, and its sandboxes reach out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_of_another_version_is_replaced_whole() {
+    let nft = |script: &str| {
+        let mut child = std::process::Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), script.as_bytes()).unwrap();
+        assert!(child.wait().unwrap().success(), "nft -f: {script}");
+    };
+    nft("add table inet sandboxsched\ndelete table inet sandboxsched\ntable inet sandboxsched {\n  set flows {\n    type ipv4_addr\n    size 65535\n    flags dynamic\n  }\n}\n");
+    let world = Internet::start();
+    let n = node(None).await;
+    let listed = std::process::Command::new("nft")
+        .args(["list", "set", "inet", "sandboxsched", "flows"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.contains("type ifname"), "{listed}");
+    n.create_with("out", 256 << 20, internet()).await;
+    let (out, code) = n.sh("out", "user", &world.probe()).await;
+    assert_eq!(code, 0, "{out}");
     assert!(out.starts_with("from "), "{out}");
     n.stop().await;
 }

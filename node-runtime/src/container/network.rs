@@ -17,7 +17,8 @@
 //! addresses would need a filter in that process too.
 //!
 //! **The floor** is one nftables table, `inet sandboxsched`, shared by every node of the host
-//! and replaced whole (one atomic transaction) when a node starts ([`host_ruleset`]):
+//! and replaced (one atomic transaction, all but the count of flows) when a node starts
+//! ([`host_ruleset`]):
 //! - nothing from a sandbox reaches the host itself, by any of its addresses, IPv4 or IPv6
 //!   (`input`): Redis, PostgreSQL, the ledger, every node's gRPC and envd ports, the gateway.
 //!   The one exception is what the node's DNS forwarder was redirected to answer: a
@@ -192,8 +193,9 @@ fn elements(cidrs: &[Cidr]) -> String {
     cidrs.iter().map(Cidr::to_string).collect::<Vec<_>>().join(", ")
 }
 
-/// The floor, as one nft transaction that replaces the table whole (the leading `add` makes
-/// the `delete` valid when the table does not exist yet).
+/// The floor, as one nft transaction that replaces every chain and the floor's set (each is
+/// added first, so that its `delete` is valid when it does not exist yet), but not the count
+/// of flows.
 pub fn host_ruleset(floor: &[Cidr]) -> String {
     let p = HOST_PREFIX;
     let resolver = super::resolver::RESOLVER;
@@ -437,6 +439,24 @@ impl Dns {
     }
 }
 
+/// Installs the floor ([`host_ruleset`]), keeping every sandbox's count of flows. A table
+/// whose count was made otherwise (a node of another version on this host) refuses that
+/// transaction whole; then the table is replaced whole, counts and all, and the log says so.
+fn install_floor(nft: &Path, floor: &[Cidr]) -> Result<(), String> {
+    let rules = host_ruleset(floor);
+    let Err(kept) = run_nft(nft, &rules, None) else {
+        return Ok(());
+    };
+    run_nft(
+        nft,
+        &format!("add table inet {TABLE}\ndelete table inet {TABLE}\n{rules}"),
+        None,
+    )
+    .map_err(|e| format!("installing the host's rules: {e}"))?;
+    tracing::warn!(error = %kept, "the floor was replaced whole: every sandbox's count of flows starts again");
+    Ok(())
+}
+
 impl Network {
     /// Installs the floor and turns on IPv4 forwarding (a host-wide setting: the host routes
     /// its sandboxes' traffic). On failure sandboxes that need a link are refused, saying why;
@@ -445,10 +465,7 @@ impl Network {
         let nft = nft_binary();
         let problem = match &nft {
             None => Some("nft (nftables) is not installed".to_string()),
-            Some(binary) => run_nft(binary, &host_ruleset(&config.floor), None)
-                .map_err(|e| format!("installing the host's rules: {e}"))
-                .and_then(|()| ip_forward())
-                .err(),
+            Some(binary) => install_floor(binary, &config.floor).and_then(|()| ip_forward()).err(),
         };
         if let Some(problem) = &problem {
             tracing::warn!(%problem, "sandboxes get loopback only");
