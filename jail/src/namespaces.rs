@@ -520,7 +520,13 @@ impl AsOwner {
             )
         };
         let securebits = (kept == 0).then_some(securebits);
-        set_euid(uid)?;
+        if let Err(e) = set_euid(uid) {
+            if let Some(bits) = securebits {
+                // SAFETY: prctl with integer arguments: the bits this thread had.
+                unsafe { libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong) };
+            }
+            return Err(e);
+        }
         Ok(AsOwner {
             _alone: alone,
             uid,
