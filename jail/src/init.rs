@@ -11,8 +11,8 @@
 //!
 //! * **sync** (parent → child): the child blocks reading it until the parent has written the
 //!   id maps, (on cgroup v2) moved the child into its cgroup, and set the rlimits that raise
-//!   a hard limit and `oom_score_adj` (the child sets those that only lower). End of file without a byte means the parent gave up; the child exits
-//!   quietly.
+//!   a hard limit and `oom_score_adj` (the child sets those that only lower). End of file
+//!   without a byte means the parent gave up; the child exits quietly.
 //! * **report** (child → parent): on failure the child writes one line (`mount proc on
 //!   /proc: operation not permitted`) and exits. On success `execve` closes the pipe
 //!   (close-on-exec) and the parent reads end of file with no data: that *is* the "exec
@@ -241,9 +241,7 @@ impl InitPlan {
             exec: ExecPlan::new(p.args().as_deref().unwrap_or(&[]), p.env().as_deref().unwrap_or(&[]))?,
         })
     }
-}
 
-impl InitPlan {
     /// The rlimits the init sets on itself.
     pub fn set_rlimits(&mut self, rlimits: Vec<crate::rlimits::Limit>) {
         self.rlimits = rlimits;
@@ -461,12 +459,15 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
 
     pass_fds(plan.preserve_fds)?;
     reset_signals();
+    let sys = |what| {
+        move |e: rustix::io::Errno| Failure::Sys {
+            what,
+            errno: Errno(e.raw_os_error()),
+        }
+    };
     for r in &plan.rlimits {
         // Only ever lowers what the init has (the parent set any raise): no privilege needed.
-        rustix::process::setrlimit(r.resource, r.limit).map_err(|e| Failure::Sys {
-            what: "set an rlimit",
-            errno: Errno(e.raw_os_error()),
-        })?;
+        rustix::process::setrlimit(r.resource, r.limit).map_err(sys("set an rlimit"))?;
     }
     if let Some(nice) = plan.nice {
         // Before the capabilities go and the filter comes: the container's processes run at
@@ -474,12 +475,6 @@ fn setup_and_exec(plan: &mut InitPlan) -> Result<std::convert::Infallible, Failu
         // the node since it started (`renice` of the node's process group) leaves its
         // containers there, since raising a priority again would need CAP_SYS_NICE on the
         // host, which this init does not have, and would fail every create.
-        let sys = |what| {
-            move |e: rustix::io::Errno| Failure::Sys {
-                what,
-                errno: Errno(e.raw_os_error()),
-            }
-        };
         // `None` names the calling thread, the init's only one.
         if rustix::process::getpriority_process(None).map_err(sys("read the priority"))? < nice {
             rustix::process::setpriority_process(None, nice).map_err(sys("set the node's priority"))?;

@@ -144,7 +144,7 @@ pub fn spawn(
     // v1: the init joins its cgroup itself (fast path, see `Cgroup::self_join_files`);
     // v2: we move it below.
     let self_join = cgroup.self_join_files();
-    let mut rlimits = Rlimits::of(config);
+    let Rlimits { raise, lower } = Rlimits::of(config);
     let mut plan = InitPlan::new(
         config,
         rootfs,
@@ -157,7 +157,7 @@ pub fn spawn(
             parent: [sync_w.as_raw_fd(), report_r.as_raw_fd()],
         },
     )?;
-    plan.set_rlimits(std::mem::take(&mut rlimits.lower));
+    plan.set_rlimits(lower);
 
     let joins = namespaces::Joins::open(&config.namespaces, min_fd)?;
     let pid = if joins.is_empty() {
@@ -174,7 +174,7 @@ pub fn spawn(
     drop(report_w);
     let mut child = ChildGuard { pid, armed: true };
 
-    let prepared = prepare(config, &rlimits.raise, pid, cgroup, self_join.is_none(), &sync_w);
+    let prepared = prepare(config, &raise, pid, cgroup, self_join.is_none(), &sync_w);
     drop(sync_w);
     let start_time = match prepared {
         Ok(t) => t,

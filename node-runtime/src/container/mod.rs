@@ -321,6 +321,11 @@ fn needs_interpreter(binary: &Path) -> io::Result<bool> {
     Ok(false)
 }
 
+/// Whether the node holds `capability` (in its effective set).
+fn holds(capability: rustix::thread::CapabilitySet) -> bool {
+    rustix::thread::capabilities(None).is_ok_and(|c| c.effective.contains(capability))
+}
+
 /// What this host lacks to isolate sandboxes.
 fn probe_host() -> Vec<String> {
     let mut missing = Vec::new();
@@ -341,9 +346,7 @@ fn probe_host() -> Vec<String> {
     // Each sandbox's user namespace is its own root's, not the node's (see the jail's
     // `namespaces`), so the node reaches a sandbox's namespaces and processes (its ports, its
     // network after a restart) as root over another user's: with CAP_SYS_PTRACE.
-    let ptrace = rustix::thread::capabilities(None)
-        .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_PTRACE));
-    if !ptrace {
+    if !holds(rustix::thread::CapabilitySet::SYS_PTRACE) {
         missing.push(
             "CAP_SYS_PTRACE (the node reaches into sandboxes whose user namespaces are their own roots')".to_string(),
         );
@@ -513,9 +516,7 @@ impl ContainerRuntime {
         // The jail lowers a spec's rlimits from inside the container; runc sets them with
         // `prlimit` from outside, which needs CAP_SYS_RESOURCE once the sandbox's user
         // namespace is its own root's rather than the node's (hosts in containers lack it).
-        let rlimits = config.oci_runtime.is_none()
-            || rustix::thread::capabilities(None)
-                .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_RESOURCE));
+        let rlimits = config.oci_runtime.is_none() || holds(rustix::thread::CapabilitySet::SYS_RESOURCE);
         if !rlimits {
             degraded.push(
                 "sandboxes keep the node's rlimits (RLIMIT_RTPRIO, RLIMIT_NICE): runc sets them from outside, which needs CAP_SYS_RESOURCE"
