@@ -479,13 +479,33 @@ impl LedgerClient {
     /// is returned as committed, one that did not is sent again, one whose documents moved on
     /// is a [`LedgerError::Conflict`]. Gives up with `OutcomeUnknown` only when the ledger stays
     /// unreadable through `attempts` tries.
+    ///
+    /// "Not landed" is only what the read saw: a commit still under way in the database (its
+    /// caller's deadline passed, the database had not finished) may land after it. So once an
+    /// outcome was unknown, a conflict on sending again is read back too: it may be the first
+    /// send's own write, which is this write committed, not another writer's.
     pub async fn compare_resolving(&self, txn: Txn, attempts: usize) -> Result<Committed, LedgerError> {
         let mut pauses = common::retry::backoff(Duration::from_millis(50), Duration::from_secs(1)).take(attempts);
+        let mut sent_before = false;
         'send: loop {
             let why = match self.compare(txn.clone()).await {
                 Err(LedgerError::OutcomeUnknown(why)) => why,
+                Err(conflict @ LedgerError::Conflict { .. }) if sent_before => {
+                    return match self.resolve(&txn).await {
+                        Ok(Resolution::Landed(committed)) => {
+                            tracing::info!("a send whose outcome was unknown landed after it was read back");
+                            Ok(committed)
+                        }
+                        Ok(_) => Err(conflict),
+                        // Ours or another writer's: only a read could tell.
+                        Err(err) => Err(LedgerError::OutcomeUnknown(format!(
+                            "a conflict after an unknown outcome could not be read back: {err}"
+                        ))),
+                    };
+                }
                 other => return other,
             };
+            sent_before = true;
             tracing::warn!(%why, "compare outcome unknown; reading back");
             loop {
                 match self.resolve(&txn).await {

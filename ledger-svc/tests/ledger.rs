@@ -43,6 +43,7 @@ for_both_backends!(
     list_pages_by_prefix,
     compacted_revisions_are_out_of_range,
     a_lost_reply_is_an_unknown_outcome_resolved_by_reading,
+    a_write_that_lands_after_its_read_back_is_committed_not_a_conflict,
     watch_and_list_replies_stay_under_the_client_limit,
     a_recreated_document_refuses_a_writer_of_the_old_one,
 );
@@ -592,6 +593,52 @@ async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend
         .unwrap();
     let late = Txn::new().update("plan", "p", 2, &json!({"step": 2})).unwrap();
     assert!(matches!(c.resolve(&late).await.unwrap(), Resolution::Moved(m) if m[0].current_version == 4));
+
+    proxy.stop().await;
+    ledger.stop().await;
+    db.cleanup().await;
+}
+
+/// A commit still under way when its caller reads back: the read finds nothing, the caller
+/// sends again, and the first send lands before the second. The second's conflict is with its
+/// own write: `compare_resolving` reads back once more and returns it committed (before, a
+/// create under load answered "changed concurrently" for a write that had landed), while a
+/// conflict with another writer's stays a conflict.
+async fn a_write_that_lands_after_its_read_back_is_committed_not_a_conflict(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let ledger = db.start_ledger().await;
+    let direct = client(&ledger);
+    let proxy = stack::fault::LedgerProxy::start(&ledger.endpoint(), &stack::Certs::plaintext()).await;
+    let c = LedgerClient::connect_lazy(&proxy.endpoint(), &mtls::Security::Plaintext).unwrap();
+    direct
+        .compare(Txn::new().create("plan", "p", &json!({"step": 0})).unwrap())
+        .await
+        .unwrap();
+
+    proxy.faults.land_compare_after_next_read(1);
+    let step1 = Txn::new().update("plan", "p", 1, &json!({"step": 1})).unwrap();
+    let committed = c.compare_resolving(step1, 3).await.expect("its own write, committed");
+    assert_eq!(committed.versions, vec![2]);
+    assert_eq!(
+        proxy.faults.count("landed late"),
+        1,
+        "the first send landed after the read"
+    );
+    let doc = direct.get::<Value>("plan", "p").await.unwrap().unwrap();
+    assert_eq!((doc.version, doc.value), (2, json!({"step": 1})));
+
+    // The same race, but the write that lands while ours is read back is another writer's:
+    // theirs waits for the next read, ours is refused on its way (an unknown outcome).
+    proxy.faults.land_compare_after_next_read(1);
+    let theirs = Txn::new().update("plan", "p", 2, &json!({"step": "theirs"})).unwrap();
+    let lost = c.compare(theirs).await;
+    assert!(matches!(lost, Err(LedgerError::OutcomeUnknown(_))), "{lost:?}");
+    proxy.faults.refuse("Compare", 1);
+    let ours = Txn::new().update("plan", "p", 2, &json!({"step": "ours"})).unwrap();
+    let conflicts = expect_conflict(c.compare_resolving(ours, 3).await);
+    assert_eq!(conflicts[0].current_version, 3);
+    let doc = direct.get::<Value>("plan", "p").await.unwrap().unwrap();
+    assert_eq!(doc.value, json!({"step": "theirs"}));
 
     proxy.stop().await;
     ledger.stop().await;

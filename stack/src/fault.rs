@@ -50,6 +50,9 @@ struct Rules {
     /// Methods whose next call is held back (not forwarded) until released, then delivered
     /// even though its caller has given up: a request stuck in the network, arriving late.
     hold: Vec<&'static str>,
+    /// Compares that lose their reply before they apply, and apply only once the next read
+    /// has been answered, and how many more.
+    land_after_read: u32,
     /// Faults injected so far, by kind: "dropped" and "refused".
     counts: HashMap<&'static str, u64>,
 }
@@ -98,6 +101,22 @@ impl Faults {
     /// whether or not its caller still waits.
     pub fn hold_next(&self, method: &'static str) {
         self.rules().hold.push(method);
+    }
+
+    /// The next `times` compares lose their reply before they apply, and apply right after
+    /// the next Get has read the ledger: a commit still under way in the database when its
+    /// caller, its deadline passed, reads back and finds nothing yet.
+    pub fn land_compare_after_next_read(&self, times: u32) {
+        self.rules().land_after_read = times;
+    }
+
+    fn take_land_after_read(&self) -> bool {
+        let mut rules = self.rules();
+        let take = rules.land_after_read > 0;
+        if take {
+            rules.land_after_read -= 1;
+        }
+        take
     }
 
     /// Delivers every held call now.
@@ -449,6 +468,8 @@ impl Node for NodeProxy {
 pub struct LedgerProxy {
     upstream: LedgerClient<Channel>,
     faults: Faults,
+    /// Compares waiting for the next read before they apply.
+    late: Arc<Mutex<Vec<lpb::CompareRequest>>>,
 }
 
 impl LedgerProxy {
@@ -460,6 +481,7 @@ impl LedgerProxy {
             upstream: LedgerClient::new(channel(endpoint, certs, Role::Operator, Role::Ledger))
                 .max_decoding_message_size(ledger_client::wire::MAX_REPLY_BYTES),
             faults: faults.clone(),
+            late: Arc::default(),
         };
         let grpc = secured(Grpc::new(), certs, Role::Ledger, ledger_svc::POLICY)
             .service(LedgerServer::new(proxy))
@@ -475,6 +497,15 @@ impl Ledger for LedgerProxy {
     async fn get(&self, request: Request<lpb::GetRequest>) -> Result<Response<lpb::GetResponse>, Status> {
         self.faults.gate("Get")?;
         let result = self.upstream.clone().get(request.into_inner()).await;
+        let late = std::mem::take(&mut *self.late.lock().unwrap_or_else(PoisonError::into_inner));
+        for compare in late {
+            let landed = self.upstream.clone().compare(compare).await;
+            self.faults.bump(if landed.is_ok() {
+                "landed late"
+            } else {
+                "late and refused"
+            });
+        }
         self.faults.reply("Get", result)
     }
 
@@ -487,6 +518,10 @@ impl Ledger for LedgerProxy {
     async fn compare(&self, request: Request<lpb::CompareRequest>) -> Result<Response<lpb::CompareResponse>, Status> {
         self.faults.gate("Compare")?;
         let request = request.into_inner();
+        if self.faults.take_land_after_read() {
+            self.late.lock().unwrap_or_else(PoisonError::into_inner).push(request);
+            return Err(self.faults.lost("Compare"));
+        }
         let lose = self.faults.take_compare_drop(&request);
         let result = self.upstream.clone().compare(request).await;
         if lose {
