@@ -60,6 +60,8 @@ fn free_port() -> u16 {
 /// Child processes that are killed when the test ends, however it ends.
 struct Processes {
     children: Vec<(String, Child)>,
+    /// Each child's log, by name.
+    logs: BTreeMap<String, PathBuf>,
     /// The cluster's certificates: every child proves its role with them (`--tls-dir`), and
     /// the test's own clients too.
     certs: stack::Certs,
@@ -67,10 +69,13 @@ struct Processes {
 
 impl Processes {
     fn spawn(&mut self, name: &str, binary: &str, args: &[String], log: &std::path::Path) {
-        let out = std::fs::File::create(log.join(format!("{name}.log"))).expect("log file");
+        let path = log.join(format!("{name}.log"));
+        let out = std::fs::File::create(&path).expect("log file");
+        self.logs.insert(name.to_string(), path);
         let child = Command::new(self::binary(binary))
             .args(args)
-            .env("RUST_LOG", "info")
+            // A TLS handshake the server refuses is logged at debug by tonic's accept loop.
+            .env("RUST_LOG", "info,tonic::transport::server=debug")
             .env(
                 "SANDBOXSCHED_TLS_DIR",
                 self.certs.dir().expect("the test's cluster has certificates"),
@@ -90,6 +95,16 @@ impl Processes {
             }
         }
     }
+
+    /// The last lines of child `name`'s log, for a failure message.
+    fn log_tail(&self, name: &str) -> String {
+        let Some(path) = self.logs.get(name) else {
+            return format!("(no log of {name})");
+        };
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
 }
 
 impl Drop for Processes {
@@ -101,16 +116,40 @@ impl Drop for Processes {
     }
 }
 
-async fn connect(endpoint: &str, peer: stack::Role, procs: &mut Processes) -> Channel {
+/// A channel to child `name` at `endpoint`, proving it is `peer`. Each attempt has a few
+/// seconds (a handshake that hangs does not use up the whole wait); a child that never
+/// answers fails the test with every cause of the last error and the end of its log.
+async fn connect(name: &str, endpoint: &str, peer: stack::Role, procs: &mut Processes) -> Channel {
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempts = 0u32;
     loop {
         procs.assert_running();
-        match procs.certs.endpoint(endpoint, peer).expect("endpoint").connect().await {
-            Ok(channel) => return channel,
-            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(err) => panic!("{endpoint} never came up: {err}"),
+        attempts += 1;
+        let attempt = procs.certs.endpoint(endpoint, peer).expect("endpoint");
+        let why = match tokio::time::timeout(Duration::from_secs(5), attempt.connect()).await {
+            Ok(Ok(channel)) => return channel,
+            Ok(Err(err)) => error_chain(&err),
+            Err(_) => "no channel within 5 s".to_string(),
+        };
+        if Instant::now() >= deadline {
+            panic!(
+                "{name} at {endpoint} never came up ({attempts} attempts): {why}\n--- the end of its log ---\n{}",
+                procs.log_tail(name)
+            );
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// `err` and every error that caused it, outermost first.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        out += &format!(": {c}");
+        cause = c.source();
+    }
+    out
 }
 
 /// Polls `check` (every 50 ms, at most 30 s) until it returns `Some`.
@@ -198,6 +237,7 @@ async fn base(prefix: &str) -> Base {
         .unwrap();
     let mut procs = Processes {
         children: Vec::new(),
+        logs: BTreeMap::new(),
         certs: stack::Certs::issue(&work.join("certs")).expect("the test cluster's certificates"),
     };
     let ledger = format!("127.0.0.1:{}", free_port());
@@ -213,7 +253,7 @@ async fn base(prefix: &str) -> Base {
         &work,
     );
     let ledger_endpoint = format!("http://{ledger}");
-    connect(&ledger_endpoint, stack::Role::Ledger, &mut procs).await;
+    connect("ledger", &ledger_endpoint, stack::Role::Ledger, &mut procs).await;
     Base {
         tag,
         work,
@@ -258,9 +298,9 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
         placers.push(format!("http://{addr}"));
     }
     let mut p = Vec::new();
-    for endpoint in &placers {
+    for (i, endpoint) in placers.iter().enumerate() {
         p.push(PlacementClient::new(
-            connect(endpoint, stack::Role::Placement, &mut procs).await,
+            connect(&format!("placement-{i}"), endpoint, stack::Role::Placement, &mut procs).await,
         ));
     }
 
@@ -295,8 +335,8 @@ async fn services_as_processes_keep_accounting_exact_across_two_placers() {
         );
         let endpoint = format!("http://{addr}");
         nodes.insert(
-            id,
-            NodeClient::new(connect(&endpoint, stack::Role::Node, &mut procs).await),
+            id.clone(),
+            NodeClient::new(connect(&id, &endpoint, stack::Role::Node, &mut procs).await),
         );
     }
 
@@ -503,7 +543,7 @@ async fn a_move_survives_balance_svc_dying_after_every_step() {
             &work,
         );
         let endpoint = format!("http://127.0.0.1:{grpc}");
-        let client = NodeClient::new(connect(&endpoint, stack::Role::Node, &mut procs).await);
+        let client = NodeClient::new(connect(&id, &endpoint, stack::Role::Node, &mut procs).await);
         nodes.push((id, endpoint, format!("http://127.0.0.1:{envd}"), client));
     }
     let ledger_client =
