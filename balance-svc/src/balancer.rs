@@ -535,7 +535,7 @@ impl Balancer {
         metrics::counter!("balance_orphans_total", "outcome" => outcome, "why" => why.name()).increment(1);
         match killed {
             Ok(()) => {
-                tracing::warn!(%node_id, %sandbox_id, why = why.name(), epoch = copy.epoch, "orphaned paused copy removed")
+                tracing::warn!(%node_id, %sandbox_id, why = why.name(), epoch = copy.epoch, paused = copy.paused, "orphaned copy removed")
             }
             Err(status) => {
                 tracing::warn!(%node_id, %sandbox_id, why = why.name(), %status, "orphaned copy not removed; will retry")

@@ -1,20 +1,25 @@
-//! Orphaned copies: a paused sandbox a node still holds though no manifest sends anyone to it.
+//! Orphaned copies: a sandbox a node still holds though no manifest sends anyone to it.
 //!
 //! A move that rolls back while its target cannot be reached leaves the restored (paused)
 //! copy there; a user's kill that reached the manifest but not the node leaves the copy with
-//! no manifest at all. Either way the copy holds memory the node reports as allocated, and
-//! nobody will ever resume it. The sweep finds such copies and, after a grace period, kills
-//! them on their node.
+//! no manifest at all; a create whose node call broke after it was sent, and which was then
+//! made on another node, leaves a running copy beside the one its manifest names. Each holds
+//! memory the node reports as allocated, and nobody will ever reach it; a running one goes on
+//! running its tenant's code (with the tenant's secrets) after the tenant was told it was
+//! gone. The sweep finds such copies and, after a grace period, kills them on their node.
 //!
 //! What counts is deliberately narrow, because killing a copy that is wanted would lose a
-//! sandbox: only a *paused* copy, and only when the sandbox's manifest is gone or names
-//! another node while no move owns it. Running copies are never touched (a create may have
-//! reached the node before its manifest was written). A candidate is killed only once it has
-//! been seen for the whole grace period, and only after its manifest is read once more.
+//! sandbox: only a copy whose manifest is gone, or names another node while no move or user
+//! operation owns it. A copy whose manifest is still `creating` is never one: that create is
+//! in progress, or abandoned half-way and the gateway's reaper's to resolve (it adopts the
+//! copy a node runs). The gateway writes a manifest before it asks any node for the sandbox,
+//! so a running copy with none, seen for the whole grace period and then read once more, is
+//! not a create under way. A candidate is killed only once it has been seen for the whole
+//! grace period, and only after its manifest is read once more.
 
 use std::collections::{BTreeMap, HashMap};
 
-use common::docs::SandboxDoc;
+use common::docs::{SandboxDoc, SandboxPhase};
 
 /// One copy as its node lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,11 +50,9 @@ impl Why {
 
 /// Whether `copy` is an orphan given its sandbox's manifest (if any).
 pub fn judge(copy: &Copy, manifest: Option<&SandboxDoc>) -> Option<Why> {
-    if !copy.paused {
-        return None;
-    }
     match manifest {
         None => Some(Why::NoManifest),
+        Some(m) if m.phase == SandboxPhase::Creating => None,
         Some(m) if m.node_id != copy.node_id && m.lifecycle_owner.is_none() => Some(Why::ElsewhereUnowned),
         Some(_) => None,
     }
@@ -115,7 +118,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_paused_copy_nobody_points_at_is_an_orphan() {
+    fn only_a_copy_nobody_points_at_is_an_orphan() {
         let here = manifest("a", None);
         let elsewhere = manifest("b", None);
         let moving = manifest("b", Some("plan.0"));
@@ -130,9 +133,22 @@ mod tests {
         assert_eq!(judge(&copy("a", "s", true), Some(&moving)), None);
         // No manifest: killed by its user.
         assert_eq!(judge(&copy("a", "s", true), None), Some(Why::NoManifest));
-        // Running copies are never orphans, whatever the manifest says.
-        assert_eq!(judge(&copy("a", "s", false), None), None);
-        assert_eq!(judge(&copy("a", "s", false), Some(&elsewhere)), None);
+        // Running copies alike: a kill that never reached the node, a create made twice.
+        assert_eq!(judge(&copy("a", "s", false), None), Some(Why::NoManifest));
+        assert_eq!(
+            judge(&copy("a", "s", false), Some(&elsewhere)),
+            Some(Why::ElsewhereUnowned)
+        );
+        assert_eq!(judge(&copy("a", "s", false), Some(&here)), None);
+        assert_eq!(judge(&copy("a", "s", false), Some(&moving)), None);
+        // A create in progress, or the reaper's to resolve: never, running or paused.
+        let creating = SandboxDoc {
+            phase: common::docs::SandboxPhase::Creating,
+            node_id: String::new(),
+            ..manifest("a", None)
+        };
+        assert_eq!(judge(&copy("a", "s", false), Some(&creating)), None);
+        assert_eq!(judge(&copy("a", "s", true), Some(&creating)), None);
     }
 
     #[test]

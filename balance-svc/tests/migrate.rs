@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use balance_svc::migrate::Halt;
 use balance_svc::record::{PlanDoc, PlanReason, Step, PLAN_KIND};
-use common::docs::{NodeDoc, SandboxDoc, NODE_KIND, SANDBOX_KIND};
+use common::docs::{NodeDoc, SandboxDoc, SandboxPhase, NODE_KIND, SANDBOX_KIND};
 use ledger_client::Txn;
 use proto::balance::v1 as bpb;
 use proto::balance::v1::balance_client::BalanceClient;
@@ -427,19 +427,34 @@ async fn a_pooled_sandbox_is_dropped_not_moved() {
     cluster.stop().await;
 }
 
+/// Copies no manifest sends anyone to go, paused or running; wanted ones stay: a running
+/// sandbox on its manifest's node, one paused there by its user, and a copy whose manifest is
+/// still `creating` (the gateway's reaper resolves those, adopting the copy a node runs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn orphaned_paused_copies_are_removed_and_nothing_else() {
+async fn orphaned_copies_are_removed_and_nothing_else() {
     let cluster = cluster(&[4096, 4096]).await;
     // Wanted: running on node 0 (its manifest), and paused on node 1 by its user.
     cluster.sandbox(0, "kept", "sleep 600").await;
     cluster.sandbox(1, "napping", "sleep 600").await;
     cluster.pause(1, "napping").await;
-    // Orphans: a paused copy of "kept" on node 1 (a rollback's leftover), and a paused copy
-    // whose manifest is gone (a kill that never reached the node).
+    // A create under way: its manifest is written first (`creating`, on no node yet).
+    cluster.sandbox(1, "starting", "sleep 600").await;
+    cluster
+        .edit_manifest("starting", |m| {
+            m.phase = SandboxPhase::Creating;
+            m.node_id.clear();
+            m.node_address.clear();
+        })
+        .await;
+    // Orphans: a paused copy of "kept" on node 1 (a rollback's leftover), a paused copy whose
+    // manifest is gone (a kill that never reached the node), a running one alike, and a
+    // running copy of a sandbox its manifest places on node 0 (a create made on node 0 after
+    // its call to node 1 broke).
     cluster.bare_copy(1, "kept", true).await;
     cluster.bare_copy(1, "killed", true).await;
-    // Running with no manifest: could be a create whose manifest is not written yet.
-    cluster.bare_copy(1, "starting", false).await;
+    cluster.bare_copy(1, "killed-running", false).await;
+    cluster.sandbox(0, "twice", "sleep 600").await;
+    cluster.bare_copy(1, "twice", false).await;
 
     let mut config = cluster.balance_config();
     config.tuning.sweep_every = Duration::ZERO;
@@ -450,10 +465,11 @@ async fn orphaned_paused_copies_are_removed_and_nothing_else() {
         let listed = cluster.node(1).host().list().await;
         listed.into_iter().map(|(r, _)| r.id).collect::<Vec<_>>()
     };
+    let orphans = ["kept", "killed", "killed-running", "twice"];
     cluster
-        .until("both orphans are removed from node 1", || async {
+        .until("every orphan is removed from node 1", || async {
             let ids = on_node_1().await;
-            (!ids.iter().any(|id| id == "kept" || id == "killed")).then_some(())
+            (!ids.iter().any(|id| orphans.contains(&id.as_str()))).then_some(())
         })
         .await;
     balance.stop().await;
@@ -461,6 +477,7 @@ async fn orphaned_paused_copies_are_removed_and_nothing_else() {
     left.sort();
     assert_eq!(left, vec!["napping".to_string(), "starting".to_string()]);
     cluster.assert_runs_once("kept", 0).await;
+    cluster.assert_runs_once("twice", 0).await;
     cluster.stop().await;
 }
 
