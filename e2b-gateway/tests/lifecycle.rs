@@ -326,6 +326,131 @@ async fn envd_requests_are_held_while_a_sandbox_moves() {
     s.stop().await;
 }
 
+/// A create whose call to a node breaks after the node started the sandbox (the reply lost)
+/// is undone on that node before the sandbox is made on another: it runs once, where its
+/// manifest says. Before, the first node kept a second copy running for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_node_reply_is_lost_runs_once() {
+    // Node 0 is reached only through a fault proxy: it tells placement the proxy's address.
+    let port = stack::fault::reserve().await;
+    let advertised = format!("http://{}", port.addr());
+    let s = stack::Stack::builder()
+        .heartbeat(Duration::from_millis(50))
+        .node(move |c| c.advertise = Some(advertised))
+        .node(|_| {})
+        .gateway(|c| {
+            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
+        })
+        .start()
+        .await
+        .expect("the test stack starts");
+    let s = support::Stack(s);
+    let proxy = stack::fault::NodeProxy::start_on(port, &s.nodes[0].id, &s.nodes[0].running.endpoint(), &s.certs).await;
+    proxy.faults.drop_reply("Create", 1);
+
+    // Placement chooses: create until one lands on node 0 and loses its reply there.
+    let mut ids = Vec::new();
+    while proxy.faults.count("dropped") == 0 {
+        assert!(ids.len() < 20, "placement never chose node 0 in {} creates", ids.len());
+        ids.push(create(&s, r#"{"templateID":"base"}"#).await);
+    }
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
+    for id in &ids {
+        let manifest = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.unwrap().unwrap().value;
+        let mut runs_on = Vec::new();
+        for node in &s.nodes {
+            if node.running.host().get(id).await.is_some() {
+                runs_on.push(node.id.clone());
+            }
+        }
+        assert_eq!(
+            runs_on,
+            vec![manifest.node_id.clone()],
+            "{id} runs once, where its manifest says"
+        );
+    }
+    proxy.stop().await;
+    s.stop().await;
+}
+
+/// The reaper takes over every create at once (its patience for a `creating` manifest is
+/// zero), racing each create's own steps: whatever the interleaving, a create answers 201 or
+/// 503, never 409 or 500, and once the reaper is done every sandbox runs exactly where its
+/// manifest says, or nowhere if it has none. Before, a create whose copy the reaper adopted
+/// answered 409 (seen in CI, where a create outran the reaper's five minutes) and killed the
+/// adopted copy its manifest then named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_the_reaper_takes_over_ends_consistent() {
+    let s = stack::Stack::builder()
+        .heartbeat(Duration::from_millis(50))
+        .node(|_| {})
+        .node(|_| {})
+        .gateway(|c| {
+            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
+            c.abandoned_create_after = Duration::ZERO;
+            c.reap_interval = Duration::from_millis(10);
+        })
+        .start()
+        .await
+        .expect("the test stack starts");
+    let s = support::Stack(s);
+    let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..12 {
+        let (status, answer) = s
+            .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID":"base"}"#))
+            .await;
+        assert!(status == 201 || status == 503, "{status}: {answer}");
+        if let Some(id) = answer["sandboxID"].as_str() {
+            ids.push(id.to_string());
+        }
+    }
+    // Every manifest settles (no claim, not creating), then says where its sandbox runs.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let (docs, _) = loop {
+        let listed = ledger.list::<SandboxDoc>(SANDBOX_KIND, "").await.unwrap();
+        let settled = listed
+            .0
+            .iter()
+            .all(|d| d.value.lifecycle_owner.is_none() && d.value.phase == SandboxPhase::Running);
+        if settled {
+            break listed;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "manifests never settled: {:?}",
+            listed.0
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for doc in &docs {
+        let mut runs_on = Vec::new();
+        for node in &s.nodes {
+            if node.running.host().get(&doc.value.sandbox_id).await.is_some() {
+                runs_on.push(node.id.clone());
+            }
+        }
+        assert_eq!(runs_on, vec![doc.value.node_id.clone()], "{:?}", doc.value);
+    }
+    for id in &ids {
+        assert!(
+            docs.iter().any(|d| &d.value.sandbox_id == id),
+            "the created {id} has its manifest"
+        );
+    }
+    let named: Vec<&str> = docs.iter().map(|d| d.value.sandbox_id.as_str()).collect();
+    for node in &s.nodes {
+        for (record, _) in node.running.host().list().await {
+            assert!(
+                named.contains(&record.id.as_str()),
+                "{} runs with no manifest",
+                record.id
+            );
+        }
+    }
+    s.stop().await;
+}
+
 /// Points the manifest of `id` somewhere else (a fault proxy in front of its node).
 async fn route_node_via(ledger: &LedgerClient, id: &str, address: &str) {
     let doc = ledger.get::<SandboxDoc>(SANDBOX_KIND, id).await.unwrap().unwrap();

@@ -275,10 +275,20 @@ impl Proxy {
     }
 }
 
-async fn serve(grpc: Grpc, faults: Faults) -> Proxy {
-    let listener = Listener::bind("127.0.0.1:0".parse().expect("a literal address"))
+/// A port on loopback for a proxy, bound now and served once the proxy starts
+/// ([`NodeProxy::start_on`]): for a service that must be told the proxy's address before the
+/// proxy can be made (a node that advertises it to placement).
+pub async fn reserve() -> Listener {
+    Listener::bind("127.0.0.1:0".parse().expect("a literal address"))
         .await
-        .expect("the fault proxy binds a port");
+        .expect("the fault proxy binds a port")
+}
+
+async fn serve(grpc: Grpc, faults: Faults) -> Proxy {
+    serve_on(reserve().await, grpc, faults)
+}
+
+fn serve_on(listener: Listener, grpc: Grpc, faults: Faults) -> Proxy {
     let addr = listener.addr();
     let mut serving = Serving::new();
     serving.grpc("fault-proxy", listener, grpc);
@@ -313,6 +323,11 @@ impl NodeProxy {
     /// as the balancer. The proxy stands where that node stood, so it proves that node's
     /// identity (the gateway and the balancer accept a node only in its own name).
     pub async fn start(node_id: &str, endpoint: &str, certs: &Certs) -> Proxy {
+        Self::start_on(reserve().await, node_id, endpoint, certs).await
+    }
+
+    /// [`NodeProxy::start`] on a port reserved before (see [`reserve`]).
+    pub async fn start_on(listener: Listener, node_id: &str, endpoint: &str, certs: &Certs) -> Proxy {
         let faults = Faults::default();
         let upstream = certs
             .security(Role::Balance)
@@ -330,7 +345,7 @@ impl NodeProxy {
             .service(NodeServer::new(proxy))
             .await
             .stream_window(8 << 20);
-        serve(grpc, faults).await
+        serve_on(listener, grpc, faults)
     }
 }
 

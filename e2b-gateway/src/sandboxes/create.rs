@@ -4,8 +4,10 @@
 
 use common::clock::now_ms;
 use common::docs::{SandboxDoc, SandboxPhase, SANDBOX_KIND};
+use common::trace::TracedChannel;
 use ledger_client::{Txn, Versioned};
 use proto::node::v1 as node_pb;
+use proto::node::v1::node_client::NodeClient;
 use proto::placement::v1 as pl;
 use tracing::Instrument as _;
 
@@ -172,6 +174,9 @@ impl Sandboxes {
                 tracing::error!(%err, "running write unconfirmed; the sandbox is kept");
                 return Err(err);
             }
+            // Someone else wrote the manifest meanwhile: only the reaper does, to a create
+            // that outran its patience (it adopts the copy a node runs, or removes it).
+            Err(Failure::Conflict(why)) => return self.taken_over(doc, why).await,
             Err(err) => {
                 // Undo everything: the process, the reservation, the manifest.
                 self.stop_on_node(&doc).await;
@@ -181,6 +186,31 @@ impl Sandboxes {
         }
         tracing::info!(node_id = %doc.node_id, "sandbox running");
         Ok(doc)
+    }
+
+    /// The answer to a create whose `running` write found its manifest changed: only the
+    /// reaper writes it meanwhile, to a create that outran its patience, and resolves it
+    /// against the nodes within moments; that resolution is awaited (as a kill awaits a
+    /// move). The copy it adopted on this create's node is this create's sandbox, done; a
+    /// manifest it removed leaves this create's copy to be undone and the create to be made
+    /// again.
+    async fn taken_over(&self, doc: SandboxDoc, why: String) -> Result<SandboxDoc, Failure> {
+        let id = &doc.sandbox_id;
+        match self.get_settled(&doc.team_id, id).await {
+            Ok(current) if current.value.phase == SandboxPhase::Running && current.value.node_id == doc.node_id => {
+                tracing::warn!(node_id = %doc.node_id, "the reaper adopted this create's sandbox before it was written running");
+                Ok(current.value)
+            }
+            Err(Failure::NotFound(_)) => {
+                self.stop_on_node(&doc).await;
+                Err(Failure::Unavailable(format!(
+                    "sandbox {id} took so long to create that the reaper ended it; create again"
+                )))
+            }
+            Ok(_) | Err(_) => Err(Failure::Unknown(format!(
+                "sandbox {id} took so long to create that the reaper is resolving it ({why}); read it to see whether it runs"
+            ))),
+        }
     }
 
     /// Places `doc` and starts it, on up to [`CREATE_ATTEMPTS`] nodes. A sandbox that fits no
@@ -276,31 +306,40 @@ impl Sandboxes {
         attempt: usize,
     ) -> Result<String, Failure> {
         let mut node = self.nodes.client(&placed.node_id, &placed.node_address).await?;
-        node.create(node_pb::CreateRequest {
-            operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
-            epoch: doc.epoch,
-            sandbox_id: doc.sandbox_id.clone(),
-            template: doc.template.clone(),
-            resources: Some(node_pb::Resources {
-                vcpus: doc.vcpus,
-                memory_bytes: doc.memory_bytes,
-                disk_bytes: doc.disk_bytes,
-            }),
-            env_vars: env_vars.clone().into_iter().collect(),
-            metadata: doc.metadata.clone().into_iter().collect(),
-            start_command: String::new(),
-            access_token: self.tokens.envd(doc).unwrap_or_default(),
-            network: doc.network.as_ref().map(|n| node_pb::NetworkPolicy {
-                internet: n.internet,
-                allow_out: n.allow_out.iter().map(ToString::to_string).collect(),
-                deny_out: n.deny_out.iter().map(ToString::to_string).collect(),
-            }),
-            traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
-            image: Some(image.clone()),
-            pooled: doc.is_pooled(),
-        })
-        .await
-        .map_err(|s| match s.code() {
+        let created = node
+            .create(node_pb::CreateRequest {
+                operation_id: format!("create-{}-{attempt}", doc.sandbox_id),
+                epoch: doc.epoch,
+                sandbox_id: doc.sandbox_id.clone(),
+                template: doc.template.clone(),
+                resources: Some(node_pb::Resources {
+                    vcpus: doc.vcpus,
+                    memory_bytes: doc.memory_bytes,
+                    disk_bytes: doc.disk_bytes,
+                }),
+                env_vars: env_vars.clone().into_iter().collect(),
+                metadata: doc.metadata.clone().into_iter().collect(),
+                start_command: String::new(),
+                access_token: self.tokens.envd(doc).unwrap_or_default(),
+                network: doc.network.as_ref().map(|n| node_pb::NetworkPolicy {
+                    internet: n.internet,
+                    allow_out: n.allow_out.iter().map(ToString::to_string).collect(),
+                    deny_out: n.deny_out.iter().map(ToString::to_string).collect(),
+                }),
+                traffic_access_token: self.tokens.traffic(doc).unwrap_or_default(),
+                image: Some(image.clone()),
+                pooled: doc.is_pooled(),
+            })
+            .await;
+        if let Err(status) = &created {
+            // A call that broke or ran out of time after it was sent may have started the
+            // sandbox there: it is undone before another node is tried, or two copies would
+            // run (the orphan sweep is the backstop when the node cannot be reached now).
+            if may_have_landed(status) {
+                self.undo_create(&mut node, doc, attempt).await;
+            }
+        }
+        created.map_err(|s| match s.code() {
             // Not "no such sandbox": something the create needs is not on that node.
             tonic::Code::NotFound => Failure::Unavailable(format!("node create: {}", s.message())),
             // The node could not start it (its host lacks something, its sandbox network is
@@ -316,15 +355,26 @@ impl Sandboxes {
         match self.nodes.envd(&placed.node_id, &placed.node_address).await {
             Ok(envd) => Ok(envd),
             Err(err) => {
-                let _ = node
-                    .kill(node_pb::LifecycleRequest {
-                        operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
-                        epoch: doc.epoch,
-                        sandbox_id: doc.sandbox_id.clone(),
-                    })
-                    .await;
+                self.undo_create(&mut node, doc, attempt).await;
                 Err(err)
             }
+        }
+    }
+
+    /// Kills what create attempt `attempt` may have started on `node` (kills are idempotent:
+    /// "not there" is done). A failure is logged: the orphan sweep ends a copy left so.
+    async fn undo_create(&self, node: &mut NodeClient<TracedChannel>, doc: &SandboxDoc, attempt: usize) {
+        let undone = node
+            .kill(node_pb::LifecycleRequest {
+                operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
+                epoch: doc.epoch,
+                sandbox_id: doc.sandbox_id.clone(),
+            })
+            .await;
+        match undone {
+            Ok(_) => tracing::info!(attempt, "undid a create attempt that may have started the sandbox"),
+            Err(status) if status.code() == tonic::Code::NotFound => {}
+            Err(status) => tracing::warn!(%status, attempt, "could not undo a create attempt; the orphan sweep will"),
         }
     }
 
@@ -360,6 +410,15 @@ impl Sandboxes {
             tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "placement did not hear of the kill");
         }
     }
+}
+
+/// Whether a failed node call may still have done what it asked: it broke, was cancelled or
+/// ran out of time after it may have been sent (as opposed to an answer from the node).
+fn may_have_landed(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unknown | tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+    )
 }
 
 /// A new sandbox ID: `i` and 19 hex digits.
