@@ -122,7 +122,14 @@ pub struct Balancer {
 struct Sweep {
     sightings: Sightings,
     next_ms: u64,
+    /// When the last sweep ran: after a longer gap than sweeps leave (balancing paused, the
+    /// lease held elsewhere) nothing was watched meanwhile, and sightings start over.
+    last_ms: u64,
 }
+
+/// The shortest gap between sweeps after which sightings start over (a sweep every
+/// `sweep_every` leaves gaps of about that; twice it is a sweep missed).
+const SWEEP_GAP_FLOOR_MS: u64 = 10_000;
 
 impl Balancer {
     pub fn new(ledger: LedgerClient, lease: Lease, mover: Mover, tuning: BalanceTuning) -> Self {
@@ -465,7 +472,14 @@ impl Balancer {
         if now < sweep.next_ms {
             return;
         }
-        sweep.next_ms = now + self.tuning.sweep_every.as_millis() as u64;
+        let every = self.tuning.sweep_every.as_millis() as u64;
+        sweep.next_ms = now + every;
+        if now.saturating_sub(sweep.last_ms) > (2 * every).max(SWEEP_GAP_FLOOR_MS) {
+            // A copy is an orphan once watched for the whole grace period, not once seen
+            // before a gap and again after it.
+            sweep.sightings = Sightings::default();
+        }
+        sweep.last_ms = now;
         let stale_after = self.tuning.stale_after.as_millis() as u64;
         let addresses: BTreeMap<&str, &str> = nodes
             .iter()

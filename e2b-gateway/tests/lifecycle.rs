@@ -395,7 +395,7 @@ async fn a_create_the_reaper_takes_over_ends_consistent() {
         .expect("the test stack starts");
     let s = support::Stack(s);
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
-    let mut ids = Vec::new();
+    let (mut ids, mut ended) = (Vec::new(), Vec::new());
     for _ in 0..12 {
         let (status, answer) = s
             .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID":"base"}"#))
@@ -403,6 +403,11 @@ async fn a_create_the_reaper_takes_over_ends_consistent() {
         assert!(status == 201 || status == 503, "{status}: {answer}");
         if let Some(id) = answer["sandboxID"].as_str() {
             ids.push(id.to_string());
+        }
+        // "sandbox ID took so long to create that the reaper ended it": gone for good.
+        let message = answer["message"].as_str().unwrap_or_default();
+        if message.contains("the reaper ended it") {
+            ended.push(message.split_whitespace().nth(1).unwrap_or_default().to_string());
         }
     }
     // Every manifest settles (no claim, not creating), then says where its sandbox runs.
@@ -436,6 +441,12 @@ async fn a_create_the_reaper_takes_over_ends_consistent() {
         assert!(
             docs.iter().any(|d| &d.value.sandbox_id == id),
             "the created {id} has its manifest"
+        );
+    }
+    for id in &ended {
+        assert!(
+            !docs.iter().any(|d| &d.value.sandbox_id == id),
+            "the ended {id} has no manifest"
         );
     }
     let named: Vec<&str> = docs.iter().map(|d| d.value.sandbox_id.as_str()).collect();

@@ -480,6 +480,10 @@ impl LedgerClient {
     /// is a [`LedgerError::Conflict`]. Gives up with `OutcomeUnknown` only when the ledger stays
     /// unreadable through `attempts` tries.
     ///
+    /// "Landed" means the documents hold what this write puts (or are gone, for a delete) at
+    /// the version it expected plus one: for a write another writer may make identically
+    /// (two deleting one document), that is the state asked for, whoever made it.
+    ///
     /// "Not landed" is only what the read saw: a commit still under way in the database (its
     /// caller's deadline passed, the database had not finished) may land after it. So once an
     /// outcome was unknown, a conflict on sending again is read back too: it may be the first
@@ -490,19 +494,24 @@ impl LedgerClient {
         'send: loop {
             let why = match self.compare(txn.clone()).await {
                 Err(LedgerError::OutcomeUnknown(why)) => why,
-                Err(conflict @ LedgerError::Conflict { .. }) if sent_before => {
-                    return match self.resolve(&txn).await {
+                Err(conflict @ LedgerError::Conflict { .. }) if sent_before => loop {
+                    match self.resolve(&txn).await {
                         Ok(Resolution::Landed(committed)) => {
                             tracing::info!("a send whose outcome was unknown landed after it was read back");
-                            Ok(committed)
+                            return Ok(committed);
                         }
-                        Ok(_) => Err(conflict),
-                        // Ours or another writer's: only a read could tell.
-                        Err(err) => Err(LedgerError::OutcomeUnknown(format!(
-                            "a conflict after an unknown outcome could not be read back: {err}"
-                        ))),
+                        Ok(_) => return Err(conflict),
+                        Err(err) if err.is_transient() => {}
+                        Err(err) => return Err(err),
+                    }
+                    // Ours or another writer's: only a read can tell.
+                    let Some(pause) = pauses.next() else {
+                        return Err(LedgerError::OutcomeUnknown(
+                            "a conflict after an unknown outcome could not be read back".to_string(),
+                        ));
                     };
-                }
+                    tokio::time::sleep(pause).await;
+                },
                 other => return other,
             };
             sent_before = true;

@@ -17,6 +17,9 @@ use crate::intent::CreateIntent;
 /// Attempts on different nodes before a create gives up.
 const CREATE_ATTEMPTS: usize = 3;
 
+/// How long undoing a create attempt on its node may take before the create goes on.
+const UNDO_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Sandboxes {
     /// Creates a sandbox: manifest first, then place, then create on the node, then running.
     /// A template with a warm pool is claimed from it when a pooled sandbox fits the request
@@ -191,14 +194,17 @@ impl Sandboxes {
     /// The answer to a create whose `running` write found its manifest changed: only the
     /// reaper writes it meanwhile, to a create that outran its patience, and resolves it
     /// against the nodes within moments; that resolution is awaited (as a kill awaits a
-    /// move). The copy it adopted on this create's node is this create's sandbox, done; a
-    /// manifest it removed leaves this create's copy to be undone and the create to be made
-    /// again.
+    /// move). A copy it adopted is this create's sandbox (IDs are never reused), done, on
+    /// whichever node (this create's copy is ended if it is elsewhere); a manifest it removed
+    /// leaves this create's copy to be undone and the create to be made again.
     async fn taken_over(&self, doc: SandboxDoc, why: String) -> Result<SandboxDoc, Failure> {
         let id = &doc.sandbox_id;
         match self.get_settled(&doc.team_id, id).await {
-            Ok(current) if current.value.phase == SandboxPhase::Running && current.value.node_id == doc.node_id => {
-                tracing::warn!(node_id = %doc.node_id, "the reaper adopted this create's sandbox before it was written running");
+            Ok(current) if current.value.phase == SandboxPhase::Running => {
+                if current.value.node_id != doc.node_id {
+                    self.stop_on_node(&doc).await;
+                }
+                tracing::warn!(node_id = %current.value.node_id, "the reaper adopted this create's sandbox before it was written running");
                 Ok(current.value)
             }
             Err(Failure::NotFound(_)) => {
@@ -364,13 +370,15 @@ impl Sandboxes {
     /// Kills what create attempt `attempt` may have started on `node` (kills are idempotent:
     /// "not there" is done). A failure is logged: the orphan sweep ends a copy left so.
     async fn undo_create(&self, node: &mut NodeClient<TracedChannel>, doc: &SandboxDoc, attempt: usize) {
-        let undone = node
-            .kill(node_pb::LifecycleRequest {
-                operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
-                epoch: doc.epoch,
-                sandbox_id: doc.sandbox_id.clone(),
-            })
-            .await;
+        let mut request = tonic::Request::new(node_pb::LifecycleRequest {
+            operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
+            epoch: doc.epoch,
+            sandbox_id: doc.sandbox_id.clone(),
+        });
+        // The call before it just broke: a node that now takes the connection and never
+        // answers must not hold the create (and every other node it could try) with it.
+        request.set_timeout(UNDO_PATIENCE);
+        let undone = node.kill(request).await;
         match undone {
             Ok(_) => tracing::info!(attempt, "undid a create attempt that may have started the sandbox"),
             Err(status) if status.code() == tonic::Code::NotFound => {}

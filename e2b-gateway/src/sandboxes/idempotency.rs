@@ -90,8 +90,10 @@ impl Sandboxes {
                     Err(err) => Err(err),
                 };
                 let version = held.version;
-                if created.is_err() {
-                    // Give the key back: the next retry creates again.
+                // Give the key back: the next retry creates again. Not after an unknown
+                // outcome: that create may still become a sandbox (the reaper adopts one a
+                // node runs), and a retry must find it rather than make a second.
+                if matches!(&created, Err(err) if !matches!(err, Failure::Unknown(_))) {
                     let undo = Txn::new().delete(IDEMPOTENCY_KIND, &id, version);
                     if let Err(err) = self.ledger.compare_resolving(undo, LEDGER_RESOLVE_ATTEMPTS).await {
                         tracing::warn!(%err, key, "a failed create's idempotency key was not released");

@@ -279,6 +279,12 @@ impl Sandboxes {
     /// stopped before the node was asked, left one that nothing else would ever end.
     async fn end_abandoned_create(&self, team: &str, id: &str) -> Result<(), Failure> {
         let mut doc = self.claim(team, id, KILL).await?;
+        // Judged from a list read before the claim: a create that finished meanwhile is
+        // not abandoned (its caller was told 201).
+        if doc.value.phase != SandboxPhase::Creating {
+            self.unclaim(&mut doc).await;
+            return Ok(());
+        }
         let mut running_on = Vec::new();
         for node in self.nodes().await? {
             let held = self.held_on(&node.node_id, &node.address, id).await;
@@ -291,6 +297,14 @@ impl Sandboxes {
         let adoptable = doc.value.pool.is_none();
         if let Some((keep, others)) = running_on.split_first().filter(|_| adoptable) {
             if let Ok(envd) = self.nodes.envd(&keep.node_id, &keep.address).await {
+                // The kept copy learns the claim's epoch first (a resume of a running
+                // sandbox only records it): anything still in flight under the create's (its
+                // own undo of an attempt it took for failed) is then refused there, instead
+                // of killing what the manifest is about to name.
+                let mut kept = doc.value.clone();
+                kept.node_id = keep.node_id.clone();
+                kept.node_address = keep.address.clone();
+                self.node_call(&kept, super::lifecycle::Freeze::Resume).await?;
                 for other in others {
                     let mut on = doc.value.clone();
                     on.node_id = other.node_id.clone();
