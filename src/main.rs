@@ -308,6 +308,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         std::time::Duration::from_millis(args.balance_interval_ms.max(1)),
     );
     let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
+    let upload_dir = args.data_dir.join("uploads");
     let gateway_blobs = args.blob_store.clone();
     let code_interpreter = !args.no_code_interpreter;
     let console_listen = args.console_listen;
@@ -324,6 +325,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             c.admin_token = Some(admin_token.clone());
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
+            c.upload_dir = upload_dir;
             c.domain = sandbox_domain(gateway_listen);
             c.code_interpreter = code_interpreter;
             if let Some(url) = gateway_blobs {

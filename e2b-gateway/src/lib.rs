@@ -20,5 +20,6 @@ pub mod proxy;
 pub mod routes;
 pub mod sandboxes;
 pub mod server;
+pub mod spool;
 pub mod templates;
 pub mod tokens;

@@ -44,6 +44,10 @@ struct Args {
     /// store (pause with `memory: false`).
     #[arg(long, env = "GATEWAY_HIBERNATE_DIR", default_value = "data/hibernated")]
     hibernate_dir: std::path::PathBuf,
+    /// Where template build uploads (COPY archives) are spooled on their way to the blob
+    /// store. Made 0700; a folder of another user is refused.
+    #[arg(long, env = "GATEWAY_UPLOAD_DIR", default_value = "data/uploads")]
+    upload_dir: std::path::PathBuf,
     /// Sandboxes' ports are reachable as `{port}-{sandboxID}.{domain}` (what the SDK's
     /// `get_host` returns; point a wildcard DNS name at the gateway). Empty: only through the
     /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
@@ -119,6 +123,7 @@ async fn main() -> anyhow::Result<()> {
         },
         reap_interval: Duration::from_secs(1),
         hibernate_dir: args.hibernate_dir,
+        upload_dir: args.upload_dir,
         domain: args.domain,
         paused_retention: args.paused_retention,
         sandbox_disk_bytes: args.sandbox_disk_mb << 20,

@@ -39,6 +39,9 @@ pub struct GatewayConfig {
     /// Where hibernated sandboxes' snapshots are spooled on their way to and from the blob
     /// store (pause with `memory: false`).
     pub hibernate_dir: std::path::PathBuf,
+    /// Where template build uploads (COPY archives) are spooled on their way to the blob
+    /// store: the gateway's own folder (see `spool`).
+    pub upload_dir: std::path::PathBuf,
     /// Sandboxes' ports are addressed as `{port}-{sandboxID}.{domain}` (the SDK's `get_host`);
     /// empty: only by headers. A domain ending in `:0` gets the port the gateway is bound to.
     pub domain: String,
@@ -169,7 +172,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         ledger.clone(),
         Files {
             store,
-            spool: std::env::temp_dir().join("sandboxsched-uploads"),
+            spool: config.upload_dir.clone(),
         },
     );
     let seeds: Vec<_> = config

@@ -375,6 +375,7 @@ impl StackBuilder {
                     blob_store: blob_store_in(&dir),
                     reap_interval: Duration::from_secs(1),
                     hibernate_dir: dir.join("hibernated"),
+                    upload_dir: dir.join("uploads"),
                     domain: String::new(),
                     paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
                     sandbox_disk_bytes: common::resources::DEFAULT_DISK_BYTES,

@@ -260,9 +260,13 @@ impl TempFile {
             SEQ.fetch_add(1, Ordering::Relaxed)
         );
         let path = dir.join(name);
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // Readable by this user alone: a blob in the making may be a tenant's (a private
+        // image's layer, spooled in the host's temporary folder).
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| BlobError::io(format!("creating {}", path.display()), e))?;
         Ok((file, TempFile { path, committed: false }))

@@ -60,9 +60,7 @@ impl Sandboxes {
     /// The spool directory, made if missing and closed to every other user: a sandbox's
     /// files pass through it.
     async fn open_spool(&self) -> std::io::Result<()> {
-        use std::os::unix::fs::PermissionsExt as _;
-        tokio::fs::create_dir_all(&self.hibernate_dir).await?;
-        tokio::fs::set_permissions(&self.hibernate_dir, std::fs::Permissions::from_mode(0o700)).await
+        crate::spool::private_dir(&self.hibernate_dir).await
     }
 
     /// Copies a paused sandbox's snapshot (header, archive, checksum) off its node; answers
@@ -97,7 +95,7 @@ impl Sandboxes {
             .await
             .map_err(|s| from_status("snapshot", s))?
             .into_inner();
-        let mut tar = tokio::fs::File::create(tar_path).await.map_err(io)?;
+        let mut tar = crate::spool::new_file(tar_path).await.map_err(io)?;
         let (mut header, mut trailer) = (None, None);
         while let Some(chunk) = stream.message().await.map_err(|s| from_status("snapshot", s))? {
             match chunk.part {

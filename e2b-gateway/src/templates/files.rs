@@ -92,12 +92,12 @@ impl Files {
         use futures::StreamExt as _;
         use tokio::io::AsyncWriteExt as _;
         let key = key(team, hash)?;
-        tokio::fs::create_dir_all(&self.spool)
+        crate::spool::private_dir(&self.spool)
             .await
             .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
         let path = self.spool.join(format!("upload-{}", uuid::Uuid::new_v4().simple()));
         let written = async {
-            let mut file = tokio::fs::File::create(&path)
+            let mut file = crate::spool::new_file(&path)
                 .await
                 .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
             let mut stream = body.into_data_stream();
