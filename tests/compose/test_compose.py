@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "sandboxsched-ci"
 COMPOSE = ["docker-compose", "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), "-f", str(ROOT / "compose.ci.yaml")]
 URL = "http://127.0.0.1:3000"
-KEY = "e2b_local_dev_key"
+KEY = "e2b_compose_test_key"
 
 
 def compose(*args, check=True, timeout=300):
-    done = subprocess.run([*COMPOSE, *args], capture_output=True, text=True, timeout=timeout)
+    # compose.yaml refuses to start without the operator's own key.
+    env = {**os.environ, "E2B_API_KEY": KEY}
+    done = subprocess.run([*COMPOSE, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if check and done.returncode != 0:
         raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
     return done.stdout
