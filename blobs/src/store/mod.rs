@@ -312,6 +312,18 @@ pub(crate) async fn blocking<T: Send + 'static>(
 mod tests {
     use super::*;
 
+    /// A blob on its way (a private image's layer, in the host's temporary folder) is not for
+    /// another local user to read.
+    #[test]
+    fn a_blob_in_the_making_is_its_owners_alone() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dest = std::env::temp_dir().join("sandboxsched-layer");
+        let (file, tmp) = TempFile::beside(&dest).unwrap();
+        drop(file);
+        let mode = std::fs::metadata(tmp.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
     #[test]
     fn keys_are_validated() {
         for good in [
