@@ -2637,3 +2637,45 @@ async fn a_floor_of_another_version_is_replaced_whole() {
     assert!(out.starts_with("from "), "{out}");
     n.stop().await;
 }
+
+/// A local user of the host (here `nobody`) reads the command lines of a sandbox's processes
+/// through the host's `/proc` exactly when the node says so: where `/proc` is not mounted
+/// with `hidepid`, the node reports it as a degraded feature, and the user finds the
+/// tenant's secret; where it is, the user finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_user_reads_sandboxes_command_lines_only_where_the_node_says_so() {
+    let n = node(None).await;
+    n.create("seen", 256 << 20).await;
+    let started = "python3 -c 'import time; time.sleep(300)' tenant-secret-4711 >/dev/null 2>&1 &";
+    let (out, code) = n.sh("seen", "user", started).await;
+    assert_eq!(code, 0, "{out}");
+    let says_exposed = n
+        .running()
+        .host()
+        .features()
+        .degraded
+        .iter()
+        .any(|d| d.contains("hidepid"));
+    // The bracket keeps the search's own command line from matching itself.
+    let search = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'tenant-secret-[4]711'";
+    let found = std::process::Command::new("setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            search,
+        ])
+        .output()
+        .expect("setpriv runs");
+    let count: u32 = String::from_utf8_lossy(&found.stdout).trim().parse().unwrap_or(0);
+    assert_eq!(
+        count > 0,
+        says_exposed,
+        "nobody found the secret {count} times; the node says exposed: {says_exposed}"
+    );
+    n.stop().await;
+}

@@ -509,6 +509,7 @@ impl ContainerRuntime {
         if !missing.is_empty() {
             degraded.push(format!("sandboxes refused: this host lacks {}", missing.join(", ")));
         }
+        degraded.extend(crate::host_proc::check());
         for line in &degraded {
             tracing::warn!(node_id, "container runtime: {line}");
         }
