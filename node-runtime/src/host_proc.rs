@@ -18,7 +18,7 @@ pub fn exposure(mounts: &str) -> Option<String> {
             (fields.len() >= 4 && fields[1] == "/proc" && fields[2] == "proc").then(|| fields[3])
         })
         // The last mount at a path is the one seen there.
-        .last()?;
+        .next_back()?;
     let hidden = proc_options.split(',').any(|option| {
         matches!(
             option,

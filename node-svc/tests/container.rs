@@ -1055,6 +1055,8 @@ async fn another_host_user_reaches_nothing_of_a_sandbox() {
                 "the state directory",
                 format!("ls {}/container {}/sandboxes", n.dir.display(), n.dir.display()),
             ),
+            // A sandbox's ID names its public ports.
+            ("the list of sandboxes", format!("ls {}", sandboxes.display())),
             (
                 "a tenant's file on its disk",
                 format!(

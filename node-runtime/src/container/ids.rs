@@ -18,6 +18,13 @@
 //! without idmapping) runs every sandbox in the storage range itself, as before, and says so
 //! in the node's `degraded` list: isolation between sandboxes then rests on their namespaces
 //! alone.
+//!
+//! No slot is handed out whose range overlaps ids the host delegates to one of its users
+//! (`/etc/subuid`, `/etc/subgid`: Debian gives each new user 65,536 from 100,000 up): with
+//! `newuidmap` that user could map a namespace onto those ids and be, to the kernel, the
+//! owner of that sandbox's processes and files. The storage range cannot move (it is what
+//! every layer on disk is owned as), so a host that delegates it says so as a degraded
+//! feature.
 
 use std::collections::HashMap;
 use std::io;
@@ -55,6 +62,8 @@ pub struct Ids {
 pub struct IdRanges {
     /// Why sandboxes share the storage range, if they do.
     shared: Option<String>,
+    /// Why a host user may own the storage range, if one may.
+    storage: Option<String>,
     inner: Mutex<Slots>,
 }
 
@@ -62,6 +71,9 @@ pub struct IdRanges {
 struct Slots {
     held: HashMap<String, u32>,
     namespaces: HashMap<u32, OwnedFd>,
+    /// Host id ranges (start, count) delegated to the host's users: no slot overlapping one
+    /// is handed out.
+    delegated: Vec<(u64, u64)>,
 }
 
 impl Slots {
@@ -69,7 +81,7 @@ impl Slots {
         self.free().next()
     }
 
-    /// The slots no sandbox holds, lowest first.
+    /// The slots no sandbox holds and no host user is delegated, lowest first.
     fn free(&self) -> impl Iterator<Item = u32> + '_ {
         let mut taken: Vec<u32> = self.held.values().copied().collect();
         taken.sort_unstable();
@@ -77,9 +89,38 @@ impl Slots {
         let mut taken = taken.into_iter().peekable();
         (0..SLOTS).filter(move |slot| {
             while taken.next_if(|t| t < slot).is_some() {}
-            taken.peek() != Some(slot)
+            taken.peek() != Some(slot) && overlapping(&self.delegated, host_base(*slot)).is_none()
         })
     }
+}
+
+/// The first of `delegated` that overlaps the range of ids from `base` ([`ID_RANGE`] long).
+fn overlapping(delegated: &[(u64, u64)], base: u32) -> Option<(u64, u64)> {
+    let (start, end) = (u64::from(base), u64::from(base) + u64::from(ID_RANGE));
+    delegated
+        .iter()
+        .copied()
+        .find(|&(from, count)| from < end && start < from.saturating_add(count))
+}
+
+/// The id ranges an `/etc/subuid` or `/etc/subgid` text delegates (`user:start:count` lines;
+/// anything else is skipped).
+pub fn delegated_ranges(text: &str) -> Vec<(u64, u64)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.trim().split(':');
+            let (_, start, count) = (fields.next()?, fields.next()?, fields.next()?);
+            Some((start.parse().ok()?, count.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What this host delegates to its users, uids and gids alike.
+fn host_delegated() -> Vec<(u64, u64)> {
+    ["/etc/subuid", "/etc/subgid"]
+        .iter()
+        .flat_map(|path| delegated_ranges(&std::fs::read_to_string(path).unwrap_or_default()))
+        .collect()
 }
 
 /// The host id of root in slot `slot`.
@@ -92,7 +133,22 @@ impl IdRanges {
     /// (`rootfs::probe_idmapped_overlay`): slot 0's mapping namespace, or why sandboxes must
     /// share the storage range.
     pub fn new(probed: io::Result<OwnedFd>) -> Self {
-        let mut slots = Slots::default();
+        Self::with_delegated(probed, host_delegated())
+    }
+
+    /// [`IdRanges::new`] on a host that delegates `delegated` id ranges to its users.
+    pub fn with_delegated(probed: io::Result<OwnedFd>, delegated: Vec<(u64, u64)>) -> Self {
+        let storage = overlapping(&delegated, HOST_ID_BASE).map(|(from, count)| {
+            format!(
+                "a host user may own sandboxes' files: the ids they are stored as ({HOST_ID_BASE}-{}) overlap ids the host delegates ({from}-{}, /etc/subuid or /etc/subgid); give that user another range",
+                u64::from(HOST_ID_BASE) + u64::from(ID_RANGE) - 1,
+                from + count - 1
+            )
+        });
+        let mut slots = Slots {
+            delegated,
+            ..Slots::default()
+        };
         let shared = match probed {
             // The probe's namespace is slot 0's: the first sandbox needs no other.
             Ok(userns) => {
@@ -105,6 +161,7 @@ impl IdRanges {
         };
         Self {
             shared,
+            storage,
             inner: Mutex::new(slots),
         }
     }
@@ -112,6 +169,11 @@ impl IdRanges {
     /// Why sandboxes share one range, if they do.
     pub fn shared(&self) -> Option<&str> {
         self.shared.as_deref()
+    }
+
+    /// Why a host user may own the storage range, if one may.
+    pub fn storage_delegated(&self) -> Option<&str> {
+        self.storage.as_deref()
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
@@ -385,9 +447,34 @@ pub fn fd_path(fd: &impl AsFd) -> String {
 mod tests {
     use super::*;
 
+    /// A host user given subordinate ids (Debian's first user: 100,000 up, 65,536 of them)
+    /// could map a namespace onto them with `newuidmap`: no sandbox runs in a range that
+    /// overlaps one, and a host that delegates the storage range says so.
+    #[test]
+    fn no_sandbox_runs_as_ids_a_host_user_is_delegated() {
+        let subuid = "alice:100000:65536\n# a comment\nbob:16777216:131072\nbroken line\n";
+        let delegated = delegated_ranges(subuid);
+        assert_eq!(delegated, vec![(100_000, 65_536), (16_777_216, 131_072)]);
+        // Slots 0 and 1 (bob's ids) are skipped; 2 is the first handed out.
+        let ids = IdRanges::with_delegated(Err(io::Error::other("no probe")), delegated.clone());
+        assert!(ids.storage_delegated().is_some_and(|why| why.contains("100000-165535")));
+        let slots = Slots {
+            delegated,
+            ..Slots::default()
+        };
+        let free: Vec<u32> = slots.free().take(3).collect();
+        assert_eq!(free, vec![2, 3, 4]);
+        // Touching at the edges is not overlapping.
+        assert_eq!(overlapping(&[(host_base(1) as u64 - 10, 10)], host_base(1)), None);
+        assert!(overlapping(&[(host_base(1) as u64 + ID_RANGE as u64 - 1, 1)], host_base(1)).is_some());
+        let clean = IdRanges::with_delegated(Err(io::Error::other("no probe")), vec![(1_000_000_000, 65_536)]);
+        assert_eq!(clean.storage_delegated(), None);
+    }
+
     fn ranges() -> IdRanges {
         IdRanges {
             shared: None,
+            storage: None,
             inner: Mutex::default(),
         }
     }
@@ -430,6 +517,7 @@ mod tests {
     fn a_shared_host_hands_out_the_storage_range_and_holds_nothing() {
         let r = IdRanges {
             shared: Some("no idmapping".into()),
+            storage: None,
             inner: Mutex::default(),
         };
         let ids = r.claim("a", &[], false).unwrap();

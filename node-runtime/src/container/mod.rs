@@ -379,6 +379,18 @@ fn searchable(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes the run folder `run` and its `sandboxes/` passable but not listable (0711) by other
+/// host users: a sandbox's ID names its public ports, and a bundle's name is its sandbox's.
+fn unlistable(run: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let sandboxes = run.join("sandboxes");
+    std::fs::create_dir_all(&sandboxes)?;
+    for dir in [run, sandboxes.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    }
+    Ok(())
+}
+
 /// Closes a sandbox's bundle (its spec, envd's socket, the mount point of its root) to every
 /// host user but root and the sandbox's own mapped root, which must pass through it to its
 /// root before `pivot_root`: owner root, group the sandbox's host gid, mode 0710. Without
@@ -438,7 +450,10 @@ impl ContainerRuntime {
             }
         };
         let run = run_dir(&config.state_dir);
-        if let Err(e) = run_dir::prepare(&run).and_then(|()| searchable(&run)) {
+        if let Err(e) = run_dir::prepare(&run)
+            .and_then(|()| searchable(&run))
+            .and_then(|()| unlistable(&run))
+        {
             missing.push(format!("a run directory at {}: {e}", run.display()));
         }
         let carrier = multicall_binary();
@@ -477,9 +492,12 @@ impl ContainerRuntime {
             }),
         };
         let ids = std::sync::Arc::new(ids::IdRanges::new(rootfs::probe_idmapped_overlay(&root)));
-        if let Some(shared) = ids.shared() {
-            degraded.push(shared.to_string());
-        }
+        degraded.extend(
+            ids.shared()
+                .into_iter()
+                .chain(ids.storage_delegated())
+                .map(str::to_string),
+        );
         let network = network::Network::new(config.network.clone());
         // Before any sandbox runs, and once the floor has loaded connection tracking: a table
         // one sandbox could fill for all (see `host_tables`).
