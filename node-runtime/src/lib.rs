@@ -18,6 +18,7 @@
 pub mod cgroup;
 pub mod container;
 pub mod disk;
+pub mod host_crash;
 pub mod host_proc;
 pub mod host_tables;
 pub mod layout;

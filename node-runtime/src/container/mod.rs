@@ -528,6 +528,7 @@ impl ContainerRuntime {
             degraded.push(format!("sandboxes refused: this host lacks {}", missing.join(", ")));
         }
         degraded.extend(crate::host_proc::check());
+        degraded.extend(crate::host_crash::check());
         for line in &degraded {
             tracing::warn!(node_id, "container runtime: {line}");
         }
