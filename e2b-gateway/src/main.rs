@@ -85,6 +85,31 @@ struct Args {
     code_interpreter: bool,
 }
 
+/// The shortest API key taken: a key is its team's only secret.
+const MIN_API_KEY_CHARS: usize = 16;
+
+/// API keys from `KEY=TEAM` pairs. An empty or short key is refused: compose hands the
+/// gateway `${E2B_API_KEY:-}=default`, which is `=default` where the operator set none.
+fn api_keys(pairs: &[String]) -> anyhow::Result<HashMap<String, String>> {
+    let mut keys = HashMap::new();
+    for pair in pairs {
+        let (key, team) = pair.split_once('=').ok_or_else(|| {
+            anyhow::anyhow!(
+                "an API key must be KEY=TEAM (got {} characters without '=')",
+                pair.len()
+            )
+        })?;
+        anyhow::ensure!(
+            key.chars().count() >= MIN_API_KEY_CHARS,
+            "the API key of team {team:?} has {} characters, fewer than {MIN_API_KEY_CHARS}: give a secret of your own (with compose: export E2B_API_KEY=e2b_$(openssl rand -hex 20))",
+            key.chars().count()
+        );
+        anyhow::ensure!(!team.is_empty(), "an API key must name its team (KEY=TEAM)");
+        keys.insert(key.to_string(), team.to_string());
+    }
+    Ok(keys)
+}
+
 #[global_allocator]
 static ALLOCATOR: common::Allocator = common::Allocator;
 
@@ -94,13 +119,7 @@ async fn main() -> anyhow::Result<()> {
     let args = common::config::parse::<Args>("e2b-gateway");
     let (metrics_addr, _metrics) = common::metrics::serve(args.metrics_listen).await?;
     tracing::info!(%metrics_addr, "Prometheus metrics at /metrics");
-    let mut keys = HashMap::new();
-    for pair in &args.api_keys {
-        let (key, team) = pair
-            .split_once('=')
-            .ok_or_else(|| anyhow::anyhow!("API key {pair:?} must be KEY=TEAM"))?;
-        keys.insert(key.to_string(), team.to_string());
-    }
+    let keys = api_keys(&args.api_keys)?;
     let templates: Vec<intent::Template> = match &args.templates {
         Some(path) => serde_json::from_slice(&std::fs::read(path)?)?,
         None => Vec::new(),
@@ -159,4 +178,29 @@ fn token_key(
         ),
     };
     envd_wire::sealed::TokenKey::from_hex(&text).map_err(|e| anyhow::anyhow!("the token key: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_or_short_api_key_is_refused_and_never_echoed() {
+        let pairs = |p: &[&str]| p.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let keys = api_keys(&pairs(&["e2b_0123456789abcdef=default"])).unwrap();
+        assert_eq!(keys["e2b_0123456789abcdef"], "default");
+        for bad in [
+            "=default",
+            "short=default",
+            "e2b_0123456789abcdef=",
+            "no-equals-sign-at-all-here",
+        ] {
+            let refused = api_keys(&pairs(&[bad])).unwrap_err().to_string();
+            let key = bad.split('=').next().unwrap_or_default();
+            assert!(
+                key.is_empty() || !refused.contains(key),
+                "the key is not echoed: {refused}"
+            );
+        }
+    }
 }

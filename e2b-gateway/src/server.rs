@@ -168,6 +168,13 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     )
     .map(|s| Arc::new(s.with_disk(config.sandbox_disk_bytes)))
     .map_err(|e| StartError::Config(e.to_string()))?;
+    // Checked now, not at the first upload or pause: a spool another user could read or
+    // replace is a configuration error.
+    for spool in [&config.upload_dir, &config.hibernate_dir] {
+        crate::spool::private_dir(spool)
+            .await
+            .map_err(|e| StartError::Config(format!("spool {}: {e}", spool.display())))?;
+    }
     let templates = Templates::new(
         ledger.clone(),
         Files {

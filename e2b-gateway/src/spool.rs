@@ -19,6 +19,7 @@ pub async fn private_dir(dir: &Path) -> io::Result<()> {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&owned)?;
         let meta = std::fs::symlink_metadata(&owned)?;
         let me = rustix::process::geteuid().as_raw();
+        unreplaceable_above(&owned, me)?;
         if !meta.is_dir() || meta.uid() != me {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -33,6 +34,31 @@ pub async fn private_dir(dir: &Path) -> io::Result<()> {
     })
     .await
     .map_err(io::Error::other)?
+}
+
+/// Checks that no other user can put a folder of their own in `dir`'s place: every folder on
+/// the way to it (after symlinks) is root's or `me`'s, and writable by no one else unless it
+/// is sticky (`/tmp`: there only a folder's owner may rename or remove it).
+fn unreplaceable_above(dir: &Path, me: u32) -> io::Result<()> {
+    let absolute = std::path::absolute(dir)?;
+    for above in absolute.ancestors().skip(1) {
+        let meta = std::fs::metadata(above)?;
+        let sticky = meta.mode() & 0o1000 != 0;
+        let others_write = meta.mode() & 0o022 != 0;
+        if (meta.uid() != 0 && meta.uid() != me) || (others_write && !sticky) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is on the way to the spool {} and another user can change it (owner uid {}, mode {:o}): refusing to spool tenants' files there",
+                    above.display(),
+                    dir.display(),
+                    meta.uid(),
+                    meta.mode() & 0o7777
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A new file at `path` (never an existing one), readable and writable by this user alone.
@@ -73,11 +99,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_spool_below_a_folder_another_user_can_change_is_refused() {
+        let root = std::env::temp_dir().join(format!("spool-test-{}", uuid::Uuid::new_v4().simple()));
+        // Not sticky, writable by all: anyone could rename the spool away and put theirs.
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let refused = private_dir(&root.join("uploads")).await.unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied, "{refused}");
+        // Another user's folder on the way, even one only they can write.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let theirs = root.join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        assert!(private_dir(&theirs.join("uploads")).await.is_err());
+        // Sticky and root's, as /tmp: fine.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        private_dir(&root.join("uploads")).await.unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[tokio::test]
     async fn a_spool_another_user_made_first_is_refused() {
         let root = std::env::temp_dir().join(format!("spool-test-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&root).unwrap();
-        // The attacker's folder, made before the gateway's first upload.
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).unwrap();
+        // The attacker's folder, made before the gateway's first upload, in a sticky folder
+        // anyone may write to (as /tmp).
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o1777)).unwrap();
         let theirs = root.join("uploads");
         std::fs::create_dir(&theirs).unwrap();
         std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();

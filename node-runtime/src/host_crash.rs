@@ -14,8 +14,14 @@
 /// crashes to the host, if it does.
 pub fn exposure(core_pattern: &str) -> Option<String> {
     let pattern = core_pattern.trim();
-    let handler = pattern.strip_prefix('|')?;
-    let program = handler.split_whitespace().next().unwrap_or_default();
+    // `|PROGRAM …` runs a program; `@SOCKET` and `@@SOCKET` (Linux 6.16 on) send the core to
+    // a host daemon listening there.
+    let handler = pattern.strip_prefix('|').or_else(|| pattern.strip_prefix('@'))?;
+    let program = handler
+        .trim_start_matches('@')
+        .split_whitespace()
+        .next()
+        .unwrap_or_default();
     Some(format!(
         "a crash in any sandbox runs the host's core handler ({program}) as the host's root, outside the sandbox's limits, and leaves the sandbox's memory on the host: set kernel.core_pattern to a file name (core) on sandbox hosts"
     ))
@@ -37,5 +43,6 @@ mod tests {
         let piped = exposure("|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %c %h %d\n").unwrap();
         assert!(piped.contains("/usr/lib/systemd/systemd-coredump"), "{piped}");
         assert!(exposure("|/usr/share/apport/apport -p%p -s%s -c%c").is_some());
+        assert!(exposure("@@/run/systemd/coredump").is_some_and(|why| why.contains("(/run/systemd/coredump)")));
     }
 }

@@ -9,7 +9,8 @@
 //! checks and says what is left open if it is not.
 
 /// Why the host's `/proc` shows other users' processes, from the text of `/proc/mounts`:
-/// `None` when it is mounted with `hidepid` 1 or 2 (`noaccess`, `invisible`).
+/// `None` when it is mounted with `hidepid` 1, 2 or 4 (`noaccess`, `invisible`, `ptraceable`:
+/// another user cannot trace a sandbox's processes).
 pub fn exposure(mounts: &str) -> Option<String> {
     let proc_options = mounts
         .lines()
@@ -22,7 +23,7 @@ pub fn exposure(mounts: &str) -> Option<String> {
     let hidden = proc_options.split(',').any(|option| {
         matches!(
             option,
-            "hidepid=1" | "hidepid=2" | "hidepid=noaccess" | "hidepid=invisible"
+            "hidepid=1" | "hidepid=2" | "hidepid=4" | "hidepid=noaccess" | "hidepid=invisible" | "hidepid=ptraceable"
         )
     });
     (!hidden).then(|| {
@@ -43,7 +44,13 @@ mod tests {
     fn only_a_proc_that_hides_other_users_processes_is_closed() {
         let open = "sysfs /sys sysfs rw 0 0\nproc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n";
         assert!(exposure(open).is_some_and(|why| why.contains("hidepid")));
-        for hidden in ["hidepid=2", "hidepid=invisible", "hidepid=1", "hidepid=noaccess"] {
+        for hidden in [
+            "hidepid=2",
+            "hidepid=invisible",
+            "hidepid=1",
+            "hidepid=noaccess",
+            "hidepid=ptraceable",
+        ] {
             let mounts = format!("proc /proc proc rw,relatime,{hidden},gid=27 0 0\n");
             assert_eq!(exposure(&mounts), None, "{hidden}");
         }

@@ -20,7 +20,9 @@ use sqlx::Connection;
 use tokio::net::{TcpListener as AsyncListener, TcpStream};
 use tokio::sync::watch;
 
-pub const API_KEY: &str = "chaos";
+/// The chaos cluster's one team's key (and its team's name): the gateway takes no key shorter
+/// than 16 characters.
+pub const API_KEY: &str = "chaos-team-key-0001";
 pub const NODES: usize = 3;
 pub const PLACEMENTS: usize = 2;
 pub const GATEWAYS: usize = 2;
@@ -336,6 +338,8 @@ impl Cluster {
                     format!("{API_KEY}={API_KEY}"),
                     "--hibernate-dir".into(),
                     dir.display().to_string(),
+                    "--upload-dir".into(),
+                    dir.join("uploads").display().to_string(),
                     "--blob-store".into(),
                     blobs,
                     "--abandoned-create-after".into(),

@@ -112,6 +112,7 @@ pub fn delegated_ranges(text: &str) -> Vec<(u64, u64)> {
             let (_, start, count) = (fields.next()?, fields.next()?, fields.next()?);
             Some((start.parse().ok()?, count.parse().ok()?))
         })
+        .filter(|&(_, count)| count > 0)
         .collect()
 }
 
@@ -138,9 +139,16 @@ impl IdRanges {
 
     /// [`IdRanges::new`] on a host that delegates `delegated` id ranges to its users.
     pub fn with_delegated(probed: io::Result<OwnedFd>, delegated: Vec<(u64, u64)>) -> Self {
+        let shares = probed.is_err();
         let storage = overlapping(&delegated, HOST_ID_BASE).map(|(from, count)| {
+            // Without idmapping, sandboxes also run as the storage range.
+            let owns = if shares {
+                "every sandbox's processes and files"
+            } else {
+                "sandboxes' files on disk"
+            };
             format!(
-                "a host user may own sandboxes' files: the ids they are stored as ({HOST_ID_BASE}-{}) overlap ids the host delegates ({from}-{}, /etc/subuid or /etc/subgid); give that user another range",
+                "a host user may own {owns}: the ids sandboxes use there ({HOST_ID_BASE}-{}) overlap ids the host delegates ({from}-{}, /etc/subuid or /etc/subgid; a node in a container sees only its own): give that user another range",
                 u64::from(HOST_ID_BASE) + u64::from(ID_RANGE) - 1,
                 from + count - 1
             )
@@ -198,10 +206,9 @@ impl IdRanges {
             Some(slot) if slots.held.values().filter(|s| *s == slot).count() == 1 => *slot,
             _ => {
                 let ready: Vec<u32> = ready.iter().filter_map(|host| slot_of_host(*host)).collect();
-                let free_ready = ready
-                    .iter()
-                    .copied()
-                    .find(|slot| !slots.held.values().any(|h| h == slot));
+                let free_ready = ready.iter().copied().find(|slot| {
+                    !slots.held.values().any(|h| h == slot) && overlapping(&slots.delegated, host_base(*slot)).is_none()
+                });
                 linked
                     .then_some(free_ready)
                     .flatten()
@@ -452,18 +459,32 @@ mod tests {
     /// overlaps one, and a host that delegates the storage range says so.
     #[test]
     fn no_sandbox_runs_as_ids_a_host_user_is_delegated() {
-        let subuid = "alice:100000:65536\n# a comment\nbob:16777216:131072\nbroken line\n";
+        let subuid = "alice:100000:65536\n# a comment\nbob:16777216:131072\nbroken line\nnone:0:0\n";
         let delegated = delegated_ranges(subuid);
         assert_eq!(delegated, vec![(100_000, 65_536), (16_777_216, 131_072)]);
         // Slots 0 and 1 (bob's ids) are skipped; 2 is the first handed out.
         let ids = IdRanges::with_delegated(Err(io::Error::other("no probe")), delegated.clone());
         assert!(ids.storage_delegated().is_some_and(|why| why.contains("100000-165535")));
+        assert!(ids
+            .storage_delegated()
+            .is_some_and(|why| why.contains("every sandbox's processes")));
         let slots = Slots {
-            delegated,
+            delegated: delegated.clone(),
             ..Slots::default()
         };
         let free: Vec<u32> = slots.free().take(3).collect();
         assert_eq!(free, vec![2, 3, 4]);
+        // A network slot ready in a delegated range is not taken either.
+        let ids = IdRanges {
+            shared: None,
+            storage: None,
+            inner: Mutex::new(Slots {
+                delegated,
+                ..Slots::default()
+            }),
+        };
+        let claimed = ids.claim("linked", &[host_base(1), host_base(5)], true).unwrap();
+        assert_eq!(claimed.host_base, host_base(5));
         // Touching at the edges is not overlapping.
         assert_eq!(overlapping(&[(host_base(1) as u64 - 10, 10)], host_base(1)), None);
         assert!(overlapping(&[(host_base(1) as u64 + ID_RANGE as u64 - 1, 1)], host_base(1)).is_some());
