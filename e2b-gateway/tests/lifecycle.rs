@@ -212,16 +212,8 @@ async fn a_node_that_cannot_start_a_sandbox_is_503_not_500() {
     // One /30 of its own (one sandbox link), unlikely to be another test's.
     let pid = std::process::id();
     let pool = format!("10.201.{}.{}/30", (pid >> 6) % 256, (pid % 64) * 4);
-    let s = stack::Stack::builder()
-        .heartbeat(Duration::from_millis(50))
-        .node(move |c| c.network.pool = pool.parse().expect("a /30"))
-        .gateway(|c| {
-            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
-        })
-        .start()
-        .await
-        .expect("the test stack starts");
-    let s = support::Stack(s);
+    let node = stack::Stack::builder().node(move |c| c.network.pool = pool.parse().expect("a /30"));
+    let s = support::started(node, |_| {}).await;
     let linked = r#"{"templateID":"base","allow_internet_access":true}"#;
     let first = create(&s, linked).await;
 
@@ -334,17 +326,10 @@ async fn a_create_whose_node_reply_is_lost_runs_once() {
     // Node 0 is reached only through a fault proxy: it tells placement the proxy's address.
     let port = stack::fault::reserve().await;
     let advertised = format!("http://{}", port.addr());
-    let s = stack::Stack::builder()
-        .heartbeat(Duration::from_millis(50))
+    let nodes = stack::Stack::builder()
         .node(move |c| c.advertise = Some(advertised))
-        .node(|_| {})
-        .gateway(|c| {
-            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
-        })
-        .start()
-        .await
-        .expect("the test stack starts");
-    let s = support::Stack(s);
+        .node(|_| {});
+    let s = support::started(nodes, |_| {}).await;
     let proxy = stack::fault::NodeProxy::start_on(port, &s.nodes[0].id, &s.nodes[0].running.endpoint(), &s.certs).await;
     proxy.faults.drop_reply("Create", 1);
 
@@ -381,19 +366,12 @@ async fn a_create_whose_node_reply_is_lost_runs_once() {
 /// adopted copy its manifest then named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_the_reaper_takes_over_ends_consistent() {
-    let s = stack::Stack::builder()
-        .heartbeat(Duration::from_millis(50))
-        .node(|_| {})
-        .node(|_| {})
-        .gateway(|c| {
-            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
-            c.abandoned_create_after = Duration::ZERO;
-            c.reap_interval = Duration::from_millis(10);
-        })
-        .start()
-        .await
-        .expect("the test stack starts");
-    let s = support::Stack(s);
+    let nodes = stack::Stack::builder().node(|_| {}).node(|_| {});
+    let s = support::started(nodes, |c| {
+        c.abandoned_create_after = Duration::ZERO;
+        c.reap_interval = Duration::from_millis(10);
+    })
+    .await;
     let ledger = LedgerClient::connect_lazy(&s.ledger.endpoint(), &s.security(stack::Role::Gateway)).unwrap();
     let (mut ids, mut ended) = (Vec::new(), Vec::new());
     for _ in 0..12 {

@@ -551,10 +551,17 @@ async fn compacted_revisions_are_out_of_range(backend: Backend) {
     db.cleanup().await;
 }
 
-/// A compare that applied and lost its reply is "outcome unknown", never "unavailable"; reading
-/// back tells landed from not landed from moved on, and `compare_resolving` returns the
-/// landed write as committed instead of sending it again into a conflict.
-async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend) {
+/// A ledger on `backend` with document `plan/p` at version 1, a client of it, a fault proxy
+/// in front of it and a client through that proxy.
+struct Proxied {
+    db: TestDb,
+    ledger: ledger_svc::RunningLedger,
+    direct: LedgerClient,
+    proxy: stack::fault::Proxy,
+    c: LedgerClient,
+}
+
+async fn proxied(backend: Backend) -> Proxied {
     let db = TestDb::new(backend).await;
     let ledger = db.start_ledger().await;
     let direct = client(&ledger);
@@ -564,6 +571,26 @@ async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend
         .compare(Txn::new().create("plan", "p", &json!({"step": 0})).unwrap())
         .await
         .unwrap();
+    Proxied {
+        db,
+        ledger,
+        direct,
+        proxy,
+        c,
+    }
+}
+
+/// A compare that applied and lost its reply is "outcome unknown", never "unavailable"; reading
+/// back tells landed from not landed from moved on, and `compare_resolving` returns the
+/// landed write as committed instead of sending it again into a conflict.
+async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend) {
+    let Proxied {
+        db,
+        ledger,
+        direct,
+        proxy,
+        c,
+    } = proxied(backend).await;
 
     let step1 = Txn::new().update("plan", "p", 1, &json!({"step": 1})).unwrap();
     assert_eq!(c.resolve(&step1).await.unwrap(), Resolution::NotLanded);
@@ -605,15 +632,13 @@ async fn a_lost_reply_is_an_unknown_outcome_resolved_by_reading(backend: Backend
 /// create under load answered "changed concurrently" for a write that had landed), while a
 /// conflict with another writer's stays a conflict.
 async fn a_write_that_lands_after_its_read_back_is_committed_not_a_conflict(backend: Backend) {
-    let db = TestDb::new(backend).await;
-    let ledger = db.start_ledger().await;
-    let direct = client(&ledger);
-    let proxy = stack::fault::LedgerProxy::start(&ledger.endpoint(), &stack::Certs::plaintext()).await;
-    let c = LedgerClient::connect_lazy(&proxy.endpoint(), &mtls::Security::Plaintext).unwrap();
-    direct
-        .compare(Txn::new().create("plan", "p", &json!({"step": 0})).unwrap())
-        .await
-        .unwrap();
+    let Proxied {
+        db,
+        ledger,
+        direct,
+        proxy,
+        c,
+    } = proxied(backend).await;
 
     proxy.faults.land_compare_after_next_read(1);
     let step1 = Txn::new().update("plan", "p", 1, &json!({"step": 1})).unwrap();

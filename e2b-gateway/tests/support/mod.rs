@@ -43,6 +43,24 @@ pub async fn stack_with_vcpus(node_memory_mb: u64, vcpus: u32) -> Stack {
     stack_sized(&[node_memory_mb], Some(vcpus)).await
 }
 
+/// `builder`'s stack, started, its gateway taking team-a's key alone (`key-a`) and whatever
+/// `gateway` adds: for a test whose nodes are its own.
+pub async fn started(
+    builder: stack::StackBuilder,
+    gateway: impl FnOnce(&mut e2b_gateway::server::GatewayConfig) + Send + 'static,
+) -> Stack {
+    let started = builder
+        .heartbeat(std::time::Duration::from_millis(50))
+        .gateway(|c| {
+            c.keys = [("key-a".to_string(), "team-a".to_string())].into();
+            gateway(c);
+        })
+        .start()
+        .await
+        .expect("the test stack starts");
+    Stack(started)
+}
+
 async fn stack_sized(nodes_memory_mb: &[u64], vcpus: Option<u32>) -> Stack {
     let mut builder = stack::Stack::builder().heartbeat(std::time::Duration::from_millis(50));
     for &mb in nodes_memory_mb {
