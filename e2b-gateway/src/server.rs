@@ -175,12 +175,14 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             .await
             .map_err(|e| StartError::Config(format!("spool {}: {e}", spool.display())))?;
     }
+    let seed_names: Vec<String> = config.templates.iter().map(|t| t.name.clone()).collect();
     let templates = Templates::new(
         ledger.clone(),
         Files {
             store,
             spool: config.upload_dir.clone(),
         },
+        &seed_names,
     );
     let seeds: Vec<_> = config
         .templates

@@ -159,5 +159,58 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
         .call("GET", &format!("/templates/{template}/tags"), Some("key-a"), None)
         .await;
     assert_eq!((status, tags[0]["tag"].as_str()), (200, Some("v1")), "{tags}");
+
+    // Made public: another team starts sandboxes from it, and never reads how it was made
+    // (a build's logs hold whatever its steps printed).
+    let (status, _) = s
+        .call(
+            "PATCH",
+            &format!("/templates/{template}"),
+            Some("key-a"),
+            Some(r#"{"public": true}"#),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (status, created) = s.call("POST", "/sandboxes", Some("key-b"), Some(body)).await;
+    assert_eq!(status, 201, "{created}");
+    for path in [
+        format!("/templates/{template}/builds/{build}/status"),
+        format!("/templates/{template}/builds/{build}/logs"),
+    ] {
+        let (status, answer) = s.call("GET", &path, Some("key-b"), None).await;
+        assert_eq!(status, 404, "{path}: {answer}");
+        assert_eq!(s.call("GET", &path, Some("key-a"), None).await.0, 200, "{path}");
+    }
+    s.stop().await;
+}
+
+/// Template names are one namespace for every team: the cluster's own (`base`, the code
+/// interpreter's, the `--templates` file's) are no team's to take, even before the cluster
+/// has made them. A team holding `code-interpreter-v1`, made public, would have every other
+/// team's default code-interpreter create start its image, with their environment.
+#[tokio::test]
+async fn a_team_cannot_take_the_clusters_template_names() {
+    let s = support::stack(4096).await;
+    for name in ["code-interpreter-v1", "code-interpreter-v1:latest", "base", "base:v2"] {
+        let body = format!(r#"{{"name": "{name}", "cpuCount": 1, "memoryMB": 256}}"#);
+        let (status, answer) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;
+        assert_eq!(status, 403, "{name}: {answer}");
+        assert!(answer["message"].as_str().unwrap_or_default().contains("reserved"), "{answer}");
+    }
+    // Nor by naming a snapshot so.
+    let (status, created) = s
+        .call("POST", "/sandboxes", Some("key-a"), Some(r#"{"templateID": "base"}"#))
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["sandboxID"].as_str().unwrap();
+    let (status, answer) = s
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some("key-a"),
+            Some(r#"{"name": "code-interpreter-v1"}"#),
+        )
+        .await;
+    assert_eq!(status, 403, "{answer}");
     s.stop().await;
 }

@@ -24,7 +24,7 @@ use crate::sandboxes::Failure;
 /// The template's name, as both SDKs default to it.
 pub const NAME: &str = "code-interpreter-v1";
 /// The team that owns the cluster's public built-ins.
-const PUBLIC_TEAM: &str = "";
+const PUBLIC_TEAM: &str = super::CLUSTER_TEAM;
 /// The server, its JavaScript contexts' driver and what its Python kernels describe charts
 /// with, as the sandbox runs them.
 const FILES: [(&str, &[u8]); 3] = [

@@ -71,7 +71,15 @@ pub struct Templates {
     pub ledger: LedgerClient,
     pub files: files::Files,
     resolved: Mutex<HashMap<(String, String), (Instant, Resolved)>>,
+    /// The names of the cluster's own templates (`base`, the code interpreter's, the
+    /// `--templates` file's): no team may take one, even before the cluster has made it.
+    /// Names are one namespace for every team, and a team holding one of these (made public)
+    /// would have every other team's default creates start its image, with their environment.
+    reserved: Vec<String>,
 }
+
+/// The team that owns the cluster's built-in templates.
+pub const CLUSTER_TEAM: &str = "";
 
 fn new_id(prefix: &str) -> String {
     format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..19])
@@ -85,12 +93,26 @@ fn conflict_or(err: LedgerError, what: impl FnOnce() -> String) -> Failure {
 }
 
 impl Templates {
-    pub fn new(ledger: LedgerClient, files: files::Files) -> Arc<Self> {
+    /// The registry, `seeds` (the `--templates` file's names) reserved with the built-ins.
+    pub fn new(ledger: LedgerClient, files: files::Files, seeds: &[String]) -> Arc<Self> {
+        let mut reserved = vec![BASE.to_string(), code_interpreter::NAME.to_string()];
+        reserved.extend(seeds.iter().cloned());
         Arc::new(Self {
             ledger,
             files,
             resolved: Mutex::new(HashMap::new()),
+            reserved,
         })
+    }
+
+    /// Refuses a team other than the cluster a reserved name.
+    fn check_reserved(&self, team: &str, name: &str) -> Result<(), Failure> {
+        if team != CLUSTER_TEAM && self.reserved.iter().any(|r| r == name) {
+            return Err(Failure::Forbidden(format!(
+                "the template name {name:?} is reserved for the cluster's built-in templates"
+            )));
+        }
+        Ok(())
     }
 
     /// Writes the built-in `base` (and the `--templates` file's entries: names with fixed
@@ -239,6 +261,7 @@ impl Templates {
     pub async fn request_build(&self, team: &str, req: BuildRequest) -> Result<Requested, Failure> {
         let (name, tag) = split_name(&req.name);
         check_name("name", name).map_err(Failure::Invalid)?;
+        self.check_reserved(team, name)?;
         let mut tags: Vec<String> = req.tags.clone();
         if tag != DEFAULT_TAG || tags.is_empty() {
             tags.insert(0, tag.to_string());
@@ -324,6 +347,7 @@ impl Templates {
     ) -> Result<TemplateDoc, Failure> {
         if let Some(name) = name {
             check_name("name", name).map_err(Failure::Invalid)?;
+            self.check_reserved(team, name)?;
         }
         let now = now_ms();
         let build_id = uuid::Uuid::new_v4().to_string();
@@ -387,7 +411,9 @@ impl Templates {
         Ok(template)
     }
 
-    /// A build of a template `team` may see.
+    /// A build of a template of `team`'s own. Another team's public template is there to
+    /// start sandboxes from, not to read how it was made: a build's logs hold whatever its
+    /// steps printed.
     pub async fn build_of(
         &self,
         team: &str,
@@ -397,6 +423,7 @@ impl Templates {
         let template = self
             .find(team, template_id)
             .await?
+            .filter(|t| t.value.team_id == team)
             .ok_or_else(|| Failure::NotFound(format!("template {template_id:?}")))?;
         match self.ledger.get::<BuildDoc>(BUILD_KIND, build_id).await? {
             Some(build) if build.value.template_id == template.value.template_id => Ok(build),
