@@ -115,6 +115,10 @@ struct UpArgs {
     /// the first time in some seconds, and `up` says when it is ready).
     #[arg(long, env = "SANDBOXSCHED_NO_CODE_INTERPRETER")]
     no_code_interpreter: bool,
+    /// How many sandboxes one team may hold at once (running, paused or being created); past
+    /// it a create is answered 429. 0: no limit.
+    #[arg(long, env = "SANDBOXSCHED_MAX_SANDBOXES_PER_TEAM", default_value_t = 100)]
+    max_sandboxes_per_team: u32,
 }
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
@@ -309,6 +313,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     );
     let (gateway_listen, hibernate_dir) = (args.gateway_listen, args.data_dir.join("hibernated"));
     let upload_dir = args.data_dir.join("uploads");
+    let max_sandboxes_per_team = args.max_sandboxes_per_team;
     let gateway_blobs = args.blob_store.clone();
     let code_interpreter = !args.no_code_interpreter;
     let console_listen = args.console_listen;
@@ -326,6 +331,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             c.templates = templates;
             c.hibernate_dir = hibernate_dir;
             c.upload_dir = upload_dir;
+            c.max_sandboxes_per_team = max_sandboxes_per_team;
             c.domain = sandbox_domain(gateway_listen);
             c.code_interpreter = code_interpreter;
             if let Some(url) = gateway_blobs {

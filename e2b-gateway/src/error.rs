@@ -38,6 +38,9 @@ pub enum Failure {
     /// Exists, but not the caller's to use or change (403).
     #[error("{0}")]
     Forbidden(String),
+    /// The caller's team holds as many as it may (429, as E2B answers its concurrency limit).
+    #[error("{0}")]
+    TooMany(String),
 }
 
 impl From<LedgerError> for Failure {
@@ -116,6 +119,7 @@ impl From<Failure> for ApiError {
             Failure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Failure::Invalid(_) => StatusCode::BAD_REQUEST,
             Failure::Forbidden(_) => StatusCode::FORBIDDEN,
+            Failure::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
         };
         let message = match &f {
             Failure::NotFound(id) => format!("sandbox \"{id}\" doesn't exist or you don't have access to it"),

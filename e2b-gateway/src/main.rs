@@ -48,6 +48,11 @@ struct Args {
     /// store. Made 0700; a folder of another user is refused.
     #[arg(long, env = "GATEWAY_UPLOAD_DIR", default_value = "data/uploads")]
     upload_dir: std::path::PathBuf,
+    /// How many sandboxes one team may hold at once (running, paused or being created),
+    /// as E2B limits a team's concurrent sandboxes; past it a create is answered 429. 0: no
+    /// limit.
+    #[arg(long, env = "GATEWAY_MAX_SANDBOXES_PER_TEAM", default_value_t = 100)]
+    max_sandboxes_per_team: u32,
     /// Sandboxes' ports are reachable as `{port}-{sandboxID}.{domain}` (what the SDK's
     /// `get_host` returns; point a wildcard DNS name at the gateway). Empty: only through the
     /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
@@ -143,6 +148,7 @@ async fn main() -> anyhow::Result<()> {
         reap_interval: Duration::from_secs(1),
         hibernate_dir: args.hibernate_dir,
         upload_dir: args.upload_dir,
+        max_sandboxes_per_team: args.max_sandboxes_per_team,
         domain: args.domain,
         paused_retention: args.paused_retention,
         sandbox_disk_bytes: args.sandbox_disk_mb << 20,

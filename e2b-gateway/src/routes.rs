@@ -25,6 +25,14 @@ pub struct Routes {
     tokens: crate::tokens::Tokens,
     /// The manifests with a pool's mark, as the watch last delivered them.
     pooled: Arc<std::sync::RwLock<HashMap<String, Arc<Versioned<SandboxDoc>>>>>,
+    /// The team of every sandbox that holds room (see `sandboxes::quota`), by sandbox.
+    holders: Arc<std::sync::RwLock<HashMap<String, String>>>,
+}
+
+/// The team a manifest holds room for: not a pooled one (nobody's), not a hibernated one (its
+/// files only, in the blob store).
+fn holder_of(doc: &SandboxDoc) -> Option<&str> {
+    (!doc.is_pooled() && doc.phase != SandboxPhase::Hibernated).then_some(doc.team_id.as_str())
 }
 
 #[derive(Clone, Debug)]
@@ -72,7 +80,26 @@ impl Routes {
             changed: Arc::default(),
             tokens,
             pooled: Arc::default(),
+            holders: Arc::default(),
         }
+    }
+
+    /// How many sandboxes `team` holds, as the watch last delivered the manifests, leaving
+    /// out those of `except`.
+    pub fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> usize {
+        let holders = self.holders.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        holders
+            .iter()
+            .filter(|(id, t)| t.as_str() == team && !except.contains(*id))
+            .count()
+    }
+
+    fn note_holder(&self, id: &str, doc: Option<&SandboxDoc>) {
+        let mut holders = self.holders.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match doc.and_then(holder_of) {
+            Some(team) => holders.insert(id.to_string(), team.to_string()),
+            None => holders.remove(id),
+        };
     }
 
     /// Manifest `id` as the watch last delivered it, if it carries a pool's mark. A miss says
@@ -111,10 +138,16 @@ impl Routes {
                         let mut table = routes.table.write().await;
                         table.clear();
                         routes.pooled_mut().clear();
+                        routes
+                            .holders
+                            .write()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .clear();
                         for d in docs {
                             if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
+                            routes.note_holder(&d.value.sandbox_id, Some(&d.value));
                             routes.note_pooled(d);
                         }
                         backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
@@ -141,17 +174,20 @@ impl Routes {
                                             Some(r) => table.insert(d.value.sandbox_id.clone(), r),
                                             None => table.remove(&d.value.sandbox_id),
                                         };
+                                        routes.note_holder(&id, Some(&d.value));
                                         routes.note_pooled(d);
                                     }
                                     // Not what it was, whatever it is now: read afresh.
                                     Err(_) => {
                                         routes.pooled_mut().remove(&id);
+                                        routes.note_holder(&id, None);
                                     }
                                 }
                             }
                             WatchEvent::Deleted { key, .. } => {
                                 table.remove(&key.id);
                                 routes.pooled_mut().remove(&key.id);
+                                routes.note_holder(&key.id, None);
                             }
                         }
                     }
@@ -170,6 +206,9 @@ impl Routes {
     /// Drops a sandbox's route (it was killed, or its node says it is not there).
     pub async fn forget(&self, id: &str) {
         self.table.write().await.remove(id);
+        // Its team's room is free at once (a create right after the kill must not wait for
+        // the watch).
+        self.note_holder(id, None);
         self.changed.notify_waiters();
     }
 

@@ -42,6 +42,9 @@ pub struct GatewayConfig {
     /// Where template build uploads (COPY archives) are spooled on their way to the blob
     /// store: the gateway's own folder (see `spool`).
     pub upload_dir: std::path::PathBuf,
+    /// How many sandboxes one team may hold at once (running, paused or being created);
+    /// 0: no limit. Past it a create is answered 429.
+    pub max_sandboxes_per_team: u32,
     /// Sandboxes' ports are addressed as `{port}-{sandboxID}.{domain}` (the SDK's `get_host`);
     /// empty: only by headers. A domain ending in `:0` gets the port the gateway is bound to.
     pub domain: String,
@@ -166,7 +169,12 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             claim_ttl: config.claim_ttl,
         },
     )
-    .map(|s| Arc::new(s.with_disk(config.sandbox_disk_bytes)))
+    .map(|s| {
+        Arc::new(
+            s.with_disk(config.sandbox_disk_bytes)
+                .with_team_limit(config.max_sandboxes_per_team),
+        )
+    })
     .map_err(|e| StartError::Config(e.to_string()))?;
     // Checked now, not at the first upload or pause: a spool another user could read or
     // replace is a configuration error.

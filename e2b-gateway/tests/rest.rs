@@ -433,3 +433,51 @@ async fn nodes_are_for_operators_only() {
         assert_eq!(r.status().as_u16(), 200, "the operator was refused {path}");
     }
 }
+
+/// One team holds at most its limit of sandboxes at once (E2B's concurrency limit): past it a
+/// create is answered 429 in E2B's shape and nothing is made, while another team still
+/// creates; a kill gives the room back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_holds_at_most_its_limit_and_leaves_the_rest_to_others() {
+    let nodes = stack::Stack::builder().node(|_| {});
+    let s = support::started(nodes, |c| {
+        c.keys.insert("key-b".to_string(), "team-b".to_string());
+        c.max_sandboxes_per_team = 2;
+    })
+    .await;
+    let body = Some(r#"{"templateID":"base"}"#);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let (status, made) = s.call("POST", "/sandboxes", Some("key-a"), body).await;
+        assert_eq!(status, 201, "{made}");
+        held.push(made["sandboxID"].as_str().unwrap().to_string());
+    }
+    let refused = s.call("POST", "/sandboxes", Some("key-a"), body).await;
+    support::assert_e2b_error(&refused, 429);
+    assert!(
+        refused.1["message"].as_str().unwrap_or_default().contains("(2)"),
+        "{}",
+        refused.1
+    );
+    let (_, listed) = s.call("GET", "/sandboxes", Some("key-a"), None).await;
+    assert_eq!(
+        listed.as_array().map(Vec::len),
+        Some(2),
+        "the refused create made nothing"
+    );
+    // Another team is not held to team-a's count.
+    assert_eq!(s.call("POST", "/sandboxes", Some("key-b"), body).await.0, 201);
+    // Concurrent creates through one gateway do not overshoot.
+    let (status, _) = s
+        .call("DELETE", &format!("/sandboxes/{}", held[0]), Some("key-a"), None)
+        .await;
+    assert_eq!(status, 204);
+    let racing = futures::future::join_all((0..4).map(|_| s.call("POST", "/sandboxes", Some("key-a"), body))).await;
+    let made = racing.iter().filter(|(status, _)| *status == 201).count();
+    assert_eq!(made, 1, "{racing:?}");
+    assert!(
+        racing.iter().all(|(status, _)| *status == 201 || *status == 429),
+        "{racing:?}"
+    );
+    s.stop().await;
+}

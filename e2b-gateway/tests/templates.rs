@@ -195,7 +195,10 @@ async fn a_team_cannot_take_the_clusters_template_names() {
         let body = format!(r#"{{"name": "{name}", "cpuCount": 1, "memoryMB": 256}}"#);
         let (status, answer) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;
         assert_eq!(status, 403, "{name}: {answer}");
-        assert!(answer["message"].as_str().unwrap_or_default().contains("reserved"), "{answer}");
+        assert!(
+            answer["message"].as_str().unwrap_or_default().contains("reserved"),
+            "{answer}"
+        );
     }
     // Nor by naming a snapshot so.
     let (status, created) = s

@@ -376,6 +376,7 @@ impl StackBuilder {
                     reap_interval: Duration::from_secs(1),
                     hibernate_dir: dir.join("hibernated"),
                     upload_dir: dir.join("uploads"),
+                    max_sandboxes_per_team: 0,
                     domain: String::new(),
                     paused_retention: e2b_gateway::server::DEFAULT_PAUSED_RETENTION,
                     sandbox_disk_bytes: common::resources::DEFAULT_DISK_BYTES,

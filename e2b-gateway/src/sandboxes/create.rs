@@ -29,10 +29,12 @@ impl Sandboxes {
     /// a node where it fits once pooled sandboxes go, which it then retires (see
     /// [`Self::place_and_start`]).
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
+        let sandbox_id = new_sandbox_id();
+        let _admitted = self.admit(team, &sandbox_id)?;
         if let Some(doc) = self.claim_pooled(team, &intent, None).await? {
             return Ok(doc);
         }
-        self.create_traced(team, intent, new_sandbox_id()).await
+        self.create_traced(team, intent, sandbox_id).await
     }
 
     /// Creates sandbox `sandbox_id`, in a span of its own.

@@ -84,10 +84,13 @@ impl Sandboxes {
                     version: committed.versions[0],
                     doc: claim,
                 };
-                let created = match self.claim_pooled(team, &intent, Some(&mut held)).await {
-                    Ok(Some(doc)) => return Ok(doc),
-                    Ok(None) => self.create_traced(team, intent, sandbox_id).await,
+                let created = match self.admit(team, &sandbox_id) {
                     Err(err) => Err(err),
+                    Ok(_admitted) => match self.claim_pooled(team, &intent, Some(&mut held)).await {
+                        Ok(Some(doc)) => return Ok(doc),
+                        Ok(None) => self.create_traced(team, intent, sandbox_id).await,
+                        Err(err) => Err(err),
+                    },
                 };
                 let version = held.version;
                 // Give the key back: the next retry creates again. Not after an unknown

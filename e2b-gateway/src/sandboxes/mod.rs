@@ -17,6 +17,7 @@ pub mod idempotency;
 mod lifecycle;
 mod nodes;
 mod pool;
+mod quota;
 mod reaper;
 pub use claim::DEFAULT_CLAIM_TTL;
 pub use create::new_sandbox_id;
@@ -62,6 +63,9 @@ pub struct Sandboxes {
     pub disk_bytes: u64,
     /// Ready pooled sandboxes by template, kept by the pool keeper (`crate::pools`).
     pub pools: Arc<PoolIndex>,
+    /// How many sandboxes a team may hold at once, if limited (see `quota`).
+    team_limit: Option<u32>,
+    under_way: quota::UnderWay,
 }
 
 impl Sandboxes {
@@ -90,7 +94,29 @@ impl Sandboxes {
             nodes: nodes::Nodes::new(security.clone()),
             disk_bytes: common::resources::DEFAULT_DISK_BYTES,
             pools: Arc::default(),
+            team_limit: None,
+            under_way: quota::UnderWay::default(),
         })
+    }
+
+    /// Holds each team to `limit` sandboxes at once (0: no limit).
+    pub fn with_team_limit(self, limit: u32) -> Self {
+        Self {
+            team_limit: (limit > 0).then_some(limit),
+            ..self
+        }
+    }
+
+    /// Admits new sandbox `sandbox_id` of `team` within its limit, counted as under way until
+    /// the returned guard is dropped; 429 past it.
+    pub(super) fn admit(&self, team: &str, sandbox_id: &str) -> Result<Option<quota::Admitted>, Failure> {
+        let Some(limit) = self.team_limit else {
+            return Ok(None);
+        };
+        self.under_way
+            .admit(team, sandbox_id, limit, |ours| self.routes.held_by(team, ours))
+            .map(Some)
+            .ok_or_else(|| Failure::TooMany(quota::refusal(limit)))
     }
 
     /// Gives every new sandbox a disk of `bytes`.
