@@ -25,8 +25,9 @@ pub struct Routes {
     tokens: crate::tokens::Tokens,
     /// The manifests with a pool's mark, as the watch last delivered them.
     pooled: Arc<std::sync::RwLock<HashMap<String, Arc<Versioned<SandboxDoc>>>>>,
-    /// The team of every sandbox that holds room (see `sandboxes::quota`), by sandbox.
-    holders: Arc<std::sync::RwLock<HashMap<String, String>>>,
+    /// The team of every sandbox that holds room (see `sandboxes::quota`), by sandbox; `None`
+    /// until the manifests were first listed.
+    holders: Arc<std::sync::RwLock<Option<HashMap<String, String>>>>,
 }
 
 /// The team a manifest holds room for: not a pooled one (nobody's), not a hibernated one (its
@@ -85,17 +86,24 @@ impl Routes {
     }
 
     /// How many sandboxes `team` holds, as the watch last delivered the manifests, leaving
-    /// out those of `except`.
-    pub fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> usize {
+    /// out those of `except`; `None` before the manifests were first listed (a gateway just
+    /// started knows nobody's count yet).
+    pub fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> Option<usize> {
         let holders = self.holders.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-        holders
-            .iter()
-            .filter(|(id, t)| t.as_str() == team && !except.contains(*id))
-            .count()
+        Some(
+            holders
+                .as_ref()?
+                .iter()
+                .filter(|(id, t)| t.as_str() == team && !except.contains(*id))
+                .count(),
+        )
     }
 
     fn note_holder(&self, id: &str, doc: Option<&SandboxDoc>) {
         let mut holders = self.holders.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(holders) = holders.as_mut() else {
+            return;
+        };
         match doc.and_then(holder_of) {
             Some(team) => holders.insert(id.to_string(), team.to_string()),
             None => holders.remove(id),
@@ -138,18 +146,22 @@ impl Routes {
                         let mut table = routes.table.write().await;
                         table.clear();
                         routes.pooled_mut().clear();
-                        routes
-                            .holders
-                            .write()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .clear();
+                        // Built whole, then swapped in: a count is never read half-listed.
+                        let mut holders = HashMap::new();
                         for d in docs {
                             if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
-                            routes.note_holder(&d.value.sandbox_id, Some(&d.value));
+                            if let Some(team) = holder_of(&d.value) {
+                                holders.insert(d.value.sandbox_id.clone(), team.to_string());
+                            }
                             routes.note_pooled(d);
                         }
+                        *routes
+                            .holders
+                            .write()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(holders);
+                        routes.changed.notify_waiters();
                         backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
                         revision + 1
                     }
@@ -206,10 +218,32 @@ impl Routes {
     /// Drops a sandbox's route (it was killed, or its node says it is not there).
     pub async fn forget(&self, id: &str) {
         self.table.write().await.remove(id);
-        // Its team's room is free at once (a create right after the kill must not wait for
-        // the watch).
-        self.note_holder(id, None);
         self.changed.notify_waiters();
+    }
+
+    /// Waits, at most `limit`, until the manifests have been listed once (the teams' counts
+    /// are known): at a gateway's start, a moment.
+    pub async fn listed(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let changed = self.changed();
+            if self
+                .holders
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_some()
+            {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// Counts sandbox `id` as holding no room any more (killed), before the watch says so.
+    pub fn release_holder(&self, id: &str) {
+        self.note_holder(id, None);
     }
 
     /// Marks a sandbox paused or running without waiting for the watch.

@@ -30,7 +30,7 @@ impl Sandboxes {
     /// [`Self::place_and_start`]).
     pub async fn create(&self, team: &str, intent: CreateIntent) -> Result<SandboxDoc, Failure> {
         let sandbox_id = new_sandbox_id();
-        let _admitted = self.admit(team, &sandbox_id)?;
+        let _admitted = self.admit(team, &sandbox_id).await?;
         if let Some(doc) = self.claim_pooled(team, &intent, None).await? {
             return Ok(doc);
         }

@@ -84,7 +84,7 @@ impl Sandboxes {
                     version: committed.versions[0],
                     doc: claim,
                 };
-                let created = match self.admit(team, &sandbox_id) {
+                let created = match self.admit(team, &sandbox_id).await {
                     Err(err) => Err(err),
                     Ok(_admitted) => match self.claim_pooled(team, &intent, Some(&mut held)).await {
                         Ok(Some(doc)) => return Ok(doc),

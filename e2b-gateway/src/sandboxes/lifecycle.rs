@@ -55,6 +55,9 @@ impl Sandboxes {
             }
         }
         self.routes.forget(id).await;
+        // Its team's room is free at once: a create right after the kill need not wait for
+        // the watch to deliver the deletion.
+        self.routes.release_holder(id);
         self.tell_placement_removed(&doc.value).await;
         if doc.value.phase == common::docs::SandboxPhase::Hibernated {
             self.forget_snapshot(id).await;
@@ -170,6 +173,17 @@ impl Sandboxes {
         reboot: bool,
     ) -> Result<(SandboxDoc, bool), Failure> {
         let mut doc = self.claim(team, id, "resume").await?;
+        // A hibernated sandbox holds no room; woken, it does again: within its team's limit.
+        let _admitted = match doc.value.phase {
+            SandboxPhase::Hibernated => match self.admit(team, id).await {
+                Ok(admitted) => admitted,
+                Err(err) => {
+                    self.unclaim(&mut doc).await;
+                    return Err(err);
+                }
+            },
+            _ => None,
+        };
         let resumed = doc.value.phase != SandboxPhase::Running;
         let in_place = matches!(doc.value.phase, SandboxPhase::Paused | SandboxPhase::Creating) && !reboot;
         let woken = match doc.value.phase {

@@ -37,6 +37,10 @@ use proto::node::v1 as node_pb;
 use proto::placement::v1 as pl;
 use proto::placement::v1::placement_client::PlacementClient;
 
+/// How long a create waits for the routing table's first listing, which its team's count
+/// comes from.
+const WAIT_FOR_COUNTS: Duration = Duration::from_secs(5);
+
 /// How long a lifecycle call waits for a balancer move of its sandbox to finish.
 const WAIT_FOR_MOVE: Duration = Duration::from_secs(15);
 
@@ -109,14 +113,23 @@ impl Sandboxes {
 
     /// Admits new sandbox `sandbox_id` of `team` within its limit, counted as under way until
     /// the returned guard is dropped; 429 past it.
-    pub(super) fn admit(&self, team: &str, sandbox_id: &str) -> Result<Option<quota::Admitted>, Failure> {
+    pub(super) async fn admit(&self, team: &str, sandbox_id: &str) -> Result<Option<quota::Admitted>, Failure> {
         let Some(limit) = self.team_limit else {
             return Ok(None);
         };
-        self.under_way
+        // A gateway just started has its counts a moment later.
+        self.routes.listed(WAIT_FOR_COUNTS).await;
+        match self
+            .under_way
             .admit(team, sandbox_id, limit, |ours| self.routes.held_by(team, ours))
-            .map(Some)
-            .ok_or_else(|| Failure::TooMany(quota::refusal(limit)))
+        {
+            Ok(admitted) => Ok(Some(admitted)),
+            Err(quota::Refused::AtLimit) => Err(Failure::TooMany(quota::refusal(limit))),
+            Err(quota::Refused::Uncounted) => Err(Failure::Unavailable(
+                "this gateway has not read the cluster's sandboxes yet (it just started, or the ledger is away); retry"
+                    .to_string(),
+            )),
+        }
     }
 
     /// Gives every new sandbox a disk of `bytes`.

@@ -35,30 +35,45 @@ pub struct Admitted {
 impl UnderWay {
     /// Admits the create of `sandbox_id` for `team` if that keeps the team within `limit`:
     /// `held` counts the sandboxes the routing table shows among the IDs given to it (this
-    /// gateway's creates under way, whose manifests it may show already, are counted once).
+    /// gateway's creates under way, whose manifests it may show already, are counted once),
+    /// `None` while it cannot tell.
     pub fn admit(
         &self,
         team: &str,
         sandbox_id: &str,
         limit: u32,
-        held: impl FnOnce(&HashSet<String>) -> usize,
-    ) -> Option<Admitted> {
+        held: impl FnOnce(&HashSet<String>) -> Option<usize>,
+    ) -> Result<Admitted, Refused> {
         let mut by_team = self.by_team.lock().unwrap_or_else(PoisonError::into_inner);
         let ours = by_team.entry(team.to_string()).or_default();
-        let total = held(ours) + ours.len() + 1;
-        if total > usize::try_from(limit).unwrap_or(usize::MAX) {
+        let total = held(ours).map(|held| held + ours.len() + 1);
+        let refused = match total {
+            None => Some(Refused::Uncounted),
+            Some(total) if total > usize::try_from(limit).unwrap_or(usize::MAX) => Some(Refused::AtLimit),
+            Some(_) => None,
+        };
+        if let Some(refused) = refused {
             if ours.is_empty() {
                 by_team.remove(team);
             }
-            return None;
+            return Err(refused);
         }
         ours.insert(sandbox_id.to_string());
-        Some(Admitted {
+        Ok(Admitted {
             under_way: self.clone(),
             team: team.to_string(),
             sandbox_id: sandbox_id.to_string(),
         })
     }
+}
+
+/// Why a create was not admitted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The team holds its limit.
+    AtLimit,
+    /// The routing table has not listed the manifests yet: nobody's count is known.
+    Uncounted,
 }
 
 impl Drop for Admitted {
@@ -77,30 +92,30 @@ impl Drop for Admitted {
 mod tests {
     use super::*;
 
+    /// The routing table: one sandbox of team a's, and the given ones.
+    fn table(extra: &[&'static str]) -> impl FnOnce(&HashSet<String>) -> Option<usize> {
+        let mut ids = vec!["old"];
+        ids.extend_from_slice(extra);
+        move |ours| Some(ids.iter().filter(|id| !ours.contains(**id)).count())
+    }
+
     #[test]
     fn creates_under_way_count_once_until_answered() {
         let under_way = UnderWay::default();
-        // The routing table: one of team a's, and the first create's manifest once written.
-        fn table(extra: &[&'static str]) -> impl FnOnce(&HashSet<String>) -> usize {
-            let mut ids = vec!["old"];
-            ids.extend_from_slice(extra);
-            move |ours| ids.iter().filter(|id| !ours.contains(**id)).count()
-        }
         let first = under_way.admit("a", "s1", 3, table(&[])).expect("2 of 3");
         // Its manifest shows already: counted once, not twice.
         let second = under_way.admit("a", "s2", 3, table(&["s1"])).expect("3 of 3");
+        let fourth = under_way.admit("a", "s3", 3, table(&["s1", "s2"]));
+        assert_eq!(fourth.err(), Some(Refused::AtLimit), "a fourth is past the limit");
         assert!(
-            under_way.admit("a", "s3", 3, table(&["s1", "s2"])).is_none(),
-            "a fourth is past the limit"
-        );
-        assert!(
-            under_way.admit("b", "t1", 1, |_| 0).is_some(),
+            under_way.admit("b", "t1", 1, |_| Some(0)).is_ok(),
             "another team's are its own"
         );
+        assert_eq!(under_way.admit("c", "u1", 1, |_| None).err(), Some(Refused::Uncounted));
         drop(first);
         // Answered, and in the table's count instead.
-        assert!(under_way.admit("a", "s3", 3, table(&["s1", "s2"])).is_none());
+        assert!(under_way.admit("a", "s3", 3, table(&["s1", "s2"])).is_err());
         drop(second);
-        assert!(under_way.admit("a", "s3", 3, table(&["s1"])).is_some());
+        assert!(under_way.admit("a", "s3", 3, table(&["s1"])).is_ok());
     }
 }

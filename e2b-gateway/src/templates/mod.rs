@@ -146,6 +146,14 @@ impl Templates {
                 created_at_unix_ms: now,
                 updated_at_unix_ms: now,
             };
+            if let Some(held) = self.named(&name).await?.filter(|d| d.value.team_id != CLUSTER_TEAM) {
+                tracing::error!(
+                    name = %name,
+                    template_id = %held.value.template_id,
+                    team_id = %held.value.team_id,
+                    "a team's template holds a name reserved for the cluster's own: it resolves for nobody; delete it to let the cluster make its own"
+                );
+            }
             let mut txn = Self::create_txn(&template, Some(&name))?;
             if name == BASE {
                 txn = txn.create(BUILD_KIND, BASE_BUILD_ID, &base_build)?;
@@ -175,7 +183,12 @@ impl Templates {
         if let Some(doc) = self.ledger.get::<TemplateDoc>(TEMPLATE_KIND, name).await? {
             return Ok(doc.value.visible_to(team).then_some(doc));
         }
-        Ok(self.named(name).await?.filter(|doc| doc.value.visible_to(team)))
+        Ok(self
+            .named(name)
+            .await?
+            // A reserved name a team took before it was reserved sends nobody to its template.
+            .filter(|doc| !self.reserved.iter().any(|r| r == name) || doc.value.team_id == CLUSTER_TEAM)
+            .filter(|doc| doc.value.visible_to(team)))
     }
 
     /// The template with this ID or name, whoever owns it (for operators).
