@@ -27,7 +27,42 @@ pub struct Routes {
     pooled: Arc<std::sync::RwLock<HashMap<String, Arc<Versioned<SandboxDoc>>>>>,
     /// The team of every sandbox that holds room (see `sandboxes::quota`), by sandbox; `None`
     /// until the manifests were first listed.
-    holders: Arc<std::sync::RwLock<Option<HashMap<String, String>>>>,
+    holders: Arc<std::sync::RwLock<Option<Holders>>>,
+}
+
+/// The team of every sandbox that holds room, and how many each team holds (kept together,
+/// so a create's count is a lookup, not a walk over the cluster's sandboxes).
+#[derive(Default)]
+struct Holders {
+    team_of: HashMap<String, String>,
+    held: HashMap<String, usize>,
+}
+
+impl Holders {
+    /// Sandbox `id` holds room for `team`, or for nobody.
+    fn set(&mut self, id: &str, team: Option<&str>) {
+        if let Some(old) = self.team_of.remove(id) {
+            if let Some(n) = self.held.get_mut(&old) {
+                *n -= 1;
+                if *n == 0 {
+                    self.held.remove(&old);
+                }
+            }
+        }
+        if let Some(team) = team {
+            self.team_of.insert(id.to_string(), team.to_string());
+            *self.held.entry(team.to_string()).or_default() += 1;
+        }
+    }
+
+    /// What `team` holds, leaving out the sandboxes of `except`.
+    fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> usize {
+        let excepted = except
+            .iter()
+            .filter(|id| self.team_of.get(*id).is_some_and(|t| t == team))
+            .count();
+        self.held.get(team).copied().unwrap_or(0) - excepted
+    }
 }
 
 /// The team a manifest holds room for: not a pooled one (nobody's), not a hibernated one (its
@@ -90,13 +125,7 @@ impl Routes {
     /// started knows nobody's count yet).
     pub fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> Option<usize> {
         let holders = self.holders.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Some(
-            holders
-                .as_ref()?
-                .iter()
-                .filter(|(id, t)| t.as_str() == team && !except.contains(*id))
-                .count(),
-        )
+        Some(holders.as_ref()?.held_by(team, except))
     }
 
     fn note_holder(&self, id: &str, doc: Option<&SandboxDoc>) {
@@ -104,10 +133,7 @@ impl Routes {
         let Some(holders) = holders.as_mut() else {
             return;
         };
-        match doc.and_then(holder_of) {
-            Some(team) => holders.insert(id.to_string(), team.to_string()),
-            None => holders.remove(id),
-        };
+        holders.set(id, doc.and_then(holder_of));
     }
 
     /// Manifest `id` as the watch last delivered it, if it carries a pool's mark. A miss says
@@ -147,14 +173,12 @@ impl Routes {
                         table.clear();
                         routes.pooled_mut().clear();
                         // Built whole, then swapped in: a count is never read half-listed.
-                        let mut holders = HashMap::new();
+                        let mut holders = Holders::default();
                         for d in docs {
                             if let Some(r) = route_of(&d.value, &routes.tokens) {
                                 table.insert(d.value.sandbox_id.clone(), r);
                             }
-                            if let Some(team) = holder_of(&d.value) {
-                                holders.insert(d.value.sandbox_id.clone(), team.to_string());
-                            }
+                            holders.set(&d.value.sandbox_id, holder_of(&d.value));
                             routes.note_pooled(d);
                         }
                         *routes
@@ -287,5 +311,36 @@ struct Wake<'a>(&'a tokio::sync::Notify);
 impl Drop for Wake<'_> {
     fn drop(&mut self) {
         self.0.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_teams_count_follows_its_sandboxes_through_every_change() {
+        let mut holders = Holders::default();
+        holders.set("s1", Some("a"));
+        holders.set("s2", Some("a"));
+        holders.set("s3", Some("b"));
+        let none = std::collections::HashSet::new();
+        assert_eq!((holders.held_by("a", &none), holders.held_by("b", &none)), (2, 1));
+        // Written again (running after creating): still one.
+        holders.set("s1", Some("a"));
+        assert_eq!(holders.held_by("a", &none), 2);
+        // A pool claim: nobody's, then a team's.
+        holders.set("p1", None);
+        holders.set("p1", Some("b"));
+        assert_eq!(holders.held_by("b", &none), 2);
+        // Hibernated or deleted: no room held.
+        holders.set("s2", None);
+        assert_eq!(holders.held_by("a", &none), 1);
+        let under_way: std::collections::HashSet<String> = ["s1".to_string(), "s3".to_string()].into();
+        assert_eq!(
+            (holders.held_by("a", &under_way), holders.held_by("b", &under_way)),
+            (0, 1)
+        );
+        assert_eq!(holders.held_by("nobody", &none), 0);
     }
 }
