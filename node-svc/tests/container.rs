@@ -2660,8 +2660,18 @@ async fn a_local_user_reads_sandboxes_command_lines_only_where_the_node_says_so(
         .any(|d| d.contains("hidepid"));
     // The bracket keeps the search's own command line from matching itself.
     let search = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'tenant-secret-[4]711'";
-    let found = as_nobody(search);
-    let count: u32 = String::from_utf8_lossy(&found.stdout).trim().parse().unwrap_or(0);
+    let count =
+        |output: std::process::Output| -> u32 { String::from_utf8_lossy(&output.stdout).trim().parse().unwrap_or(0) };
+    // The host's root sees every process: the tenant's is there before nobody looks.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while count(std::process::Command::new("sh").args(["-c", search]).output().unwrap()) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tenant's process never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let count = count(as_nobody(search));
     assert_eq!(
         count > 0,
         says_exposed,
