@@ -124,16 +124,13 @@ impl Routes {
     /// out those of `except`; `None` before the manifests were first listed (a gateway just
     /// started knows nobody's count yet).
     pub fn held_by(&self, team: &str, except: &std::collections::HashSet<String>) -> Option<usize> {
-        let holders = self.holders.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Some(holders.as_ref()?.held_by(team, except))
+        Some(self.holders().as_ref()?.held_by(team, except))
     }
 
     fn note_holder(&self, id: &str, doc: Option<&SandboxDoc>) {
-        let mut holders = self.holders.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(holders) = holders.as_mut() else {
-            return;
-        };
-        holders.set(id, doc.and_then(holder_of));
+        if let Some(holders) = self.holders_mut().as_mut() {
+            holders.set(id, doc.and_then(holder_of));
+        }
     }
 
     /// Manifest `id` as the watch last delivered it, if it carries a pool's mark. A miss says
@@ -148,6 +145,14 @@ impl Routes {
 
     fn pooled_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<Versioned<SandboxDoc>>>> {
         self.pooled.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn holders(&self) -> std::sync::RwLockReadGuard<'_, Option<Holders>> {
+        self.holders.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn holders_mut(&self) -> std::sync::RwLockWriteGuard<'_, Option<Holders>> {
+        self.holders.write().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Keeps `doc` among the pooled manifests while it carries a pool's mark.
@@ -181,10 +186,7 @@ impl Routes {
                             holders.set(&d.value.sandbox_id, holder_of(&d.value));
                             routes.note_pooled(d);
                         }
-                        *routes
-                            .holders
-                            .write()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(holders);
+                        *routes.holders_mut() = Some(holders);
                         routes.changed.notify_waiters();
                         backoff = common::retry::backoff(std::time::Duration::from_millis(100), pause);
                         revision + 1
@@ -251,12 +253,7 @@ impl Routes {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let changed = self.changed();
-            if self
-                .holders
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .is_some()
-            {
+            if self.holders().is_some() {
                 return true;
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {

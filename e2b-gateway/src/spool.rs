@@ -21,14 +21,11 @@ pub async fn private_dir(dir: &Path) -> io::Result<()> {
         let me = rustix::process::geteuid().as_raw();
         unreplaceable_above(&owned, me)?;
         if !meta.is_dir() || meta.uid() != me {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{} is not a folder of this gateway's user (uid {me}) but uid {}'s: refusing to spool tenants' files there",
-                    owned.display(),
-                    meta.uid()
-                ),
-            ));
+            return Err(refused(format!(
+                "{} is not a folder of this gateway's user (uid {me}) but uid {}'s",
+                owned.display(),
+                meta.uid()
+            )));
         }
         std::fs::set_permissions(&owned, std::fs::Permissions::from_mode(0o700))
     })
@@ -46,19 +43,24 @@ fn unreplaceable_above(dir: &Path, me: u32) -> io::Result<()> {
         let sticky = meta.mode() & 0o1000 != 0;
         let others_write = meta.mode() & 0o022 != 0;
         if (meta.uid() != 0 && meta.uid() != me) || (others_write && !sticky) {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{} is on the way to the spool {} and another user can change it (owner uid {}, mode {:o}): refusing to spool tenants' files there",
-                    above.display(),
-                    dir.display(),
-                    meta.uid(),
-                    meta.mode() & 0o7777
-                ),
-            ));
+            return Err(refused(format!(
+                "{} is on the way to the spool {} and another user can change it (owner uid {}, mode {:o})",
+                above.display(),
+                dir.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            )));
         }
     }
     Ok(())
+}
+
+/// A spool refused for `why`.
+fn refused(why: String) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!("{why}: refusing to spool tenants' files there"),
+    )
 }
 
 /// A new file at `path` (never an existing one), readable and writable by this user alone.

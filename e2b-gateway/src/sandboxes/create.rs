@@ -344,7 +344,7 @@ impl Sandboxes {
             // sandbox there: it is undone before another node is tried, or two copies would
             // run (the orphan sweep is the backstop when the node cannot be reached now).
             if may_have_landed(status) {
-                self.undo_create(&mut node, doc, attempt).await;
+                undo_attempt(&mut node, doc, attempt).await;
             }
         }
         created.map_err(|s| match s.code() {
@@ -363,28 +363,9 @@ impl Sandboxes {
         match self.nodes.envd(&placed.node_id, &placed.node_address).await {
             Ok(envd) => Ok(envd),
             Err(err) => {
-                self.undo_create(&mut node, doc, attempt).await;
+                undo_attempt(&mut node, doc, attempt).await;
                 Err(err)
             }
-        }
-    }
-
-    /// Kills what create attempt `attempt` may have started on `node` (kills are idempotent:
-    /// "not there" is done). A failure is logged: the orphan sweep ends a copy left so.
-    async fn undo_create(&self, node: &mut NodeClient<TracedChannel>, doc: &SandboxDoc, attempt: usize) {
-        let mut request = tonic::Request::new(node_pb::LifecycleRequest {
-            operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
-            epoch: doc.epoch,
-            sandbox_id: doc.sandbox_id.clone(),
-        });
-        // The call before it just broke: a node that now takes the connection and never
-        // answers must not hold the create (and every other node it could try) with it.
-        request.set_timeout(UNDO_PATIENCE);
-        let undone = node.kill(request).await;
-        match undone {
-            Ok(_) => tracing::info!(attempt, "undid a create attempt that may have started the sandbox"),
-            Err(status) if status.code() == tonic::Code::NotFound => {}
-            Err(status) => tracing::warn!(%status, attempt, "could not undo a create attempt; the orphan sweep will"),
         }
     }
 
@@ -419,6 +400,25 @@ impl Sandboxes {
         if let Err(status) = removed {
             tracing::warn!(sandbox_id = %doc.sandbox_id, %status, "placement did not hear of the kill");
         }
+    }
+}
+
+/// Kills what create attempt `attempt` may have started on `node` (kills are idempotent:
+/// "not there" is done). A failure is logged: the orphan sweep ends a copy left so.
+async fn undo_attempt(node: &mut NodeClient<TracedChannel>, doc: &SandboxDoc, attempt: usize) {
+    let mut request = tonic::Request::new(node_pb::LifecycleRequest {
+        operation_id: format!("undo-{}-{attempt}", doc.sandbox_id),
+        epoch: doc.epoch,
+        sandbox_id: doc.sandbox_id.clone(),
+    });
+    // The call before it just broke: a node that now takes the connection and never
+    // answers must not hold the create (and every other node it could try) with it.
+    request.set_timeout(UNDO_PATIENCE);
+    let undone = node.kill(request).await;
+    match undone {
+        Ok(_) => tracing::info!(attempt, "undid a create attempt that may have started the sandbox"),
+        Err(status) if status.code() == tonic::Code::NotFound => {}
+        Err(status) => tracing::warn!(%status, attempt, "could not undo a create attempt; the orphan sweep will"),
     }
 }
 
