@@ -217,3 +217,69 @@ async fn a_team_cannot_take_the_clusters_template_names() {
     assert_eq!(status, 403, "{answer}");
     s.stop().await;
 }
+
+/// A gzip tar of symlinks, as a tenant can craft one: each `(name, target)` a link.
+fn links(entries: &[(&str, &str)]) -> Vec<u8> {
+    let mut tar = tar::Builder::new(Vec::new());
+    for (name, target) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        tar.append_link(&mut header, name, target).unwrap();
+    }
+    let raw = tar.into_inner().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &raw).unwrap();
+    gz.finish().unwrap()
+}
+
+/// A COPY step's archive is the tenant's: a link in it to a host folder (absolute, or
+/// relative out of the unpacked archive) must not let the step's source name the host's
+/// files, which the node (as root) would move into the tenant's template. The build fails,
+/// and the host's file stays where it was.
+#[tokio::test]
+async fn a_copy_step_never_reaches_the_host_through_the_archives_links() {
+    let s = support::stack(4096).await;
+    let victim = std::env::temp_dir().join(format!("copy-victim-{}", std::process::id()));
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("secret.txt"), "the host's").unwrap();
+    let depth = "../".repeat(32);
+    let relative = format!("{depth}{}", victim.display().to_string().trim_start_matches('/'));
+    let hash = "cd".repeat(32);
+    for (i, through) in ["abs/secret.txt", "rel/secret.txt", "abs"].iter().enumerate() {
+        let body = format!(r#"{{"name": "sneaky-{i}", "cpuCount": 1, "memoryMB": 256}}"#);
+        let (status, made) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;
+        assert_eq!(status, 202, "{made}");
+        let (template, build) = (made["templateID"].as_str().unwrap(), made["buildID"].as_str().unwrap());
+        let (_, link) = s
+            .call("GET", &format!("/templates/{template}/files/{hash}"), Some("key-a"), None)
+            .await;
+        if link["present"] == false {
+            let url = link["url"].as_str().unwrap();
+            let archive = links(&[("abs", victim.to_str().unwrap()), ("rel", &relative)]);
+            let stored = reqwest::Client::new().put(url).body(archive).send().await.unwrap();
+            assert_eq!(stored.status(), 201);
+        }
+        let steps = serde_json::json!({
+            "fromTemplate": "base",
+            "steps": [{"type": "COPY", "args": [format!("{through}/"), "/home/user/", "", ""], "filesHash": hash, "force": false}],
+        })
+        .to_string();
+        let start = format!("/v2/templates/{template}/builds/{build}");
+        assert_eq!(s.call("POST", &start, Some("key-a"), Some(&steps)).await.0, 202);
+        let done = wait_for_build(&s, template, build).await;
+        if *through == "abs" {
+            // The link itself is what is copied: the build may succeed, moving nothing.
+            assert!(victim.join("secret.txt").is_file(), "{through}: {done}");
+            continue;
+        }
+        assert_eq!(done["status"], "error", "{through}: {done}");
+        assert!(
+            victim.join("secret.txt").is_file(),
+            "{through}: the host's file was moved into the template"
+        );
+    }
+    std::fs::remove_dir_all(&victim).unwrap();
+    s.stop().await;
+}

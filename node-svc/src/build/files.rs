@@ -126,6 +126,33 @@ pub fn new_layer_dir(dir: &Path, root_id: u32) -> io::Result<()> {
     chown(dir, Some(root_id), Some(root_id))
 }
 
+/// `relative` (a lexically clean path, as [`super::steps::in_sandbox`] makes) under `root`,
+/// through real directories only: the archive a COPY step unpacks is the tenant's, and may
+/// hold a symlink such as `x -> /`, through which `x/etc` would name the host's own `/etc`
+/// for the root-owned moves that follow. The last component is not followed either: a
+/// symlink there is copied as the symlink it is.
+///
+/// Nothing but the build itself writes below `root` (the host's scratch folder, after the
+/// archive is unpacked), so what is checked here stays as it was checked.
+pub fn beneath(root: &Path, relative: &Path) -> io::Result<PathBuf> {
+    let mut here = root.to_path_buf();
+    let mut components = relative.components().peekable();
+    while let Some(component) = components.next() {
+        let std::path::Component::Normal(name) = component else {
+            return Err(io::Error::other(format!("{} is not a plain relative path", relative.display())));
+        };
+        here.push(name);
+        let meta = std::fs::symlink_metadata(&here)?;
+        if components.peek().is_some() && !meta.is_dir() {
+            return Err(io::Error::other(format!(
+                "/{} passes through a file or a symlink, which a build does not follow",
+                relative.display()
+            )));
+        }
+    }
+    Ok(here)
+}
+
 /// Moves `from` (something extracted from a COPY archive) to `to` inside the layer, replacing
 /// what is there.
 pub fn place(from: &Path, to: &Path) -> io::Result<()> {
@@ -176,6 +203,39 @@ mod tests {
         // A symlink below is never followed.
         assert!(make_dirs(&upper, &stack, Path::new("link/x"), (0, 0)).is_err());
         assert!(!upper.join("link").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_copy_source_never_passes_through_a_symlink_of_the_archive() {
+        let dir = scratch("beneath");
+        let (extracted, host) = (dir.join("extracted"), dir.join("host"));
+        std::fs::create_dir_all(extracted.join("app/src")).unwrap();
+        std::fs::write(extracted.join("app/src/main.py"), "print(1)").unwrap();
+        std::fs::create_dir_all(host.join("etc")).unwrap();
+        std::fs::write(host.join("etc/shadow"), "root:secret").unwrap();
+        // What a crafted archive unpacks to: links to the host, absolute and relative.
+        std::os::unix::fs::symlink(&host, extracted.join("abs")).unwrap();
+        std::os::unix::fs::symlink("../host", extracted.join("rel")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", extracted.join("app/link")).unwrap();
+        assert_eq!(
+            beneath(&extracted, Path::new("app/src/main.py")).unwrap(),
+            extracted.join("app/src/main.py")
+        );
+        for through in ["abs/etc/shadow", "abs/etc", "rel/etc/shadow", "rel/etc", "app/link/x"] {
+            assert!(beneath(&extracted, Path::new(through)).is_err(), "{through} was followed");
+        }
+        // The link itself, last on the path, is what is copied (as a link).
+        assert_eq!(beneath(&extracted, Path::new("app/link")).unwrap(), extracted.join("app/link"));
+        assert!(beneath(&extracted, Path::new("missing")).is_err());
+        assert!(beneath(&extracted, Path::new("/etc")).is_err(), "not relative");
+        assert!(beneath(&extracted, Path::new("app/../abs")).is_err(), "not clean");
+        // Placing what was found moves the archive's own file and nothing of the host's.
+        let layer = dir.join("layer");
+        std::fs::create_dir_all(&layer).unwrap();
+        place(&beneath(&extracted, Path::new("app/src")).unwrap(), &layer.join("src")).unwrap();
+        assert!(layer.join("src/main.py").is_file());
+        assert_eq!(std::fs::read_to_string(host.join("etc/shadow")).unwrap(), "root:secret");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

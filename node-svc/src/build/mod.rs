@@ -480,9 +480,14 @@ impl Build {
                         max_bytes,
                     )
                     .map_err(std::io::Error::other)?;
-                    let source = extracted.join(steps::in_sandbox(&src, "/"));
-                    let is_dir = std::fs::symlink_metadata(&source)
-                        .map_err(|_| std::io::Error::other(format!("{src:?} is not in the uploaded files")))?;
+                    let source = files::beneath(&extracted, &steps::in_sandbox(&src, "/")).map_err(|e| {
+                        if e.kind() == std::io::ErrorKind::NotFound {
+                            std::io::Error::other(format!("{src:?} is not in the uploaded files"))
+                        } else {
+                            std::io::Error::other(format!("{src:?}: {e}"))
+                        }
+                    })?;
+                    let is_dir = std::fs::symlink_metadata(&source)?;
                     match steps::placement(is_dir.is_dir(), &src, &dest, &workdir) {
                         steps::Placement::File(to) => {
                             if let Some(parent) = to.parent() {
