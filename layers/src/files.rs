@@ -66,7 +66,7 @@ pub fn extract_files_within(
 
 fn extract_tar<R: Read>(reader: R, dest: &Path, owner: (u32, u32), mode: Option<u32>) -> Result<u64, FilesError> {
     let mut tree = Tree::open(dest, Policy::Copy, (owner.0, owner.1, mode.unwrap_or(0o755) & 0o7777))?;
-    let mut archive = tar::Archive::new(reader);
+    let mut archive = tar::Archive::new(crate::headers::HeaderGuard::new(reader));
     let mut written = 0;
     for entry in archive.entries()? {
         let mut entry = entry?;

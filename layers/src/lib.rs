@@ -14,6 +14,8 @@
 //! * [`pack`] turns the upper directory of a build step into a layer blob ([`pack::pack_layer`]).
 //! * [`files`] extracts a user-supplied archive for COPY-like build steps
 //!   ([`files::extract_files`]).
+//! * [`headers`] bounds what an archive's own descriptions of its entries (long names, PAX
+//!   headers) may make a reader hold in memory; every archive read here passes through it.
 //!
 //! All content is untrusted: images come from anywhere and upper directories are written by
 //! code running as root inside a container. Extraction therefore works on directory file
@@ -22,6 +24,7 @@
 
 pub mod digest;
 pub mod files;
+pub mod headers;
 pub mod pack;
 mod safefs;
 pub mod unpack;

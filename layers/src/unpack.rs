@@ -182,7 +182,7 @@ pub fn unpack_archive(reader: impl Read, dest: &Path, rules: Rules) -> Result<Un
         Rules::Snapshot => (0, 0, 0o755),
     };
     let mut tree = Tree::open(dest, Policy::Layer, implicit)?;
-    let mut archive = tar::Archive::new(reader);
+    let mut archive = tar::Archive::new(crate::headers::HeaderGuard::new(reader));
     let mut stats = UnpackStats::default();
     for entry in archive.entries()? {
         apply_entry(&mut tree, &mut entry?, rules, &mut stats)?;
