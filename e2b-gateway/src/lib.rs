@@ -11,6 +11,7 @@
 //! traffic; [`server`] wires them.
 
 pub mod api;
+pub mod edge_headers;
 pub mod error;
 pub mod ids;
 pub mod intent;

@@ -13,6 +13,7 @@
 
 use std::sync::Arc;
 
+use crate::edge_headers::{self, Door};
 use crate::routes::{Route, Routes, HOLD_DURING_MOVE};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -107,11 +108,13 @@ impl Proxy {
                 }
             }
             Err(err) => {
+                // The caller may be anyone the sandbox's port is public to: why it failed
+                // (the ledger's, a node's or the owner team's limit) is the operator's to read.
                 tracing::warn!(sandbox_id = %id, %err, "auto-resume failed");
                 Err(sandbox_error(
                     StatusCode::BAD_GATEWAY,
                     id,
-                    &format!("The sandbox is paused and could not be resumed: {err}"),
+                    "The sandbox is paused and could not be resumed; try again later",
                 ))
             }
         }
@@ -164,6 +167,15 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
         tracing::info!(sandbox_id = %id, why = ?denied, "envd request refused");
         return sandbox_error(StatusCode::UNAUTHORIZED, &id, denied.message());
     }
+    // `/health` is open to anyone, so it must not wake a paused sandbox (which would keep it
+    // running, and its owner paying, for whoever knows its ID): only a caller showing the
+    // sandbox's token does, and to anyone else a sandbox that is not running is not there.
+    if !route.running
+        && presented.path == access::HEALTH_PATH
+        && !access::shows_token(route.access_token.as_deref(), presented.token)
+    {
+        return sandbox_error(StatusCode::BAD_GATEWAY, &id, "The sandbox was not found");
+    }
     let route = match proxy.running(&id, route).await {
         Ok(route) => route,
         Err(response) => return response,
@@ -176,7 +188,11 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
     };
     let mut outbound = Request::builder().method(parts.method.clone()).uri(uri);
     for (name, value) in &parts.headers {
-        if name == "host" || name == headers::SANDBOX_ID || HOP_BY_HOP.contains(&name.as_str()) {
+        if name == "host"
+            || name == headers::SANDBOX_ID
+            || HOP_BY_HOP.contains(&name.as_str())
+            || !edge_headers::passes(name.as_str(), Door::Envd)
+        {
             continue;
         }
         outbound = outbound.header(name, value);
@@ -197,6 +213,7 @@ pub async fn forward(State(proxy): State<Proxy>, target: Target, request: Reques
             for name in HOP_BY_HOP {
                 head.headers.remove(name);
             }
+            edge_headers::host_only_cookies(&mut head.headers);
             Response::from_parts(head, Body::new(body))
         }
         Err(err) => {
@@ -228,6 +245,7 @@ async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: 
     };
     request.headers_mut().insert(headers::SANDBOX_ID, sandbox);
     request.headers_mut().insert(headers::SANDBOX_PORT, port);
+    edge_headers::strip_credentials(request.headers_mut(), Door::Port);
     if !common::relay::is_upgrade(request.headers()) {
         return to_port_pooled(proxy, id, &route, request).await;
     }
@@ -239,7 +257,10 @@ async fn to_port(proxy: &Proxy, id: &str, port: u16, route: Route, mut request: 
         }
     };
     match common::relay::relay(stream, request, &[]).await {
-        Ok(response) => response,
+        Ok(mut response) => {
+            edge_headers::host_only_cookies(response.headers_mut());
+            response
+        }
         Err(err) => {
             tracing::warn!(sandbox_id = %id, %err, "port proxy: node did not answer");
             sandbox_error(StatusCode::BAD_GATEWAY, id, "The sandbox's node did not answer")
@@ -261,6 +282,7 @@ async fn to_port_pooled(proxy: &Proxy, id: &str, route: &Route, mut request: Req
         Ok(answer) => {
             let mut answer = answer.map(Body::new);
             common::relay::prepare_answer(&mut answer);
+            edge_headers::host_only_cookies(answer.headers_mut());
             answer
         }
         Err(err) => {

@@ -709,6 +709,23 @@ async fn a_paused_sandbox_outlives_its_timeout_and_traffic_resumes_it_when_asked
         .await
         .unwrap();
     assert_eq!(told.status().as_u16(), 502);
+    // envd's `/health` is open to anyone who knows the ID (a public port's URL holds it):
+    // without the sandbox's token it wakes nothing, and says no more than for a sandbox
+    // that does not exist.
+    for token in [None, Some("not-the-token")] {
+        let mut health = reqwest::Client::new()
+            .get(format!("{}/health", s.url()))
+            .header("E2b-Sandbox-Id", &auto);
+        if let Some(token) = token {
+            health = health.header("X-Access-Token", token);
+        }
+        let health = health.send().await.unwrap();
+        assert_eq!(health.status().as_u16(), 502);
+        let body: serde_json::Value = health.json().await.unwrap();
+        assert_eq!(body["message"], "The sandbox was not found", "{body}");
+        let (_, d) = s.call("GET", &format!("/sandboxes/{auto}"), Some("key-a"), None).await;
+        assert_eq!(d["state"], "paused", "an unauthenticated /health woke the sandbox: {d}");
+    }
     let woken = envs(&auto, auto_doc["envdAccessToken"].as_str().unwrap())
         .await
         .unwrap();

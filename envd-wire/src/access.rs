@@ -168,6 +168,15 @@ pub fn authorize(expected: Option<&str>, presented: &Presented<'_>, now: u64) ->
     }
 }
 
+/// Whether `presented` is the sandbox's token `expected` (compared in constant time); never
+/// for a sandbox without one.
+pub fn shows_token(expected: Option<&str>, presented: Option<&[u8]>) -> bool {
+    match (expected.filter(|t| !t.is_empty()), presented) {
+        (Some(expected), Some(given)) => same_secret(given, expected.as_bytes()),
+        _ => false,
+    }
+}
+
 /// Whether two secrets are equal, compared in constant time (no early exit an attacker could
 /// time).
 pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
@@ -191,6 +200,15 @@ pub fn authorize_traffic(expected: Option<&str>, presented: Option<&[u8]>) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_sandboxs_own_token_shows_it() {
+        assert!(shows_token(Some("t0k"), Some(b"t0k")));
+        assert!(!shows_token(Some("t0k"), Some(b"t0K")));
+        assert!(!shows_token(Some("t0k"), None));
+        assert!(!shows_token(None, Some(b"")));
+        assert!(!shows_token(Some(""), Some(b"")));
+    }
 
     #[test]
     fn ports_are_public_unless_the_sandbox_has_a_traffic_token() {

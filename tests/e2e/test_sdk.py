@@ -142,6 +142,49 @@ def test_a_sandboxs_port_through_the_gateway(stack):
         private.kill()
 
 
+COOKIE_SERVER = r"""
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200)
+        host = self.headers.get("Host", "")
+        self.send_header("Set-Cookie", "tossed=1; Domain=%s; Path=/" % host.partition(".")[2])
+        self.send_header("Set-Cookie", "own=1; Path=/; HttpOnly")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8001), H).serve_forever()
+"""
+
+
+def test_a_sandboxs_port_cannot_reach_other_tenants_or_the_platforms_credentials(stack):
+    """Every sandbox's ports share one domain: a tenant's server setting a cookie for that
+    whole domain (to plant it on every other tenant's host) has it kept to its own host; the
+    operators' admin token a caller sends never reaches the sandbox (a header of the tenant's
+    own, such as X-API-Key, does)."""
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/home/user/server.py", COOKIE_SERVER)
+        sbx.commands.run("python3 /home/user/server.py", background=True)
+        sbx.commands.run(
+            "for i in $(seq 100); do python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8001))\" "
+            "2>/dev/null && exit 0; sleep 0.05; done; exit 1"
+        )
+        r = httpx.get(
+            stack["E2B_SANDBOX_URL"] + "/",
+            headers={"Host": sbx.get_host(8001), "X-Admin-Token": "operators-secret", "X-API-Key": "app-key"},
+        )
+        assert r.status_code == 200, r.text
+        cookies = r.headers.get_list("set-cookie")
+        assert cookies == ["tossed=1; Path=/", "own=1; Path=/; HttpOnly"], cookies
+        seen = r.json()
+        assert "x-admin-token" not in seen, seen
+        assert seen.get("x-api-key") == "app-key", seen
+    finally:
+        sbx.kill()
+
+
 def test_the_sdk_error_paths(stack):
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="e2b_not_a_key")
