@@ -252,8 +252,10 @@ fn shell(page: &str, title: &str, initial: &Value) -> Html<String> {
 }
 
 /// A page for an operator, or the login form for anyone else.
-fn guarded(c: &Console, headers: &HeaderMap, render: impl FnOnce() -> Html<String>) -> Response {
-    match c.sessions.check(headers) {
+/// A page for operators only: anyone else is sent to sign in, a wrong token's answer held
+/// back as the API's is (a page would otherwise be a guessing route without the wait).
+async fn guarded(c: &Console, headers: &HeaderMap, render: impl FnOnce() -> Html<String>) -> Response {
+    match c.operator(headers).await {
         Ok(_) => render().into_response(),
         Err(_) => Redirect::to("/console/login").into_response(),
     }
@@ -267,6 +269,7 @@ async fn page_cluster(State(c): State<Console>, headers: HeaderMap) -> Response 
             .unwrap_or(Value::Null);
         shell("cluster", "Cluster", &snapshot)
     })
+    .await
 }
 
 async fn page_sandboxes(State(c): State<Console>, headers: HeaderMap) -> Response {
@@ -277,16 +280,18 @@ async fn page_sandboxes(State(c): State<Console>, headers: HeaderMap) -> Respons
             .unwrap_or(Value::Null);
         shell("sandboxes", "Sandboxes", &first)
     })
+    .await
 }
 
 async fn page_sandbox(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     guarded(&c, &headers, || {
         shell("sandbox", &format!("Sandbox {id}"), &json!({ "sandboxId": id }))
     })
+    .await
 }
 
 async fn page_balance(State(c): State<Console>, headers: HeaderMap) -> Response {
-    guarded(&c, &headers, || shell("balance", "Balance", &Value::Null))
+    guarded(&c, &headers, || shell("balance", "Balance", &Value::Null)).await
 }
 
 async fn page_templates(State(c): State<Console>, headers: HeaderMap) -> Response {
@@ -297,12 +302,14 @@ async fn page_templates(State(c): State<Console>, headers: HeaderMap) -> Respons
             .unwrap_or(Value::Null);
         shell("templates", "Templates", &templates)
     })
+    .await
 }
 
 async fn page_build(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     guarded(&c, &headers, || {
         shell("build", &format!("Build {id}"), &json!({ "buildId": id }))
     })
+    .await
 }
 
 fn login_page(status: StatusCode, message: Option<&str>) -> Response {
@@ -359,6 +366,11 @@ async fn login(
 }
 
 async fn logout(State(c): State<Console>, headers: HeaderMap) -> Response {
+    // Another page (a sandbox's, under a shared parent domain, is "same-site") must not sign
+    // the operator out.
+    if let Err(refused) = from_own_page(&c, &headers, false) {
+        return refused.into_response();
+    }
     c.sessions.logout(&headers);
     let mut response = Redirect::to("/console/login").into_response();
     if let Ok(cookie) = HeaderValue::from_str(&session::set_cookie(None, c.secure_cookie)) {
@@ -557,6 +569,14 @@ fn action_body<T: for<'de> Deserialize<'de>>(
     if !json {
         return Err(ConsoleError::BadRequest("an action's body must be JSON".into()));
     }
+    from_own_page(c, headers, *caller == Caller::Token)?;
+    serde_json::from_slice(body).map_err(|e| ConsoleError::BadRequest(format!("invalid body: {e}")))
+}
+
+/// Whether a state-changing request comes from the console's own page: an `Origin` naming
+/// the console, or, without one, `Sec-Fetch-Site: same-origin`. A `script` sending the admin
+/// token itself may name no origin (no browser sends that header for another site).
+fn from_own_page(c: &Console, headers: &HeaderMap, script: bool) -> Result<(), ConsoleError> {
     let origin = headers.get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?"));
     let same_site = headers
         .get("sec-fetch-site")
@@ -568,18 +588,18 @@ fn action_body<T: for<'de> Deserialize<'de>>(
             .unwrap_or("");
         c.host_allowed(bare)
     };
-    let allowed = match (origin, caller) {
-        (Some(origin), _) => own(origin),
-        (None, Caller::Session(_)) => same_site,
-        (None, Caller::Token) => true,
+    let allowed = match origin {
+        Some(origin) => own(origin),
+        None => script || same_site,
     };
-    if !allowed {
-        return Err(ConsoleError::BadRequest(format!(
+    if allowed {
+        Ok(())
+    } else {
+        Err(ConsoleError::BadRequest(format!(
             "an action must come from the console's own page, not {}",
             origin.unwrap_or("a page that names no origin")
-        )));
+        )))
     }
-    serde_json::from_slice(body).map_err(|e| ConsoleError::BadRequest(format!("invalid body: {e}")))
 }
 
 #[derive(Deserialize)]
@@ -761,6 +781,43 @@ mod tests {
             &[("content-type", "text/plain"), ("origin", "http://127.0.0.1:3001")]
         )
         .is_err());
+    }
+
+    #[tokio::test]
+    async fn another_page_cannot_sign_the_operator_out() {
+        let c = console();
+        let id = c.sessions.login("admin_0123456789abcdef").unwrap();
+        let cookie = format!("{}={id}", session::COOKIE);
+        for foreign in [
+            &[
+                ("cookie", cookie.as_str()),
+                ("origin", "http://8000-sbx.sandbox.example"),
+            ][..],
+            &[("cookie", cookie.as_str()), ("sec-fetch-site", "same-site")],
+        ] {
+            let answer = logout(State(c.clone()), headers(foreign)).await;
+            assert_eq!(answer.status(), StatusCode::BAD_REQUEST, "{foreign:?}");
+            assert!(c.sessions.alive(&id), "signed out by {foreign:?}");
+        }
+        let own = [("cookie", cookie.as_str()), ("origin", "http://127.0.0.1:3001")];
+        assert_eq!(
+            logout(State(c.clone()), headers(&own)).await.status(),
+            StatusCode::SEE_OTHER
+        );
+        assert!(!c.sessions.alive(&id));
+    }
+
+    #[tokio::test]
+    async fn a_wrong_token_on_a_page_waits_as_on_the_api() {
+        let c = console();
+        let page = |token: &'static str| page_balance(State(c.clone()), headers(&[("x-admin-token", token)]));
+        let started = std::time::Instant::now();
+        assert_eq!(page("guess_0123456789abcdef").await.status(), StatusCode::SEE_OTHER);
+        assert!(
+            started.elapsed() >= session::GUESS_DELAY,
+            "a page answered a guess at once"
+        );
+        assert_eq!(page("admin_0123456789abcdef").await.status(), StatusCode::OK);
     }
 
     #[test]

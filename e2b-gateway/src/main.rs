@@ -156,12 +156,7 @@ async fn main() -> anyhow::Result<()> {
         claim_ttl: args.claim_ttl,
         security,
         token_key,
-        admin_token: args
-            .admin_token_file
-            .as_deref()
-            .map(common::config::secret_file)
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
+        admin_token: admin_token(args.admin_token_file.as_deref())?,
         code_interpreter: args.code_interpreter,
     })
     .await?;
@@ -169,6 +164,22 @@ async fn main() -> anyhow::Result<()> {
     gateway.stop().await;
     telemetry.shutdown().await;
     Ok(())
+}
+
+/// The operators' admin token from `file`: one short enough to guess is refused (the admin
+/// routes sit on the port every tenant reaches), without echoing it.
+fn admin_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let Some(file) = file else {
+        return Ok(None);
+    };
+    let token = common::config::secret_file(file).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(
+        token.chars().count() >= MIN_API_KEY_CHARS,
+        "the admin token in {} has {} characters, fewer than {MIN_API_KEY_CHARS}: give a secret of your own (openssl rand -hex 20)",
+        file.display(),
+        token.chars().count()
+    );
+    Ok(Some(token))
 }
 
 /// The token key from `file`, or from the certificate directory.
@@ -208,5 +219,23 @@ mod tests {
                 "the key is not echoed: {refused}"
             );
         }
+    }
+
+    #[test]
+    fn a_short_admin_token_is_refused_and_never_echoed() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("gateway-admin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("admin_token");
+        for (token, kept) in [("admin-0123456789abc", true), ("hunter2", false)] {
+            std::fs::write(&file, format!("{token}\n")).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+            match admin_token(Some(&file)) {
+                Ok(read) => assert!(kept && read.as_deref() == Some(token)),
+                Err(refused) => assert!(!kept && !refused.to_string().contains(token), "{refused}"),
+            }
+        }
+        assert!(admin_token(None).unwrap().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

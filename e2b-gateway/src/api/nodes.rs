@@ -26,7 +26,7 @@ pub(super) fn node_json(n: &proto::placement::v1::NodeView) -> Value {
 }
 
 pub async fn nodes(State(g): State<Gateway>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    g.admin(&headers)?;
+    g.admin(&headers).await?;
     let nodes = g.sandboxes.nodes().await?;
     Ok(Json(Value::Array(nodes.iter().map(node_json).collect())))
 }
@@ -36,7 +36,7 @@ pub async fn node(
     headers: HeaderMap,
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
-    g.admin(&headers)?;
+    g.admin(&headers).await?;
     let nodes = g.sandboxes.nodes().await?;
     let node = nodes
         .iter()

@@ -38,9 +38,9 @@ fn pool_json(view: &PoolView) -> Value {
 }
 
 /// The operator when `X-Admin-Token` is given (and right), else the team of `X-API-Key`.
-fn asker(g: &Gateway, headers: &HeaderMap) -> Result<Asker, ApiError> {
+async fn asker(g: &Gateway, headers: &HeaderMap) -> Result<Asker, ApiError> {
     if headers.contains_key("x-admin-token") {
-        g.admin(headers)?;
+        g.admin(headers).await?;
         return Ok(Asker::Operator);
     }
     g.team(headers).map(Asker::Team)
@@ -63,7 +63,7 @@ async fn template(g: &Gateway, asker: &Asker, id: &str) -> Result<common::templa
 }
 
 pub async fn get(State(g): State<Gateway>, headers: HeaderMap, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let asker = asker(&g, &headers)?;
+    let asker = asker(&g, &headers).await?;
     let template = template(&g, &asker, &id).await?;
     let mut view = g.pools.get(&template).await?;
     // Who set it names a team: another team using a public template is not told which.
@@ -79,7 +79,7 @@ pub async fn set(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let asker = asker(&g, &headers)?;
+    let asker = asker(&g, &headers).await?;
     let req: SetPool = json_body(&headers, &body, true)?;
     let template = template(&g, &asker, &id).await?;
     let view = g.pools.set(&asker, &template, req.size).await?;
@@ -87,7 +87,7 @@ pub async fn set(
 }
 
 pub async fn list(State(g): State<Gateway>, headers: HeaderMap) -> Result<Response, ApiError> {
-    g.admin(&headers)?;
+    g.admin(&headers).await?;
     let pools = g.pools.list().await?;
     Ok(Json(pools.iter().map(pool_json).collect::<Vec<_>>()).into_response())
 }
