@@ -104,6 +104,30 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
         .await
         .unwrap();
     assert_eq!(stored.status(), 201);
+    // The same URL again (seen in a log, say), with other files: answered, and dropped (the
+    // build below still finds hello.txt).
+    let replayed = http.put(&url).body(archive("a.txt", "replaced")).send().await.unwrap();
+    assert_eq!(replayed.status(), 201);
+    // A URL past its time, rightly signed for it, opens nothing; nor does moving its time on.
+    let past = common::clock::now_ms() / 1000 - 1;
+    let token = e2b_gateway::templates::files::upload_token("key-a", template, &hash, past);
+    let expired = format!(
+        "{}/templates/{template}/files/{hash}/upload?expires={past}&token={token}",
+        s.url()
+    );
+    let answer = http.put(&expired).body(archive("a.txt", "x")).send().await.unwrap();
+    assert_eq!(answer.status(), 403);
+    assert!(answer.text().await.unwrap().contains("expired"));
+    let moved = expired.replace(&format!("expires={past}"), &format!("expires={}", past + 7200));
+    assert_eq!(
+        http.put(&moved)
+            .body(archive("a.txt", "x"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
     let (_, link) = s
         .call(
             "GET",
@@ -253,7 +277,12 @@ async fn a_copy_step_never_reaches_the_host_through_the_archives_links() {
         assert_eq!(status, 202, "{made}");
         let (template, build) = (made["templateID"].as_str().unwrap(), made["buildID"].as_str().unwrap());
         let (_, link) = s
-            .call("GET", &format!("/templates/{template}/files/{hash}"), Some("key-a"), None)
+            .call(
+                "GET",
+                &format!("/templates/{template}/files/{hash}"),
+                Some("key-a"),
+                None,
+            )
             .await;
         if link["present"] == false {
             let url = link["url"].as_str().unwrap();

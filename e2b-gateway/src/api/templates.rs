@@ -120,9 +120,10 @@ pub async fn file_link(
         .get(axum::http::header::HOST)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("127.0.0.1");
-    let token = files::upload_token(api_key(&headers), &template.value.template_id, &hash);
+    let expires = common::clock::now_ms() / 1000 + files::UPLOAD_URL_TTL_SECS;
+    let token = files::upload_token(api_key(&headers), &template.value.template_id, &hash, expires);
     let url = format!(
-        "http://{host}/templates/{}/files/{hash}/upload?token={token}",
+        "http://{host}/templates/{}/files/{hash}/upload?expires={expires}&token={token}",
         template.value.template_id
     );
     Ok((StatusCode::CREATED, Json(json!({"present": present, "url": url}))).into_response())
@@ -140,6 +141,16 @@ pub async fn upload(
     files::check_hash(&hash).map_err(failure)?;
     let token = query.get("token").map(String::as_str).unwrap_or("");
     let denied = || ApiError::new(StatusCode::FORBIDDEN, "the upload URL is not valid");
+    let expires = query
+        .get("expires")
+        .and_then(|e| e.parse::<u64>().ok())
+        .ok_or_else(denied)?;
+    if common::clock::now_ms() / 1000 > expires {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the upload URL has expired: ask for the file's link again",
+        ));
+    }
     let template = g
         .templates
         .ledger
@@ -152,7 +163,7 @@ pub async fn upload(
         .keys
         .iter()
         .filter(|(_, t)| *t == team)
-        .any(|(key, _)| files::same_token(token, &files::upload_token(key, &template_id, &hash)));
+        .any(|(key, _)| files::same_token(token, &files::upload_token(key, &template_id, &hash, expires)));
     if !signed {
         return Err(denied());
     }

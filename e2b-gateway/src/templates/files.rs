@@ -6,8 +6,11 @@
 //! Per team, because the hash is the client's claim about the content, not something the
 //! gateway can check against the tar: shared across teams, one team could upload anything
 //! under a hash another team's build will use. The upload URL carries a token derived from
-//! the caller's API key, so it needs no header (the SDK sends none) and no one without that
-//! key can write there.
+//! the caller's API key and the time it expires, so it needs no header (the SDK sends none),
+//! no one without that key can write there, and a URL seen later (in a proxy's log, on a
+//! cleartext hop) opens nothing. An archive once stored is never replaced: the SDK uploads
+//! only what is not stored, so a second upload under the same hash is a race between two
+//! builds of the same files, or a replay, and is read and dropped.
 
 use std::sync::Arc;
 
@@ -18,6 +21,9 @@ use crate::sandboxes::Failure;
 
 /// The largest archive accepted (the SDK's build contexts are gzip tars).
 pub const MAX_UPLOAD_BYTES: u64 = 4 << 30;
+
+/// How long an upload URL stays valid: the SDK uploads as soon as it has the URL.
+pub const UPLOAD_URL_TTL_SECS: u64 = 3600;
 
 /// COPY archives in the blob store.
 #[derive(Clone)]
@@ -60,10 +66,11 @@ pub fn key(team: &str, hash: &str) -> Result<Key, Failure> {
     Key::new(format!("files/{team}/{}", hash.to_ascii_lowercase())).map_err(|e| Failure::Internal(e.to_string()))
 }
 
-/// The token an upload URL carries: only the holder of `api_key` can make it.
-pub fn upload_token(api_key: &str, template_id: &str, hash: &str) -> String {
+/// The token an upload URL carries, valid until Unix time `expires`: only the holder of
+/// `api_key` can make it.
+pub fn upload_token(api_key: &str, template_id: &str, hash: &str, expires: u64) -> String {
     let mut h = Sha256::new();
-    for part in ["sandboxsched-upload", api_key, template_id, hash] {
+    for part in ["sandboxsched-upload", api_key, template_id, hash, &expires.to_string()] {
         h.update(part.as_bytes());
         h.update([0]);
     }
@@ -92,6 +99,16 @@ impl Files {
         use futures::StreamExt as _;
         use tokio::io::AsyncWriteExt as _;
         let key = key(team, hash)?;
+        if self.present(team, hash).await? {
+            let read = drain(body).await?;
+            tracing::info!(
+                team,
+                hash,
+                read,
+                "an archive already stored was uploaded again: dropped"
+            );
+            return Ok(read);
+        }
         crate::spool::private_dir(&self.spool)
             .await
             .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
@@ -103,14 +120,7 @@ impl Files {
             let mut stream = body.into_data_stream();
             let mut total = 0u64;
             while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(|e| Failure::Invalid(format!("upload interrupted: {e}")))?;
-                total += chunk.len() as u64;
-                if total > MAX_UPLOAD_BYTES {
-                    return Err(Failure::Invalid(format!(
-                        "the archive exceeds {} GiB",
-                        MAX_UPLOAD_BYTES >> 30
-                    )));
-                }
+                let chunk = counted(chunk, &mut total)?;
                 file.write_all(&chunk)
                     .await
                     .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
@@ -130,6 +140,31 @@ impl Files {
     }
 }
 
+/// A chunk of an upload, counted against [`MAX_UPLOAD_BYTES`].
+fn counted(chunk: Result<axum::body::Bytes, axum::Error>, total: &mut u64) -> Result<axum::body::Bytes, Failure> {
+    let chunk = chunk.map_err(|e| Failure::Invalid(format!("upload interrupted: {e}")))?;
+    *total += chunk.len() as u64;
+    if *total > MAX_UPLOAD_BYTES {
+        return Err(Failure::Invalid(format!(
+            "the archive exceeds {} GiB",
+            MAX_UPLOAD_BYTES >> 30
+        )));
+    }
+    Ok(chunk)
+}
+
+/// Reads an upload to its end and keeps nothing (the client then hears its answer rather
+/// than a connection closed under its body); returns its size.
+async fn drain(body: axum::body::Body) -> Result<u64, Failure> {
+    use futures::StreamExt as _;
+    let mut stream = body.into_data_stream();
+    let mut total = 0u64;
+    while let Some(chunk) = stream.next().await {
+        counted(chunk, &mut total)?;
+    }
+    Ok(total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,9 +177,13 @@ mod tests {
         assert_eq!(key(".public", "00").unwrap().to_string(), "files/_public/00");
         assert!(key("t", "../x").is_err());
         assert!(key("t", "").is_err());
-        let token = upload_token("key", "t1", "00");
-        assert!(same_token(&token, &upload_token("key", "t1", "00")));
-        assert!(!same_token(&token, &upload_token("other", "t1", "00")));
-        assert!(!same_token(&token, &upload_token("key", "t1", "01")));
+        let token = upload_token("key", "t1", "00", 100);
+        assert!(same_token(&token, &upload_token("key", "t1", "00", 100)));
+        assert!(!same_token(&token, &upload_token("other", "t1", "00", 100)));
+        assert!(!same_token(&token, &upload_token("key", "t1", "01", 100)));
+        assert!(
+            !same_token(&token, &upload_token("key", "t1", "00", 101)),
+            "a later expiry"
+        );
     }
 }
