@@ -98,7 +98,10 @@ impl<R> HeaderGuard<R> {
                     *left -= take as u64;
                     bytes = &bytes[take..];
                     if *left == 0 {
-                        if let At::Data { pax: Some((pax, _)), .. } = &self.at {
+                        if let At::Data {
+                            pax: Some((pax, _)), ..
+                        } = &self.at
+                        {
                             self.pax_size = pax_size(pax);
                         }
                         self.at = At::header();
@@ -116,11 +119,7 @@ impl<R> HeaderGuard<R> {
             At::SparseExtension { block, size, .. } => {
                 // Another extension follows while its "is extended" byte is 1.
                 Ok(if block[504] == 1 {
-                    At::SparseExtension {
-                        block,
-                        have: 0,
-                        size,
-                    }
+                    At::SparseExtension { block, have: 0, size }
                 } else {
                     data(size, false)
                 })
@@ -137,8 +136,8 @@ impl<R> HeaderGuard<R> {
                 // The crate reads an `L`, `K` or `x` entry into memory, as the description
                 // of the next, only under a ustar or GNU header; any other entry (a `g` one
                 // included) is handed out as an entry, and ends what a PAX header described.
-                let recognised = (&block[257..263] == b"ustar\0" && &block[263..265] == b"00")
-                    || &block[257..265] == b"ustar  \0";
+                let recognised =
+                    (&block[257..263] == b"ustar\0" && &block[263..265] == b"00") || &block[257..265] == b"ustar  \0";
                 let extension = matches!(kind, b'L' | b'K' | b'x' | b'g');
                 let describes_next = recognised && matches!(kind, b'L' | b'K' | b'x');
                 if extension {
@@ -190,7 +189,11 @@ fn data(size: u64, keep: bool) -> At {
 /// digits up to the first NUL, blanks around them trimmed. `None`: the crate refuses it too.
 fn entry_size(field: &[u8]) -> Option<u64> {
     if field[0] & 0x80 != 0 {
-        return Some(field[field.len() - 8..].iter().fold(0u64, |n, &b| (n << 8) | u64::from(b)));
+        return Some(
+            field[field.len() - 8..]
+                .iter()
+                .fold(0u64, |n, &b| (n << 8) | u64::from(b)),
+        );
     }
     let digits = field.split(|&b| b == 0).next().unwrap_or_default();
     u64::from_str_radix(std::str::from_utf8(digits).ok()?.trim(), 8).ok()
@@ -317,7 +320,11 @@ mod tests {
         assert_eq!(pax_size(b"8 size=1\n"), None, "a record whose length is wrong");
         assert_eq!(pax_size(b"11 size=12\n"), Some(12));
         assert_eq!(pax_size(b"12 path=abc\n11 size=12\n"), Some(12));
-        assert_eq!(pax_size(b"12 path=abc\n\n11 size=12\n"), None, "an empty line ends them");
+        assert_eq!(
+            pax_size(b"12 path=abc\n\n11 size=12\n"),
+            None,
+            "an empty line ends them"
+        );
     }
 
     #[test]

@@ -139,7 +139,10 @@ pub fn beneath(root: &Path, relative: &Path) -> io::Result<PathBuf> {
     let mut components = relative.components().peekable();
     while let Some(component) = components.next() {
         let std::path::Component::Normal(name) = component else {
-            return Err(io::Error::other(format!("{} is not a plain relative path", relative.display())));
+            return Err(io::Error::other(format!(
+                "{} is not a plain relative path",
+                relative.display()
+            )));
         };
         here.push(name);
         let meta = std::fs::symlink_metadata(&here)?;
@@ -223,10 +226,16 @@ mod tests {
             extracted.join("app/src/main.py")
         );
         for through in ["abs/etc/shadow", "abs/etc", "rel/etc/shadow", "rel/etc", "app/link/x"] {
-            assert!(beneath(&extracted, Path::new(through)).is_err(), "{through} was followed");
+            assert!(
+                beneath(&extracted, Path::new(through)).is_err(),
+                "{through} was followed"
+            );
         }
         // The link itself, last on the path, is what is copied (as a link).
-        assert_eq!(beneath(&extracted, Path::new("app/link")).unwrap(), extracted.join("app/link"));
+        assert_eq!(
+            beneath(&extracted, Path::new("app/link")).unwrap(),
+            extracted.join("app/link")
+        );
         assert!(beneath(&extracted, Path::new("missing")).is_err());
         assert!(beneath(&extracted, Path::new("/etc")).is_err(), "not relative");
         assert!(beneath(&extracted, Path::new("app/../abs")).is_err(), "not clean");
