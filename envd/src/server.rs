@@ -95,6 +95,19 @@ impl Envd {
         }
     }
 
+    /// The user a `/files` request acts as (see [`Users::of_file_request`]); hosted, always
+    /// the node's own.
+    fn file_user(&self, headers: &HeaderMap, query: &HashMap<String, String>) -> Result<User, RpcError> {
+        match &self.hosted {
+            Some(_) => self.users.lookup(self.users.default_user()),
+            None => self.users.of_file_request(
+                headers,
+                query.get("username").map(String::as_str),
+                query.contains_key("signature"),
+            ),
+        }
+    }
+
     /// The sandbox's env as it is now (a poisoned lock still holds a whole value: it is only
     /// ever replaced, never edited in place).
     fn sandbox(&self) -> Arc<SandboxEnv> {
@@ -151,14 +164,14 @@ async fn init(State(envd): State<Envd>, body: Bytes) -> Response {
 }
 
 async fn download(State(envd): State<Envd>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
-    match envd.user(&headers, q.get("username").map(String::as_str)) {
+    match envd.file_user(&headers, &q) {
         Ok(user) => files::download(&envd.scope(&user), q.get("path").map(String::as_str)).await,
         Err(err) => files::rest_from_rpc(err),
     }
 }
 
 async fn upload(State(envd): State<Envd>, Query(q): Query<HashMap<String, String>>, request: Request) -> Response {
-    match envd.user(request.headers(), q.get("username").map(String::as_str)) {
+    match envd.file_user(request.headers(), &q) {
         Ok(user) => files::upload(&envd.scope(&user), q.get("path").map(String::as_str), request).await,
         Err(err) => files::rest_from_rpc(err),
     }

@@ -81,6 +81,21 @@ impl Users {
         self.lookup(named.as_deref().unwrap_or(&self.default_user))
     }
 
+    /// The user a `/files` request acts as. A `signed` URL was signed for the `username` in
+    /// its query, or for none: whoever holds it acts as that user or the default one, never
+    /// as one an `Authorization` header they add names (the signature does not cover it).
+    pub fn of_file_request(
+        &self,
+        headers: &HeaderMap,
+        query_user: Option<&str>,
+        signed: bool,
+    ) -> Result<User, RpcError> {
+        if signed {
+            return self.lookup(query_user.filter(|u| !u.is_empty()).unwrap_or(&self.default_user));
+        }
+        self.of_request(headers, query_user)
+    }
+
     /// The account called `name`: by name in the passwd file; as Docker runs an image's
     /// `USER`, a number (`UID` or `UID:GID`) is that passwd entry's account when one has the
     /// uid, else those ids with `/` as home; and `root` is uid 0 even in an image with no
@@ -215,6 +230,15 @@ mod tests {
             users.of_request(&headers, Some("user")).unwrap().uid,
             1000,
             "the query wins"
+        );
+        // A signed URL is for its own user: an added Basic header names no other.
+        assert_eq!(users.of_file_request(&headers, None, true).unwrap().uid, 1000);
+        assert_eq!(users.of_file_request(&headers, Some(""), true).unwrap().uid, 1000);
+        assert_eq!(users.of_file_request(&headers, Some("root"), true).unwrap().uid, 0);
+        assert_eq!(
+            users.of_file_request(&headers, None, false).unwrap().uid,
+            0,
+            "with the token"
         );
         let err = users.lookup("mallory").unwrap_err();
         assert_eq!(err.code, Code::InvalidArgument);
