@@ -65,7 +65,10 @@ pub fn extract_files_within(
 }
 
 fn extract_tar<R: Read>(reader: R, dest: &Path, owner: (u32, u32), mode: Option<u32>) -> Result<u64, FilesError> {
-    let mut tree = Tree::open(dest, Policy::Copy, (owner.0, owner.1, mode.unwrap_or(0o755) & 0o7777))?;
+    // A step's `--chmod` is the tenant's too: no set-id bit from it either (the files go into
+    // a layer on the host as they are).
+    let mode = mode.map(|mode| mode & 0o1777);
+    let mut tree = Tree::open(dest, Policy::Copy, (owner.0, owner.1, mode.unwrap_or(0o755)))?;
     let mut archive = tar::Archive::new(crate::headers::HeaderGuard::new(reader));
     let mut written = 0;
     for entry in archive.entries()? {
@@ -148,6 +151,11 @@ mod tests {
         assert_eq!(meta(&dest.join("app/run.sh")), (0o100640, OWNER.0, OWNER.1));
         assert_eq!(meta(&dest.join("app")), (0o040640, OWNER.0, OWNER.1));
         assert_eq!(meta(&dest.join("deep")).0, 0o040640);
+
+        let dest = s.sub("chmod-setid");
+        extract_files(&context()[..], false, &dest, OWNER, Some(0o6755)).unwrap();
+        assert_eq!(meta(&dest.join("app/run.sh")).0, 0o100755, "--chmod sets no set-id bit");
+        assert_eq!(meta(&dest.join("deep")).0, 0o040755);
     }
 
     #[test]
