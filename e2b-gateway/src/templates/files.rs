@@ -44,26 +44,31 @@ pub fn check_hash(hash: &str) -> Result<(), Failure> {
     }
 }
 
-/// The blob store key of a team's archive (team IDs are the operator's, checked anyway). The
-/// cluster's own built-ins (team "") keep theirs under `.public`, a name no team's ID maps to
-/// (a `.` in one becomes `_`).
+/// The blob store key of a team's archive. Team IDs are the operator's, any text: each
+/// byte outside `[A-Za-z0-9-]` is written `_XX` (its hex), so no two teams share a folder
+/// ("acme.io" and "acme_io" would otherwise both be `acme_io`, and one could place archives
+/// under hashes the other's builds use). A folder that would outgrow a file name is `.h-`
+/// and the ID's SHA-256 instead. The cluster's own built-ins (team "") keep theirs under
+/// `.public`; no team's folder starts with `.` but those.
 pub fn key(team: &str, hash: &str) -> Result<Key, Failure> {
     check_hash(hash)?;
     if team.is_empty() {
         return Key::new(format!("files/.public/{}", hash.to_ascii_lowercase()))
             .map_err(|e| Failure::Internal(e.to_string()));
     }
-    let team: String = team
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
-                b as char
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    Key::new(format!("files/{team}/{}", hash.to_ascii_lowercase())).map_err(|e| Failure::Internal(e.to_string()))
+    let mut folder = String::with_capacity(team.len());
+    for b in team.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' {
+            folder.push(b as char);
+        } else {
+            folder.push_str(&format!("_{b:02x}"));
+        }
+    }
+    if folder.len() > 128 {
+        let digest = Sha256::digest(team.as_bytes());
+        folder = format!(".h-{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    }
+    Key::new(format!("files/{folder}/{}", hash.to_ascii_lowercase())).map_err(|e| Failure::Internal(e.to_string()))
 }
 
 /// The token an upload URL carries, valid until Unix time `expires`: only the holder of
@@ -172,9 +177,15 @@ mod tests {
     #[test]
     fn keys_are_per_team_and_hashes_are_hex() {
         assert_eq!(key("team-a", "ABCDEF01").unwrap().to_string(), "files/team-a/abcdef01");
-        assert_eq!(key("a/../b", "00").unwrap().to_string(), "files/a____b/00");
+        assert_eq!(key("a/../b", "00").unwrap().to_string(), "files/a_2f_2e_2e_2fb/00");
         assert_eq!(key("", "00").unwrap().to_string(), "files/.public/00");
-        assert_eq!(key(".public", "00").unwrap().to_string(), "files/_public/00");
+        assert_eq!(key(".public", "00").unwrap().to_string(), "files/_2epublic/00");
+        // One folder per team, whatever the operator named them.
+        assert_ne!(key("acme.io", "00").unwrap(), key("acme_io", "00").unwrap());
+        assert_eq!(key("acme_io", "00").unwrap().to_string(), "files/acme_5fio/00");
+        let long = key(&"é".repeat(100), "00").unwrap().to_string();
+        assert!(long.starts_with("files/.h-") && long.len() < 100, "{long}");
+        assert_ne!(long, key(&"é".repeat(101), "00").unwrap().to_string());
         assert!(key("t", "../x").is_err());
         assert!(key("t", "").is_err());
         let token = upload_token("key", "t1", "00", 100);
