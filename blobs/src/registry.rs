@@ -8,8 +8,13 @@
 //! `layers/sha256/<hex>` ([`Key::for_layer`]).
 //!
 //! Layers are content-addressed, so a layer the store already holds is not fetched again
-//! (it is counted in [`PulledImage::cached_layers`]): pulling a second image that shares a base
-//! costs only its own layers. A fetched layer is written to a scratch file in the system's
+//! (it is counted in [`PulledImage::cached_layers`]) when it was pulled from the same
+//! repository before: pulling a second image that shares a base costs only its own layers.
+//! From another repository it is fetched and checked once more, as if it were not there: a
+//! manifest may list any digest, and the store holds every team's layers (a private image's,
+//! a build's, a sandbox's snapshot), so a digest alone must not hand a layer to whoever names
+//! it. Its registry has to show it holds those bytes, and only then is the repository noted
+//! beside the layer ([`source_key`]). A fetched layer is written to a scratch file in the system's
 //! temporary directory (`TMPDIR`; it should be on disk, not tmpfs, for big images) while its
 //! sha256 is computed, and reaches the store only when the digest matches the manifest; a
 //! mismatch fails the pull and stores nothing. Up to three layers are fetched at once. Layers are opaque here: gzip, zstd and uncompressed tars are
@@ -478,9 +483,17 @@ impl Pull<'_> {
             size,
             media_type: descriptor.media_type.clone(),
         };
-        if let Some(size) = self.store.exists(&key).await? {
-            tracing::debug!(digest = %descriptor.digest, "layer already stored");
-            return Ok((blob(size), None));
+        let source = source_key(&self.image, &key).map_err(|e| PullError::Unsupported {
+            reference: self.image.whole(),
+            reason: e.to_string(),
+        })?;
+        let stored = self.store.exists(&key).await?;
+        if let Some(size) = stored {
+            if self.store.exists(&source).await?.is_some() {
+                tracing::debug!(digest = %descriptor.digest, "layer already stored");
+                return Ok((blob(size), None));
+            }
+            tracing::debug!(digest = %descriptor.digest, "layer stored, never pulled from this repository: fetched to be checked");
         }
         let stream = self
             .client
@@ -509,10 +522,25 @@ impl Pull<'_> {
             },
             CopyError::Write(e) => PullError::Store(e),
         })?;
-        self.store.put_file(&key, tmp.path()).await?;
+        if stored.is_none() {
+            self.store.put_file(&key, tmp.path()).await?;
+        }
+        self.store.put_bytes(&source, Bytes::new()).await?;
         tracing::debug!(digest = %descriptor.digest, size, "layer stored");
         Ok((blob(size), Some(size)))
     }
+}
+
+/// The mark that layer `layer` (its [`Key::for_layer`]) was pulled from `image`'s repository:
+/// `layers/sources/<sha256 of registry/repository>/<the layer's hex>`.
+pub fn source_key(image: &Reference, layer: &Key) -> Result<Key, BlobError> {
+    let repository = format!("{}/{}", image.resolve_registry(), image.repository());
+    let hashed: String = Sha256::digest(repository.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let hex = layer.as_str().rsplit('/').next().unwrap_or_default();
+    Key::new(format!("layers/sources/{hashed}/{hex}"))
 }
 
 /// Why [`copy_verified`] failed.
@@ -777,6 +805,66 @@ mod tests {
             }
         });
         (port, server)
+    }
+
+    /// A layer the store holds (another team's private layer, say) is not handed to a pull
+    /// from a repository it never came from, whose manifest merely names its digest: that
+    /// registry must serve the bytes, and this one cannot.
+    #[tokio::test]
+    async fn a_stored_layer_is_not_given_to_whoever_names_its_digest() {
+        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
+        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
+        let private = b"another team's private layer".to_vec();
+        let claimed = format!("sha256:{:x}", Sha256::digest(&private));
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": claimed, "size": private.len()}],
+        })
+        .to_string();
+        let (port, server) = fake_registry(move |line| {
+            let ok = "200 OK";
+            if line.contains("/manifests/") {
+                (
+                    ok,
+                    String::new(),
+                    "application/vnd.oci.image.manifest.v1+json",
+                    manifest.clone().into_bytes(),
+                )
+            } else if line.contains(&config_digest) {
+                (ok, String::new(), "application/octet-stream", config.clone())
+            } else if line.contains("/blobs/") {
+                (
+                    "404 Not Found",
+                    String::new(),
+                    "application/json",
+                    br#"{"errors":[{"code":"BLOB_UNKNOWN"}]}"#.to_vec(),
+                )
+            } else {
+                (ok, String::new(), "application/json", b"{}".to_vec())
+            }
+        })
+        .await;
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::LocalDir::new(dir.path()).unwrap();
+        let layer = Key::for_layer(&claimed).unwrap();
+        store.put_bytes(&layer, Bytes::from(private)).await.unwrap();
+        let err = pull_image(&format!("127.0.0.1:{port}/thief:1"), RegistryAuth::Anonymous, &store)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(&claimed), "{err}");
+        // Once the repository it came from is noted, the same pull finds it stored.
+        let image: Reference = format!("127.0.0.1:{port}/thief:1").parse().unwrap();
+        store
+            .put_bytes(&source_key(&image, &layer).unwrap(), Bytes::new())
+            .await
+            .unwrap();
+        let pulled = pull_image(&format!("127.0.0.1:{port}/thief:1"), RegistryAuth::Anonymous, &store)
+            .await
+            .unwrap();
+        assert_eq!(pulled.cached_layers, 1);
+        server.abort();
     }
 
     /// A mismatching layer never reaches the store: the fake registry serves a manifest whose
