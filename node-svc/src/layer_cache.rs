@@ -85,6 +85,39 @@ fn scratch(root: &Path, what: &str) -> PathBuf {
         .join(format!("{what}-{}", uuid::Uuid::new_v4().simple()))
 }
 
+/// Removes what a node that stopped mid-way left in the cache's scratch folder (a fetch, a
+/// build step's files, an eviction): nothing else will, and a tenant's build can leave gigabytes
+/// there. An entry on another file system (a mount) is left alone.
+fn clear_scratch(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt as _;
+    let (Ok(here), Ok(entries)) = (std::fs::metadata(tmp), std::fs::read_dir(tmp)) else {
+        return;
+    };
+    let mut cleared = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.dev() != here.dev() {
+            tracing::warn!(path = %path.display(), "layer scratch: left alone, another file system is mounted there");
+            continue;
+        }
+        let removed = if meta.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) => cleared += 1,
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "layer scratch: cannot remove"),
+        }
+    }
+    if cleared > 0 {
+        tracing::info!(cleared, "layer scratch left by an earlier run removed");
+    }
+}
+
 /// How a layer blob is compressed, from its first bytes (gzip, zstd, or a plain tar).
 fn compression_of(path: &Path) -> std::io::Result<layers::unpack::Compression> {
     use std::io::Read as _;
@@ -99,6 +132,7 @@ fn compression_of(path: &Path) -> std::io::Result<layers::unpack::Compression> {
 
 impl LayerCache {
     pub fn new(root: PathBuf, store: Arc<dyn BlobStore>, max_bytes: u64) -> Self {
+        clear_scratch(&root.join("tmp"));
         Self {
             root,
             store,
@@ -350,6 +384,16 @@ impl LayerCache {
     /// ([`LayerCache::pack`]), the directory itself moved into the cache. `None` (and the
     /// directory removed) when the step changed nothing: no empty layers. Consumes `upper`.
     pub async fn publish(&self, upper: &Path) -> Result<Option<Layer>, LayerError> {
+        // `upper` is consumed whatever happens: a step whose layer cannot be published
+        // (packing refused it, the store failed) leaves nothing behind on the host's disk.
+        let published = self.move_into_cache(upper).await;
+        if published.is_err() {
+            let _ = tokio::fs::remove_dir_all(upper).await;
+        }
+        published
+    }
+
+    async fn move_into_cache(&self, upper: &Path) -> Result<Option<Layer>, LayerError> {
         let publish = |e: String| LayerError::Publish(e);
         if !has_content(upper).map_err(|e| publish(e.to_string()))? {
             let _ = tokio::fs::remove_dir_all(upper).await;
@@ -425,7 +469,11 @@ mod tests {
     fn eviction_takes_the_least_recently_used_and_never_one_in_use() {
         let root = std::env::temp_dir().join(format!("layer-cache-{}", uuid::Uuid::new_v4().simple()));
         let store = blobs::from_url(&root.join("blobs").display().to_string()).unwrap();
+        // What an earlier run left in the scratch folder is gone once the cache opens.
+        std::fs::create_dir_all(root.join("tmp/step-left/deep")).unwrap();
+        std::fs::write(root.join("tmp/blob-left"), b"x").unwrap();
         let cache = LayerCache::new(root.clone(), store, 2048);
+        assert_eq!(std::fs::read_dir(root.join("tmp")).unwrap().count(), 0);
         let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
         for (i, c) in ['a', 'b', 'c'].into_iter().enumerate() {
             let dir = layer_path(&root, &digest(c)).unwrap();
@@ -434,7 +482,6 @@ mod tests {
             let when = std::time::SystemTime::now() - std::time::Duration::from_secs(100 - i as u64);
             std::fs::File::open(&dir).unwrap().set_modified(when).unwrap();
         }
-        std::fs::create_dir_all(root.join("tmp")).unwrap();
         // 3 KiB held, 2 KiB allowed: the oldest goes, unless in use, then the next.
         let in_use = [digest('a')].into_iter().collect();
         assert_eq!(cache.evict(&in_use), vec![digest('b')]);

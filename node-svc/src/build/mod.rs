@@ -202,6 +202,7 @@ impl Build {
         self.finalize(&image).await?;
         image.build_id = self.build_id.clone();
         self.cache.remember(&image);
+        self.host.make_room_for(&image);
         Ok(image)
     }
 

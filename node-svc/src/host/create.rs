@@ -146,18 +146,23 @@ impl Shared {
         metrics::counter!("node_layer_fetches_total").increment(fetched as u64);
         cache.remember(image);
         if fetched > 0 {
-            // Room for what came: the layers of every sandbox here (and this one) stay.
-            let mut in_use: std::collections::HashSet<String> = self
-                .records()
-                .iter()
-                .filter_map(|r| r.image.as_ref())
-                .flat_map(|i| i.layers.iter().map(|l| l.digest.clone()))
-                .collect();
-            in_use.extend(image.layers.iter().map(|l| l.digest.clone()));
-            let cache = cache.clone();
-            tokio::task::spawn_blocking(move || cache.evict(&in_use));
+            self.make_room(cache, image);
         }
         Ok(())
+    }
+
+    /// Evicts layers past the cache's bound, in the background: the layers of every sandbox
+    /// here, and `image`'s, stay.
+    pub(super) fn make_room(&self, cache: &Arc<crate::layer_cache::LayerCache>, image: &common::template::Image) {
+        let mut in_use: std::collections::HashSet<String> = self
+            .records()
+            .iter()
+            .filter_map(|r| r.image.as_ref())
+            .flat_map(|i| i.layers.iter().map(|l| l.digest.clone()))
+            .collect();
+        in_use.extend(image.layers.iter().map(|l| l.digest.clone()));
+        let cache = cache.clone();
+        tokio::task::spawn_blocking(move || cache.evict(&in_use));
     }
 
     /// Waits until the sandbox's template says it is ready: its ready command, run as the

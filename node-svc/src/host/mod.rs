@@ -329,6 +329,14 @@ async fn to_completion<T: Send + 'static>(
 }
 
 impl Host {
+    /// Evicts layers past the layer cache's bound (a build's pulls and steps fill it as
+    /// creates do), keeping every sandbox's here and `image`'s.
+    pub fn make_room_for(&self, image: &common::template::Image) {
+        if let Some(cache) = &self.shared.layers {
+            self.shared.make_room(cache, image);
+        }
+    }
+
     /// Opens the state directory and re-adopts every sandbox it records as running or paused.
     /// `runtime` runs the sandboxes: any [`Runtime`], so tests may wrap a real one.
     pub async fn open(config: HostConfig, runtime: Arc<dyn Runtime>) -> Result<Self, NodeError> {
