@@ -14,7 +14,10 @@
 //!   streamed, verified against its digest and stored once under `layers/sha256/<hex>`, and
 //!   the image config's process settings (`Env`, `User`, `WorkingDir`, `Entrypoint`, `Cmd`)
 //!   are returned for the template builder.
+//! - [`egress`] is the forward proxy a pull can go through, which checks every connection it
+//!   makes (a registry's redirects and token realms included) against where it may go.
 
+pub mod egress;
 pub mod registry;
 pub mod store;
 

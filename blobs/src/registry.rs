@@ -300,7 +300,7 @@ pub fn is_loopback_registry(registry: &str) -> bool {
 
 /// An `oci-client` client for one registry: HTTP on loopback, HTTPS elsewhere, and the
 /// linux/amd64 entry of an index.
-fn client_for(registry: &str) -> Result<Client, OciDistributionError> {
+fn client_for(registry: &str, proxy: Option<&str>) -> Result<Client, OciDistributionError> {
     let protocol = if is_loopback_registry(registry) {
         ClientProtocol::HttpsExcept(vec![registry.to_string()])
     } else {
@@ -311,6 +311,8 @@ fn client_for(registry: &str) -> Result<Client, OciDistributionError> {
         platform_resolver: Some(Box::new(linux_amd64_resolver)),
         connect_timeout: Some(Duration::from_secs(10)),
         read_timeout: Some(Duration::from_secs(120)),
+        https_proxy: proxy.map(str::to_string),
+        http_proxy: proxy.map(str::to_string),
         ..ClientConfig::default()
     })
 }
@@ -602,9 +604,21 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// Copies the image `reference` from its registry into `store`; see the
 /// [module documentation](self).
 pub async fn pull_image(reference: &str, auth: RegistryAuth, store: &dyn BlobStore) -> Result<PulledImage, PullError> {
+    pull_image_via(reference, auth, store, None).await
+}
+
+/// [`pull_image`], every connection made through the forward proxy at `proxy` (an
+/// [`crate::egress::EgressProxy`]'s URL), which checks where each one goes: redirects and
+/// token realms included.
+pub async fn pull_image_via(
+    reference: &str,
+    auth: RegistryAuth,
+    store: &dyn BlobStore,
+    proxy: Option<&str>,
+) -> Result<PulledImage, PullError> {
     let image = parse_reference(reference)?;
     let registry = image.resolve_registry().to_string();
-    let client = client_for(&registry).map_err(|e| PullError::Registry {
+    let client = client_for(&registry, proxy).map_err(|e| PullError::Registry {
         registry: registry.clone(),
         reference: image.whole(),
         detail: format!("cannot set up an HTTP client: {}", error_chain(&e)),
@@ -805,6 +819,64 @@ mod tests {
             }
         });
         (port, server)
+    }
+
+    /// A registry's redirect is a connection the puller did not choose: through the egress
+    /// proxy it is held to the same rules as the registry's own name, and a destination the
+    /// proxy refuses is never reached. (Without the proxy, in the same run, it is.)
+    #[tokio::test]
+    async fn a_registry_cannot_send_a_pull_where_it_may_not_go() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let secret = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let secret_port = secret.local_addr().unwrap().port();
+        let reached = std::sync::Arc::new(AtomicUsize::new(0));
+        let counter = reached.clone();
+        let secret_server = tokio::spawn(async move {
+            while let Ok((conn, _)) = secret.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
+        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
+        let claimed = format!("sha256:{:x}", Sha256::digest(b"a layer"));
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": claimed, "size": 7}],
+        })
+        .to_string();
+        let (port, server) = fake_registry(move |line| {
+            let ok = "200 OK";
+            if line.contains("/manifests/") {
+                (ok, String::new(), "application/vnd.oci.image.manifest.v1+json", manifest.clone().into_bytes())
+            } else if line.contains(&config_digest) {
+                (ok, String::new(), "application/octet-stream", config.clone())
+            } else if line.contains("/blobs/") {
+                let to = format!("Location: http://localhost:{secret_port}/latest/meta-data\r\n");
+                ("307 Temporary Redirect", to, "text/plain", Vec::new())
+            } else {
+                (ok, String::new(), "application/json", b"{}".to_vec())
+            }
+        })
+        .await;
+        let registry = format!("127.0.0.1:{port}");
+        let only = registry.clone();
+        let proxy = crate::egress::EgressProxy::start(move |authority: &str, _: std::net::IpAddr| authority == only)
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::LocalDir::new(dir.path()).unwrap();
+        let reference = format!("{registry}/redirects:1");
+        let err = pull_image_via(&reference, RegistryAuth::Anonymous, &store, Some(&proxy.url()))
+            .await
+            .unwrap_err();
+        assert_eq!(reached.load(Ordering::SeqCst), 0, "the proxy let the redirect through: {err}");
+        pull_image(&reference, RegistryAuth::Anonymous, &store).await.unwrap_err();
+        assert!(reached.load(Ordering::SeqCst) > 0, "without the proxy the redirect is followed");
+        server.abort();
+        secret_server.abort();
     }
 
     /// A layer the store holds (another team's private layer, say) is not handed to a pull

@@ -232,9 +232,25 @@ impl Build {
                 password: request.registry_password.clone(),
             }
         };
-        let pulled = blobs::registry::pull_image(&request.from_image, auth, self.cache.store().as_ref())
-            .await
-            .map_err(|e| failed("base", format!("pulling {}: {e}", request.from_image)))?;
+        // Every connection the pull makes (the registry's redirects, its token realm) goes
+        // through a proxy that holds it to the same floor as the registry's own name.
+        let config = self.host.config();
+        let (floor, private) = (config.registry_floor.clone(), config.private_registries.clone());
+        let proxy = blobs::egress::EgressProxy::start(move |authority: &str, ip: std::net::IpAddr| {
+            let named = authority.strip_suffix(":443").unwrap_or(authority);
+            private.iter().any(|r| r == authority || r == named) || !in_floor(&floor, ip)
+        })
+        .await
+        .map_err(|e| failed("base", format!("cannot start the pull's egress proxy: {e}")))?;
+        let pulled = blobs::registry::pull_image_via(
+            &request.from_image,
+            auth,
+            self.cache.store().as_ref(),
+            Some(&proxy.url()),
+        )
+        .await
+        .map_err(|e| failed("base", format!("pulling {}: {e}", request.from_image)))?;
+        drop(proxy);
         self.log(
             "info",
             "base",
@@ -299,19 +315,7 @@ impl Build {
             .await
             .map_err(|e| failed("base", format!("registry {registry}: {e}")))?;
         for address in addresses {
-            let private = match address.ip() {
-                std::net::IpAddr::V4(v4) => config.registry_floor.iter().any(|c| c.contains(v4)),
-                std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-                    Some(v4) => config.registry_floor.iter().any(|c| c.contains(v4)),
-                    None => {
-                        v6.is_loopback()
-                            || v6.is_unspecified()
-                            || (v6.segments()[0] & 0xfe00) == 0xfc00
-                            || (v6.segments()[0] & 0xffc0) == 0xfe80
-                    }
-                },
-            };
-            if private {
+            if in_floor(&config.registry_floor, address.ip()) {
                 return Err(failed(
                     "base",
                     format!(
@@ -663,5 +667,23 @@ impl Build {
         ready.map_err(|e| failed("finalize", format!("the ready command: {e}")))?;
         self.log("info", "finalize", "Ready");
         Ok(())
+    }
+}
+
+/// Whether `ip` is behind the egress floor (`floor`'s IPv4 ranges; IPv6 loopback,
+/// unspecified, unique-local and link-local): the control plane's own network, a cloud's
+/// metadata service.
+fn in_floor(floor: &[common::egress::Cidr], ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => floor.iter().any(|c| c.contains(v4)),
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => floor.iter().any(|c| c.contains(v4)),
+            None => {
+                v6.is_loopback()
+                    || v6.is_unspecified()
+                    || (v6.segments()[0] & 0xfe00) == 0xfc00
+                    || (v6.segments()[0] & 0xffc0) == 0xfe80
+            }
+        },
     }
 }
