@@ -9,6 +9,7 @@ pub use contracts::{docs, egress, fit, ids, pool, resources, template};
 
 pub mod clock;
 pub mod config;
+pub mod guesses;
 pub mod metrics;
 pub mod net;
 pub mod relay;

@@ -60,16 +60,10 @@ pub const STREAM_RECHECK: Duration = Duration::from_secs(10);
 const TOPICS: [&str; 7] = ["node", "spread", "sandbox", "template", "build", "balance", "plan"];
 
 impl Console {
-    /// The caller, if an operator; a wrong token's answer is held back (see
-    /// [`Sessions::refused`]).
+    /// The caller, if an operator; a presented token is compared in its turn (see
+    /// [`Sessions::check_in_turn`]).
     async fn operator(&self, headers: &HeaderMap) -> Result<Caller, ConsoleError> {
-        match self.sessions.check(headers) {
-            Ok(caller) => Ok(caller),
-            Err(refusal) => {
-                self.sessions.refused(&refusal).await;
-                Err(refusal.into())
-            }
-        }
+        Ok(self.sessions.check_in_turn(headers).await?)
     }
 
     fn host_allowed(&self, host: &str) -> bool {
@@ -98,6 +92,7 @@ impl ConsoleError {
     fn status(&self) -> StatusCode {
         match self {
             ConsoleError::Refused(Refusal::Closed) => StatusCode::FORBIDDEN,
+            ConsoleError::Refused(Refusal::Busy) => StatusCode::TOO_MANY_REQUESTS,
             ConsoleError::Refused(_) => StatusCode::UNAUTHORIZED,
             ConsoleError::Peer(err) if err.refused() => StatusCode::BAD_REQUEST,
             // The console is up; the peer it needs is not.
@@ -347,7 +342,7 @@ async fn login(
     form: Result<axum::Form<LoginForm>, axum::extract::rejection::FormRejection>,
 ) -> Response {
     let given = form.map(|f| f.0.token).unwrap_or_default();
-    match c.sessions.login(&given) {
+    match c.sessions.login_in_turn(&given).await {
         Ok(id) => {
             metrics::counter!("console_logins_total", "result" => "ok").increment(1);
             let mut response = Redirect::to("/console/cluster").into_response();
@@ -358,7 +353,6 @@ async fn login(
         }
         Err(refusal) => {
             metrics::counter!("console_logins_total", "result" => "refused").increment(1);
-            c.sessions.refused(&refusal).await;
             let status = ConsoleError::from(refusal.clone()).status();
             login_page(status, Some(&refusal.to_string()))
         }
@@ -577,7 +571,13 @@ fn action_body<T: for<'de> Deserialize<'de>>(
 /// the console, or, without one, `Sec-Fetch-Site: same-origin`. A `script` sending the admin
 /// token itself may name no origin (no browser sends that header for another site).
 fn from_own_page(c: &Console, headers: &HeaderMap, script: bool) -> Result<(), ConsoleError> {
-    let origin = headers.get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?"));
+    // `null` names no origin: browsers send it for the console's own sign-out form, since its
+    // pages are served with `Referrer-Policy: no-referrer` (and for sandboxed frames, which
+    // then say `Sec-Fetch-Site: cross-site`).
+    let origin = headers
+        .get(header::ORIGIN)
+        .map(|v| v.to_str().unwrap_or("?"))
+        .filter(|o| *o != "null");
     let same_site = headers
         .get("sec-fetch-site")
         .is_some_and(|v| v.as_bytes() == b"same-origin");
@@ -794,12 +794,22 @@ mod tests {
                 ("origin", "http://8000-sbx.sandbox.example"),
             ][..],
             &[("cookie", cookie.as_str()), ("sec-fetch-site", "same-site")],
+            &[
+                ("cookie", cookie.as_str()),
+                ("origin", "null"),
+                ("sec-fetch-site", "cross-site"),
+            ],
         ] {
             let answer = logout(State(c.clone()), headers(foreign)).await;
             assert_eq!(answer.status(), StatusCode::BAD_REQUEST, "{foreign:?}");
             assert!(c.sessions.alive(&id), "signed out by {foreign:?}");
         }
-        let own = [("cookie", cookie.as_str()), ("origin", "http://127.0.0.1:3001")];
+        // What a browser sends for the console's own form under `no-referrer`.
+        let own = [
+            ("cookie", cookie.as_str()),
+            ("origin", "null"),
+            ("sec-fetch-site", "same-origin"),
+        ];
         assert_eq!(
             logout(State(c.clone()), headers(&own)).await.status(),
             StatusCode::SEE_OTHER

@@ -29,11 +29,8 @@ pub struct Sessions {
     /// None: the console is closed to everyone (no admin token configured).
     token: Option<String>,
     live: Mutex<HashMap<String, Instant>>,
-    /// Wrong tokens wait their answer here, few at a time (see [`Sessions::refused`]).
-    guesses: tokio::sync::Semaphore,
-    /// Wrong tokens since the last warning, and when that was (warnings are rate-limited, so
-    /// a peer sending wrong tokens cannot flood the log).
-    refusals: Mutex<(u64, Option<Instant>)>,
+    /// Every comparison of a presented token takes its turn here (see `common::guesses`).
+    guesses: common::guesses::GuessGate,
 }
 
 /// Who a request comes from.
@@ -45,11 +42,9 @@ pub enum Caller {
     Token,
 }
 
-/// How long a wrong token's answer waits, and how many wait at once: at most
-/// `GUESSES_AT_ONCE / GUESS_DELAY` guesses a second from everyone together, whatever the
-/// number of connections, while the right token never waits.
-pub const GUESS_DELAY: Duration = Duration::from_millis(250);
-pub const GUESSES_AT_ONCE: usize = 2;
+/// How long a wrong token holds its turn: at most `GUESSES_AT_ONCE / GUESS_DELAY` guesses a
+/// second are compared, from everyone together, whatever the number of connections.
+pub use common::guesses::{GUESSES_AT_ONCE, GUESS_DELAY};
 
 /// Why a login or a request was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -60,6 +55,8 @@ pub enum Refusal {
     NoSession,
     #[error("that is not the operators' admin token (a team's API key does not open the console)")]
     WrongToken,
+    #[error("too many admin tokens are being tried at once; try again")]
+    Busy,
 }
 
 /// The shortest admin token the console accepts to be configured with.
@@ -70,27 +67,30 @@ impl Sessions {
         Self {
             token: token.filter(|t| !t.is_empty()),
             live: Mutex::default(),
-            guesses: tokio::sync::Semaphore::new(GUESSES_AT_ONCE),
-            refusals: Mutex::default(),
+            guesses: common::guesses::GuessGate::new("console admin token"),
         }
     }
 
-    /// Holds back the answer to a wrong token (few at a time), and warns of wrong tokens at
-    /// most every ten seconds.
-    pub async fn refused(&self, refusal: &Refusal) {
-        if *refusal != Refusal::WrongToken {
-            return;
+    /// [`Sessions::check`], a presented token compared in its turn (a wrong one holding it:
+    /// see `common::guesses`); a session's cookie needs no turn (its ID is not guessable).
+    pub async fn check_in_turn(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
+        if !headers.contains_key("x-admin-token") {
+            return self.check(headers);
         }
-        {
-            let mut refusals = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
-            refusals.0 += 1;
-            if refusals.1.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
-                tracing::warn!(wrong_tokens = refusals.0, "console: wrong admin tokens refused");
-                *refusals = (0, Some(Instant::now()));
-            }
-        }
-        if let Ok(_turn) = self.guesses.acquire().await {
-            tokio::time::sleep(GUESS_DELAY).await;
+        self.in_turn(|| self.check(headers)).await
+    }
+
+    /// [`Sessions::login`], the token compared in its turn.
+    pub async fn login_in_turn(&self, given: &str) -> Result<String, Refusal> {
+        self.in_turn(|| self.login(given)).await
+    }
+
+    async fn in_turn<T>(&self, compare: impl FnOnce() -> Result<T, Refusal>) -> Result<T, Refusal> {
+        use common::guesses::Gated;
+        match self.guesses.compare(compare, |r| *r == Refusal::WrongToken).await {
+            Ok(answer) => Ok(answer),
+            Err(Gated::Busy) => Err(Refusal::Busy),
+            Err(Gated::Refused(refusal)) => Err(refusal),
         }
     }
 

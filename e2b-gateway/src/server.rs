@@ -211,7 +211,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         templates,
         domain: domain.clone(),
         admin_token: config.admin_token.as_deref().map(Arc::from),
-        admin_guesses: Arc::new(tokio::sync::Semaphore::new(api::ADMIN_GUESSES_AT_ONCE)),
+        admin_guesses: Arc::new(common::guesses::GuessGate::new("gateway admin token")),
         code_interpreter: interpreter_watch.clone(),
     };
     let interpreter_builder = gateway.builder.clone();

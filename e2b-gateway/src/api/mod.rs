@@ -61,15 +61,10 @@ pub struct Gateway {
     pub code_interpreter: tokio::sync::watch::Receiver<crate::templates::code_interpreter::Availability>,
     /// The operators' token for E2B's admin routes (`X-Admin-Token`); none: they are closed.
     pub admin_token: Option<Arc<str>>,
-    /// Wrong admin tokens wait their answer here, few at a time (see [`Gateway::admin`]).
-    pub admin_guesses: Arc<tokio::sync::Semaphore>,
+    /// Every comparison of a presented admin token takes its turn here, a wrong one holding
+    /// it (see `common::guesses`): the admin routes are on the port every tenant reaches.
+    pub admin_guesses: Arc<common::guesses::GuessGate>,
 }
-
-/// How long a wrong admin token's answer waits, and how many wait at once: at most
-/// `ADMIN_GUESSES_AT_ONCE / ADMIN_GUESS_DELAY` guesses a second from every tenant and peer
-/// together, on a port every tenant reaches, while the right token never waits.
-pub const ADMIN_GUESS_DELAY: std::time::Duration = std::time::Duration::from_millis(250);
-pub const ADMIN_GUESSES_AT_ONCE: usize = 2;
 
 impl Gateway {
     /// Whether the caller is an operator (E2B's `AdminApiKeyAuth`: `X-Admin-Token`). A team's
@@ -85,14 +80,30 @@ impl Gateway {
         let given = headers
             .get("x-admin-token")
             .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing X-Admin-Token header"))?;
-        if bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
-            return Ok(());
+        let compared = self
+            .admin_guesses
+            .compare(
+                || {
+                    if bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
+                        Ok(())
+                    } else {
+                        Err(())
+                    }
+                },
+                |()| true,
+            )
+            .await;
+        match compared {
+            Ok(()) => Ok(()),
+            Err(common::guesses::Gated::Busy) => Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many admin tokens are being tried at once; try again",
+            )),
+            Err(common::guesses::Gated::Refused(())) => {
+                metrics::counter!("gateway_admin_tokens_refused_total").increment(1);
+                Err(ApiError::new(StatusCode::UNAUTHORIZED, "Invalid admin token"))
+            }
         }
-        metrics::counter!("gateway_admin_tokens_refused_total").increment(1);
-        if let Ok(_turn) = self.admin_guesses.acquire().await {
-            tokio::time::sleep(ADMIN_GUESS_DELAY).await;
-        }
-        Err(ApiError::new(StatusCode::UNAUTHORIZED, "Invalid admin token"))
     }
 
     pub(crate) fn team(&self, headers: &HeaderMap) -> Result<String, ApiError> {
