@@ -8,8 +8,11 @@
 //!   `Set-Cookie: s=x; Domain={domain}` would plant that cookie in the browser for every other
 //!   tenant's host (session fixation, cookie tossing). Answers from sandboxes have the
 //!   `Domain` attribute taken out of every cookie they set, so each cookie stays with the host
-//!   that set it. (An operator may also list the domain in the Public Suffix List, which
-//!   browsers then treat the same way.)
+//!   that set it. That covers cookies a server sets, not ones a page's script sets
+//!   (`document.cookie = "s=x; Domain=…"`): only a domain browsers treat as a public suffix
+//!   (listed in the Public Suffix List), or a registrable domain of its own for every
+//!   sandbox's ports, keeps scripts apart. An operator serving untrusted tenants' web apps
+//!   needs one of those; this is the part the gateway can do.
 //! - **The platform's own credentials.** The operators' `X-Admin-Token` never goes on into a
 //!   sandbox, and neither does a team's `X-API-Key` on envd's path, where envd never needs it
 //!   (a sandbox's own web app may use a header of that name for its own API, so a port keeps
@@ -46,8 +49,7 @@ pub fn passes(name: &str, door: Door) -> bool {
 }
 
 /// Makes every cookie a sandbox's answer sets a host-only one: its `Domain` attribute is
-/// taken out (a cookie whose header is not text is dropped whole, as its attributes cannot be
-/// read).
+/// taken out (values are bytes: a cookie's value may be UTF-8, or anything but controls).
 pub fn host_only_cookies(headers: &mut HeaderMap) {
     if !headers.contains_key(SET_COOKIE) {
         return;
@@ -55,11 +57,7 @@ pub fn host_only_cookies(headers: &mut HeaderMap) {
     let cookies: Vec<HeaderValue> = headers.get_all(SET_COOKIE).iter().cloned().collect();
     headers.remove(SET_COOKIE);
     for cookie in cookies {
-        let Ok(text) = cookie.to_str() else {
-            continue;
-        };
-        let kept = without_domain(text);
-        if let Ok(value) = HeaderValue::from_str(&kept) {
+        if let Ok(value) = HeaderValue::from_bytes(&without_domain(cookie.as_bytes())) {
             headers.append(SET_COOKIE, value);
         }
     }
@@ -67,16 +65,16 @@ pub fn host_only_cookies(headers: &mut HeaderMap) {
 
 /// A `Set-Cookie` value without its `Domain` attributes (the name=value pair is the first
 /// `;`-separated part; attribute names are case-insensitive).
-fn without_domain(cookie: &str) -> String {
-    let mut parts = cookie.split(';');
-    let mut kept = parts.next().unwrap_or_default().to_string();
+fn without_domain(cookie: &[u8]) -> Vec<u8> {
+    let mut parts = cookie.split(|&b| b == b';');
+    let mut kept = parts.next().unwrap_or_default().to_vec();
     for attribute in parts {
-        let name = attribute.split('=').next().unwrap_or_default().trim();
-        if name.eq_ignore_ascii_case("domain") {
+        let name = attribute.split(|&b| b == b'=').next().unwrap_or_default().trim_ascii();
+        if name.eq_ignore_ascii_case(b"domain") {
             continue;
         }
-        kept.push(';');
-        kept.push_str(attribute);
+        kept.push(b';');
+        kept.extend_from_slice(attribute);
     }
     kept
 }
@@ -96,17 +94,26 @@ mod tests {
         ] {
             headers.append(SET_COOKIE, HeaderValue::from_static(cookie));
         }
-        headers.append(SET_COOKIE, HeaderValue::from_bytes(b"bin=\xff; Domain=x").unwrap());
+        headers.append(
+            SET_COOKIE,
+            HeaderValue::from_bytes("name=é; Domain=x".as_bytes()).unwrap(),
+        );
         headers.insert("x-kept", HeaderValue::from_static("1"));
         host_only_cookies(&mut headers);
         let cookies: Vec<_> = headers
             .get_all(SET_COOKIE)
             .iter()
-            .map(|v| v.to_str().unwrap().to_string())
+            .map(|v| String::from_utf8(v.as_bytes().to_vec()).unwrap())
             .collect();
         assert_eq!(
             cookies,
-            ["s=x; Path=/", "t=y; path=/; HttpOnly", "plain=1", "odd=a=b; Secure"]
+            [
+                "s=x; Path=/",
+                "t=y; path=/; HttpOnly",
+                "plain=1",
+                "odd=a=b; Secure",
+                "name=é"
+            ]
         );
         assert!(headers.contains_key("x-kept"));
     }
