@@ -36,6 +36,9 @@ enum At {
     Data { left: u64, pax: Option<(Vec<u8>, usize)> },
     /// Past the archive's end: whatever follows is read by nobody as headers.
     End,
+    /// A header was refused: every later read fails too, so nothing read on past the refusal
+    /// goes unchecked.
+    Refused(String),
 }
 
 /// A reader that fails before a tar stream makes its reader hold more than
@@ -77,16 +80,26 @@ impl<R: Read> Read for HeaderGuard<R> {
 impl<R> HeaderGuard<R> {
     /// Follows `bytes`, the stream's next ones.
     fn observe(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        if let At::Refused(why) = &self.at {
+            return Err(io::Error::other(why.clone()));
+        }
         while !bytes.is_empty() {
             match &mut self.at {
                 At::End => return Ok(()),
+                At::Refused(why) => return Err(io::Error::other(why.clone())),
                 At::Header { block, have } | At::SparseExtension { block, have, .. } => {
                     let take = (BLOCK - *have).min(bytes.len());
                     block[*have..*have + take].copy_from_slice(&bytes[..take]);
                     *have += take;
                     bytes = &bytes[take..];
                     if *have == BLOCK {
-                        self.at = self.after_block()?;
+                        self.at = match self.after_block() {
+                            Ok(next) => next,
+                            Err(why) => {
+                                self.at = At::Refused(why.to_string());
+                                return Err(why);
+                            }
+                        };
                     }
                 }
                 At::Data { left, pax } => {
@@ -298,6 +311,16 @@ mod tests {
             fine.extend([0; 2 * BLOCK]);
             assert!(read_all(&fine, 4096).is_ok(), "{}", kind as char);
         }
+    }
+
+    #[test]
+    fn a_refusal_stays_for_every_later_read() {
+        let mut stream = header(b'L', 20 << 30);
+        stream.extend([0u8; 4 * BLOCK]);
+        let mut guard = HeaderGuard::new(&stream[..]);
+        let mut buf = [0u8; BLOCK];
+        assert!(guard.read(&mut buf).is_err());
+        assert!(guard.read(&mut buf).is_err(), "a later read passed unchecked");
     }
 
     #[test]
