@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use blobs::{BlobStore, Key};
 use common::template::Layer;
@@ -78,6 +78,28 @@ pub struct LayerCache {
     images: std::sync::Mutex<std::collections::VecDeque<(String, Vec<String>)>>,
     /// One lock per layer being fetched, so concurrent users wait for one fetch.
     fetching: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Layers builds under way stand on (digest: how many builds), which no eviction takes.
+    pinned: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+}
+
+/// Layers pinned in the cache until this is dropped (see [`LayerCache::pin`]).
+pub struct Pins {
+    pinned: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+    digests: Vec<String>,
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+        for digest in &self.digests {
+            if let Some(count) = pinned.get_mut(digest) {
+                *count -= 1;
+                if *count == 0 {
+                    pinned.remove(digest);
+                }
+            }
+        }
+    }
 }
 
 fn scratch(root: &Path, what: &str) -> PathBuf {
@@ -140,6 +162,21 @@ impl LayerCache {
             sizes: Default::default(),
             images: Default::default(),
             fetching: tokio::sync::Mutex::new(HashMap::new()),
+            pinned: Arc::default(),
+        }
+    }
+
+    /// Keeps `layers` from eviction until the answer is dropped (a build's, whose containers
+    /// stand on them outside any sandbox's record).
+    pub fn pin(&self, layers: &[Layer]) -> Pins {
+        let digests: Vec<String> = layers.iter().map(|l| l.digest.clone()).collect();
+        let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+        for digest in &digests {
+            *pinned.entry(digest.clone()).or_default() += 1;
+        }
+        Pins {
+            pinned: self.pinned.clone(),
+            digests,
         }
     }
 
@@ -290,6 +327,13 @@ impl LayerCache {
     /// one whose digest is in `in_use`. Blocking (walks new layers once to size them). Returns
     /// the digests removed.
     pub fn evict(&self, in_use: &std::collections::HashSet<String>) -> Vec<String> {
+        let pinned: std::collections::HashSet<String> = self
+            .pinned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
         let mut layers = Vec::new();
         for entry in std::fs::read_dir(self.root.join("sha256"))
             .into_iter()
@@ -321,7 +365,7 @@ impl LayerCache {
             if total <= self.max_bytes {
                 break;
             }
-            if in_use.contains(&digest) {
+            if in_use.contains(&digest) || pinned.contains(&digest) {
                 continue;
             }
             // Renamed away first, so a create never mounts a half-deleted layer.
@@ -384,10 +428,11 @@ impl LayerCache {
     /// ([`LayerCache::pack`]), the directory itself moved into the cache. `None` (and the
     /// directory removed) when the step changed nothing: no empty layers. Consumes `upper`.
     pub async fn publish(&self, upper: &Path) -> Result<Option<Layer>, LayerError> {
-        // `upper` is consumed whatever happens: a step whose layer cannot be published
-        // (packing refused it, the store failed) leaves nothing behind on the host's disk.
+        // A step's folder in the cache's scratch is consumed whatever happens: one whose layer
+        // cannot be published (packing refused it, the store failed) leaves nothing behind on
+        // the host's disk. (A builder's own writable layer, on its disk, goes with that disk.)
         let published = self.move_into_cache(upper).await;
-        if published.is_err() {
+        if published.is_err() && upper.starts_with(self.root.join("tmp")) {
             let _ = tokio::fs::remove_dir_all(upper).await;
         }
         published
@@ -487,6 +532,16 @@ mod tests {
         assert_eq!(cache.evict(&in_use), vec![digest('b')]);
         assert!(layer_path(&root, &digest('a')).unwrap().is_dir());
         assert!(cache.evict(&in_use).is_empty(), "within the bound now");
+        // A build's pinned layer stays however old, and goes once the build lets it go.
+        let layer = |c: char| Layer {
+            digest: digest(c),
+            size: 1024,
+        };
+        let cache = LayerCache::new(root.clone(), cache.store().clone(), 0);
+        let pins = cache.pin(&[layer('a')]);
+        assert_eq!(cache.evict(&Default::default()), vec![digest('c')]);
+        drop(pins);
+        assert_eq!(cache.evict(&Default::default()), vec![digest('a')]);
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -127,33 +127,70 @@ pub fn new_layer_dir(dir: &Path, root_id: u32) -> io::Result<()> {
 }
 
 /// `relative` (a lexically clean path, as [`super::steps::in_sandbox`] makes) under `root`,
-/// through real directories only: the archive a COPY step unpacks is the tenant's, and may
-/// hold a symlink such as `x -> /`, through which `x/etc` would name the host's own `/etc`
-/// for the root-owned moves that follow. The last component is not followed either: a
-/// symlink there is copied as the symlink it is.
+/// with the archive's own links on the way followed as if `root` were `/`: the archive a COPY
+/// step unpacks is the tenant's, and may hold a link such as `x -> /` or `x -> ../..`, which
+/// the kernel would follow out of `root` to the host's own files, for the root-owned moves
+/// that follow. Resolved here instead, an absolute target starts again at `root` and `..`
+/// stops there, as Docker's build context keeps links inside it (`lib -> shared/lib` still
+/// leads to `shared/lib`). The last component is not followed: a link there is copied as
+/// the link it is.
 ///
 /// Nothing but the build itself writes below `root` (the host's scratch folder, after the
 /// archive is unpacked), so what is checked here stays as it was checked.
 pub fn beneath(root: &Path, relative: &Path) -> io::Result<PathBuf> {
-    let mut here = root.to_path_buf();
-    let mut components = relative.components().peekable();
-    while let Some(component) = components.next() {
-        let std::path::Component::Normal(name) = component else {
+    use std::ffi::OsString;
+    use std::path::Component;
+    /// Links followed on the way at most (the kernel's own limit).
+    const MAX_LINKS: usize = 40;
+    let mut pending: Vec<OsString> = Vec::new();
+    for component in relative.components().rev() {
+        let Component::Normal(name) = component else {
             return Err(io::Error::other(format!(
                 "{} is not a plain relative path",
                 relative.display()
             )));
         };
-        here.push(name);
+        pending.push(name.to_os_string());
+    }
+    let mut resolved = PathBuf::new();
+    let mut links = 0;
+    while let Some(name) = pending.pop() {
+        if name == ".." {
+            resolved.pop();
+            continue;
+        }
+        let here = root.join(&resolved).join(&name);
         let meta = std::fs::symlink_metadata(&here)?;
-        if components.peek().is_some() && !meta.is_dir() {
+        if pending.is_empty() || meta.is_dir() {
+            resolved.push(name);
+            continue;
+        }
+        if !meta.file_type().is_symlink() {
             return Err(io::Error::other(format!(
-                "/{} passes through a file or a symlink, which a build does not follow",
+                "/{} passes through a file, not a directory",
                 relative.display()
             )));
         }
+        links += 1;
+        if links > MAX_LINKS {
+            return Err(io::Error::other(format!(
+                "/{}: too many links on the way",
+                relative.display()
+            )));
+        }
+        let target = std::fs::read_link(&here)?;
+        if target.is_absolute() {
+            resolved = PathBuf::new();
+        }
+        for component in target.components().rev() {
+            match component {
+                Component::Normal(name) => pending.push(name.to_os_string()),
+                Component::ParentDir => pending.push(OsString::from("..")),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
     }
-    Ok(here)
+    Ok(root.join(resolved))
 }
 
 /// Moves `from` (something extracted from a COPY archive) to `to` inside the layer, replacing
@@ -210,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_source_never_passes_through_a_symlink_of_the_archive() {
+    fn a_copy_source_never_leaves_the_archive_through_its_links() {
         let dir = scratch("beneath");
         let (extracted, host) = (dir.join("extracted"), dir.join("host"));
         std::fs::create_dir_all(extracted.join("app/src")).unwrap();
@@ -220,30 +257,63 @@ mod tests {
         // What a crafted archive unpacks to: links to the host, absolute and relative.
         std::os::unix::fs::symlink(&host, extracted.join("abs")).unwrap();
         std::os::unix::fs::symlink("../host", extracted.join("rel")).unwrap();
+        std::os::unix::fs::symlink("../../../../../..", extracted.join("app/up")).unwrap();
         std::os::unix::fs::symlink("/etc/hostname", extracted.join("app/link")).unwrap();
+        std::os::unix::fs::symlink("loop", extracted.join("loop")).unwrap();
+        // Links that stay inside lead where they point, as in Docker's build context.
+        std::os::unix::fs::symlink("app/src", extracted.join("inside")).unwrap();
+        std::os::unix::fs::symlink("/app", extracted.join("rooted")).unwrap();
         assert_eq!(
             beneath(&extracted, Path::new("app/src/main.py")).unwrap(),
             extracted.join("app/src/main.py")
         );
-        for through in ["abs/etc/shadow", "abs/etc", "rel/etc/shadow", "rel/etc", "app/link/x"] {
+        assert_eq!(
+            beneath(&extracted, Path::new("inside/main.py")).unwrap(),
+            extracted.join("app/src/main.py")
+        );
+        assert_eq!(
+            beneath(&extracted, Path::new("rooted/src/main.py")).unwrap(),
+            extracted.join("app/src/main.py")
+        );
+        // `..` stops at the archive's root: the host's folder is not found there.
+        assert_eq!(
+            beneath(&extracted, Path::new("app/up/app/src")).unwrap(),
+            extracted.join("app/src")
+        );
+        for through in [
+            "abs/etc/shadow",
+            "abs/etc",
+            "rel/etc/shadow",
+            "rel/etc",
+            "app/link/x",
+            "loop/x",
+        ] {
+            let found = beneath(&extracted, Path::new(through));
             assert!(
-                beneath(&extracted, Path::new(through)).is_err(),
-                "{through} was followed"
+                found.as_ref().is_err() || found.as_ref().unwrap().starts_with(&extracted),
+                "{through} left the archive: {found:?}"
             );
+            assert!(found.is_err(), "{through}: {found:?}");
         }
         // The link itself, last on the path, is what is copied (as a link).
         assert_eq!(
             beneath(&extracted, Path::new("app/link")).unwrap(),
             extracted.join("app/link")
         );
+        assert_eq!(beneath(&extracted, Path::new("abs")).unwrap(), extracted.join("abs"));
         assert!(beneath(&extracted, Path::new("missing")).is_err());
         assert!(beneath(&extracted, Path::new("/etc")).is_err(), "not relative");
         assert!(beneath(&extracted, Path::new("app/../abs")).is_err(), "not clean");
         // Placing what was found moves the archive's own file and nothing of the host's.
         let layer = dir.join("layer");
         std::fs::create_dir_all(&layer).unwrap();
-        place(&beneath(&extracted, Path::new("app/src")).unwrap(), &layer.join("src")).unwrap();
-        assert!(layer.join("src/main.py").is_file());
+        place(&beneath(&extracted, Path::new("inside")).unwrap(), &layer.join("src")).unwrap();
+        assert!(std::fs::symlink_metadata(layer.join("src"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        place(&beneath(&extracted, Path::new("app/src")).unwrap(), &layer.join("code")).unwrap();
+        assert!(layer.join("code/main.py").is_file());
         assert_eq!(std::fs::read_to_string(host.join("etc/shadow")).unwrap(), "root:secret");
         std::fs::remove_dir_all(&dir).unwrap();
     }

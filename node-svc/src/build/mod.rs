@@ -78,6 +78,8 @@ pub struct Build {
     resources: Resources,
     /// Containers run so far (each gets its own ID).
     runs: std::sync::atomic::AtomicU32,
+    /// The layers this build's containers stand on, which no eviction takes while it runs.
+    pins: std::sync::Mutex<Vec<crate::layer_cache::Pins>>,
 }
 
 /// Runs the build `request` asks for, sending its log and outcome on `events`.
@@ -110,6 +112,7 @@ pub async fn run(
             disk_bytes: build_disk_bytes,
         },
         runs: Default::default(),
+        pins: Default::default(),
     };
     let event = match build.steps(request).await {
         Ok(image) => pb::BuildEvent {
@@ -133,6 +136,18 @@ fn failure(step: &str, message: impl Into<String>) -> pb::BuildEvent {
 }
 
 impl Build {
+    /// Makes `image`'s layers present on this node, pinned first for the rest of the build (a
+    /// create's or another build's eviction would otherwise take them from under its
+    /// containers).
+    async fn present(&self, image: &Image) -> Result<(), crate::layer_cache::LayerError> {
+        let pins = self.cache.pin(&image.layers);
+        self.pins
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(pins);
+        self.cache.ensure_all(&image.layers).await.map(drop)
+    }
+
     /// One line of the build's log (dropped if the gateway reads too slowly to keep up).
     fn log(&self, level: &str, step: &str, message: &str) {
         let event = pb::BuildEvent {
@@ -365,10 +380,7 @@ impl Build {
     /// The layer directories of `image`, topmost first, with what lies under them (the base
     /// layer under templates on the host's userland, the shim over an image's own).
     async fn stack(&self, image: &Image, label: &str) -> Result<files::Stack, Failed> {
-        self.cache
-            .ensure_all(&image.layers)
-            .await
-            .map_err(|e| failed(label, e))?;
+        self.present(image).await.map_err(|e| failed(label, e))?;
         let state = self.host.state_dir();
         let mut dirs = Vec::new();
         if !image.host_userland {
@@ -590,10 +602,7 @@ impl Build {
 
     /// A RUN step: its command in a builder container; its changes, the layer.
     async fn run_step(&self, image: &Image, label: &str, script: &str, user: &str) -> Result<Option<Layer>, Failed> {
-        self.cache
-            .ensure_all(&image.layers)
-            .await
-            .map_err(|e| failed(label, e))?;
+        self.present(image).await.map_err(|e| failed(label, e))?;
         let record = self.builder_record(image, None);
         let (home, record) = self.start(&record, label).await?;
         let socket = self
@@ -646,10 +655,7 @@ impl Build {
             "finalize",
             &format!("Starting {start:?} and waiting until it is ready"),
         );
-        self.cache
-            .ensure_all(&image.layers)
-            .await
-            .map_err(|e| failed("finalize", e))?;
+        self.present(image).await.map_err(|e| failed("finalize", e))?;
         let record = self.builder_record(image, Some(start));
         let (home, record) = self.start(&record, "finalize").await?;
         let ready = match (&image.ready_cmd, self.host.runtime().envd_socket(&home)) {
