@@ -133,6 +133,12 @@ impl Files {
             file.flush()
                 .await
                 .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
+            // Asked again once the body is in: another upload of the same hash may have been
+            // stored while this one streamed (two racing: the first stays).
+            if self.present(team, hash).await? {
+                tracing::info!(team, hash, "an archive stored while this upload streamed: dropped");
+                return Ok(total);
+            }
             self.store
                 .put_file(&key, &path)
                 .await
