@@ -95,7 +95,12 @@ async fn serve(mut client: TcpStream, destinations: &dyn Destinations) -> std::i
             break end + 4;
         }
         if head.len() > MAX_HEAD {
-            return refuse(&mut client, "431 Request Header Fields Too Large", "request head too large").await;
+            return refuse(
+                &mut client,
+                "431 Request Header Fields Too Large",
+                "request head too large",
+            )
+            .await;
         }
     };
     let Some(request) = Request::parse(&head[..end]) else {
@@ -110,9 +115,7 @@ async fn serve(mut client: TcpStream, destinations: &dyn Destinations) -> std::i
         Err(Onward::Failed(why)) => return refuse(&mut client, "502 Bad Gateway", &why).await,
     };
     if request.tunnel {
-        client
-            .write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-            .await?;
+        client.write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n").await?;
         // Whatever followed the CONNECT's head is the tunnel's first bytes.
         upstream.write_all(&head[end..]).await?;
     } else {
@@ -147,7 +150,10 @@ impl Request {
         }
         let rest = target.strip_prefix("http://")?;
         let authority = rest.split('/').next().filter(|a| !a.is_empty() && !a.contains('@'))?;
-        let authority = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+        let authority = if authority
+            .rsplit_once(':')
+            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        {
             authority.to_string()
         } else {
             format!("{authority}:80")
@@ -223,10 +229,15 @@ mod tests {
             })
         );
         assert_eq!(
-            parse("GET http://127.0.0.1:5056/v2/ HTTP/1.1\r\n\r\n").unwrap().authority,
+            parse("GET http://127.0.0.1:5056/v2/ HTTP/1.1\r\n\r\n")
+                .unwrap()
+                .authority,
             "127.0.0.1:5056"
         );
-        assert_eq!(parse("GET http://reg.example/v2/ HTTP/1.1\r\n\r\n").unwrap().authority, "reg.example:80");
+        assert_eq!(
+            parse("GET http://reg.example/v2/ HTTP/1.1\r\n\r\n").unwrap().authority,
+            "reg.example:80"
+        );
         for bad in [
             "GET /v2/ HTTP/1.1\r\n\r\n",
             "CONNECT host HTTP/1.1\r\n\r\n",
@@ -276,7 +287,10 @@ mod tests {
             "CONNECT {allowed} HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nHost: {allowed}\r\n\r\n"
         ))
         .await;
-        assert!(tunnel.starts_with("HTTP/1.1 200 Connection Established") && tunnel.ends_with("hello"), "{tunnel}");
+        assert!(
+            tunnel.starts_with("HTTP/1.1 200 Connection Established") && tunnel.ends_with("hello"),
+            "{tunnel}"
+        );
         // The same server by another name is another destination: refused, never reached.
         for head in [
             format!("GET http://localhost:{port}/ HTTP/1.1\r\n\r\n"),

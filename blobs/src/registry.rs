@@ -850,7 +850,12 @@ mod tests {
         let (port, server) = fake_registry(move |line| {
             let ok = "200 OK";
             if line.contains("/manifests/") {
-                (ok, String::new(), "application/vnd.oci.image.manifest.v1+json", manifest.clone().into_bytes())
+                (
+                    ok,
+                    String::new(),
+                    "application/vnd.oci.image.manifest.v1+json",
+                    manifest.clone().into_bytes(),
+                )
             } else if line.contains(&config_digest) {
                 (ok, String::new(), "application/octet-stream", config.clone())
             } else if line.contains("/blobs/") {
@@ -872,9 +877,18 @@ mod tests {
         let err = pull_image_via(&reference, RegistryAuth::Anonymous, &store, Some(&proxy.url()))
             .await
             .unwrap_err();
-        assert_eq!(reached.load(Ordering::SeqCst), 0, "the proxy let the redirect through: {err}");
-        pull_image(&reference, RegistryAuth::Anonymous, &store).await.unwrap_err();
-        assert!(reached.load(Ordering::SeqCst) > 0, "without the proxy the redirect is followed");
+        assert_eq!(
+            reached.load(Ordering::SeqCst),
+            0,
+            "the proxy let the redirect through: {err}"
+        );
+        pull_image(&reference, RegistryAuth::Anonymous, &store)
+            .await
+            .unwrap_err();
+        assert!(
+            reached.load(Ordering::SeqCst) > 0,
+            "without the proxy the redirect is followed"
+        );
         server.abort();
         secret_server.abort();
     }
