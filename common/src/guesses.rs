@@ -55,12 +55,14 @@ impl GuessGate {
         compare: impl FnOnce() -> Result<T, E>,
         wrong: impl FnOnce(&E) -> bool,
     ) -> Result<T, Gated<E>> {
+        let queued = Queued(&self.waiting);
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING {
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(Gated::Busy);
         }
         let turn = self.turns.acquire().await;
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        // Counted out here, or wherever this future is dropped while it waits (its client
+        // went away): a count left behind would refuse everyone once it reached the bound.
+        drop(queued);
         let answer = compare();
         if let Err(e) = &answer {
             if wrong(e) {
@@ -81,6 +83,15 @@ impl GuessGate {
             tracing::warn!(wrong = warned.0, what = self.what, "wrong secrets refused");
             *warned = (0, Some(Instant::now()));
         }
+    }
+}
+
+/// One comparison counted among those waiting, until dropped.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -118,6 +129,19 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_guess_whose_client_went_away_leaves_no_count() {
+        let gate = GuessGate::new("test token");
+        let held = gate.turns.acquire_many(GUESSES_AT_ONCE as u32).await.unwrap();
+        for _ in 0..MAX_WAITING + 1 {
+            let waiting = gate.compare(|| Ok::<_, ()>(()), |_| true);
+            assert!(tokio::time::timeout(Duration::from_millis(1), waiting).await.is_err());
+        }
+        assert_eq!(gate.waiting.load(Ordering::SeqCst), 0);
+        drop(held);
+        assert_eq!(gate.compare(|| Ok::<_, ()>(()), |_| true).await, Ok(()));
+    }
+
+    #[tokio::test]
     async fn a_flood_past_the_queue_is_refused_uncompared() {
         let gate = std::sync::Arc::new(GuessGate::new("test token"));
         // Hold both turns, then fill the queue.
@@ -136,6 +160,11 @@ mod tests {
             .compare(|| -> Result<(), ()> { panic!("compared") }, |_| true)
             .await;
         assert_eq!(refused, Err(Gated::Busy));
+        assert_eq!(
+            gate.waiting.load(Ordering::SeqCst),
+            MAX_WAITING,
+            "a refusal left its count"
+        );
         drop(held);
         for w in waiting {
             assert_eq!(w.await.unwrap(), Ok(()));
