@@ -52,6 +52,11 @@ use crate::store::{blocking, BlobError, BlobStore, Key, TempFile};
 const LAYERS_IN_FLIGHT: usize = 3;
 /// Image configs are a few KiB; refuse absurd ones rather than buffer them.
 const MAX_CONFIG_SIZE: i64 = 4 << 20;
+/// The largest layer blob a pull downloads (a layer cache keeps 20 GiB by default, and a
+/// compressed layer is no larger than what it unpacks to), and the bound on one whose
+/// manifest declares no size: a registry that never stops sending cannot fill the node's
+/// temporary folder.
+const MAX_LAYER_BLOB: u64 = 20 << 30;
 
 /// How to authenticate to the registry.
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -461,11 +466,39 @@ impl Pull<'_> {
                 ),
             });
         }
-        let mut json = Vec::new();
-        self.client
-            .pull_blob(&self.image, descriptor, &mut json)
+        // Read as a stream, at most what the manifest declares (checked above): a registry
+        // sending more is refused rather than held in memory.
+        let mut stream = self
+            .client
+            .pull_blob_stream(&self.image, descriptor)
             .await
             .map_err(|e| self.error(e))?;
+        let mut json = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| PullError::Registry {
+                registry: self.registry(),
+                reference: self.image.whole(),
+                detail: format!("image config {}: {}", descriptor.digest, error_chain(&e)),
+            })?;
+            if (json.len() + chunk.len()) as i64 > descriptor.size.max(0) {
+                return Err(PullError::Unsupported {
+                    reference: self.image.whole(),
+                    reason: format!(
+                        "the registry sent more of image config {} than the {} bytes its manifest declares",
+                        descriptor.digest, descriptor.size
+                    ),
+                });
+            }
+            json.extend_from_slice(&chunk);
+        }
+        let actual = format!("sha256:{:x}", Sha256::digest(&json));
+        if actual != descriptor.digest {
+            return Err(PullError::DigestMismatch {
+                reference: self.image.whole(),
+                expected: descriptor.digest.clone(),
+                actual,
+            });
+        }
         ImageConfig::from_json(&json).map_err(|e| PullError::Registry {
             registry: self.registry(),
             reference: self.image.whole(),
@@ -504,8 +537,19 @@ impl Pull<'_> {
             .map_err(|e| self.error(e))?;
         let scratch = std::env::temp_dir().join("sandboxsched-layer");
         let (file, tmp) = blocking(move || TempFile::beside(&scratch)).await?;
+        let declared = u64::try_from(descriptor.size).ok().filter(|&size| size > 0);
+        if declared.is_some_and(|size| size > MAX_LAYER_BLOB) {
+            return Err(PullError::Unsupported {
+                reference: self.image.whole(),
+                reason: format!(
+                    "layer {} of {} bytes (the limit is {MAX_LAYER_BLOB})",
+                    descriptor.digest, descriptor.size
+                ),
+            });
+        }
         let size = copy_verified(
             stream,
+            declared.unwrap_or(MAX_LAYER_BLOB),
             &descriptor.digest,
             tokio::fs::File::from_std(file),
             tmp.path().to_path_buf(),
@@ -523,6 +567,11 @@ impl Pull<'_> {
                 detail: format!("downloading layer {}: {}", descriptor.digest, error_chain(&e)),
             },
             CopyError::Write(e) => PullError::Store(e),
+            CopyError::TooLong { limit } => PullError::Registry {
+                registry: self.registry(),
+                reference: self.image.whole(),
+                detail: format!("layer {} went on past {limit} bytes, more than its manifest declares", descriptor.digest),
+            },
         })?;
         if stored.is_none() {
             self.store.put_file(&key, tmp.path()).await?;
@@ -554,12 +603,15 @@ enum CopyError {
     Transfer(io::Error),
     /// The scratch file could not be written.
     Write(BlobError),
+    /// More bytes came than the limit allows.
+    TooLong { limit: u64 },
 }
 
 /// Writes `stream` to `file` (at `path`, for messages) while hashing it, and checks the hash
 /// against `expected` (`sha256:<hex>`). Returns the number of bytes written.
 async fn copy_verified(
     mut stream: impl Stream<Item = io::Result<Bytes>> + Unpin,
+    limit: u64,
     expected: &str,
     mut file: tokio::fs::File,
     path: PathBuf,
@@ -575,9 +627,12 @@ async fn copy_verified(
                 _ => CopyError::Transfer(e),
             }
         })?;
+        size += chunk.len() as u64;
+        if size > limit {
+            return Err(CopyError::TooLong { limit });
+        }
         hasher.update(&chunk);
         file.write_all(&chunk).await.map_err(write_err)?;
-        size += chunk.len() as u64;
     }
     file.flush().await.map_err(write_err)?;
     let actual = format!("sha256:{:x}", hasher.finalize());
@@ -759,14 +814,14 @@ mod tests {
         let path = dir.path().join("blob");
         let digest = format!("sha256:{:x}", Sha256::digest(b"hello world"));
         let file = tokio::fs::File::create(&path).await.unwrap();
-        let n = copy_verified(chunks(&[b"hello ", b"world"]), &digest, file, path.clone())
+        let n = copy_verified(chunks(&[b"hello ", b"world"]), 11, &digest, file, path.clone())
             .await
             .unwrap();
         assert_eq!(n, 11);
         assert_eq!(std::fs::read(&path).unwrap(), b"hello world");
 
         let file = tokio::fs::File::create(&path).await.unwrap();
-        match copy_verified(chunks(&[b"hello ", b"there"]), &digest, file, path.clone()).await {
+        match copy_verified(chunks(&[b"hello ", b"there"]), 11, &digest, file, path.clone()).await {
             Err(CopyError::Mismatch { actual }) => {
                 assert_eq!(actual, format!("sha256:{:x}", Sha256::digest(b"hello there")))
             }
@@ -775,9 +830,17 @@ mod tests {
         let broken = futures::stream::iter(vec![Ok(Bytes::from_static(b"x")), Err(io::Error::other("reset"))]);
         let file = tokio::fs::File::create(&path).await.unwrap();
         assert!(matches!(
-            copy_verified(broken, &digest, file, path.clone()).await,
+            copy_verified(broken, 11, &digest, file, path.clone()).await,
             Err(CopyError::Transfer(_))
         ));
+        // A registry that goes on past what the manifest declares is cut off there.
+        let endless = futures::stream::iter(std::iter::repeat_with(|| Ok(Bytes::from_static(b"xxxxxxxx"))));
+        let file = tokio::fs::File::create(&path).await.unwrap();
+        assert!(matches!(
+            copy_verified(endless, 1 << 16, &digest, file, path.clone()).await,
+            Err(CopyError::TooLong { limit: 65536 })
+        ));
+        assert!(std::fs::metadata(&path).unwrap().len() <= 1 << 16);
     }
 
     /// What a fake registry answers: status line, extra headers, content type and body.

@@ -66,6 +66,9 @@ impl Stack {
     /// A regular file's content at `rel`, if the topmost layer that has `rel` has a regular
     /// file there (for `/etc/passwd`).
     pub fn read_file(&self, rel: &Path) -> Option<String> {
+        /// The most of a template's file a build reads into memory (an image's `/etc/passwd`
+        /// is the tenant's, and could be gigabytes).
+        const MAX_READ: u64 = 1 << 20;
         for layer in &self.0 {
             let path = layer.join(rel);
             if rel.ancestors().skip(1).any(|a| {
@@ -74,7 +77,13 @@ impl Stack {
                 return None;
             }
             match std::fs::symlink_metadata(&path) {
-                Ok(meta) if meta.is_file() => return std::fs::read_to_string(&path).ok(),
+                Ok(meta) if meta.is_file() && meta.len() <= MAX_READ => {
+                    use std::io::Read as _;
+                    let mut text = String::new();
+                    let file = std::fs::File::open(&path).ok()?;
+                    file.take(MAX_READ).read_to_string(&mut text).ok()?;
+                    return Some(text);
+                }
                 Ok(_) => return None,
                 Err(_) => continue,
             }
@@ -327,6 +336,10 @@ mod tests {
         std::fs::create_dir_all(&top).unwrap();
         let stack = Stack(vec![top.clone(), bottom.clone()]);
         assert!(stack.read_file(Path::new("etc/passwd")).unwrap().starts_with("root"));
+        // A file too large to read into memory is not read (sparse: no disk is used).
+        std::fs::create_dir_all(top.join("big")).unwrap();
+        std::fs::File::create(top.join("big/passwd")).unwrap().set_len(2 << 20).unwrap();
+        assert_eq!(stack.read_file(Path::new("big/passwd")), None);
         std::os::unix::fs::symlink("/etc", top.join("etc")).unwrap();
         assert_eq!(
             stack.read_file(Path::new("etc/passwd")),
