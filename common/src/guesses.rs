@@ -30,7 +30,7 @@ pub enum Gated<E> {
 /// The turns every comparison of one secret takes (see the module's documentation).
 pub struct GuessGate {
     what: &'static str,
-    turns: tokio::sync::Semaphore,
+    turns: std::sync::Arc<tokio::sync::Semaphore>,
     waiting: AtomicUsize,
     /// Wrong guesses since the last warning, and when that was (warnings are rate-limited,
     /// so a guesser cannot flood the log).
@@ -42,7 +42,7 @@ impl GuessGate {
     pub fn new(what: &'static str) -> Self {
         Self {
             what,
-            turns: tokio::sync::Semaphore::new(GUESSES_AT_ONCE),
+            turns: std::sync::Arc::new(tokio::sync::Semaphore::new(GUESSES_AT_ONCE)),
             waiting: AtomicUsize::new(0),
             warned: Mutex::default(),
         }
@@ -59,7 +59,7 @@ impl GuessGate {
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING {
             return Err(Gated::Busy);
         }
-        let turn = self.turns.acquire().await;
+        let turn = self.turns.clone().acquire_owned().await;
         // Counted out here, or wherever this future is dropped while it waits (its client
         // went away): a count left behind would refuse everyone once it reached the bound.
         drop(queued);
@@ -67,12 +67,17 @@ impl GuessGate {
         if let Err(e) = &answer {
             if wrong(e) {
                 self.warn();
-                if turn.is_ok() {
-                    tokio::time::sleep(GUESS_DELAY).await;
+                // The turn is held for the delay by a task of its own: a guesser closing its
+                // connection at once (a wrong answer is the slow one) must not free it early.
+                if let Ok(turn) = turn {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(GUESS_DELAY).await;
+                        drop(turn);
+                    });
                 }
+                tokio::time::sleep(GUESS_DELAY).await;
             }
         }
-        drop(turn);
         answer.map_err(Gated::Refused)
     }
 
@@ -126,6 +131,24 @@ mod tests {
         for guess in guesses {
             assert_eq!(guess.await.unwrap(), Err(Gated::Refused("wrong")));
         }
+    }
+
+    #[tokio::test]
+    async fn a_wrong_guess_holds_its_turn_even_when_its_client_goes() {
+        let gate = GuessGate::new("test token");
+        for _ in 0..GUESSES_AT_ONCE {
+            let wrong = gate.compare(|| Err::<(), _>(()), |_| true);
+            // Compared at once; the client goes before the answer.
+            assert!(tokio::time::timeout(Duration::from_millis(20), wrong).await.is_err());
+        }
+        assert_eq!(
+            gate.turns.available_permits(),
+            0,
+            "a dropped guess gave its turn back early"
+        );
+        let started = Instant::now();
+        assert_eq!(gate.compare(|| Ok::<_, ()>(()), |_| true).await, Ok(()));
+        assert!(started.elapsed() >= GUESS_DELAY / 2, "{:?}", started.elapsed());
     }
 
     #[tokio::test]
