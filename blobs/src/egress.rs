@@ -13,9 +13,15 @@
 //! is the one connected to (a name cannot change its answer in between).
 //!
 //! HTTPS goes through as `CONNECT host:port` (the proxy sees only where, never what); plain
-//! HTTP, which pulls use only for a registry on loopback, as one absolute-form request per
-//! connection (the client pools connections per destination, so a connection to the proxy
-//! carries one destination's requests).
+//! HTTP, which pulls use only for a registry on loopback, as absolute-form requests, the
+//! connection then spliced to the first request's destination (the client pools connections
+//! per destination; whatever else came on it would still reach only the checked address).
+//!
+//! The proxy is the pull's alone: its URL carries a random password which every request must
+//! present (`Proxy-Authorization`), so another user of the host cannot borrow the node's way
+//! out while a pull runs; the password is taken out of what goes on. Its connections end with
+//! it (with the pull), at most [`MAX_CONNECTIONS`] at once, and a client has [`HEAD_TIMEOUT`]
+//! to say where it goes.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -37,12 +43,17 @@ impl<F: Fn(&str, IpAddr) -> bool + Send + Sync + 'static> Destinations for F {
 
 /// The longest request head accepted from the client.
 const MAX_HEAD: usize = 16 * 1024;
-/// How long a connection onward may take.
+/// How long a client may take to send its request's head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long resolving a name, and each connection onward, may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections through the proxy at once (a pull fetches three layers at a time).
+pub const MAX_CONNECTIONS: usize = 32;
 
-/// A running proxy; stops when dropped.
+/// A running proxy; stops when dropped, and every connection through it with it.
 pub struct EgressProxy {
     address: SocketAddr,
+    password: String,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -57,55 +68,124 @@ impl EgressProxy {
     pub async fn start(destinations: impl Destinations) -> std::io::Result<Self> {
         let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
         let address = listener.local_addr()?;
+        let password = random_password()?;
+        let expected: Arc<str> = Arc::from(basic_credentials(&password));
         let destinations: Arc<dyn Destinations> = Arc::new(destinations);
         let task = tokio::spawn(async move {
+            // Every connection's task is in this set, dropped (so aborted) with this task.
+            let mut connections = tokio::task::JoinSet::new();
             loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    continue;
+                let accepted = listener.accept().await;
+                while connections.try_join_next().is_some() {}
+                let client = match accepted {
+                    Ok((client, _)) => client,
+                    Err(why) => {
+                        // Out of descriptors, say: wait rather than spin.
+                        tracing::warn!(%why, "egress proxy: cannot accept");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
                 };
-                let destinations = destinations.clone();
-                tokio::spawn(async move {
-                    if let Err(why) = serve(client, destinations.as_ref()).await {
+                if connections.len() >= MAX_CONNECTIONS {
+                    continue;
+                }
+                let (destinations, expected) = (destinations.clone(), expected.clone());
+                connections.spawn(async move {
+                    if let Err(why) = serve(client, destinations.as_ref(), &expected).await {
                         tracing::debug!(%why, "egress proxy: connection ended");
                     }
                 });
             }
         });
-        Ok(Self { address, task })
+        Ok(Self {
+            address,
+            password,
+            task,
+        })
     }
 
-    /// The proxy's URL, for an HTTP client's proxy settings.
+    /// The proxy's URL, its credentials in it, for an HTTP client's proxy settings.
     pub fn url(&self) -> String {
-        format!("http://{}", self.address)
+        format!("http://pull:{}@{}", self.password, self.address)
     }
 }
 
-/// One client connection: its request head read, its destination checked and connected,
-/// then bytes both ways.
-async fn serve(mut client: TcpStream, destinations: &dyn Destinations) -> std::io::Result<()> {
+/// 32 random hex digits, from the kernel.
+fn random_password() -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The `Proxy-Authorization` value a client sends as user `pull` with `password`.
+fn basic_credentials(password: &str) -> String {
+    use base64::Engine as _;
+    let pair = format!("pull:{password}");
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+}
+
+/// Whether a request head carries `expected` as its `Proxy-Authorization` (compared in
+/// constant time), and the head without that header.
+fn authorized(head: &[u8], expected: &str) -> (bool, Vec<u8>) {
+    let mut shown = false;
+    let mut kept = Vec::with_capacity(head.len());
+    for line in head.split_inclusive(|&b| b == b'\n') {
+        if let Some(colon) = line.iter().position(|&b| b == b':') {
+            if line[..colon].trim_ascii().eq_ignore_ascii_case(b"proxy-authorization") {
+                let value = line[colon + 1..].trim_ascii();
+                shown |= value.len() == expected.len()
+                    && value.iter().zip(expected.as_bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+                continue;
+            }
+        }
+        kept.extend_from_slice(line);
+    }
+    (shown, kept)
+}
+
+/// Reads a request's head; returns it with what came after it, or `None` when the client
+/// closed first or sent more than [`MAX_HEAD`] without ending it.
+async fn read_head(client: &mut TcpStream) -> std::io::Result<Option<(Vec<u8>, Vec<u8>)>> {
     let mut head = Vec::with_capacity(1024);
-    let end = loop {
+    loop {
         let mut chunk = [0u8; 1024];
         let n = client.read(&mut chunk).await?;
         if n == 0 {
-            return Ok(());
+            return Ok(None);
         }
         head.extend_from_slice(&chunk[..n]);
         if let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-            break end + 4;
+            let rest = head.split_off(end + 4);
+            return Ok(Some((head, rest)));
         }
         if head.len() > MAX_HEAD {
-            return refuse(
-                &mut client,
-                "431 Request Header Fields Too Large",
-                "request head too large",
-            )
-            .await;
+            return Ok(None);
         }
+    }
+}
+
+/// One client connection: its request head read, its credentials and destination checked,
+/// then bytes both ways.
+async fn serve(mut client: TcpStream, destinations: &dyn Destinations, expected: &str) -> std::io::Result<()> {
+    let Ok(read) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut client)).await else {
+        return refuse(&mut client, "408 Request Timeout", "no request in time").await;
     };
-    let Some(request) = Request::parse(&head[..end]) else {
+    let Some((head, rest)) = read? else {
+        return refuse(&mut client, "400 Bad Request", "no whole request head").await;
+    };
+    let Some(request) = Request::parse(&head) else {
         return refuse(&mut client, "400 Bad Request", "not a proxy request").await;
     };
+    let (shown, head) = authorized(&head, expected);
+    if !shown {
+        return refuse(
+            &mut client,
+            "407 Proxy Authentication Required",
+            "this proxy is one pull's alone",
+        )
+        .await;
+    }
     let mut upstream = match connect(&request.authority, destinations).await {
         Ok(upstream) => upstream,
         Err(Onward::Refused(why)) => {
@@ -116,11 +196,11 @@ async fn serve(mut client: TcpStream, destinations: &dyn Destinations) -> std::i
     };
     if request.tunnel {
         client.write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n").await?;
-        // Whatever followed the CONNECT's head is the tunnel's first bytes.
-        upstream.write_all(&head[end..]).await?;
     } else {
         upstream.write_all(&head).await?;
     }
+    // Whatever followed the head: a tunnel's first bytes, or a request's body.
+    upstream.write_all(&rest).await?;
     tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
     Ok(())
 }
@@ -173,23 +253,26 @@ enum Onward {
     Failed(String),
 }
 
-/// Resolves `authority` and connects to the first address `destinations` allows; every
-/// refused one is named in the answer when none is allowed.
+/// Resolves `authority` and connects to the addresses `destinations` allows, in turn, until
+/// one answers; every refused one is named in the answer when none is allowed.
 async fn connect(authority: &str, destinations: &dyn Destinations) -> Result<TcpStream, Onward> {
-    let host = authority
+    let (host, port) = authority
         .rsplit_once(':')
-        .map_or(authority, |(host, _)| host)
-        .trim_start_matches('[')
-        .trim_end_matches(']');
-    let port = authority
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| Onward::Failed(format!("{authority} names no port")))?;
-    let addresses: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| Onward::Failed(format!("{authority} names no port")))?;
+    let addresses: Vec<SocketAddr> = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::lookup_host((host, port)))
         .await
+        .map_err(|_| Onward::Failed(format!("{authority} did not resolve in time")))?
         .map_err(|e| Onward::Failed(format!("{authority} does not resolve: {e}")))?
         .collect();
-    let Some(address) = addresses.iter().find(|a| destinations.allowed(authority, a.ip())) else {
+    let allowed: Vec<&SocketAddr> = addresses
+        .iter()
+        .filter(|a| destinations.allowed(authority, a.ip()))
+        .collect();
+    if allowed.is_empty() {
         return Err(Onward::Refused(format!(
             "{authority} resolves to {}, where a pull may not connect (an operator can allow a registry with --private-registries)",
             addresses
@@ -198,11 +281,16 @@ async fn connect(authority: &str, destinations: &dyn Destinations) -> Result<Tcp
                 .collect::<Vec<_>>()
                 .join(", ")
         )));
-    };
-    tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
-        .await
-        .map_err(|_| Onward::Failed(format!("{authority} ({address}) did not answer in time")))?
-        .map_err(|e| Onward::Failed(format!("{authority} ({address}): {e}")))
+    }
+    let mut last = String::new();
+    for address in allowed {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address)).await {
+            Ok(Ok(stream)) => return Ok(stream),
+            Ok(Err(e)) => last = format!("{authority} ({address}): {e}"),
+            Err(_) => last = format!("{authority} ({address}) did not answer in time"),
+        }
+    }
+    Err(Onward::Failed(last))
 }
 
 async fn refuse(client: &mut TcpStream, status: &str, why: &str) -> std::io::Result<()> {
@@ -217,6 +305,18 @@ async fn refuse(client: &mut TcpStream, status: &str, why: &str) -> std::io::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pulls_credentials_are_checked_and_go_no_further() {
+        let expected = basic_credentials("secret");
+        let head = format!("GET http://r/ HTTP/1.1\r\nHost: r\r\nproxy-authorization:  {expected} \r\n\r\n");
+        let (shown, kept) = authorized(head.as_bytes(), &expected);
+        assert!(shown);
+        assert_eq!(kept, b"GET http://r/ HTTP/1.1\r\nHost: r\r\n\r\n");
+        let wrong = head.replace(&expected, &basic_credentials("guess"));
+        assert!(!authorized(wrong.as_bytes(), &expected).0);
+        assert!(!authorized(b"GET http://r/ HTTP/1.1\r\n\r\n", &expected).0);
+    }
 
     #[test]
     fn requests_name_their_destination() {
@@ -271,8 +371,11 @@ mod tests {
         let proxy = EgressProxy::start(move |authority: &str, _ip: IpAddr| authority == only)
             .await
             .unwrap();
+        let credentials = basic_credentials(&proxy.password);
         let ask = |head: String| {
             let proxy = proxy.address;
+            // The pull's own credentials, as reqwest sends them from the proxy's URL.
+            let head = head.replacen("\r\n", &format!("\r\nProxy-Authorization: {credentials}\r\n"), 1);
             async move {
                 let mut s = TcpStream::connect(proxy).await.unwrap();
                 s.write_all(head.as_bytes()).await.unwrap();
@@ -291,6 +394,19 @@ mod tests {
             tunnel.starts_with("HTTP/1.1 200 Connection Established") && tunnel.ends_with("hello"),
             "{tunnel}"
         );
+        // Without the pull's password (another user of the host): refused, never reached.
+        let mut s = TcpStream::connect(proxy.address).await.unwrap();
+        s.write_all(format!("GET http://{allowed}/ HTTP/1.1\r\nHost: {allowed}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 407") && !answer.contains("hello"),
+            "{answer}"
+        );
+        assert!(proxy.url().contains(&format!("pull:{}@", proxy.password)));
         // The same server by another name is another destination: refused, never reached.
         for head in [
             format!("GET http://localhost:{port}/ HTTP/1.1\r\n\r\n"),

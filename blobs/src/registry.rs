@@ -570,7 +570,10 @@ impl Pull<'_> {
             CopyError::TooLong { limit } => PullError::Registry {
                 registry: self.registry(),
                 reference: self.image.whole(),
-                detail: format!("layer {} went on past {limit} bytes, more than its manifest declares", descriptor.digest),
+                detail: format!(
+                    "layer {} went on past {limit} bytes, more than its manifest declares",
+                    descriptor.digest
+                ),
             },
         })?;
         if stored.is_none() {
