@@ -327,13 +327,6 @@ impl LayerCache {
     /// one whose digest is in `in_use`. Blocking (walks new layers once to size them). Returns
     /// the digests removed.
     pub fn evict(&self, in_use: &std::collections::HashSet<String>) -> Vec<String> {
-        let pinned: std::collections::HashSet<String> = self
-            .pinned
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .keys()
-            .cloned()
-            .collect();
         let mut layers = Vec::new();
         for entry in std::fs::read_dir(self.root.join("sha256"))
             .into_iter()
@@ -365,15 +358,21 @@ impl LayerCache {
             if total <= self.max_bytes {
                 break;
             }
-            if in_use.contains(&digest) || pinned.contains(&digest) {
+            if in_use.contains(&digest) {
                 continue;
             }
-            // Renamed away first, so a create never mounts a half-deleted layer.
+            // Renamed away first, so a create never mounts a half-deleted layer; pins are
+            // read under their lock, held across the rename, so a build that pins a layer
+            // (before it looks for it) either keeps it or finds it gone and fetches it again.
             let doomed = self
                 .root
                 .join("tmp")
                 .join(format!("evicted-{}", uuid::Uuid::new_v4().simple()));
-            if std::fs::rename(&path, &doomed).is_ok() {
+            let renamed = {
+                let pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+                !pinned.contains_key(&digest) && std::fs::rename(&path, &doomed).is_ok()
+            };
+            if renamed {
                 let _ = std::fs::remove_dir_all(&doomed);
                 total = total.saturating_sub(size);
                 if let Ok(mut sizes) = self.sizes.lock() {

@@ -338,7 +338,10 @@ mod tests {
         assert!(stack.read_file(Path::new("etc/passwd")).unwrap().starts_with("root"));
         // A file too large to read into memory is not read (sparse: no disk is used).
         std::fs::create_dir_all(top.join("big")).unwrap();
-        std::fs::File::create(top.join("big/passwd")).unwrap().set_len(2 << 20).unwrap();
+        std::fs::File::create(top.join("big/passwd"))
+            .unwrap()
+            .set_len(2 << 20)
+            .unwrap();
         assert_eq!(stack.read_file(Path::new("big/passwd")), None);
         std::os::unix::fs::symlink("/etc", top.join("etc")).unwrap();
         assert_eq!(

@@ -678,18 +678,78 @@ impl Build {
 
 /// Whether `ip` is behind the egress floor (`floor`'s IPv4 ranges; IPv6 loopback,
 /// unspecified, unique-local and link-local): the control plane's own network, a cloud's
-/// metadata service.
+/// metadata service. An IPv6 address that carries an IPv4 one (mapped `::ffff:0:0/96`,
+/// compatible `::/96`, NAT64 `64:ff9b::/96` and `64:ff9b:1::/48`, 6to4 `2002::/16`) is
+/// judged by that IPv4 address, where a gateway would take it.
 fn in_floor(floor: &[common::egress::Cidr], ip: std::net::IpAddr) -> bool {
+    let v4_in_floor = |v4: std::net::Ipv4Addr| floor.iter().any(|c| c.contains(v4));
     match ip {
-        std::net::IpAddr::V4(v4) => floor.iter().any(|c| c.contains(v4)),
-        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => floor.iter().any(|c| c.contains(v4)),
-            None => {
-                v6.is_loopback()
-                    || v6.is_unspecified()
-                    || (v6.segments()[0] & 0xfe00) == 0xfc00
-                    || (v6.segments()[0] & 0xffc0) == 0xfe80
+        std::net::IpAddr::V4(v4) => v4_in_floor(v4),
+        std::net::IpAddr::V6(v6) => {
+            if v6.is_loopback()
+                || v6.is_unspecified()
+                || (v6.segments()[0] & 0xfe00) == 0xfc00
+                || (v6.segments()[0] & 0xffc0) == 0xfe80
+            {
+                return true;
             }
-        },
+            let [a, b, ..] = v6.segments();
+            let o = v6.octets();
+            let low = std::net::Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+            let carried: Vec<std::net::Ipv4Addr> = if let Some(mapped) = v6.to_ipv4_mapped() {
+                vec![mapped]
+            } else if o[..12].iter().all(|&x| x == 0) {
+                vec![low]
+            } else if a == 0x64 && b == 0xff9b {
+                // NAT64 (64:ff9b::/96, and the local-use 64:ff9b:1::/48 with the address
+                // after its prefix, skipping the reserved octet 8).
+                vec![low, std::net::Ipv4Addr::new(o[6], o[7], o[9], o[10])]
+            } else if a == 0x2002 {
+                vec![std::net::Ipv4Addr::new(o[2], o[3], o[4], o[5])]
+            } else {
+                Vec::new()
+            };
+            carried.into_iter().any(v4_in_floor)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_floor;
+    use std::net::IpAddr;
+
+    #[test]
+    fn an_ipv6_address_carrying_a_private_ipv4_one_is_behind_the_floor() {
+        let floor = [
+            common::egress::Cidr::new("10.0.0.0".parse().unwrap(), 8).unwrap(),
+            common::egress::Cidr::new("169.254.0.0".parse().unwrap(), 16).unwrap(),
+        ];
+        let judged = |ip: &str| in_floor(&floor, ip.parse::<IpAddr>().unwrap());
+        for behind in [
+            "10.0.0.5",
+            "169.254.169.254",
+            "::1",
+            "::",
+            "fd00::1",
+            "fe80::1",
+            "::ffff:10.0.0.5",
+            "::10.0.0.5",
+            "64:ff9b::a00:5",
+            "64:ff9b::169.254.169.254",
+            "64:ff9b:1:a00:0:500::",
+            "2002:a00:5::1",
+        ] {
+            assert!(judged(behind), "{behind} passed the floor");
+        }
+        for open in [
+            "8.8.8.8",
+            "2606:4700::1111",
+            "64:ff9b::808:808",
+            "2002:808:808::1",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(!judged(open), "{open} was refused");
+        }
     }
 }
