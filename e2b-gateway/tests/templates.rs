@@ -215,6 +215,12 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
 #[tokio::test]
 async fn a_team_cannot_take_the_clusters_template_names() {
     let s = support::stack(4096).await;
+    // A namespaced name is its team's: team-a cannot hold team-b's, only its own.
+    for (name, status) in [("team-b/app", 403), ("team-a/app", 202), ("team-a/app:v2", 202)] {
+        let body = format!(r#"{{"name": "{name}", "cpuCount": 1, "memoryMB": 256}}"#);
+        let (got, answer) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;
+        assert_eq!(got, status, "{name}: {answer}");
+    }
     for name in ["code-interpreter-v1", "code-interpreter-v1:latest", "base", "base:v2"] {
         let body = format!(r#"{{"name": "{name}", "cpuCount": 1, "memoryMB": 256}}"#);
         let (status, answer) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;

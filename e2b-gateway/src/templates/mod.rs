@@ -106,11 +106,24 @@ impl Templates {
     }
 
     /// Refuses a team other than the cluster a reserved name.
+    ///
+    /// A name with a `/` is namespaced, as E2B's `team/name`: its first part must be the
+    /// team's own ID. Names are one namespace for every team and a public template is found
+    /// by name from any team, so another team holding `yourteam/app` (made public) would
+    /// have a create of `yourteam/app` made before yours, or after you deleted it, start
+    /// their image with your environment.
     fn check_reserved(&self, team: &str, name: &str) -> Result<(), Failure> {
         if team != CLUSTER_TEAM && self.reserved.iter().any(|r| r == name) {
             return Err(Failure::Forbidden(format!(
                 "the template name {name:?} is reserved for the cluster's built-in templates"
             )));
+        }
+        if let Some((namespace, _)) = name.split_once('/') {
+            if team != CLUSTER_TEAM && namespace != team {
+                return Err(Failure::Forbidden(format!(
+                    "the template name {name:?} is in namespace {namespace:?}: a team names its own templates {team:?}/NAME, or with no '/'"
+                )));
+            }
         }
         Ok(())
     }
