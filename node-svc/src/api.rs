@@ -263,7 +263,7 @@ impl pb::node_server::Node for NodeApi {
 
     async fn snapshot(&self, request: Request<pb::LifecycleRequest>) -> Result<Response<SnapshotStream>, Status> {
         let req = request.into_inner();
-        let record = self
+        let (record, hold) = self
             .host
             .snapshot_source(req.epoch, &req.sandbox_id)
             .await
@@ -275,7 +275,7 @@ impl pb::node_server::Node for NodeApi {
                 description_json: description,
             })),
         };
-        let parts = ReceiverStream::new(self.host.snapshot_stream(&record.id)).map(|part| match part {
+        let parts = ReceiverStream::new(self.host.snapshot_stream(&record.id, hold)).map(|part| match part {
             Ok(SnapshotPart::Data(data)) => Ok(pb::SnapshotChunk {
                 part: Some(pb::snapshot_chunk::Part::Data(data)),
             }),

@@ -61,9 +61,13 @@ pub struct Checksum {
 
 /// Streams `home` as a tar archive in chunks; the last item is the SHA-256 of all the data and
 /// its length, or the error that stopped the archive.
-pub fn stream(home: PathBuf) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
+/// `hold` is kept until the archive ends (the sandbox's turn: nothing resumes it meanwhile).
+pub fn stream<H: Send + 'static>(home: PathBuf, hold: H) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
     let (tx, rx) = mpsc::channel(IN_FLIGHT);
-    tokio::task::spawn_blocking(move || archive(&home, tx));
+    tokio::task::spawn_blocking(move || {
+        archive(&home, tx);
+        drop(hold);
+    });
     rx
 }
 

@@ -40,7 +40,11 @@ impl Shared {
     }
 
     /// Checks a snapshot may be taken (paused, epoch current) and returns the record.
-    pub(super) async fn snapshot_source(&self, epoch: u64, sandbox_id: &str) -> Result<SandboxRecord, NodeError> {
+    pub(super) async fn snapshot_source(
+        &self,
+        epoch: u64,
+        sandbox_id: &str,
+    ) -> Result<(SandboxRecord, Option<tokio::sync::OwnedMutexGuard<()>>), NodeError> {
         validate_id(sandbox_id)?;
         let turn = self.enter(sandbox_id).await;
         let mut record = turn
@@ -58,7 +62,7 @@ impl Shared {
             self.persist(&record).await?;
             turn.commit(Some(record.clone()));
         }
-        Ok(record)
+        Ok((record, turn.keep()))
     }
 
     /// Recreates a sandbox from a snapshot: unpacks the archive chunks from `data` into a

@@ -328,6 +328,11 @@ async fn to_completion<T: Send + 'static>(
         .map_err(|e| NodeError::Runtime(format!("operation task failed: {e}")))?
 }
 
+/// A sandbox's turn, held while its snapshot streams (see [`Host::snapshot_stream`]).
+pub struct SnapshotHold {
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
 impl Host {
     /// Evicts layers past the layer cache's bound (a build's pulls and steps fill it as
     /// creates do), keeping every sandbox's here and `image`'s.
@@ -696,17 +701,30 @@ impl Host {
         picture
     }
 
-    /// Checks a snapshot may be taken (paused, epoch current) and returns the record.
-    pub async fn snapshot_source(&self, epoch: u64, sandbox_id: &str) -> Result<SandboxRecord, NodeError> {
+    /// Checks a snapshot may be taken (paused, epoch current) and returns the record, with
+    /// the sandbox's turn for [`Host::snapshot_stream`].
+    pub async fn snapshot_source(
+        &self,
+        epoch: u64,
+        sandbox_id: &str,
+    ) -> Result<(SandboxRecord, SnapshotHold), NodeError> {
         let shared = self.shared.clone();
         let sandbox_id = sandbox_id.to_string();
-        to_completion(async move { shared.snapshot_source(epoch, &sandbox_id).await }).await
+        to_completion(async move { shared.snapshot_source(epoch, &sandbox_id).await })
+            .await
+            .map(|(record, held)| (record, SnapshotHold { _turn: held }))
     }
 
     /// Streams the sandbox's home as a tar archive in chunks; the last item is the SHA-256
-    /// of all the data and its length.
-    pub fn snapshot_stream(&self, sandbox_id: &str) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
-        snapshot::stream(self.shared.dir.home(sandbox_id))
+    /// of all the data and its length. The sandbox's turn is held until the archive ends:
+    /// the walk reads the tenant's files by path, and a sandbox resumed meanwhile could swap a
+    /// folder it has read for a link to the host's.
+    pub fn snapshot_stream(
+        &self,
+        sandbox_id: &str,
+        hold: SnapshotHold,
+    ) -> mpsc::Receiver<Result<SnapshotPart, SnapshotError>> {
+        snapshot::stream(self.shared.dir.home(sandbox_id), hold)
     }
 
     /// Recreates a sandbox from a snapshot: unpacks the archive chunks from `data` into a
@@ -894,6 +912,39 @@ mod tests {
 
     fn sim() -> Arc<dyn Runtime> {
         Arc::new(SimRuntime { used_share: 0.5 })
+    }
+
+    /// A snapshot reads the tenant's files by path while it streams: nothing resumes the
+    /// sandbox (whose processes could then swap a folder for a link to the host's) until the
+    /// archive has been read whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_resumes_a_sandbox_while_its_snapshot_streams() {
+        let dir = std::env::temp_dir().join(format!("host-unit-{}", uuid::Uuid::new_v4().simple()));
+        let host = Arc::new(Host::open(config(&dir), sim()).await.expect("open"));
+        host.create(spec("a", "create-a")).await.expect("create a");
+        host.lifecycle("pause-a", 2, "a", Move::Pause).await.expect("pause");
+        // More than the stream holds in flight: its reading waits for its reader.
+        let home = host.shared.dir.home("a");
+        std::fs::create_dir_all(&home).unwrap();
+        std::fs::write(home.join("big"), vec![7u8; 16 << 20]).unwrap();
+        let (record, hold) = host.snapshot_source(2, "a").await.expect("snapshot");
+        let mut parts = host.snapshot_stream(&record.id, hold);
+        let resumer = host.clone();
+        let mut resume = tokio::spawn(async move { resumer.lifecycle("resume-a", 2, "a", Move::Resume).await });
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(200), &mut resume)
+                .await
+                .is_err(),
+            "resumed while the snapshot was being read"
+        );
+        let mut ended = false;
+        while let Some(part) = parts.recv().await {
+            ended |= matches!(part, Ok(SnapshotPart::End { .. }));
+        }
+        assert!(ended);
+        let resumed = resume.await.unwrap().expect("resume after the stream");
+        assert_eq!(resumed.state, State::Running);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

@@ -22,7 +22,8 @@ pub(super) struct Turn<'h> {
     pub(super) slots: &'h Mutex<HashMap<String, Arc<Slot>>>,
     pub(super) id: String,
     pub(super) slot: Arc<Slot>,
-    pub(super) _held: OwnedMutexGuard<()>,
+    /// The sandbox's turn itself (taken out only by [`Turn::keep`]).
+    pub(super) held: Option<OwnedMutexGuard<()>>,
 }
 
 impl Turn<'_> {
@@ -34,6 +35,12 @@ impl Turn<'_> {
     /// Makes `record` what everyone sees (`None`: the sandbox is gone).
     pub(super) fn commit(&self, record: Option<SandboxRecord>) {
         *lock(&self.slot.record) = record;
+    }
+
+    /// The turn itself, held on by its taker past this call (a snapshot's stream, so that
+    /// nothing resumes the sandbox while its files are read).
+    pub(super) fn keep(mut self) -> Option<OwnedMutexGuard<()>> {
+        self.held.take()
     }
 }
 
@@ -108,7 +115,7 @@ impl Shared {
                     slots: &self.slots,
                     id: id.to_string(),
                     slot,
-                    _held: held,
+                    held: Some(held),
                 };
             }
             // The slot left the registry while this call queued for it: queue on the new one.
