@@ -887,6 +887,42 @@ mod tests {
         (port, server)
     }
 
+    /// A fake registry serving one image: its config, and a manifest naming one layer of
+    /// `digest` and `size`, whose blob `blob` answers.
+    async fn one_layer_registry(
+        digest: &str,
+        size: usize,
+        blob: impl Fn() -> Answer + Send + Sync + 'static,
+    ) -> (u16, tokio::task::JoinHandle<()>) {
+        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
+        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": size}],
+        })
+        .to_string();
+        fake_registry(move |line| {
+            let ok = "200 OK";
+            if line.contains("/manifests/") {
+                (
+                    ok,
+                    String::new(),
+                    "application/vnd.oci.image.manifest.v1+json",
+                    manifest.clone().into_bytes(),
+                )
+            } else if line.contains(&config_digest) {
+                (ok, String::new(), "application/octet-stream", config.clone())
+            } else if line.contains("/blobs/") {
+                blob()
+            } else {
+                (ok, String::new(), "application/json", b"{}".to_vec())
+            }
+        })
+        .await
+    }
+
     /// A registry's redirect is a connection the puller did not choose: through the egress
     /// proxy it is held to the same rules as the registry's own name, and a destination the
     /// proxy refuses is never reached. (Without the proxy, in the same run, it is.)
@@ -903,33 +939,10 @@ mod tests {
                 drop(conn);
             }
         });
-        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
-        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
         let claimed = format!("sha256:{:x}", Sha256::digest(b"a layer"));
-        let manifest = serde_json::json!({
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": claimed, "size": 7}],
-        })
-        .to_string();
-        let (port, server) = fake_registry(move |line| {
-            let ok = "200 OK";
-            if line.contains("/manifests/") {
-                (
-                    ok,
-                    String::new(),
-                    "application/vnd.oci.image.manifest.v1+json",
-                    manifest.clone().into_bytes(),
-                )
-            } else if line.contains(&config_digest) {
-                (ok, String::new(), "application/octet-stream", config.clone())
-            } else if line.contains("/blobs/") {
-                let to = format!("Location: http://localhost:{secret_port}/latest/meta-data\r\n");
-                ("307 Temporary Redirect", to, "text/plain", Vec::new())
-            } else {
-                (ok, String::new(), "application/json", b"{}".to_vec())
-            }
+        let (port, server) = one_layer_registry(&claimed, 7, move || {
+            let to = format!("Location: http://localhost:{secret_port}/latest/meta-data\r\n");
+            ("307 Temporary Redirect", to, "text/plain", Vec::new())
         })
         .await;
         let registry = format!("127.0.0.1:{port}");
@@ -964,38 +977,11 @@ mod tests {
     /// registry must serve the bytes, and this one cannot.
     #[tokio::test]
     async fn a_stored_layer_is_not_given_to_whoever_names_its_digest() {
-        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
-        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
         let private = b"another team's private layer".to_vec();
         let claimed = format!("sha256:{:x}", Sha256::digest(&private));
-        let manifest = serde_json::json!({
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": claimed, "size": private.len()}],
-        })
-        .to_string();
-        let (port, server) = fake_registry(move |line| {
-            let ok = "200 OK";
-            if line.contains("/manifests/") {
-                (
-                    ok,
-                    String::new(),
-                    "application/vnd.oci.image.manifest.v1+json",
-                    manifest.clone().into_bytes(),
-                )
-            } else if line.contains(&config_digest) {
-                (ok, String::new(), "application/octet-stream", config.clone())
-            } else if line.contains("/blobs/") {
-                (
-                    "404 Not Found",
-                    String::new(),
-                    "application/json",
-                    br#"{"errors":[{"code":"BLOB_UNKNOWN"}]}"#.to_vec(),
-                )
-            } else {
-                (ok, String::new(), "application/json", b"{}".to_vec())
-            }
+        let (port, server) = one_layer_registry(&claimed, private.len(), || {
+            let unknown = br#"{"errors":[{"code":"BLOB_UNKNOWN"}]}"#.to_vec();
+            ("404 Not Found", String::new(), "application/json", unknown)
         })
         .await;
         let dir = tempfile::tempdir().unwrap();
@@ -1023,37 +1009,14 @@ mod tests {
     /// layer digest does not match the layer's bytes (a real registry would refuse the push).
     #[tokio::test]
     async fn a_digest_mismatch_stores_nothing() {
-        let config = br#"{"config":{"Cmd":["sh"]}}"#.to_vec();
-        let config_digest = format!("sha256:{:x}", Sha256::digest(&config));
         let claimed = format!("sha256:{:x}", Sha256::digest(b"the real layer"));
-        let manifest = serde_json::json!({
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": claimed, "size": 14}],
-        })
-        .to_string();
-        let (port, server) = fake_registry(move |line| {
-            let ok = "200 OK";
-            if line.contains("/manifests/") {
-                (
-                    ok,
-                    String::new(),
-                    "application/vnd.oci.image.manifest.v1+json",
-                    manifest.clone().into_bytes(),
-                )
-            } else if line.contains(&config_digest) {
-                (ok, String::new(), "application/octet-stream", config.clone())
-            } else if line.contains("/blobs/") {
-                (
-                    ok,
-                    String::new(),
-                    "application/octet-stream",
-                    b"a forged layer".to_vec(),
-                )
-            } else {
-                (ok, String::new(), "application/json", b"{}".to_vec())
-            }
+        let (port, server) = one_layer_registry(&claimed, 14, || {
+            (
+                "200 OK",
+                String::new(),
+                "application/octet-stream",
+                b"a forged layer".to_vec(),
+            )
         })
         .await;
         let dir = tempfile::tempdir().unwrap();

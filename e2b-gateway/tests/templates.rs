@@ -87,27 +87,16 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
     assert_eq!((status, link["present"].as_bool()), (201, Some(false)), "{link}");
     let url = link["url"].as_str().unwrap().to_string();
     let http = reqwest::Client::new();
+    let put = |url: String, archive: Vec<u8>| {
+        let request = http.put(url).body(archive);
+        async move { request.send().await.unwrap() }
+    };
     let forged = url.replace("token=", "token=0");
-    assert_eq!(
-        http.put(&forged)
-            .body(archive("a.txt", "x"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        403
-    );
-    let stored = http
-        .put(&url)
-        .body(archive("hello.txt", "hello\n"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(stored.status(), 201);
+    assert_eq!(put(forged, archive("a.txt", "x")).await.status(), 403);
+    assert_eq!(put(url.clone(), archive("hello.txt", "hello\n")).await.status(), 201);
     // The same URL again (seen in a log, say), with other files: answered, and dropped (the
     // build below still finds hello.txt).
-    let replayed = http.put(&url).body(archive("a.txt", "replaced")).send().await.unwrap();
-    assert_eq!(replayed.status(), 201);
+    assert_eq!(put(url.clone(), archive("a.txt", "replaced")).await.status(), 201);
     // A URL past its time, rightly signed for it, opens nothing; nor does moving its time on.
     let past = common::clock::now_ms() / 1000 - 1;
     let token = e2b_gateway::templates::files::upload_token("key-a", template, &hash, past);
@@ -115,19 +104,11 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
         "{}/templates/{template}/files/{hash}/upload?expires={past}&token={token}",
         s.url()
     );
-    let answer = http.put(&expired).body(archive("a.txt", "x")).send().await.unwrap();
+    let answer = put(expired.clone(), archive("a.txt", "x")).await;
     assert_eq!(answer.status(), 403);
     assert!(answer.text().await.unwrap().contains("expired"));
     let moved = expired.replace(&format!("expires={past}"), &format!("expires={}", past + 7200));
-    assert_eq!(
-        http.put(&moved)
-            .body(archive("a.txt", "x"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        403
-    );
+    assert_eq!(put(moved, archive("a.txt", "x")).await.status(), 403);
     let (_, link) = s
         .call(
             "GET",
