@@ -92,8 +92,33 @@ fn archive(home: &Path, tx: mpsc::Sender<Result<SnapshotPart, SnapshotError>>) {
         }
         Err(err) => Err(SnapshotError::Archive(format!("archiving {}: {err}", home.display()))),
     };
-    // A receiver that went away wants nothing more.
-    let _ = tx.blocking_send(last);
+    // A receiver that went away (or stopped reading) wants nothing more.
+    let _ = send_or_give_up(&tx, last, READER_STALL);
+}
+
+/// How long a snapshot's reader may leave a chunk untaken before the stream is given up: the
+/// stream holds its sandbox's turn (no kill, pause or resume of it meanwhile), so a reader
+/// that stalls (a target stuck on its disk, a peer gone without a reset) must not hold it
+/// for good.
+pub const READER_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Sends `part` on `tx` from the archive's blocking thread, failing if the receiver is gone
+/// or takes nothing for `stall` ([`READER_STALL`]).
+fn send_or_give_up(
+    tx: &mpsc::Sender<Result<SnapshotPart, SnapshotError>>,
+    part: Result<SnapshotPart, SnapshotError>,
+    stall: std::time::Duration,
+) -> std::io::Result<()> {
+    let gone = |why: &str| std::io::Error::new(std::io::ErrorKind::BrokenPipe, why.to_string());
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        // Outside a runtime (a plain thread) there is no clock to give up by.
+        return tx.blocking_send(part).map_err(|_| gone("snapshot receiver gone"));
+    };
+    match handle.block_on(tokio::time::timeout(stall, tx.send(part))) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(gone("snapshot receiver gone")),
+        Err(_) => Err(gone("snapshot receiver took nothing for a minute: given up")),
+    }
 }
 
 /// PAX's record of a link's target.
@@ -308,9 +333,7 @@ impl Write for ChunkWriter {
         let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
         self.hasher.update(&chunk);
         self.bytes += chunk.len() as u64;
-        self.tx
-            .blocking_send(Ok(SnapshotPart::Data(chunk)))
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "snapshot receiver gone"))
+        send_or_give_up(&self.tx, Ok(SnapshotPart::Data(chunk)), READER_STALL)
     }
 }
 
@@ -373,6 +396,22 @@ impl Read for ChunkReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader that takes nothing (a stalled restore) ends the stream rather than holding
+    /// its sandbox's turn; one that reads gets every part.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_reader_is_given_up() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let stalled = tokio::task::spawn_blocking(move || {
+            let part = || Ok(SnapshotPart::Data(vec![1]));
+            let stall = std::time::Duration::from_millis(50);
+            send_or_give_up(&tx, part(), stall).expect("room for one");
+            send_or_give_up(&tx, part(), stall)
+        });
+        let refused = stalled.await.unwrap().unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::BrokenPipe, "{refused}");
+        assert!(matches!(rx.recv().await, Some(Ok(SnapshotPart::Data(_)))));
+    }
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("snapshot-test-{name}-{}", uuid::Uuid::new_v4().simple()));

@@ -548,8 +548,18 @@ impl Host {
         for id in dead {
             let shared = self.shared.clone();
             let sandbox = id.clone();
-            if let Err(err) = to_completion(async move { shared.revive(&sandbox).await }).await {
-                tracing::error!(sandbox_id = %id, %err, "a sandbox whose envd died could not be started again");
+            // Waited for a while only: its turn may be held (a snapshot streaming, if it was
+            // paused meanwhile), and the other sandboxes' revival must not wait for that. The
+            // revival goes on by itself, and checks again under its turn.
+            let revived = to_completion(async move { shared.revive(&sandbox).await });
+            match tokio::time::timeout(std::time::Duration::from_secs(5), revived).await {
+                Ok(Err(err)) => {
+                    tracing::error!(sandbox_id = %id, %err, "a sandbox whose envd died could not be started again")
+                }
+                Ok(Ok(())) => {}
+                Err(_) => {
+                    tracing::info!(sandbox_id = %id, "reviving a sandbox waits for its turn; the next sandboxes go on")
+                }
             }
         }
     }
