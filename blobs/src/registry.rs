@@ -475,10 +475,17 @@ impl Pull<'_> {
             .map_err(|e| self.error(e))?;
         let mut json = Vec::new();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| PullError::Registry {
-                registry: self.registry(),
-                reference: self.image.whole(),
-                detail: format!("image config {}: {}", descriptor.digest, error_chain(&e)),
+            let chunk = chunk.map_err(|e| match mismatch_in(&e) {
+                Some(actual) => PullError::DigestMismatch {
+                    reference: self.image.whole(),
+                    expected: descriptor.digest.clone(),
+                    actual,
+                },
+                None => PullError::Registry {
+                    registry: self.registry(),
+                    reference: self.image.whole(),
+                    detail: format!("image config {}: {}", descriptor.digest, error_chain(&e)),
+                },
             })?;
             if (json.len() + chunk.len()) as i64 > descriptor.size.max(0) {
                 return Err(PullError::Unsupported {
@@ -530,13 +537,6 @@ impl Pull<'_> {
             }
             tracing::debug!(digest = %descriptor.digest, "layer stored, never pulled from this repository: fetched to be checked");
         }
-        let stream = self
-            .client
-            .pull_blob_stream(&self.image, descriptor)
-            .await
-            .map_err(|e| self.error(e))?;
-        let scratch = std::env::temp_dir().join("sandboxsched-layer");
-        let (file, tmp) = blocking(move || TempFile::beside(&scratch)).await?;
         let declared = u64::try_from(descriptor.size).ok().filter(|&size| size > 0);
         if declared.is_some_and(|size| size > MAX_LAYER_BLOB) {
             return Err(PullError::Unsupported {
@@ -547,6 +547,13 @@ impl Pull<'_> {
                 ),
             });
         }
+        let stream = self
+            .client
+            .pull_blob_stream(&self.image, descriptor)
+            .await
+            .map_err(|e| self.error(e))?;
+        let scratch = std::env::temp_dir().join("sandboxsched-layer");
+        let (file, tmp) = blocking(move || TempFile::beside(&scratch)).await?;
         let size = copy_verified(
             stream,
             declared.unwrap_or(MAX_LAYER_BLOB),
@@ -623,12 +630,9 @@ async fn copy_verified(
     let mut hasher = Sha256::new();
     let mut size = 0u64;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            // oci-client verifies the digest too, and reports a mismatch as a stream error.
-            match e.get_ref().and_then(|inner| inner.downcast_ref::<DigestError>()) {
-                Some(DigestError::VerificationError { actual, .. }) => CopyError::Mismatch { actual: actual.clone() },
-                _ => CopyError::Transfer(e),
-            }
+        let chunk = chunk.map_err(|e| match mismatch_in(&e) {
+            Some(actual) => CopyError::Mismatch { actual },
+            None => CopyError::Transfer(e),
         })?;
         size += chunk.len() as u64;
         if size > limit {
@@ -643,6 +647,15 @@ async fn copy_verified(
         return Err(CopyError::Mismatch { actual });
     }
     Ok(size)
+}
+
+/// The digest a blob's bytes had, when `e` is oci-client's report that they did not match
+/// (it verifies a blob's stream too, and says so as a stream error).
+fn mismatch_in(e: &io::Error) -> Option<String> {
+    match e.get_ref().and_then(|inner| inner.downcast_ref::<DigestError>()) {
+        Some(DigestError::VerificationError { actual, .. }) => Some(actual.clone()),
+        _ => None,
+    }
 }
 
 /// An error and its sources, `: `-separated (reqwest's own message omits the cause).
