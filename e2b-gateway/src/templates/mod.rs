@@ -118,12 +118,11 @@ impl Templates {
                 "the template name {name:?} is reserved for the cluster's built-in templates"
             )));
         }
-        if let Some((namespace, _)) = name.split_once('/') {
-            if team != CLUSTER_TEAM && namespace != team {
-                return Err(Failure::Forbidden(format!(
-                    "the template name {name:?} is in namespace {namespace:?}: a team names its own templates {team:?}/NAME, or with no '/'"
-                )));
-            }
+        if !in_own_namespace(name, team) {
+            let namespace = name.split('/').next().unwrap_or_default();
+            return Err(Failure::Forbidden(format!(
+                "the template name {name:?} is in namespace {namespace:?}: a team names its own templates {team:?}/NAME, or with no '/'"
+            )));
         }
         Ok(())
     }
@@ -199,8 +198,10 @@ impl Templates {
         Ok(self
             .named(name)
             .await?
-            // A reserved name a team took before it was reserved sends nobody to its template.
+            // A reserved name a team took before it was reserved, or another team's namespace
+            // taken before namespaces were its team's, sends nobody to its template.
             .filter(|doc| !self.reserved.iter().any(|r| r == name) || doc.value.team_id == CLUSTER_TEAM)
+            .filter(|doc| in_own_namespace(name, &doc.value.team_id))
             .filter(|doc| doc.value.visible_to(team)))
     }
 
@@ -616,5 +617,29 @@ impl Templates {
         if let Ok(mut cache) = self.resolved.lock() {
             cache.clear();
         }
+    }
+}
+
+/// Whether `name` may be `team`'s: a name with a `/` is in the namespace its first part
+/// names, which is that team's alone (the cluster's own may be anywhere).
+fn in_own_namespace(name: &str, team: &str) -> bool {
+    team == CLUSTER_TEAM || name.split_once('/').is_none_or(|(namespace, _)| namespace == team)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_namespaced_name_is_its_namespaces_team_alone() {
+        assert!(in_own_namespace("app", "team-a"));
+        assert!(in_own_namespace("team-a/app", "team-a"));
+        assert!(in_own_namespace("team-a/x/app", "team-a"));
+        assert!(!in_own_namespace("team-b/app", "team-a"));
+        assert!(
+            !in_own_namespace("team-a-x/app", "team-a"),
+            "a prefix of the ID is not the ID"
+        );
+        assert!(in_own_namespace("anyone/app", CLUSTER_TEAM), "the cluster's own");
     }
 }
