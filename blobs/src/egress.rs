@@ -133,9 +133,8 @@ fn authorized(head: &[u8], expected: &str) -> (bool, Vec<u8>) {
     for line in head.split_inclusive(|&b| b == b'\n') {
         if let Some(colon) = line.iter().position(|&b| b == b':') {
             if line[..colon].trim_ascii().eq_ignore_ascii_case(b"proxy-authorization") {
-                let value = line[colon + 1..].trim_ascii();
-                shown |= value.len() == expected.len()
-                    && value.iter().zip(expected.as_bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+                use subtle::ConstantTimeEq as _;
+                shown |= bool::from(line[colon + 1..].trim_ascii().ct_eq(expected.as_bytes()));
                 continue;
             }
         }

@@ -33,7 +33,7 @@
 use std::fmt;
 use std::io;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -468,44 +468,41 @@ impl Pull<'_> {
         }
         // Read as a stream, at most what the manifest declares (checked above): a registry
         // sending more is refused rather than held in memory.
-        let mut stream = self
+        let stream = self
             .client
             .pull_blob_stream(&self.image, descriptor)
             .await
             .map_err(|e| self.error(e))?;
         let mut json = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| match mismatch_in(&e) {
-                Some(actual) => PullError::DigestMismatch {
-                    reference: self.image.whole(),
-                    expected: descriptor.digest.clone(),
-                    actual,
-                },
-                None => PullError::Registry {
-                    registry: self.registry(),
-                    reference: self.image.whole(),
-                    detail: format!("image config {}: {}", descriptor.digest, error_chain(&e)),
-                },
-            })?;
-            if (json.len() + chunk.len()) as i64 > descriptor.size.max(0) {
-                return Err(PullError::Unsupported {
-                    reference: self.image.whole(),
-                    reason: format!(
-                        "the registry sent more of image config {} than the {} bytes its manifest declares",
-                        descriptor.digest, descriptor.size
-                    ),
-                });
-            }
-            json.extend_from_slice(&chunk);
-        }
-        let actual = format!("sha256:{:x}", Sha256::digest(&json));
-        if actual != descriptor.digest {
-            return Err(PullError::DigestMismatch {
+        let limit = u64::try_from(descriptor.size).unwrap_or(0);
+        copy_verified(
+            stream,
+            limit,
+            &descriptor.digest,
+            &mut json,
+            Path::new("the image config"),
+        )
+        .await
+        .map_err(|e| match e {
+            CopyError::Mismatch { actual } => PullError::DigestMismatch {
                 reference: self.image.whole(),
                 expected: descriptor.digest.clone(),
                 actual,
-            });
-        }
+            },
+            CopyError::TooLong { .. } => PullError::Unsupported {
+                reference: self.image.whole(),
+                reason: format!(
+                    "the registry sent more of image config {} than the {} bytes its manifest declares",
+                    descriptor.digest, descriptor.size
+                ),
+            },
+            CopyError::Transfer(e) => PullError::Registry {
+                registry: self.registry(),
+                reference: self.image.whole(),
+                detail: format!("image config {}: {}", descriptor.digest, error_chain(&e)),
+            },
+            CopyError::Write(e) => PullError::Store(e),
+        })?;
         ImageConfig::from_json(&json).map_err(|e| PullError::Registry {
             registry: self.registry(),
             reference: self.image.whole(),
@@ -559,7 +556,7 @@ impl Pull<'_> {
             declared.unwrap_or(MAX_LAYER_BLOB),
             &descriptor.digest,
             tokio::fs::File::from_std(file),
-            tmp.path().to_path_buf(),
+            tmp.path(),
         )
         .await
         .map_err(|e| match e {
@@ -623,8 +620,8 @@ async fn copy_verified(
     mut stream: impl Stream<Item = io::Result<Bytes>> + Unpin,
     limit: u64,
     expected: &str,
-    mut file: tokio::fs::File,
-    path: PathBuf,
+    mut file: impl tokio::io::AsyncWrite + Unpin,
+    path: &Path,
 ) -> Result<u64, CopyError> {
     let write_err = |e| CopyError::Write(BlobError::io(format!("writing {}", path.display()), e));
     let mut hasher = Sha256::new();
@@ -830,14 +827,14 @@ mod tests {
         let path = dir.path().join("blob");
         let digest = format!("sha256:{:x}", Sha256::digest(b"hello world"));
         let file = tokio::fs::File::create(&path).await.unwrap();
-        let n = copy_verified(chunks(&[b"hello ", b"world"]), 11, &digest, file, path.clone())
+        let n = copy_verified(chunks(&[b"hello ", b"world"]), 11, &digest, file, &path)
             .await
             .unwrap();
         assert_eq!(n, 11);
         assert_eq!(std::fs::read(&path).unwrap(), b"hello world");
 
         let file = tokio::fs::File::create(&path).await.unwrap();
-        match copy_verified(chunks(&[b"hello ", b"there"]), 11, &digest, file, path.clone()).await {
+        match copy_verified(chunks(&[b"hello ", b"there"]), 11, &digest, file, &path).await {
             Err(CopyError::Mismatch { actual }) => {
                 assert_eq!(actual, format!("sha256:{:x}", Sha256::digest(b"hello there")))
             }
@@ -846,14 +843,14 @@ mod tests {
         let broken = futures::stream::iter(vec![Ok(Bytes::from_static(b"x")), Err(io::Error::other("reset"))]);
         let file = tokio::fs::File::create(&path).await.unwrap();
         assert!(matches!(
-            copy_verified(broken, 11, &digest, file, path.clone()).await,
+            copy_verified(broken, 11, &digest, file, &path).await,
             Err(CopyError::Transfer(_))
         ));
         // A registry that goes on past what the manifest declares is cut off there.
         let endless = futures::stream::iter(std::iter::repeat_with(|| Ok(Bytes::from_static(b"xxxxxxxx"))));
         let file = tokio::fs::File::create(&path).await.unwrap();
         assert!(matches!(
-            copy_verified(endless, 1 << 16, &digest, file, path.clone()).await,
+            copy_verified(endless, 1 << 16, &digest, file, &path).await,
             Err(CopyError::TooLong { limit: 65536 })
         ));
         assert!(std::fs::metadata(&path).unwrap().len() <= 1 << 16);

@@ -14,10 +14,19 @@ fn archive(name: &str, text: &str) -> Vec<u8> {
     header.set_mode(0o644);
     header.set_cksum();
     tar.append_data(&mut header, name, text.as_bytes()).unwrap();
-    let raw = tar.into_inner().unwrap();
+    gzip(&tar.into_inner().unwrap())
+}
+
+fn gzip(raw: &[u8]) -> Vec<u8> {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    std::io::Write::write_all(&mut gz, &raw).unwrap();
+    std::io::Write::write_all(&mut gz, raw).unwrap();
     gz.finish().unwrap()
+}
+
+/// `GET /templates/{template}/files/{hash}` as team `key`: its status and answer.
+async fn file_link(s: &support::Stack, template: &str, hash: &str, key: &str) -> (u16, Value) {
+    s.call("GET", &format!("/templates/{template}/files/{hash}"), Some(key), None)
+        .await
 }
 
 async fn wait_for_build(s: &support::Stack, template: &str, build: &str) -> Value {
@@ -76,14 +85,7 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
 
     // Files: the upload URL is the credential, and only for its team.
     let hash = "ab".repeat(32);
-    let (status, link) = s
-        .call(
-            "GET",
-            &format!("/templates/{template}/files/{hash}"),
-            Some("key-a"),
-            None,
-        )
-        .await;
+    let (status, link) = file_link(&s, template, &hash, "key-a").await;
     assert_eq!((status, link["present"].as_bool()), (201, Some(false)), "{link}");
     let url = link["url"].as_str().unwrap().to_string();
     let http = reqwest::Client::new();
@@ -109,23 +111,9 @@ async fn a_build_is_its_teams_from_name_to_sandbox() {
     assert!(answer.text().await.unwrap().contains("expired"));
     let moved = expired.replace(&format!("expires={past}"), &format!("expires={}", past + 7200));
     assert_eq!(put(moved, archive("a.txt", "x")).await.status(), 403);
-    let (_, link) = s
-        .call(
-            "GET",
-            &format!("/templates/{template}/files/{hash}"),
-            Some("key-a"),
-            None,
-        )
-        .await;
+    let (_, link) = file_link(&s, template, &hash, "key-a").await;
     assert_eq!(link["present"], true);
-    let (status, _) = s
-        .call(
-            "GET",
-            &format!("/templates/{template}/files/{hash}"),
-            Some("key-b"),
-            None,
-        )
-        .await;
+    let (status, _) = file_link(&s, template, &hash, "key-b").await;
     assert_eq!(status, 404, "another team's template does not exist for it");
 
     // The build: steps as the SDK sends them.
@@ -239,10 +227,7 @@ fn links(entries: &[(&str, &str)]) -> Vec<u8> {
         header.set_mode(0o777);
         tar.append_link(&mut header, name, target).unwrap();
     }
-    let raw = tar.into_inner().unwrap();
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    std::io::Write::write_all(&mut gz, &raw).unwrap();
-    gz.finish().unwrap()
+    gzip(&tar.into_inner().unwrap())
 }
 
 /// A COPY step's archive is the tenant's: a link in it to a host folder (absolute, or
@@ -263,14 +248,7 @@ async fn a_copy_step_never_reaches_the_host_through_the_archives_links() {
         let (status, made) = s.call("POST", "/v3/templates", Some("key-a"), Some(&body)).await;
         assert_eq!(status, 202, "{made}");
         let (template, build) = (made["templateID"].as_str().unwrap(), made["buildID"].as_str().unwrap());
-        let (_, link) = s
-            .call(
-                "GET",
-                &format!("/templates/{template}/files/{hash}"),
-                Some("key-a"),
-                None,
-            )
-            .await;
+        let (_, link) = file_link(&s, template, &hash, "key-a").await;
         if link["present"] == false {
             let url = link["url"].as_str().unwrap();
             let archive = links(&[("abs", victim.to_str().unwrap()), ("rel", &relative)]);

@@ -90,9 +90,12 @@ pub fn same_token(a: &str, b: &str) -> bool {
 impl Files {
     /// Whether the team's archive with this hash is stored.
     pub async fn present(&self, team: &str, hash: &str) -> Result<bool, Failure> {
-        let key = key(team, hash)?;
+        self.stored(&key(team, hash)?).await
+    }
+
+    async fn stored(&self, key: &Key) -> Result<bool, Failure> {
         self.store
-            .exists(&key)
+            .exists(key)
             .await
             .map(|size| size.is_some())
             .map_err(|e| Failure::Unavailable(format!("blob store: {e}")))
@@ -104,7 +107,7 @@ impl Files {
         use futures::StreamExt as _;
         use tokio::io::AsyncWriteExt as _;
         let key = key(team, hash)?;
-        if self.present(team, hash).await? {
+        if self.stored(&key).await? {
             let read = drain(body).await?;
             tracing::info!(
                 team,
@@ -135,7 +138,7 @@ impl Files {
                 .map_err(|e| Failure::Internal(format!("upload spool: {e}")))?;
             // Asked again once the body is in: another upload of the same hash may have been
             // stored while this one streamed (two racing: the first stays).
-            if self.present(team, hash).await? {
+            if self.stored(&key).await? {
                 tracing::info!(team, hash, "an archive stored while this upload streamed: dropped");
                 return Ok(total);
             }

@@ -78,8 +78,9 @@ pub struct Build {
     resources: Resources,
     /// Containers run so far (each gets its own ID).
     runs: std::sync::atomic::AtomicU32,
-    /// The layers this build's containers stand on, which no eviction takes while it runs.
-    pins: std::sync::Mutex<Vec<crate::layer_cache::Pins>>,
+    /// The layers this build's containers stand on, each pinned once, which no eviction
+    /// takes while it runs.
+    pins: std::sync::Mutex<std::collections::HashMap<String, crate::layer_cache::Pins>>,
 }
 
 /// Runs the build `request` asks for, sending its log and outcome on `events`.
@@ -140,11 +141,14 @@ impl Build {
     /// create's or another build's eviction would otherwise take them from under its
     /// containers).
     async fn present(&self, image: &Image) -> Result<(), crate::layer_cache::LayerError> {
-        let pins = self.cache.pin(&image.layers);
-        self.pins
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(pins);
+        {
+            let mut pins = self.pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for layer in &image.layers {
+                if !pins.contains_key(&layer.digest) {
+                    pins.insert(layer.digest.clone(), self.cache.pin(std::slice::from_ref(layer)));
+                }
+            }
+        }
         self.cache.ensure_all(&image.layers).await.map(drop)
     }
 
@@ -252,8 +256,7 @@ impl Build {
         let config = self.host.config();
         let (floor, private) = (config.registry_floor.clone(), config.private_registries.clone());
         let proxy = blobs::egress::EgressProxy::start(move |authority: &str, ip: std::net::IpAddr| {
-            let named = authority.strip_suffix(":443").unwrap_or(authority);
-            private.iter().any(|r| r == authority || r == named) || !in_floor(&floor, ip)
+            named_private(&private, authority) || !in_floor(&floor, ip)
         })
         .await
         .map_err(|e| failed("base", format!("cannot start the pull's egress proxy: {e}")))?;
@@ -674,6 +677,14 @@ impl Build {
         self.log("info", "finalize", "Ready");
         Ok(())
     }
+}
+
+/// Whether the operator allowed the destination `authority` (`host:port`, as a pull's
+/// client asks for it) by name in `--private-registries` (a registry named without a port is
+/// reached on HTTPS's, 443).
+fn named_private(private: &[String], authority: &str) -> bool {
+    let without_https_port = authority.strip_suffix(":443").unwrap_or(authority);
+    private.iter().any(|r| r == authority || r == without_https_port)
 }
 
 /// Whether `ip` is behind the egress floor (`floor`'s IPv4 ranges; IPv6 loopback,
